@@ -1,0 +1,23 @@
+# make run   the default job: 2 ranks on this machine (CPU and gloo without a GPU), digits, ZeRO-2
+# make test  the test suite
+# Both create .venv from requirement.txt first when it is missing or out of date.
+SHELL := bash
+VENV := .venv
+NP ?= 2
+ARGS ?=
+PYTEST_ARGS ?=
+MPIRUN_FLAGS := --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)
+
+$(VENV)/.requirement.sha256: requirement.txt scripts/bootstrap.sh
+	./scripts/bootstrap.sh
+	touch $@
+
+venv: $(VENV)/.requirement.sha256
+
+run: venv
+	$(VENV)/bin/mpirun $(MPIRUN_FLAGS) -np $(NP) ./entry_cn.sh $(ARGS)
+
+test: venv
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+.PHONY: venv run test

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Preflight before a multi-host run, by hand: looks at everything that commonly breaks one and
+# reports all problems found in one message.
+set -euo pipefail
+
+usage() {
+  cat <<'USAGE'
+Usage: scripts/doctor.sh [--help] [NP]
+
+Checks, for a run of NP ranks (default: all slots) over the hostfile:
+  - the hostfile: "HOST slots=N" lines (as Open MPI and the DeepSpeed launcher read them), NP
+    within the slots, no host with more slots than GPUs;
+  - every host answers over BatchMode ssh and has the same python/torch/deepspeed/timm
+    (setup/test_cn_connection.sh);
+  - the network setting of setup/cluster.env: with IFACE set, every host has an IPv4 address on
+    it; without, no host has more than one network to guess from;
+  - MASTER_ADDR (default: the first host) resolves to a non-loopback address on every host and
+    its ssh port answers from every host within 3 s.
+Exits 1 after listing every problem.
+
+Environment: HOSTFILE (default setup/hosts.txt), NP, MASTER_ADDR, IFACE (see setup/cluster.env),
+SSH_TIMEOUT, HOST_TIMEOUT.
+USAGE
+}
+case "${1:-}" in -h|--help) usage; exit 0 ;; -*) usage >&2; exit 2 ;; esac
+PROG=doctor.sh
+[ $# -eq 0 ] || NP=$1
+# shellcheck source=setup/common.sh
+. "$(dirname "$0")/../setup/common.sh"
+if [ -f "$ROOT/setup/cluster.env" ]; then
+  # shellcheck source=setup/cluster.env
+  . "$ROOT/setup/cluster.env"
+fi
+read_hosts
+IFACE=${IFACE:-}
+master=${MASTER_ADDR:-${HOSTS[0]}}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+problems=()
+
+bad_lines=$(awk '{ sub(/#.*/, "") } NF && !/^[^ \t]+[ \t]+slots=[0-9]+[ \t]*$/ { printf "%s\"%s\"", sep, $0; sep = ", " }' "$HOSTFILE")
+[ -z "$bad_lines" ] || problems+=("$HOSTFILE: not \"HOST slots=N\": $bad_lines")
+total_slots=$(sum_slots "$HOSTFILE")
+NP=${NP:-$total_slots}
+if ! [[ "$NP" =~ ^[1-9][0-9]*$ ]]; then
+  problems+=("world size NP='$NP' is not a positive number")
+elif [ "$NP" -gt "$total_slots" ]; then
+  problems+=("world size $NP is more than the $total_slots slots of $HOSTFILE (mpirun would refuse or oversubscribe)")
+fi
+
+if ! "$ROOT/setup/test_cn_connection.sh" "$HOSTFILE" >"$tmp/connection.out" 2>"$tmp/connection.err"; then
+  while IFS= read -r line; do problems+=("${line#  }"); done < <(grep '^  ' "$tmp/connection.err")
+fi
+
+# shellcheck disable=SC2016 # expanded on the host
+facts='master=$1
+if command -v nvidia-smi >/dev/null 2>&1; then echo "gpus $(nvidia-smi -L 2>/dev/null | grep -c "^GPU ")"; else echo "gpus 0"; fi
+ip -4 -o addr show 2>/dev/null | awk "\$2 != \"lo\" { print \"addr\", \$2, \$4 }"
+echo "master_addr $(getent ahostsv4 "$master" | awk "NR == 1 { print \$1 }")"
+if timeout 3 bash -c "exec 3<>/dev/tcp/$master/22" 2>/dev/null; then echo "master_port ok"; else echo "master_port fail"; fi'
+on_all_hosts "$tmp" "$facts" "$master"
+for host in "${HOSTS[@]}"; do
+  [ "$(cat "$tmp/$host.rc")" = 0 ] || continue  # already reported as unreachable
+  out="$tmp/$host.out"
+  slots=$(awk -v h="$host" '{ sub(/#.*/, "") } $1 == h && match($0, /slots=[0-9]+/) { print substr($0, RSTART + 6, RLENGTH - 6) }' "$HOSTFILE")
+  num_gpus=$(awk '$1 == "gpus" { print $2 }' "$out")
+  if [ "${num_gpus:-0}" -gt 0 ] && [ "${slots:-1}" -gt "$num_gpus" ]; then
+    problems+=("$host: slots=$slots but only $num_gpus GPU(s) (run setup/make_hostfile.sh)")
+  fi
+  nets=$(awk '$1 == "addr" { printf "%s%s %s", sep, $2, $3; sep = ", " }' "$out")
+  if [ -n "$IFACE" ]; then
+    awk -v i="$IFACE" '$1 == "addr" && $2 == i { found = 1 } END { exit !found }' "$out" \
+      || problems+=("$host: no IPv4 address on IFACE=$IFACE (it has: ${nets:-none})")
+  elif [ "$(grep -c '^addr ' "$out")" -gt 1 ]; then
+    problems+=("$host: several networks ($nets) and IFACE is not set: set IFACE in setup/cluster.env")
+  fi
+  addr=$(awk '$1 == "master_addr" { print $2 }' "$out")
+  if [ -z "$addr" ]; then
+    problems+=("$host: MASTER_ADDR $master does not resolve")
+  elif [[ "$addr" == 127.* ]]; then
+    problems+=("$host: MASTER_ADDR $master resolves to loopback $addr (fix /etc/hosts)")
+  elif grep -q '^master_port fail' "$out"; then
+    problems+=("$host: cannot reach MASTER_ADDR $master ($addr) on its ssh port within 3 s")
+  fi
+done
+
+if [ "${#problems[@]}" -gt 0 ]; then
+  printf '%s: %d problem(s) for %s rank(s) over %s:\n' "$PROG" "${#problems[@]}" "$NP" "$HOSTFILE" >&2
+  printf '  - %s\n' "${problems[@]}" >&2
+  exit 1
+fi
+echo "$PROG: ok: $NP rank(s) over ${#HOSTS[@]} host(s) ($total_slots slots), same versions everywhere," \
+  "network ${IFACE:-auto}, MASTER_ADDR $master reachable from every host"

@@ -1,0 +1,56 @@
+# shellcheck shell=bash
+# Sourced by the setup/ scripts: the hostfile's hosts, one set of ssh options, and running one
+# small shell script on every host at once with a hard time limit per host.
+# The sourcing script sets PROG (its name, for messages).
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+HOSTFILE=${HOSTFILE:-$ROOT/setup/hosts.txt}
+SSH_TIMEOUT=${SSH_TIMEOUT:-5}   # seconds to wait for a host's ssh port
+HOST_TIMEOUT=${HOST_TIMEOUT:-10} # seconds one host may take in all, login included
+# BatchMode: fail instead of asking; accept-new: record a host key on first contact, refuse a
+# changed one.
+SSH_OPTS=(-o BatchMode=yes -o ConnectTimeout="$SSH_TIMEOUT" -o StrictHostKeyChecking=accept-new)
+
+die() { echo "$PROG: $*" >&2; exit 1; }
+
+# Fills HOSTS with the first word of every line of the hostfile, comments and blank lines skipped.
+read_hosts() {
+  [ -f "$HOSTFILE" ] || die "no hostfile $HOSTFILE (set HOSTFILE or pass one)"
+  mapfile -t HOSTS < <(awk '{ sub(/#.*/, "") } NF && !seen[$1]++ { print $1 }' "$HOSTFILE")
+  [ "${#HOSTS[@]}" -gt 0 ] || die "$HOSTFILE lists no host (every line is commented out)"
+}
+
+# sum_slots FILE: the slots of all hosts of a hostfile (a host without slots= counts 1).
+sum_slots() {
+  awk '{ sub(/#.*/, "") } NF { n += match($0, /slots=[0-9]+/) ? substr($0, RSTART + 6, RLENGTH - 6) : 1 }
+       END { print n + 0 }' "$1"
+}
+
+# on_all_hosts DIR SCRIPT [ARGS...]: runs `sh -s -- ARGS` fed SCRIPT on every host of HOSTS in
+# parallel, each cut off after HOST_TIMEOUT s; leaves DIR/HOST.out, DIR/HOST.err and DIR/HOST.rc
+# (124: timed out, 255: ssh could not log in).
+on_all_hosts() {
+  local dir=$1 script=$2 host args=""
+  shift 2
+  [ $# -eq 0 ] || args=$(printf ' %q' "$@")  # quoted for the remote shell
+  for host in "${HOSTS[@]}"; do
+    (
+      rc=0
+      timeout "$HOST_TIMEOUT" ssh "${SSH_OPTS[@]}" "$host" "sh -s --$args" <<<"$script" \
+        >"$dir/$host.out" 2>"$dir/$host.err" || rc=$?
+      echo "$rc" >"$dir/$host.rc"
+    ) &
+  done
+  wait
+}
+
+# why_failed DIR HOST: one line on why HOST's run failed.
+why_failed() {
+  local rc
+  rc=$(cat "$1/$2.rc")
+  case "$rc" in
+    124) echo "no answer within ${HOST_TIMEOUT}s" ;;
+    255) echo "ssh failed: $(grep -v '^Warning: Permanently added' "$1/$2.err" | tail -n 1)" ;;
+    *) echo "exit $rc: $(tail -n 1 "$1/$2.err")" ;;
+  esac
+}

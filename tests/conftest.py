@@ -1,0 +1,103 @@
+"""Launch real ranks for tests: N processes of `python -m vit.train`, torchrun-style variables, a free
+port, a hard timeout, and every rank killed as soon as one fails or time runs out."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MPIRUN = [str(Path(sys.executable).parent / "mpirun"), "--oversubscribe"]
+if os.geteuid() == 0:
+    MPIRUN.append("--allow-run-as-root")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_")) and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+class Result:
+    def __init__(self, returncodes, outputs):
+        self.returncodes, self.outputs = returncodes, outputs
+
+    @property
+    def ok(self) -> bool:
+        return all(rc == 0 for rc in self.returncodes)
+
+    def __repr__(self):
+        return "\n".join(f"--- rank {r} exit {rc}\n{out[-4000:]}"
+                         for r, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
+
+
+def _wait_all(procs, timeout: float) -> list:
+    """Wait for every process; on the first failure give the others 20 s, then kill the lot."""
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now - failed_at > 20):
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    return [p.wait() for p in procs]
+
+
+def launch(args, nprocs: int = 2, timeout: float = 240, env=None) -> Result:
+    """Start `nprocs` ranks of vit.train on this machine (gloo) and wait, at most `timeout` seconds."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(nprocs):
+        log = tempfile.TemporaryFile("w+")
+        e = base_env(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, "-m", "vit.train", *map(str, args)], cwd=ROOT, env=e,
+                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        logs.append(log)
+    rcs = _wait_all(procs, timeout)
+    outs = []
+    for log in logs:
+        log.seek(0)
+        outs.append(log.read())
+        log.close()
+    return Result(rcs, outs)
+
+
+def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; kill the whole group on timeout."""
+    p = subprocess.Popen(cmd, cwd=cwd, env=env or base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_losses(log_dir, rank: int = 0) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(Path(log_dir) / f"metrics_rank{rank}.jsonl")
+            if r["kind"] == "train"}

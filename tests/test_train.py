@@ -1,0 +1,147 @@
+"""The training core with real processes: DeepSpeed engines and DDP on gloo, compared with a plain
+single-process PyTorch loop; resume; bad input."""
+import json
+import sys
+
+import pytest
+from conftest import MPIRUN, ROOT, base_env, launch, read_jsonl, run_cmd, train_losses
+
+from vit.config import parse_args
+from vit.reference import reference_losses
+
+STEPS = 6
+CONFIGS = ROOT / "deepspeed_configs"
+
+
+def reference(global_batch: int, steps: int = STEPS) -> list[float]:
+    return reference_losses(parse_args([]), global_batch, steps, clip=1.0)
+
+
+def assert_matches_reference(log_dir, global_batch: int, rel: float = 2e-4):
+    got = train_losses(log_dir)
+    want = reference(global_batch)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step - 1], rel=rel), (step, got, want)
+    assert want[-1] < want[0]  # it learns
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine,config", [
+    ("zero", "zero0.json"), ("zero", "zero1.json"), ("zero", "zero2.json"), ("zero", "zero3.json"),
+    ("pipeline", "pipeline.json"), ("ddp", "zero0.json"),
+])
+def test_two_ranks_match_single_process_reference(tmp_path, engine, config):
+    r = launch(["--engine", engine, "--ds-config", CONFIGS / config, "--steps", STEPS, "--log-interval", 1,
+                "--no-save", "--log-dir", tmp_path], nprocs=2, timeout=240)
+    assert r.ok, r
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["global_batch"] == 64
+    assert_matches_reference(tmp_path, 64)
+    for rank in (0, 1):  # every rank logs its own records with its host
+        records = read_jsonl(tmp_path / f"metrics_rank{rank}.jsonl")
+        assert {rec["rank"] for rec in records} == {rank} and all(rec["host"] for rec in records)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["engine"] == engine and summary["world_size"] == 2 and summary["steps"] == STEPS
+    assert 0.0 <= summary["top1"] <= 1.0 and summary["images_per_s"] > 0 and summary["wall_s"] > 0
+
+
+@pytest.mark.timeout(420)
+def test_pipe_x_data_four_ranks(tmp_path):
+    # 2 stages x 2 data-parallel copies: global batch = 16 x 4 micro-batches x 2.
+    r = launch(["--engine", "pipeline", "--pipeline-stages", 2, "--steps", STEPS, "--log-interval", 1, "--no-save",
+                "--log-dir", tmp_path], nprocs=4, timeout=360)
+    assert r.ok, r
+    assert json.loads((tmp_path / "config.json").read_text())["data_parallel_size"] == 2
+    assert_matches_reference(tmp_path, 128)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("engine", ["zero", "ddp"])
+def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = ["--engine", engine, "--steps", 8, "--log-interval", 1]
+    r = launch([*common, "--save-interval", 4, "--log-dir", full], timeout=200)
+    assert r.ok, r
+    assert (full / "checkpoints" / "latest").read_text().strip() == "step8"
+    r = launch([*common, "--resume", full / "checkpoints" / "step4", "--log-dir", resumed], timeout=200)
+    assert r.ok, r
+    want, got = train_losses(full), train_losses(resumed)
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7), (step, got, want)
+    # --resume without a path: the newest checkpoint of the run in --log-dir.
+    r = launch([*common[:2], "--steps", 10, "--log-interval", 1, "--resume", "--log-dir", full], timeout=200)
+    assert r.ok, r
+    assert "resumed from step8" in r.outputs[0]
+    assert sorted(s for s in train_losses(full) if s > 8) == [9, 10]
+
+
+@pytest.mark.timeout(240)
+def test_mpirun_launch_discovers_ranks(tmp_path):
+    r = run_cmd([*MPIRUN, "-np", "2", "./entry_cn.sh", "--steps", "3", "--no-save", "--log-dir", str(tmp_path)],
+                timeout=200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["launcher"] == "Open MPI" and cfg["world_size"] == 2
+    assert cfg["master"].startswith("127.0.0.1:")  # both ranks on one host
+    assert (tmp_path / "metrics_rank1.jsonl").exists()
+
+
+def bad_json(tmp_path) -> str:
+    p = tmp_path / "bad.json"
+    p.write_text('{"train_micro_batch_size_per_gpu": 8,,}')
+    return str(p)
+
+
+def inconsistent_batch(tmp_path) -> str:
+    p = tmp_path / "batch.json"
+    p.write_text(json.dumps({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 32,
+                             "gradient_accumulation_steps": 1}))
+    return str(p)
+
+
+BAD_INPUT = {
+    "missing config": (lambda t: ["--ds-config", str(t / "nope.json")], {}, "nope.json: no such file"),
+    "invalid json": (lambda t: ["--ds-config", bad_json(t)], {}, "invalid JSON"),
+    "unknown model": (lambda t: ["--model", "vit_huge"], {}, "unknown model 'vit_huge'"),
+    "unknown dataset": (lambda t: ["--dataset", "mnist"], {}, "unknown dataset 'mnist'"),
+    "image size vs patch": (lambda t: ["--model", "vit_tiny_cifar", "--dataset", "synthetic", "--img-size", "30"], {},
+                            "image size 30 is not divisible by the patch size 4"),
+    "stages do not divide world": (lambda t: ["--engine", "pipeline", "--pipeline-stages", "2"],
+                                   {"WORLD_SIZE": "3"}, "--pipeline-stages 2 does not divide the world size 3"),
+    "stages exceed layers": (lambda t: ["--engine", "pipeline", "--pipeline-stages", "8"], {"WORLD_SIZE": "8"},
+                             "exceeds the 6 layers of vit_digits"),
+    "batch arithmetic": (lambda t: ["--ds-config", inconsistent_batch(t)], {"WORLD_SIZE": "2"},
+                         "train_batch_size 100 != train_micro_batch_size_per_gpu 32 x gradient_accumulation_steps 1 "
+                         "x data-parallel size 2 (= 64"),
+    "fp16 on cpu": (lambda t: ["--precision", "fp16"], {}, "precision fp16 is not supported on this CPU"),
+    "zero-2 pipeline": (lambda t: ["--engine", "pipeline", "--ds-config", str(CONFIGS / "zero2.json")], {},
+                        "ZeRO stage 2 does not work with the pipeline engine"),
+    "resume from empty folder": (lambda t: ["--resume", str(t)], {}, "no checkpoint there"),
+    "negative steps": (lambda t: ["--steps", "-3"], {}, "--steps must be positive"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_is_one_clear_line_and_writes_nothing(tmp_path, case):
+    make_args, env, message = BAD_INPUT[case]
+    log_dir = tmp_path / "run"
+    extra = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", **env} if env else {}
+    r = run_cmd([sys.executable, "-m", "vit.train", *make_args(tmp_path), "--log-dir", str(log_dir)],
+                env=base_env(**extra), timeout=100)
+    assert r.returncode == 2, r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("entry_cn.sh: error: ") and message in last, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not log_dir.exists()
+
+
+@pytest.mark.timeout(60)
+def test_help_lists_the_options():
+    r = run_cmd([str(ROOT / "entry_cn.sh"), "--help"], timeout=50)
+    assert r.returncode == 0
+    for option in ("--engine", "--ds-config", "--pipeline-stages", "--model", "--dataset", "--data-path", "--steps",
+                   "--epochs", "--precision", "--log-dir", "--resume", "--seed"):
+        assert option in r.stdout

@@ -1,0 +1,201 @@
+"""The command line and the DeepSpeed JSON, validated once, before any process group starts."""
+import argparse
+import copy
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from vit.data import DATASETS
+from vit.model import PRESETS
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINES = ("zero", "pipeline", "ddp")
+DEFAULT_DS_CONFIG = {"zero": "zero2.json", "pipeline": "pipeline.json", "ddp": "zero0.json"}
+PRECISIONS = ("fp32", "fp16", "bf16")
+DEFAULT_FP16_SCALE_POWER = 12  # 2^16, DeepSpeed's default, overflowed on every step in users' ViT runs
+
+
+class ConfigError(Exception):
+    """Bad input: reported as one line, before anything is written."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + error
+        raise ConfigError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="entry_cn.sh", description="Train a Vision Transformer with DeepSpeed ZeRO, a DeepSpeed "
+                "pipeline, or plain PyTorch DDP. With no options: the tiny ViT on the embedded digits data set.",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--engine", choices=ENGINES, default="zero", help="training engine")
+    a("--ds-config", help="DeepSpeed JSON (batch, precision, ZeRO); default deepspeed_configs/"
+      + ", ".join(f"{v} for {k}" for k, v in DEFAULT_DS_CONFIG.items()))
+    a("--pipeline-stages", type=int, default=2, help="pipeline engine: number of stages")
+    a("--partition", default="parameters", help="pipeline engine: uniform, parameters or type:REGEX")
+    a("--model", default="vit_digits", help="one of: " + ", ".join(PRESETS))
+    a("--img-size", type=int, help="image side for imagefolder/synthetic (default: the model's)")
+    a("--dataset", default="digits", help="one of: " + ", ".join(DATASETS))
+    a("--data-path", help="folder of cifar10/cifar100 batches or of an imagefolder tree")
+    a("--download", action="store_true", help="download CIFAR into --data-path if missing")
+    a("--synthetic-size", type=int, default=2048, help="synthetic: number of training samples")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--steps", type=int, help="optimizer steps to train")
+    g.add_argument("--epochs", type=float, help="epochs to train (default 40 when --steps is not given)")
+    a("--micro-batch-size", type=int, help="override train_micro_batch_size_per_gpu of the JSON")
+    a("--grad-accum", type=int, help="override gradient_accumulation_steps of the JSON")
+    a("--precision", choices=PRECISIONS, help="override the JSON's fp16/bf16 setting")
+    a("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
+    a("--min-lr", type=float, default=1e-5, help="learning rate at the end of the cosine")
+    a("--weight-decay", type=float, default=0.05)
+    a("--warmup-steps", type=int, help="linear warm-up steps (default 5%% of the steps)")
+    a("--log-dir", help="run output folder (default logs/<engine>-<time>)")
+    a("--log-interval", type=int, default=10, help="steps between log lines and metric records")
+    a("--eval-interval", type=int, default=0, help="steps between evaluations (0: only at the end)")
+    a("--save-interval", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    a("--save-dir", help="checkpoint folder (default <log-dir>/checkpoints)")
+    a("--no-save", action="store_true", help="write no checkpoints")
+    a("--resume", nargs="?", const="auto", help="continue from the newest checkpoint of --save-dir, or of PATH")
+    a("--seed", type=int, default=0, help="model initialisation and data order")
+    a("--workers", type=int, default=0, help="DataLoader worker processes")
+    a("--dist-timeout", type=float, default=300, help="seconds before a process-group start or collective fails")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
+    positive = ["pipeline_stages", "synthetic_size", "steps", "micro_batch_size", "grad_accum", "log_interval"]
+    for name in positive:
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
+    for name in ["epochs", "lr", "dist_timeout"]:
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
+    for name in ["eval_interval", "save_interval", "workers", "warmup_steps"]:
+        v = getattr(args, name)
+        if v is not None and v < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {v}")
+    if args.model not in PRESETS:
+        raise ConfigError(f"unknown model '{args.model}'; choose one of: {', '.join(PRESETS)}")
+    if args.dataset not in DATASETS:
+        raise ConfigError(f"unknown dataset '{args.dataset}'; choose one of: {', '.join(DATASETS)}")
+    if args.partition not in ("uniform", "parameters") and not args.partition.startswith("type:"):
+        raise ConfigError(f"--partition must be uniform, parameters or type:REGEX, got '{args.partition}'")
+    if args.ds_config is None:
+        args.ds_config = str(ROOT / "deepspeed_configs" / DEFAULT_DS_CONFIG[args.engine])
+    if args.epochs is None and args.steps is None:
+        args.epochs = 40.0
+    return args
+
+
+def load_json(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"DeepSpeed config {path}: no such file")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"DeepSpeed config {path}: invalid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"DeepSpeed config {path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+@dataclass
+class Batch:
+    micro: int
+    grad_accum: int
+    dp_size: int
+
+    @property
+    def global_size(self) -> int:
+        return self.micro * self.grad_accum * self.dp_size
+
+
+def zero_stage(cfg: dict) -> int:
+    return int(cfg.get("zero_optimization", {}).get("stage", 0))
+
+
+def precision_of(cfg: dict) -> str:
+    fp16, bf16 = cfg.get("fp16", {}).get("enabled", False), cfg.get("bf16", {}).get("enabled", False)
+    if fp16 and bf16:
+        raise ConfigError("DeepSpeed config enables both fp16 and bf16")
+    return "fp16" if fp16 else "bf16" if bf16 else "fp32"
+
+
+def resolve_ds_config(args, world_size: int) -> tuple[dict, Batch]:
+    """The DeepSpeed JSON with command-line overrides applied and the batch arithmetic checked."""
+    cfg = copy.deepcopy(load_json(args.ds_config))
+    name = args.ds_config
+    for key in ("optimizer", "scheduler"):
+        if key in cfg:
+            raise ConfigError(f"DeepSpeed config {name}: remove '{key}'; the optimizer (AdamW) and the LR schedule "
+                              "come from --lr/--min-lr/--weight-decay/--warmup-steps, so every engine, ddp "
+                              "included, trains the same way")
+    stage = zero_stage(cfg)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"DeepSpeed config {name}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+    if args.engine == "pipeline" and stage > 1:
+        raise ConfigError(f"DeepSpeed config {name}: ZeRO stage {stage} does not work with the pipeline engine "
+                          "(DeepSpeed pipelines accept ZeRO 0 or 1)")
+    if args.engine == "ddp" and stage > 0:
+        print(f"warning: --engine ddp ignores zero_optimization (stage {stage}) in {name}", file=sys.stderr)
+
+    stages = args.pipeline_stages if args.engine == "pipeline" else 1
+    if world_size % stages:
+        raise ConfigError(f"--pipeline-stages {stages} does not divide the world size {world_size}")
+    dp_size = world_size // stages
+
+    if args.micro_batch_size or args.grad_accum:
+        cfg.pop("train_batch_size", None)  # recomputed from the overrides
+    if args.micro_batch_size:
+        cfg["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+    if args.grad_accum:
+        cfg["gradient_accumulation_steps"] = args.grad_accum
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        v = cfg.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ConfigError(f"DeepSpeed config {name}: {key} must be a positive integer, got {v!r}")
+    gas = cfg.get("gradient_accumulation_steps", 1)
+    micro = cfg.get("train_micro_batch_size_per_gpu")
+    total = cfg.get("train_batch_size")
+    if micro is None:
+        if total is None:
+            raise ConfigError(f"DeepSpeed config {name}: set train_micro_batch_size_per_gpu (or train_batch_size)")
+        if total % (gas * dp_size):
+            raise ConfigError(f"batch arithmetic: train_batch_size {total} is not divisible by "
+                              f"gradient_accumulation_steps {gas} x data-parallel size {dp_size}")
+        micro = total // (gas * dp_size)
+    batch = Batch(micro, gas, dp_size)
+    if total is not None and total != batch.global_size:
+        raise ConfigError(f"batch arithmetic: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} "
+                          f"x gradient_accumulation_steps {gas} x data-parallel size {dp_size} "
+                          f"(= {batch.global_size}; world size {world_size}, pipeline stages {stages})")
+    cfg.update(train_batch_size=batch.global_size, train_micro_batch_size_per_gpu=micro,
+               gradient_accumulation_steps=gas)
+
+    if args.precision:
+        cfg.setdefault("fp16", {})["enabled"] = args.precision == "fp16"
+        cfg.setdefault("bf16", {})["enabled"] = args.precision == "bf16"
+        if args.precision == "fp16":
+            cfg["fp16"].setdefault("initial_scale_power", DEFAULT_FP16_SCALE_POWER)
+    precision_of(cfg)  # both enabled is an error
+    return cfg, batch
+
+
+def check_precision(precision: str) -> None:
+    """fp16 on a device without it stops here, not inside DeepSpeed."""
+    import torch
+
+    if precision == "fp16":
+        from deepspeed.accelerator import get_accelerator
+
+        if not torch.cuda.is_available() or not get_accelerator().is_fp16_supported():
+            where = torch.cuda.get_device_name() if torch.cuda.is_available() else "this CPU"
+            raise ConfigError(f"precision fp16 is not supported on {where}; use --precision bf16 or fp32")
+    if precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"precision bf16 is not supported on {torch.cuda.get_device_name()}; use fp16 or fp32")

@@ -1,0 +1,220 @@
+"""Data sets and the step-indexed sampling that every engine shares.
+
+Global batch k is a fixed function of (seed, k): a seeded permutation per epoch, cut into global
+batches. Data-parallel rank r takes its micro-batches out of each global batch. A single process
+with the whole global batch therefore sees the same samples in the same steps as any data-parallel
+run, and resuming at step k needs no sampler state.
+"""
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+
+DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
+PAD_LABEL = -100  # evaluation padding, ignored by the loss and by top-1
+
+
+@dataclass
+class DataSplit:
+    train: Dataset
+    test: Dataset
+    num_classes: int
+    in_chans: int
+    img_size: int
+
+
+def _normalize(x: np.ndarray, mean, std) -> torch.Tensor:
+    mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    return (torch.from_numpy(x).float() - mean) / std
+
+
+def load_digits() -> DataSplit:
+    """scikit-learn's 1,797 handwritten digits (8x8, 17 grey levels); a fixed, stratified 80/20 split."""
+    from sklearn.datasets import load_digits as sk_digits
+    from sklearn.model_selection import train_test_split
+
+    d = sk_digits()
+    x = d.images.astype(np.float32)[:, None] / 16.0
+    x_tr, x_te, y_tr, y_te = train_test_split(x, d.target, test_size=0.2, random_state=0, stratify=d.target)
+    mean, std = float(x_tr.mean()), float(x_tr.std())
+
+    def tensors(x, y):
+        return TensorDataset(_normalize(x, [mean], [std]), torch.from_numpy(y).long())
+
+    return DataSplit(tensors(x_tr, y_tr), tensors(x_te, y_te), num_classes=10, in_chans=1, img_size=8)
+
+
+class _UInt8Images(Dataset):
+    """Images kept as uint8 (N, C, H, W) and normalised per sample, to keep CIFAR's memory small."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, mean, std):
+        self.images, self.labels = images, torch.from_numpy(labels).long()
+        self.mean = torch.tensor(mean).view(-1, 1, 1) * 255
+        self.std = torch.tensor(std).view(-1, 1, 1) * 255
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return (torch.from_numpy(self.images[i]).float() - self.mean) / self.std, self.labels[i]
+
+
+CIFAR = {  # folder inside --data-path, training files, test file, label key, mean, std
+    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], "test_batch", b"labels",
+                (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ("cifar-100-python", ["train"], "test", b"fine_labels",
+                 (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+
+
+def load_cifar(name: str, data_path: str, download: bool) -> DataSplit:
+    """CIFAR in the standard python pickle batch format (as published, and as torchvision saves it)."""
+    folder, train_files, test_file, label_key, mean, std = CIFAR[name]
+    root = Path(data_path)
+    if root.name != folder:
+        root = root / folder
+    if download and not root.exists():
+        from torchvision import datasets  # only when asked for: needs network access
+
+        getattr(datasets, name.upper())(str(root.parent), download=True)
+    missing = [f for f in [*train_files, test_file] if not (root / f).is_file()]
+    if missing:
+        raise ValueError(f"{name}: {root} lacks {', '.join(missing)} (python pickle batches; pass --download to fetch)")
+
+    def read(files):
+        xs, ys = [], []
+        for f in files:
+            with open(root / f, "rb") as fh:
+                batch = pickle.load(fh, encoding="bytes")
+            xs.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            ys.append(np.asarray(batch[label_key], dtype=np.int64))
+        return np.concatenate(xs), np.concatenate(ys)
+
+    (x_tr, y_tr), (x_te, y_te) = read(train_files), read([test_file])
+    return DataSplit(_UInt8Images(x_tr, y_tr, mean, std), _UInt8Images(x_te, y_te, mean, std),
+                     num_classes=100 if name == "cifar100" else 10, in_chans=3, img_size=32)
+
+
+def load_imagefolder(data_path: str, img_size: int) -> DataSplit:
+    """ImageNet-style tree: DATA/train/<class>/*.jpg and DATA/val/<class>/*.jpg."""
+    from torchvision import datasets, transforms
+
+    root = Path(data_path)
+    splits = [root / "train", root / "val"]
+    for s in splits:
+        if not s.is_dir():
+            raise ValueError(f"imagefolder: {s} is not a folder (expected DATA/train/<class>/ and DATA/val/<class>/)")
+    tf = transforms.Compose([
+        transforms.Resize(int(img_size * 1.14)), transforms.CenterCrop(img_size), transforms.ToTensor(),
+        transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+    ])
+    train, test = (datasets.ImageFolder(str(s), transform=tf) for s in splits)
+    if train.classes != test.classes:
+        raise ValueError(f"imagefolder: the class folders of {splits[0]} and {splits[1]} differ")
+    return DataSplit(train, test, num_classes=len(train.classes), in_chans=3, img_size=img_size)
+
+
+class _Synthetic(Dataset):
+    """Random images for speed runs: a small seeded pool, repeated; label = index mod classes."""
+
+    def __init__(self, n: int, img_size: int, num_classes: int, seed: int, pool: int = 64):
+        g = torch.Generator().manual_seed(seed)
+        self.images = torch.randn(pool, 3, img_size, img_size, generator=g)
+        self.n, self.num_classes = n, num_classes
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.images[i % len(self.images)], i % self.num_classes
+
+
+def load_dataset(name: str, data_path: str | None, img_size: int, download: bool = False,
+                 synthetic_size: int = 2048, seed: int = 0) -> DataSplit:
+    if name == "digits":
+        return load_digits()
+    if name in CIFAR:
+        return load_cifar(name, data_path or os.path.join("data", name), download)
+    if name == "imagefolder":
+        if not data_path:
+            raise ValueError("imagefolder needs --data-path DATA (with DATA/train and DATA/val)")
+        return load_imagefolder(data_path, img_size)
+    if name == "synthetic":
+        return DataSplit(_Synthetic(synthetic_size, img_size, 10, seed), _Synthetic(256, img_size, 10, seed + 1),
+                         num_classes=10, in_chans=3, img_size=img_size)
+    raise ValueError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
+
+
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    return num_samples // global_batch
+
+
+class TrainBatches(Sampler):
+    """Index lists of this rank's micro-batches, step after step, from `start_step` to `end_step`.
+
+    Micro-batch j of data-parallel rank r in step k is slice (j * dp_size + r) of global batch k.
+    """
+
+    def __init__(self, num_samples: int, micro_batch: int, grad_accum: int, dp_rank: int, dp_size: int,
+                 seed: int, start_step: int, end_step: int):
+        self.global_batch = micro_batch * grad_accum * dp_size
+        self.per_epoch = steps_per_epoch(num_samples, self.global_batch)
+        if self.per_epoch == 0:
+            raise ValueError(f"global batch {self.global_batch} is larger than the {num_samples} training samples")
+        self.n, self.mb, self.ga, self.r, self.dp = num_samples, micro_batch, grad_accum, dp_rank, dp_size
+        self.seed, self.start, self.end = seed, start_step, end_step
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
+
+    def __iter__(self):
+        perm, perm_epoch = None, -1
+        for step in range(self.start, self.end):
+            epoch, pos = divmod(step, self.per_epoch)
+            if epoch != perm_epoch:
+                perm, perm_epoch = self._perm(epoch), epoch
+            batch = perm[pos * self.global_batch:(pos + 1) * self.global_batch]
+            for j in range(self.ga):
+                k = j * self.dp + self.r
+                yield batch[k * self.mb:(k + 1) * self.mb].tolist()
+
+    def __len__(self):
+        return (self.end - self.start) * self.ga
+
+
+class _Padded(Dataset):
+    """Index -1 is a padding sample: zeros with PAD_LABEL."""
+
+    def __init__(self, ds: Dataset):
+        self.ds = ds
+        self.pad = torch.zeros_like(ds[0][0])
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        return (self.pad, torch.tensor(PAD_LABEL)) if i < 0 else self.ds[i]
+
+
+def eval_batches(num_samples: int, micro_batch: int, dp_rank: int, dp_size: int) -> list[list[int]]:
+    """This rank's share (r, r + dp, ...) in full micro-batches, padded with -1.
+
+    Every rank gets the same number of micro-batches, because ZeRO-3 and the pipeline need every
+    rank to run every forward.
+    """
+    mine = list(range(dp_rank, num_samples, dp_size))
+    per_rank = -(-num_samples // dp_size)
+    count = -(-per_rank // micro_batch)
+    mine += [-1] * (count * micro_batch - len(mine))
+    return [mine[i * micro_batch:(i + 1) * micro_batch] for i in range(count)]
+
+
+def make_loader(ds: Dataset, batches, workers: int, pin_memory: bool) -> DataLoader:
+    """A DataLoader over precomputed index lists (a Sampler or a list of lists)."""
+    return DataLoader(_Padded(ds), batch_sampler=batches, num_workers=workers, pin_memory=pin_memory,
+                      persistent_workers=False)

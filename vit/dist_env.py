@@ -1,0 +1,164 @@
+"""Who am I in the job: rank, world size, local rank and rank 0's address, from whichever launcher
+started us (Open MPI, MPICH/PMI, Slurm, torchrun or the DeepSpeed launcher, or none)."""
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_PORT = 29500
+
+# (launcher, rank, world size, local rank, local world size)
+SOURCES = [
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MPICH/PMI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+]
+MPI_LAUNCHERS = ("Open MPI", "MPICH/PMI")
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    launcher: str
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _int(env, name):
+    v = env.get(name)
+    if v is None:
+        return None
+    try:
+        return int(v.split("(")[0].split(",")[0])  # SLURM_NTASKS_PER_NODE can read "2(x3)"
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def discover(env=None) -> DistEnv:
+    """Rank and world size from the launcher's variables; an error if two launchers disagree."""
+    env = os.environ if env is None else env
+    found = []
+    for launcher, r, w, lr, lw in SOURCES:
+        if r not in env or w not in env:
+            continue
+        # mpirun inside a Slurm allocation inherits the Slurm daemon's variables: MPI wins there.
+        if launcher == "Slurm" and any(f[0] in MPI_LAUNCHERS for f in found):
+            continue
+        found.append((launcher, _int(env, r), _int(env, w), _int(env, lr) or 0, _int(env, lw)))
+    if not found:
+        return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, launcher="single")
+    if len({(f[1], f[2]) for f in found}) > 1:
+        seen = "; ".join(f"{f[0]} says rank {f[1]} of {f[2]}" for f in found)
+        raise ValueError(f"launcher variables disagree: {seen} (unset the stale ones)")
+    launcher, rank, world, local, local_world = found[0]
+    if not 0 <= rank < world:
+        raise ValueError(f"{launcher}: rank {rank} is outside world size {world}")
+    return DistEnv(rank=rank, world_size=world, local_rank=local, local_world_size=local_world or 1,
+                   launcher=launcher)
+
+
+def ipv4_interfaces() -> list[tuple[str, ipaddress.IPv4Interface]]:
+    """(name, address/netmask) of this host's non-loopback IPv4 interfaces."""
+    import psutil
+
+    out = []
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family == socket.AF_INET and a.netmask and not a.address.startswith("127."):
+                out.append((name, ipaddress.IPv4Interface(f"{a.address}/{a.netmask}")))
+    return out
+
+
+def choose_master_addr(hosts: list[tuple[str, list]], ifname: str | None) -> str:
+    """Rank 0's address that every other host can reach: the one sharing a subnet with all of them.
+
+    `hosts[i]` is rank i's (hostname, ipv4_interfaces()). With one host, loopback.
+    """
+    host0, ifaces0 = hosts[0]
+    if all(h == host0 for h, _ in hosts):
+        return "127.0.0.1"
+    if ifname:
+        for name, iface in ifaces0:
+            if name == ifname:
+                return str(iface.ip)
+        raise ValueError(f"rank 0 ({host0}) has no IPv4 address on interface {ifname} (GLOO_SOCKET_IFNAME)")
+    others = [ifaces for h, ifaces in hosts if h != host0]
+    for _, iface in ifaces0:
+        if all(any(o.ip in iface.network for _, o in ifaces) for ifaces in others):
+            return str(iface.ip)
+    mine = ", ".join(f"{n}={i}" for n, i in ifaces0) or "none"
+    raise ValueError(f"rank 0 ({host0}) shares no subnet with every other host (its addresses: {mine}); "
+                     "set MASTER_ADDR or the interface (IFACE in setup/cluster.env)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def resolve_master(de: DistEnv, env=None) -> DistEnv:
+    """Fill in rank 0's address and port; under MPI without MASTER_ADDR, agree on them via mpi4py."""
+    env = os.environ if env is None else env
+    if env.get("MASTER_ADDR"):
+        de.master_addr, de.master_port = env["MASTER_ADDR"], _int(env, "MASTER_PORT") or DEFAULT_PORT
+    elif de.world_size == 1:
+        de.master_addr, de.master_port = "127.0.0.1", _int(env, "MASTER_PORT") or free_port()
+    elif de.launcher in MPI_LAUNCHERS:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        hosts = comm.gather((socket.gethostname(), ipv4_interfaces()), root=0)
+        answer = None
+        if de.rank == 0:
+            try:
+                addr = choose_master_addr(hosts, env.get("GLOO_SOCKET_IFNAME"))
+                answer = (addr, _int(env, "MASTER_PORT") or free_port())
+            except ValueError as e:
+                answer = str(e)
+        answer = comm.bcast(answer, root=0)
+        if isinstance(answer, str):
+            raise ValueError(answer)
+        de.master_addr, de.master_port = answer
+    elif de.launcher == "Slurm" and env.get("SLURM_JOB_NODELIST"):
+        import subprocess
+
+        first = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
+                               capture_output=True, text=True, check=True).stdout.split()[0]
+        de.master_addr, de.master_port = first, _int(env, "MASTER_PORT") or DEFAULT_PORT
+    else:
+        raise ValueError(f"{de.launcher} started {de.world_size} ranks but MASTER_ADDR is not set")
+    return de
+
+
+def init_process_group(de: DistEnv, timeout_s: float) -> str:
+    """Start torch.distributed (nccl on GPU, gloo on CPU); export the torchrun variables DeepSpeed reads."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a host share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // de.local_world_size))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(de.local_rank % torch.cuda.device_count())
+    os.environ.update(RANK=str(de.rank), WORLD_SIZE=str(de.world_size), LOCAL_RANK=str(de.local_rank),
+                      MASTER_ADDR=de.master_addr, MASTER_PORT=str(de.master_port))
+    dist.init_process_group(backend, init_method=f"tcp://{de.master_addr}:{de.master_port}", rank=de.rank,
+                            world_size=de.world_size, timeout=timedelta(seconds=timeout_s))
+    return backend
+
+
+def device(de: DistEnv) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", de.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")

@@ -1,0 +1,111 @@
+"""Plain PyTorch DistributedDataParallel with torch.amp, no DeepSpeed: the baseline.
+
+It reads the same DeepSpeed JSON for the batch (micro-batch, gradient accumulation), precision,
+fp16 initial loss scale and gradient clipping, and ignores the ZeRO settings.
+"""
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from vit.engines import EngineContext, eval_totals, make_optimizer, make_scheduler, mean_over_ranks, sum_over_ranks
+from vit.model import loss_fn
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class DDPEngine:
+    reads_data = True
+
+    def __init__(self, ctx: EngineContext):
+        self.device = ctx.device
+        model = nn.Sequential(*ctx.layers).to(self.device)
+        self.model = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None)
+        self.optimizer = make_optimizer(model, ctx.args)
+        self.scheduler = make_scheduler(self.optimizer, ctx.args, ctx.total_steps)
+        self.dtype = DTYPES.get(ctx.precision)
+        fp16 = ctx.ds_config.get("fp16", {})
+        self.scaler = (torch.amp.GradScaler("cuda", init_scale=2.0 ** fp16.get("initial_scale_power", 16))
+                       if ctx.precision == "fp16" else None)
+        self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
+        self.grad_accum = ctx.batch.grad_accum
+        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _forward(self, x, y):
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        autocast = (torch.autocast(self.device.type, dtype=self.dtype) if self.dtype
+                    else contextlib.nullcontext())
+        with autocast:
+            return self.model(x), y
+
+    def train_step(self, batches):
+        total = 0.0
+        for j in range(self.grad_accum):
+            sync = j == self.grad_accum - 1  # all-reduce gradients once, on the last micro-batch
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                logits, y = self._forward(*next(batches))
+                loss = loss_fn(logits, y)
+                scaled = loss / self.grad_accum
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            total = total + loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        if self.scaler:
+            self.scaler.step(self.optimizer)  # skips the step on inf/nan gradients
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return mean_over_ranks(total / self.grad_accum)
+
+    @torch.no_grad()
+    def evaluate(self, batches):
+        self.model.eval()
+        totals = torch.zeros(3, device=self.device)
+        for x, y in batches:
+            totals += eval_totals(*self._forward(x, y))
+        self.model.train()
+        return sum_over_ranks(totals)
+
+    def _state(self):
+        return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def save(self, save_dir, tag, client_state):
+        # Replicas are identical: rank 0 writes, the others wait.
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+            path = os.path.join(save_dir, tag, "ddp.pt")
+            torch.save({**self._state(), "client_state": client_state}, path + ".tmp")
+            os.replace(path + ".tmp", path)
+            with open(os.path.join(save_dir, "latest.tmp"), "w") as f:
+                f.write(tag)
+            os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
+        dist.barrier()
+
+    def load(self, load_dir, tag):
+        path = os.path.join(load_dir, tag, "ddp.pt")
+        if not os.path.isfile(path):
+            raise RuntimeError(f"{path}: no ddp checkpoint (was it written by another engine?)")
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        return state["client_state"]
+
+
+def build(ctx: EngineContext):
+    return DDPEngine(ctx)

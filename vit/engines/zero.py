@@ -1,0 +1,72 @@
+"""DeepSpeed ZeRO (stage 0-3, optional CPU offload), all from the JSON config."""
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vit.engines import (
+    EngineContext,
+    deepspeed_comm,
+    eval_totals,
+    make_optimizer,
+    make_scheduler,
+    mean_over_ranks,
+    sum_over_ranks,
+)
+from vit.model import loss_fn
+
+
+class ZeroEngine:
+    reads_data = True
+
+    def __init__(self, ctx: EngineContext):
+        deepspeed_comm()
+        model = nn.Sequential(*ctx.layers)
+        offload = ctx.ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+        opt = make_optimizer(model, ctx.args, cpu_offload=offload == "cpu")
+        sched = make_scheduler(opt, ctx.args, ctx.total_steps)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)
+        self.grad_accum = ctx.batch.grad_accum
+        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _to_device(self, x, y):
+        dev = self.engine.device
+        return x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+
+    def train_step(self, batches):
+        total = 0.0
+        for _ in range(self.grad_accum):
+            x, y = self._to_device(*next(batches))
+            loss = loss_fn(self.engine(x), y)
+            self.engine.backward(loss)
+            self.engine.step()  # steps the optimizer only at the accumulation boundary
+            total = total + loss.detach()
+        return mean_over_ranks(total / self.grad_accum)
+
+    @torch.no_grad()
+    def evaluate(self, batches):
+        self.engine.eval()
+        totals = torch.zeros(3, device=self.engine.device)
+        for x, y in batches:
+            x, y = self._to_device(x, y)
+            totals += eval_totals(self.engine(x), y)
+        self.engine.train()
+        return sum_over_ranks(totals)
+
+    def save(self, save_dir, tag, client_state):
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state)
+
+    def load(self, load_dir, tag):
+        path, client_state = self.engine.load_checkpoint(load_dir, tag=tag)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {load_dir}")
+        return client_state
+
+
+def build(ctx: EngineContext):
+    return ZeroEngine(ctx)
