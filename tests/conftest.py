@@ -60,24 +60,51 @@ def _wait_all(procs, timeout: float) -> list:
     return [p.wait() for p in procs]
 
 
+class Ranks:
+    """`nprocs` ranks of vit.train on this machine (gloo), torchrun-style variables, output in temp files."""
+
+    def __init__(self, args, nprocs: int = 2, env=None):
+        port = free_port()
+        self.procs, self.logs = [], []
+        for rank in range(nprocs):
+            log = tempfile.TemporaryFile("w+")
+            e = base_env(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                         LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "vit.train", *map(str, args)], cwd=ROOT, env=e,
+                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            self.logs.append(log)
+
+    def wait(self, timeout: float) -> Result:
+        rcs = _wait_all(self.procs, timeout)
+        outs = []
+        for log in self.logs:
+            log.seek(0)
+            outs.append(log.read())
+            log.close()
+        return Result(rcs, outs)
+
+
 def launch(args, nprocs: int = 2, timeout: float = 240, env=None) -> Result:
-    """Start `nprocs` ranks of vit.train on this machine (gloo) and wait, at most `timeout` seconds."""
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(nprocs):
-        log = tempfile.TemporaryFile("w+")
-        e = base_env(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "vit.train", *map(str, args)], cwd=ROOT, env=e,
-                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        logs.append(log)
-    rcs = _wait_all(procs, timeout)
-    outs = []
-    for log in logs:
-        log.seek(0)
-        outs.append(log.read())
-        log.close()
-    return Result(rcs, outs)
+    """Start `nprocs` ranks and wait for them, at most `timeout` seconds."""
+    return Ranks(args, nprocs, env).wait(timeout)
+
+
+def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def last_step(log_dir, rank: int) -> int:
+    path = Path(log_dir) / f"metrics_rank{rank}.jsonl"
+    if not path.exists():
+        return 0
+    steps = [r["step"] for r in read_jsonl(path) if r["kind"] == "train"]
+    return max(steps, default=0)
 
 
 def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.CompletedProcess:
@@ -95,7 +122,8 @@ def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.Complet
 
 def read_jsonl(path) -> list[dict]:
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    return [json.loads(line) for line in lines if line.strip() and line.endswith("}")]
 
 
 def train_losses(log_dir, rank: int = 0) -> dict[int, float]:

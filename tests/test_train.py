@@ -2,9 +2,10 @@
 single-process PyTorch loop; resume; bad input."""
 import json
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import MPIRUN, ROOT, base_env, launch, read_jsonl, run_cmd, train_losses
+from conftest import MPIRUN, ROOT, base_env, free_port, launch, read_jsonl, run_cmd, train_losses
 
 from vit.config import parse_args
 from vit.reference import reference_losses
@@ -88,6 +89,17 @@ def test_mpirun_launch_discovers_ranks(tmp_path):
     assert (tmp_path / "metrics_rank1.jsonl").exists()
 
 
+@pytest.mark.timeout(240)
+def test_torchrun_launch(tmp_path):
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    r = run_cmd([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python", "./entry_cn.sh",
+                 "--engine", "ddp", "--steps", "3", "--no-save", "--log-dir", str(tmp_path)], timeout=200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["launcher"] == "torchrun" and cfg["world_size"] == 2
+    assert [r["rank"] for r in read_jsonl(tmp_path / "metrics_rank1.jsonl")][:1] == [1]
+
+
 def bad_json(tmp_path) -> str:
     p = tmp_path / "bad.json"
     p.write_text('{"train_micro_batch_size_per_gpu": 8,,}')
@@ -118,7 +130,7 @@ BAD_INPUT = {
     "fp16 on cpu": (lambda t: ["--precision", "fp16"], {}, "precision fp16 is not supported on this CPU"),
     "zero-2 pipeline": (lambda t: ["--engine", "pipeline", "--ds-config", str(CONFIGS / "zero2.json")], {},
                         "ZeRO stage 2 does not work with the pipeline engine"),
-    "resume from empty folder": (lambda t: ["--resume", str(t)], {}, "no checkpoint there"),
+    "resume from empty folder": (lambda t: ["--resume", str(t)], {}, "no complete checkpoint there"),
     "negative steps": (lambda t: ["--steps", "-3"], {}, "--steps must be positive"),
 }
 

@@ -1,21 +1,194 @@
-"""Where checkpoints live: <save-dir>/<tag>/ per checkpoint and <save-dir>/latest naming the newest."""
+"""Checkpoints that are never half-loaded.
+
+<save-dir>/step<N>/ counts as a checkpoint only when it holds manifest.json: every file with its size
+and sha256, the step, the config hash and the world layout. A save writes into <save-dir>/.tmp-step<N>/,
+adds the manifest, renames the folder into place, then points <save-dir>/latest at it, and keeps the
+newest K. Loading looks at complete checkpoints only, newest first, verifies the manifest and falls
+back to the previous one when the newest is damaged. Every rank must see the folder (shared storage).
+"""
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import time
 from pathlib import Path
 
-from vit.config import ConfigError
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from vit.errors import ConfigError
+
+MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp-"
+TAG = re.compile(r"^step(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    pass
 
 
 def tag_for(step: int) -> str:
     return f"step{step}"
 
 
-def locate(path: str) -> tuple[str, str]:
-    """(checkpoint folder, tag) for --resume PATH: a save dir with a `latest` file, or one tag folder."""
+def complete_tags(save_dir) -> list[str]:
+    """Tags of the complete checkpoints in save_dir (those with a manifest), newest first."""
+    d = Path(save_dir)
+    if not d.is_dir():
+        return []
+    tags = [p.name for p in d.iterdir() if TAG.match(p.name) and (p / MANIFEST).is_file()]
+    return sorted(tags, key=lambda t: int(TAG.match(t).group(1)), reverse=True)
+
+
+def locate(path: str) -> tuple[str, list[str]]:
+    """(save dir, candidate tags newest first) for --resume PATH: a save dir, or one checkpoint folder."""
     p = Path(path)
-    if (p / "latest").is_file():
-        tag = (p / "latest").read_text().strip()
-        if not (p / tag).is_dir():
-            raise ConfigError(f"--resume {path}: 'latest' names {tag}, which is not there")
-        return str(p), tag
-    if p.is_dir() and any(p.iterdir()) and (p.parent / "latest").is_file():
-        return str(p.parent), p.name
-    raise ConfigError(f"--resume {path}: no checkpoint there (neither a 'latest' file nor a checkpoint folder)")
+    if (p / MANIFEST).is_file() and TAG.match(p.name):
+        return str(p.parent), [p.name]
+    tags = complete_tags(p)
+    if tags:
+        return str(p), tags
+    partial = sorted(q.name for q in p.glob(f"{TMP_PREFIX}*")) if p.is_dir() else []
+    note = f" (only unfinished saves: {', '.join(partial)})" if partial else ""
+    raise ConfigError(f"--resume {path}: no complete checkpoint there{note}")
+
+
+def read_manifest(save_dir: str, tag: str) -> dict:
+    return json.loads((Path(save_dir) / tag / MANIFEST).read_text())
+
+
+def check_layout(saved: dict, current: dict, where: str) -> None:
+    """Refuse to resume under a layout the checkpoint cannot be loaded into, and say what would."""
+    if saved["engine"] != current["engine"]:
+        raise ConfigError(f"{where} was written by --engine {saved['engine']}, this run uses --engine "
+                          f"{current['engine']}; resume with --engine {saved['engine']}")
+    if saved["engine"] == "pipeline" and saved["pipeline_stages"] != current["pipeline_stages"]:
+        raise ConfigError(f"{where} has {saved['pipeline_stages']} pipeline stages, this run "
+                          f"{current['pipeline_stages']}; resume with --pipeline-stages {saved['pipeline_stages']}")
+    sharded = saved["engine"] != "ddp" and saved["zero_stage"] > 0
+    if sharded and saved["data_parallel_size"] != current["data_parallel_size"]:
+        raise ConfigError(f"{where} holds ZeRO-{saved['zero_stage']} state sharded over {saved['data_parallel_size']} "
+                          f"data-parallel ranks, this run has {current['data_parallel_size']}; resume with the same "
+                          f"number of ranks, or convert it with DeepSpeed's ds_to_universal.py")
+    if saved["zero_stage"] != current["zero_stage"] and saved["engine"] != "ddp":
+        raise ConfigError(f"{where} was written with ZeRO stage {saved['zero_stage']}, this run uses stage "
+                          f"{current['zero_stage']}; resume with the same DeepSpeed config")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(folder: Path) -> str | None:
+    """None when every file of the manifest is there with its size and sha256, else what is wrong."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return f"unreadable manifest: {e}"
+    for name, meta in manifest["files"].items():
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != meta["size"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {meta['size']}"
+        if _sha256(f) != meta["sha256"]:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def choose(save_dir: str, tags: list[str]) -> str:
+    """Rank 0: the newest candidate that verifies; warns about each damaged one it skips."""
+    for tag in tags:
+        problem = verify(Path(save_dir) / tag)
+        if problem is None:
+            return tag
+        print(f"warning: checkpoint {save_dir}/{tag} is damaged ({problem}); trying the previous one", flush=True)
+    raise CheckpointError(f"no undamaged checkpoint in {save_dir} (tried {', '.join(tags)})")
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def save(engine, save_dir: str, step: int, client_state: dict, meta: dict, keep: int) -> None:
+    """Collective: every rank calls it. Raises CheckpointError naming the checkpoint that stays valid."""
+    tag, rank = tag_for(step), dist.get_rank()
+    tmp = Path(save_dir) / (TMP_PREFIX + tag)
+    previous = (complete_tags(save_dir) or ["none"])[0]
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+        dist.barrier()
+        engine.save(save_dir, tmp.name, client_state)
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        if os.environ.get("VIT_TEST_CRASH_IN_SAVE") == tag:  # tests: die between the files and the manifest
+            os._exit(3)
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, (socket.gethostname(), _files(tmp)))
+        if rank == 0:
+            _commit(save_dir, tmp, tag, step, meta, seen, keep)
+        dist.barrier()
+    except Exception as e:
+        free_mib = shutil.disk_usage(save_dir).free / 2**20 if os.path.isdir(save_dir) else float("nan")
+        raise CheckpointError(f"saving checkpoint {tag} in {save_dir} failed on rank {rank} "
+                              f"({socket.gethostname()}; {free_mib:.1f} MiB free there): {e}; the previous "
+                              f"checkpoint ({previous}) is still valid") from e
+
+
+def _commit(save_dir: str, tmp: Path, tag: str, step: int, meta: dict, seen: list, keep: int) -> None:
+    mine = set(_files(tmp))
+    for host, files in seen:
+        missing = set(files) - mine
+        if missing:
+            raise CheckpointError(f"rank 0 cannot see {sorted(missing)[0]} written on host {host}: put --save-dir "
+                                  "on storage every host shares")
+    files = {name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in sorted(mine)}
+    manifest = {"step": step, "tag": tag, "created": time.time(), "files": files, **meta}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    final = Path(save_dir) / tag
+    if final.exists():  # the same step saved again after a resume
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    latest = Path(save_dir) / "latest"
+    with open(f"{latest}.tmp", "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f"{latest}.tmp", latest)
+    for old in complete_tags(save_dir)[keep:]:
+        shutil.rmtree(Path(save_dir) / old)
+
+
+def load(engine, save_dir: str, tag: str) -> dict:
+    """Load a checkpoint chosen by `choose`; restores this rank's random state too."""
+    client_state = engine.load(save_dir, tag)
+    rng = Path(save_dir) / tag / f"rng_rank{dist.get_rank()}.pt"
+    if rng.is_file():
+        set_rng_state(torch.load(rng, weights_only=False))
+    return client_state

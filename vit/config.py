@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vit.data import DATASETS
+from vit.ds_schema import deepspeed_parses
+from vit.ds_schema import validate as validate_ds_schema
+from vit.errors import ConfigError
 from vit.model import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -14,10 +17,6 @@ ENGINES = ("zero", "pipeline", "ddp")
 DEFAULT_DS_CONFIG = {"zero": "zero2.json", "pipeline": "pipeline.json", "ddp": "zero0.json"}
 PRECISIONS = ("fp32", "fp16", "bf16")
 DEFAULT_FP16_SCALE_POWER = 12  # 2^16, DeepSpeed's default, overflowed on every step in users' ViT runs
-
-
-class ConfigError(Exception):
-    """Bad input: reported as one line, before anything is written."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,16 +56,25 @@ def parser() -> argparse.ArgumentParser:
     a("--save-interval", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     a("--save-dir", help="checkpoint folder (default <log-dir>/checkpoints)")
     a("--no-save", action="store_true", help="write no checkpoints")
+    a("--keep-checkpoints", type=int, default=3, help="complete checkpoints to keep")
     a("--resume", nargs="?", const="auto", help="continue from the newest checkpoint of --save-dir, or of PATH")
     a("--seed", type=int, default=0, help="model initialisation and data order")
+    a("--monitor-interval", type=float, default=1.0, help="seconds between GPU/CPU monitor samples (0: off)")
+    a("--monitor-backend", choices=("auto", "nvml", "gputil", "none"), default="auto",
+      help="GPU monitor: NVML in-process, GPUtil (nvidia-smi), or none (CPU and memory only)")
     a("--workers", type=int, default=0, help="DataLoader worker processes")
-    a("--dist-timeout", type=float, default=300, help="seconds before a process-group start or collective fails")
+    a("--dist-timeout", type=float, default=300,
+      help="seconds before a process-group start or a collective fails, and before the watchdog ends a job "
+           "in which no step finished")
+    a("--max-skipped-steps", type=int, default=20,
+      help="fp16: stop after this many overflow-skipped steps in a row")
     return p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = parser().parse_args(argv)
-    positive = ["pipeline_stages", "synthetic_size", "steps", "micro_batch_size", "grad_accum", "log_interval"]
+    positive = ["pipeline_stages", "synthetic_size", "steps", "micro_batch_size", "grad_accum", "log_interval",
+                "keep_checkpoints", "max_skipped_steps"]
     for name in positive:
         v = getattr(args, name)
         if v is not None and v <= 0:
@@ -75,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         v = getattr(args, name)
         if v is not None and v <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
-    for name in ["eval_interval", "save_interval", "workers", "warmup_steps"]:
+    for name in ["eval_interval", "save_interval", "workers", "warmup_steps", "monitor_interval"]:
         v = getattr(args, name)
         if v is not None and v < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {v}")
@@ -117,7 +125,7 @@ class Batch:
 
 
 def zero_stage(cfg: dict) -> int:
-    return int(cfg.get("zero_optimization", {}).get("stage", 0))
+    return cfg.get("zero_optimization", {}).get("stage", 0)
 
 
 def precision_of(cfg: dict) -> str:
@@ -131,14 +139,15 @@ def resolve_ds_config(args, world_size: int) -> tuple[dict, Batch]:
     """The DeepSpeed JSON with command-line overrides applied and the batch arithmetic checked."""
     cfg = copy.deepcopy(load_json(args.ds_config))
     name = args.ds_config
+    validate_ds_schema(cfg, name)
     for key in ("optimizer", "scheduler"):
         if key in cfg:
             raise ConfigError(f"DeepSpeed config {name}: remove '{key}'; the optimizer (AdamW) and the LR schedule "
                               "come from --lr/--min-lr/--weight-decay/--warmup-steps, so every engine, ddp "
                               "included, trains the same way")
     stage = zero_stage(cfg)
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"DeepSpeed config {name}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ConfigError(f"DeepSpeed config {name}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     if args.engine == "pipeline" and stage > 1:
         raise ConfigError(f"DeepSpeed config {name}: ZeRO stage {stage} does not work with the pipeline engine "
                           "(DeepSpeed pipelines accept ZeRO 0 or 1)")
@@ -184,6 +193,7 @@ def resolve_ds_config(args, world_size: int) -> tuple[dict, Batch]:
         if args.precision == "fp16":
             cfg["fp16"].setdefault("initial_scale_power", DEFAULT_FP16_SCALE_POWER)
     precision_of(cfg)  # both enabled is an error
+    deepspeed_parses(cfg, name)
     return cfg, batch
 
 

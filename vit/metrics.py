@@ -1,7 +1,10 @@
 """Per-rank JSON-lines metrics, rank 0's fixed-format log line, and small JSON writers.
 
 Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore unknown fields):
-  {"kind": "train", "step", "time", "rank", "host", "loss", "lr", "images_per_s", "step_time_s", "mem_gib"}
+  {"kind": "train", "step", "time", "rank", "host", "loss", "lr", "images_per_s" (the whole job's),
+   "rank_images_per_s" (this rank's data-parallel share), "step_time_s", "mem_gib", "skipped_steps",
+   and the step-time breakdown in seconds per step: "data_s", "forward_s", "backward_s", "optimizer_s",
+   for the pipeline also "pipe_send_s", "pipe_recv_s", "allreduce_s"}
   {"kind": "eval",  "step", "time", "rank", "host", "eval_loss", "top1"}
 """
 import json
@@ -60,3 +63,46 @@ def progress(step: int, total: int, width: int = 30) -> None:
         sys.stderr.flush()
         if step == total:
             sys.stderr.write("\n")
+
+
+class PhaseTimer:
+    """Seconds spent per phase of the training steps since the last read.
+
+    CUDA events on a GPU, read only when asked (on logging steps, after the loss already synchronised),
+    so timing adds no host sync to the step; the wall clock on a CPU.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = {}
+        self.pending: list = []  # (phase, start event, end event) not yet read
+        self.mark = None
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.mark = self._now()
+
+    def lap(self, phase: str) -> None:
+        """The time since the last start or lap belongs to `phase`."""
+        now = self._now()
+        if self.cuda:
+            self.pending.append((phase, self.mark, now))
+        else:
+            self.totals[phase] = self.totals.get(phase, 0.0) + now - self.mark
+        self.mark = now
+
+    def read(self, steps: int) -> dict[str, float]:
+        """Mean seconds per step of each phase since the last read; starts over."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for phase, a, b in self.pending:
+                self.totals[phase] = self.totals.get(phase, 0.0) + a.elapsed_time(b) / 1e3
+        out = {phase: total / steps for phase, total in self.totals.items()}
+        self.totals, self.pending = {}, []
+        return out

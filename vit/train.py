@@ -2,12 +2,17 @@
 
 Run through ./entry_cn.sh (under mpirun, srun, torchrun or directly); `--help` lists the options.
 """
+import hashlib
+import json
 import logging
 import os
+import socket
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -25,8 +30,10 @@ from vit.config import (
 from vit.data import DataSplit, TrainBatches, eval_batches, load_dataset, make_loader, steps_per_epoch
 from vit.dist_env import DistEnv, device, discover, init_process_group, resolve_master
 from vit.engines import EngineContext, build
+from vit.faults import Watchdog, announce_failure, failure_elsewhere
 from vit.metrics import MetricsLog, log_line, peak_mem_gib, progress, write_json
 from vit.model import PRESETS, build_layers, check_img_size
+from vit.monitor import Monitor, gpu_util_mean_per_host
 
 
 @dataclass
@@ -40,7 +47,8 @@ class Plan:
     data: DataSplit
     total_steps: int
     save_dir: str | None
-    resume: tuple[str, str] | None
+    resume: tuple[str, list[str]] | None  # (save dir, candidate tags, newest first)
+    layout: dict  # what a checkpoint must match to be resumed by this run
 
 
 def make_plan(argv) -> Plan:
@@ -65,15 +73,44 @@ def make_plan(argv) -> Plan:
                           f"samples of {args.dataset}")
     total_steps = args.steps or max(1, round(args.epochs * per_epoch))
     save_dir = args.save_dir or (os.path.join(args.log_dir, "checkpoints") if args.log_dir else None)
+    layout = {"engine": args.engine, "world_size": env.world_size, "data_parallel_size": batch.dp_size,
+              "pipeline_stages": args.pipeline_stages if args.engine == "pipeline" else 1,
+              "zero_stage": zero_stage(ds_config) if args.engine != "ddp" else 0}
     resume = None
-    if args.resume == "auto":
-        if not save_dir:
-            raise ConfigError("--resume needs the run's --log-dir (or --save-dir), or --resume PATH")
-        resume = checkpoint.locate(save_dir)
-    elif args.resume:
-        resume = checkpoint.locate(args.resume)
+    if args.resume == "auto" and not save_dir:
+        raise ConfigError("--resume needs the run's --log-dir (or --save-dir), or --resume PATH")
+    if args.resume:
+        resume = checkpoint.locate(save_dir if args.resume == "auto" else args.resume)
+        for tag in resume[1]:  # the newest readable manifest says how the run was laid out
+            try:
+                saved = checkpoint.read_manifest(resume[0], tag)
+            except (OSError, ValueError):
+                continue
+            checkpoint.check_layout(saved, layout, f"checkpoint {resume[0]}/{tag}")
+            break
     resolve_master(env)
-    return Plan(args, env, ds_config, batch, precision, data, total_steps, save_dir, resume)
+    return Plan(args, env, ds_config, batch, precision, data, total_steps, save_dir, resume, layout)
+
+
+def config_hash(plan: Plan) -> str:
+    a = plan.args
+    what = {"model": a.model, "dataset": a.dataset, "img_size": a.img_size, "seed": a.seed, "lr": a.lr,
+            "min_lr": a.min_lr, "weight_decay": a.weight_decay, "deepspeed": plan.ds_config}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resume_tag(plan: Plan) -> str:
+    """Rank 0 verifies the candidates' manifests and picks the newest sound one; all ranks get it."""
+    answer = [None]
+    if plan.env.is_main:
+        try:
+            answer[0] = checkpoint.choose(*plan.resume)
+        except checkpoint.CheckpointError as e:
+            answer[0] = e
+    dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], Exception):
+        raise answer[0]
+    return answer[0]
 
 
 def shared_log_dir(plan: Plan) -> str:
@@ -84,8 +121,39 @@ def shared_log_dir(plan: Plan) -> str:
 
 
 def run(plan: Plan, start_time: float) -> None:
+    """Train; any failure on any rank ends every rank, non-zero, naming the rank that failed."""
+    init_process_group(plan.env, plan.args.dist_timeout)
+    watchdog = Watchdog(plan.env.rank, plan.args.dist_timeout)
+    watchdog.start()
+    try:
+        train(plan, start_time, watchdog)
+    except Exception as e:
+        elsewhere = failure_elsewhere()
+        if elsewhere is None:
+            traceback.print_exc()
+            message = f"rank {plan.env.rank} ({socket.gethostname()}) failed at step {watchdog.step}: {e}"
+            announce_failure(message)
+        else:
+            message = f"rank {plan.env.rank} ({socket.gethostname()}) stops: {elsewhere}"
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)  # not through atexit: DeepSpeed and MPI would wait on the ranks that are gone
+    watchdog.stop()
+    dist.destroy_process_group()
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def alive(batches, watchdog: Watchdog):
+    """The batches, telling the watchdog of progress at each one."""
+    for b in batches:
+        watchdog.beat()
+        yield b
+
+
+def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
     args, env, batch = plan.args, plan.env, plan.batch
-    init_process_group(env, args.dist_timeout)
     dev = device(env)
     log_dir = shared_log_dir(plan)
     save_dir = plan.save_dir or os.path.join(log_dir, "checkpoints")
@@ -95,7 +163,14 @@ def run(plan: Plan, start_time: float) -> None:
     layers = build_layers(args.model, data.num_classes, data.in_chans, data.img_size, args.seed)
     engine = build(args.engine, EngineContext(args, layers, plan.ds_config, batch, dev, plan.total_steps,
                                               plan.precision))
-    start = engine.load(*plan.resume)["step"] if plan.resume else 0
+    start, resumed_from = 0, None
+    if plan.resume:
+        resumed_from = resume_tag(plan)
+        saved = checkpoint.read_manifest(plan.resume[0], resumed_from)
+        if saved.get("config_hash") != config_hash(plan) and env.is_main:
+            print(f"warning: {resumed_from} was written with other settings (model, data, optimizer or "
+                  "DeepSpeed config) than this run", flush=True)
+        start = checkpoint.load(engine, plan.resume[0], resumed_from)["step"]
     total = plan.total_steps
     main = env.is_main
     if main:
@@ -108,14 +183,18 @@ def run(plan: Plan, start_time: float) -> None:
               f"{env.world_size} ranks, {plan.precision}; global batch {batch.global_size} = micro-batch "
               f"{batch.micro} x grad accum {batch.grad_accum} x data-parallel {batch.dp_size}; "
               f"{steps_per_epoch(len(data.train), batch.global_size)} steps/epoch; steps {start + 1}..{total}"
-              f"{' (resumed from ' + plan.resume[1] + ')' if plan.resume else ''}", flush=True)
+              f"{' (resumed from ' + resumed_from + ')' if resumed_from else ''}", flush=True)
     metrics = MetricsLog(log_dir, env.rank)
+    # The driver (NVML, nvidia-smi) numbers GPUs unlike CUDA does; the UUID names this rank's GPU in both.
+    monitor = Monitor(log_dir, env.rank, args.monitor_interval, args.monitor_backend,
+                      gpu_indices=[str(torch.cuda.get_device_properties(dev).uuid)] if dev.type == "cuda" else None)
+    monitor.start()
     pin = dev.type == "cuda"
 
     def evaluate(step: int) -> tuple[float, float]:
         lists = eval_batches(len(data.test), batch.micro, engine.dp_rank, engine.dp_size)
         batches = make_loader(data.test, lists, args.workers, pin) if engine.reads_data else [(None, None)] * len(lists)
-        loss_sum, correct, count = engine.evaluate(batches)
+        loss_sum, correct, count = engine.evaluate(alive(batches, watchdog))
         eval_loss, top1 = loss_sum / count, correct / count
         metrics.write("eval", step, eval_loss=eval_loss, top1=top1)
         if main:
@@ -124,24 +203,49 @@ def run(plan: Plan, start_time: float) -> None:
         return eval_loss, top1
 
     def save(step: int) -> None:
-        engine.save(save_dir, checkpoint.tag_for(step), {"step": step, "engine": args.engine})
+        watchdog.beat()
+        checkpoint.save(engine, save_dir, step, {"step": step, "engine": args.engine},
+                        {**plan.layout, "config_hash": config_hash(plan)}, args.keep_checkpoints)
 
     sampler = TrainBatches(len(data.train), batch.micro, batch.grad_accum, engine.dp_rank, engine.dp_size,
                            args.seed, start, total)
     batches = iter(make_loader(data.train, sampler, args.workers, pin)) if engine.reads_data else None
     loss_value, saved_step = float("nan"), start
+    # fp16 overflows are DeepSpeed's (or the GradScaler's) to skip; any other non-finite loss stops the run.
+    # The first bad step is kept on the device and read on logging steps, to add no host sync per step.
+    check_finite = plan.precision != "fp16"
+    first_bad_step = torch.zeros((), dtype=torch.long, device=dev)
+    skipped_in_a_row, skipped_before = 0, engine.skipped_steps
     train_start = window_start = time.perf_counter()
-    window_steps = 0
+    window_steps, phase_totals = 0, {}
     for step in range(start + 1, total + 1):
         lr = engine.lr
         loss = engine.train_step(batches)
+        watchdog.beat(step)
+        monitor.step = step
         window_steps += 1
+        if check_finite:
+            first_bad_step.masked_fill_((first_bad_step == 0) & ~torch.isfinite(loss.to(dev)), step)
+        else:
+            skipped_in_a_row = skipped_in_a_row + 1 if engine.skipped_steps > skipped_before else 0
+            skipped_before = engine.skipped_steps
+            if skipped_in_a_row > args.max_skipped_steps:
+                raise NonFiniteLoss(f"fp16: {skipped_in_a_row} overflow-skipped steps in a row up to step {step}; "
+                                    "lower initial_scale_power in the DeepSpeed config or use bf16")
         if step % args.log_interval == 0 or step == total:
             loss_value = loss.item()  # the only host sync of the step, on logging steps only
+            if check_finite and first_bad_step.item():
+                raise NonFiniteLoss(f"the loss became non-finite at step {first_bad_step.item()} (now "
+                                    f"{loss_value}); lower --lr, or resume from an earlier checkpoint")
             now = time.perf_counter()
             step_time = (now - window_start) / window_steps
             ips, mem = batch.global_size / step_time, peak_mem_gib(dev)
-            metrics.write("train", step, loss=loss_value, lr=lr, images_per_s=ips, step_time_s=step_time, mem_gib=mem)
+            phases = engine.breakdown(window_steps)
+            for phase, seconds in phases.items():
+                phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds * window_steps
+            metrics.write("train", step, loss=loss_value, lr=lr, images_per_s=ips, step_time_s=step_time, mem_gib=mem,
+                          rank_images_per_s=batch.micro * batch.grad_accum / step_time,
+                          skipped_steps=engine.skipped_steps, **phases)
             if main:
                 if sys.stderr.isatty():
                     sys.stderr.write("\r")
@@ -161,6 +265,9 @@ def run(plan: Plan, start_time: float) -> None:
         save(total)
     peak = torch.tensor([peak_mem_gib(dev)], device=dev)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    monitor.stop()
+    monitors = [None] * env.world_size
+    dist.all_gather_object(monitors, monitor.summary())
     if main:
         summary = {
             "engine": args.engine, "model": args.model, "dataset": args.dataset, "precision": plan.precision,
@@ -171,17 +278,18 @@ def run(plan: Plan, start_time: float) -> None:
             "steps_this_run": total - start, "final_loss": loss_value, "eval_loss": eval_loss, "top1": top1,
             "images_per_s": (total - start) * batch.global_size / train_s if total > start else None,
             "train_s": train_s, "wall_s": time.time() - start_time, "peak_mem_gib": peak.item(),
+            "breakdown": {k: v / max(1, total - start) for k, v in phase_totals.items()},
+            "monitor": monitors, "gpu_util_mean_per_host": gpu_util_mean_per_host(monitors),
         }
         write_json(os.path.join(log_dir, "summary.json"), summary)
         print(f"done: {total} steps in {summary['wall_s']:.1f} s, top-1 {100 * top1:.2f}%, "
               f"logs in {log_dir}", flush=True)
     metrics.close()
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
-    start_time = time.time()
+    start_time = psutil.Process().create_time()  # wall time includes the imports
     try:
         plan = make_plan(argv)
     except (ConfigError, ValueError) as e:

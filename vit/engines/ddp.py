@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vit.engines import EngineContext, eval_totals, make_optimizer, make_scheduler, mean_over_ranks, sum_over_ranks
+from vit.metrics import PhaseTimer
 from vit.model import loss_fn
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -32,6 +33,8 @@ class DDPEngine:
                        if ctx.precision == "fp16" else None)
         self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
         self.grad_accum = ctx.batch.grad_accum
+        self.skipped_steps = 0  # fp16 steps the GradScaler skipped on inf/nan gradients
+        self.timer = PhaseTimer(self.device)
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
 
     @property
@@ -40,32 +43,39 @@ class DDPEngine:
 
     def _forward(self, x, y):
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.timer.lap("data_s")
         autocast = (torch.autocast(self.device.type, dtype=self.dtype) if self.dtype
                     else contextlib.nullcontext())
         with autocast:
             return self.model(x), y
 
     def train_step(self, batches):
-        total = 0.0
+        total, t = 0.0, self.timer
+        t.start()
         for j in range(self.grad_accum):
             sync = j == self.grad_accum - 1  # all-reduce gradients once, on the last micro-batch
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 logits, y = self._forward(*next(batches))
                 loss = loss_fn(logits, y)
+                t.lap("forward_s")
                 scaled = loss / self.grad_accum
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            t.lap("backward_s")  # the last micro-batch's includes the gradient all-reduce
             total = total + loss.detach()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         if self.scaler:
+            scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # skips the step on inf/nan gradients
             self.scaler.update()
+            self.skipped_steps += self.scaler.get_scale() < scale
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        t.lap("optimizer_s")
         return mean_over_ranks(total / self.grad_accum)
 
     @torch.no_grad()
@@ -77,21 +87,21 @@ class DDPEngine:
         self.model.train()
         return sum_over_ranks(totals)
 
+    def breakdown(self, steps: int) -> dict[str, float]:
+        return self.timer.read(steps)
+
     def _state(self):
         return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def save(self, save_dir, tag, client_state):
-        # Replicas are identical: rank 0 writes, the others wait.
+        # Replicas are identical: rank 0 writes, the others wait. vit.checkpoint makes it complete.
         if dist.get_rank() == 0:
             os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
             path = os.path.join(save_dir, tag, "ddp.pt")
             torch.save({**self._state(), "client_state": client_state}, path + ".tmp")
             os.replace(path + ".tmp", path)
-            with open(os.path.join(save_dir, "latest.tmp"), "w") as f:
-                f.write(tag)
-            os.replace(os.path.join(save_dir, "latest.tmp"), os.path.join(save_dir, "latest"))
         dist.barrier()
 
     def load(self, load_dir, tag):

@@ -3,9 +3,34 @@ parallelism across the copies of the pipeline when the world size is a multiple 
 import deepspeed
 import torch
 from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe import schedule
 
 from vit.engines import EngineContext, deepspeed_comm, eval_totals, make_optimizer, make_scheduler, sum_over_ranks
+from vit.metrics import PhaseTimer
 from vit.model import loss_fn
+
+# The breakdown field of each instruction of DeepSpeed's pipeline schedule. A receive includes the wait
+# for the neighbouring stage, so the pipeline bubble shows up in pipe_recv_s.
+PHASES = {
+    schedule.LoadMicroBatch: "data_s", schedule.ForwardPass: "forward_s", schedule.BackwardPass: "backward_s",
+    schedule.SendActivation: "pipe_send_s", schedule.SendGrad: "pipe_send_s",
+    schedule.RecvActivation: "pipe_recv_s", schedule.RecvGrad: "pipe_recv_s",
+    schedule.ReduceGrads: "allreduce_s", schedule.ReduceTiedGrads: "allreduce_s", schedule.OptimizerStep: "optimizer_s",
+}
+
+
+def timed_instructions(instruction_map: dict, timer: PhaseTimer) -> dict:
+    """DeepSpeed's instruction map (schedule instruction -> method) with each method timed.
+
+    DeepSpeed's own pipeline timers ("wall_clock_breakdown") fail in 0.19 ("timer has already been
+    started"), and they synchronise the device at every start and stop."""
+    def timed(fn, phase):
+        def run(engine, **kwargs):
+            timer.start()
+            fn(engine, **kwargs)
+            timer.lap(phase)
+        return run
+    return {instr: timed(fn, PHASES.get(instr, "other_s")) for instr, fn in instruction_map.items()}
 
 
 class PipelineEngine:
@@ -22,6 +47,13 @@ class PipelineEngine:
         self.dp_rank, self.dp_size = grid.data_parallel_id, grid.data_parallel_size
         # Only the first stage reads images and only the last reads labels; the middle reads nothing.
         self.reads_data = self.engine.is_first_stage() or self.engine.is_last_stage()
+        self.timer = PhaseTimer(self.engine.device)
+        self.engine._INSTRUCTION_MAP = timed_instructions(type(self.engine)._INSTRUCTION_MAP, self.timer)
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps DeepSpeed skipped because the gradients overflowed."""
+        return self.engine.skipped_steps
 
     @property
     def lr(self) -> float:
@@ -40,10 +72,15 @@ class PipelineEngine:
                                                bcast_loss=False, num_micro_batches=1)
             if self.engine.is_last_stage():
                 totals += eval_totals(logits, y)
+        self.timer.read(1)  # evaluation is not part of the training steps' breakdown
         return sum_over_ranks(totals)
 
+    def breakdown(self, steps: int) -> dict[str, float]:
+        return self.timer.read(steps)
+
     def save(self, save_dir, tag, client_state):
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state)
+        # No 'latest' from DeepSpeed: vit.checkpoint points at a checkpoint once it is complete.
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, load_dir, tag):
         path, client_state = self.engine.load_checkpoint(load_dir, tag=tag)

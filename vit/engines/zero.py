@@ -13,6 +13,7 @@ from vit.engines import (
     mean_over_ranks,
     sum_over_ranks,
 )
+from vit.metrics import PhaseTimer
 from vit.model import loss_fn
 
 
@@ -29,6 +30,12 @@ class ZeroEngine:
             model=model, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)
         self.grad_accum = ctx.batch.grad_accum
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        self.timer = PhaseTimer(self.engine.device)
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps DeepSpeed skipped because the gradients overflowed."""
+        return self.engine.skipped_steps
 
     @property
     def lr(self) -> float:
@@ -39,12 +46,17 @@ class ZeroEngine:
         return x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
 
     def train_step(self, batches):
-        total = 0.0
+        total, t = 0.0, self.timer
+        t.start()
         for _ in range(self.grad_accum):
             x, y = self._to_device(*next(batches))
+            t.lap("data_s")
             loss = loss_fn(self.engine(x), y)
+            t.lap("forward_s")
             self.engine.backward(loss)
+            t.lap("backward_s")
             self.engine.step()  # steps the optimizer only at the accumulation boundary
+            t.lap("optimizer_s")
             total = total + loss.detach()
         return mean_over_ranks(total / self.grad_accum)
 
@@ -58,8 +70,12 @@ class ZeroEngine:
         self.engine.train()
         return sum_over_ranks(totals)
 
+    def breakdown(self, steps: int) -> dict[str, float]:
+        return self.timer.read(steps)
+
     def save(self, save_dir, tag, client_state):
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state)
+        # No 'latest' from DeepSpeed: vit.checkpoint points at a checkpoint once it is complete.
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, load_dir, tag):
         path, client_state = self.engine.load_checkpoint(load_dir, tag=tag)

@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Charts, a comparison table and one self-contained report.html from run folders written by vit.train.
+
+Reads only the logs' schema (metrics_rank<R>.jsonl, monitor_rank<R>.jsonl, summary.json, config.json), never
+stdout; fields it does not know are ignored and optional ones may be missing (older runs, CPU runs, runs
+killed mid-write).
+"""
+import argparse
+import base64
+import csv
+import html
+import io
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from PIL import Image  # noqa: E402  (installed with matplotlib)
+
+# Step phases of the train records in stacking order; then pipe_*_s, other_s, and the unaccounted rest.
+PHASES = ("data_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s")
+COLUMNS = ("run", "engine", "chunks (micro-batches = grad_accum)", "batch size (global)",
+           "memory per GPU (peak_mem_gib)", "images/s", "training time (train_s)")
+DPI = 80
+
+
+class LogError(Exception):
+    """A folder or file that cannot be read as a run: one line, exit 1."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a JSON-lines file; a truncated last line (a run killed mid-write) is dropped."""
+    lines = path.read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                print(f"plot_logs.py: note: {path}: ignoring a truncated last line", file=sys.stderr)
+                continue
+            raise LogError(f"{path}:{i + 1}: not a JSON line") from None
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise LogError(f"{path}: invalid JSON ({e})") from None
+    return obj if isinstance(obj, dict) else {}
+
+
+def per_rank(folder: Path, prefix: str) -> dict[int, list[dict]]:
+    files = {}
+    for p in folder.glob(f"{prefix}_rank*.jsonl"):
+        m = re.fullmatch(rf"{prefix}_rank(\d+)\.jsonl", p.name)
+        if m:
+            files[int(m.group(1))] = read_jsonl(p)
+    return dict(sorted(files.items()))
+
+
+class Run:
+    def __init__(self, folder: str):
+        self.path = Path(folder)
+        if not self.path.is_dir():
+            raise LogError(f"{folder}: no such folder")
+        self.metrics = per_rank(self.path, "metrics")
+        self.monitor = per_rank(self.path, "monitor")
+        self.summary = read_json(self.path / "summary.json")
+        self.config = read_json(self.path / "config.json")
+        if not self.metrics and not self.summary:
+            raise LogError(f"{folder}: no metrics_rank*.jsonl or summary.json; not a run folder of vit.train")
+        self.name = self.path.resolve().name
+
+    def records(self, kind: str, rank: int | None = None) -> list[dict]:
+        """Records of one kind from `rank` (default: the lowest rank that logged), in step order."""
+        if not self.metrics:
+            return []
+        recs = self.metrics.get(min(self.metrics) if rank is None else rank, [])
+        return sorted((r for r in recs if r.get("kind") == kind and isinstance(r.get("step"), (int, float))),
+                      key=lambda r: r["step"])
+
+    def row(self) -> dict:
+        """One line of the comparison table; the config and the logs stand in for a missing summary.json."""
+        s, ds = self.summary, self.config.get("deepspeed", {})
+        engine = s.get("engine") or self.config.get("args", {}).get("engine")
+        stage = s.get("zero_stage", ds.get("zero_optimization", {}).get("stage") if ds else None)
+        if engine == "zero" and stage is not None:
+            engine = f"zero{stage}"
+        elif engine == "pipeline" and s.get("pipeline_stages"):
+            engine = f"pipeline ({s['pipeline_stages']} stages)"
+        ips = s.get("images_per_s")
+        if ips is None:  # killed before the summary: the mean of the logged windows
+            values = [r["images_per_s"] for r in self.records("train")
+                      if isinstance(r.get("images_per_s"), (int, float))]
+            ips = sum(values) / len(values) if values else None
+        return dict(zip(COLUMNS, (self.name, engine, s.get("grad_accum", ds.get("gradient_accumulation_steps")),
+                                  s.get("global_batch", self.config.get("global_batch")), s.get("peak_mem_gib"),
+                                  ips, s.get("train_s"))))
+
+
+def fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(runs: list[Run]) -> tuple[str, list[list[str]]]:
+    rows = [[fmt(v, d) for v, d in zip(run.row().values(), (0, 0, 0, 0, 3, 1, 2))] for run in runs]
+    md = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    md += ["| " + " | ".join(c or "–" for c in row) + " |" for row in rows]
+    return "\n".join(md) + "\n", rows
+
+
+def empty(ax, message: str) -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="gray")
+
+
+def finish(fig, axes, path: Path) -> None:
+    for ax in axes:
+        if ax.get_legend() is None and ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    # A chart has few colours: 256 of them keep it exact and make the file (and report.html) ~4x smaller.
+    Image.open(buf).convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE).save(path, optimize=True)
+
+
+def plot_loss(runs: list[Run], path: Path) -> None:
+    fig, (ax_loss, ax_top1) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        train = [r for r in run.records("train") if isinstance(r.get("loss"), (int, float))]
+        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], color=color, label=run.name)
+        evals = run.records("eval")
+        ev = [r for r in evals if isinstance(r.get("eval_loss"), (int, float))]
+        ax_loss.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o--", color=color)
+        top = [r for r in evals if isinstance(r.get("top1"), (int, float))]
+        ax_top1.plot([r["step"] for r in top], [100 * r["top1"] for r in top], "o-", color=color, label=run.name)
+    ax_loss.set(title="loss (line: train, dots: eval)", xlabel="step", ylabel="cross-entropy")
+    ax_top1.set(title="eval top-1", xlabel="step", ylabel="%", ylim=(0, 100))
+    if not any(len(line.get_xdata()) for line in ax_loss.lines):
+        empty(ax_loss, "no train records")
+    if not any(len(line.get_xdata()) for line in ax_top1.lines):
+        empty(ax_top1, "no eval records")
+    finish(fig, (ax_loss, ax_top1), path)
+
+
+def plot_throughput(runs: list[Run], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, run in enumerate(runs):
+        recs = [r for r in run.records("train") if isinstance(r.get("images_per_s"), (int, float))]
+        ax.plot([r["step"] for r in recs], [r["images_per_s"] for r in recs], ".-", color=f"C{i % 10}", label=run.name)
+    if not any(len(line.get_xdata()) for line in ax.lines):
+        empty(ax, "no train records")
+    ax.set(title="throughput (rank 0's timing)", xlabel="step", ylabel="images/s")
+    finish(fig, (ax,), path)
+
+
+def series(run: Run):
+    """(label, seconds since the run's first sample, record or GPU entry) lines of the monitor files: one per
+    host and GPU, CPU % one per host, RSS one per rank. A GPU or host seen by several ranks is plotted once."""
+    first = min((r["time"] for recs in run.monitor.values() for r in recs if "time" in r), default=0.0)
+    gpus, cpus, rss = {}, {}, {}
+    for rank, recs in run.monitor.items():
+        for r in recs:
+            if "time" not in r:
+                continue
+            t, host = r["time"] - first, r.get("host", "?")
+            for g in r.get("gpus") or []:
+                key = (host, g.get("index"))
+                if gpus.setdefault(key, (rank, []))[0] == rank:
+                    gpus[key][1].append((t, g))
+            if cpus.setdefault(host, (rank, []))[0] == rank:
+                cpus[host][1].append((t, r))
+            rss.setdefault(rank, []).append((t, r))
+    return ({f"{run.name} {h} gpu{i}": pts for (h, i), (_, pts) in gpus.items()},
+            {f"{run.name} {h}": pts for h, (_, pts) in cpus.items()},
+            {f"{run.name} rank {k}": pts for k, pts in rss.items()})
+
+
+def plot_resources(runs: list[Run], path: Path) -> None:
+    parts = [series(run) for run in runs]
+    has_gpu = any(gpus for gpus, _, _ in parts)
+    panels = ([(0, "util_pct", "GPU utilisation", "%"), (0, "mem_used_mib", "GPU memory used", "MiB")] if has_gpu
+              else []) + [(1, "cpu_percent", "host CPU", "%"), (2, "rss_mib", "process resident memory", "MiB")]
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(10, 3.5 * len(panels) // 2), squeeze=False)
+    axes = axes.ravel()
+    for ax, (which, field, title, unit) in zip(axes, panels):
+        for i, part in enumerate(parts):
+            for j, (label, pts) in enumerate(part[which].items()):
+                pts = [(t, e[field]) for t, e in pts if isinstance(e.get(field), (int, float))]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{i % 10}",
+                        linestyle=("-", "--", ":", "-.")[j % 4], label=label)
+        if not ax.lines:
+            empty(ax, "no monitor_rank*.jsonl (monitor off?)")
+        ax.set(title=title, xlabel="seconds since the first sample", ylabel=unit)
+        ax.set_ylim(0, 105 if unit == "%" else None)
+    finish(fig, axes, path)
+
+
+def breakdown(recs: list[dict]) -> tuple[dict[str, float], float | None]:
+    """({phase: mean seconds per step}, mean step_time_s) over the train records, the first logging window
+    (warm-up) left out when there are others. "unaccounted" is the part of the step no logged phase covers."""
+    recs = [r for r in recs if isinstance(r.get("step_time_s"), (int, float))]
+    recs = recs[1:] if len(recs) > 1 else recs
+    if not recs:
+        return {}, None
+    found = {k for r in recs for k, v in r.items() if isinstance(v, (int, float))}
+    names = [p for p in PHASES if p in found]
+    names += sorted(k for k in found if k.startswith("pipe_") and k.endswith("_s"))
+    names += [k for k in ("other_s",) if k in found]
+    mean = {n: sum(r.get(n) or 0.0 for r in recs) / len(recs) for n in names}
+    step = sum(r["step_time_s"] for r in recs) / len(recs)
+    mean["unaccounted" if names else "step (no breakdown logged)"] = max(0.0, step - sum(mean.values()))
+    return mean, step
+
+
+def plot_breakdown(runs: list[Run], path: Path) -> None:
+    bars = [(f"{run.name}\nrank {rank}", *breakdown(run.records("train", rank)))
+            for run in runs for rank in run.metrics]
+    bars = [bar for bar in bars if bar[1]]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(bars) + 3), 4.5))
+    seen = {p for _, b, _ in bars for p in b}
+    order = [*PHASES, *sorted(p for p in seen if p.startswith("pipe_")), "other_s", "unaccounted",
+             "step (no breakdown logged)"]
+    phases = [p for p in order if p in seen]
+    bottom = [0.0] * len(bars)
+    for k, phase in enumerate(phases):
+        heights = [1e3 * b.get(phase, 0.0) for _, b, _ in bars]
+        ax.bar(range(len(bars)), heights, bottom=bottom, label=phase,
+               color="lightgray" if phase == "unaccounted" else f"C{k}")
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    top = max([*bottom, *(1e3 * step for _, _, step in bars)], default=0.0)
+    if bars:  # phases that overlap (communication hidden behind compute) stack above this mark
+        ax.scatter(range(len(bars)), [1e3 * step for _, _, step in bars], marker="_", s=600, color="black",
+                   label="step_time_s", zorder=3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+    else:
+        empty(ax, "no train records")
+    ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=7)
+    ax.set_ylim(0, 1.08 * top or None)
+    ax.set(title="step time per rank", ylabel="ms per step (mean; first logged window left out)")
+    finish(fig, (ax,), path)
+
+
+def plot_compare(runs: list[Run], path: Path) -> None:
+    rows = [run.row() for run in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    labels = [r["run"] if r["engine"] in (None, r["run"]) else f"{r['run']}\n{r['engine']}" for r in rows]
+    titles = ("peak memory per GPU (GiB; RSS on CPU)", "images/s", "training time (s)")
+    for ax, col, title in zip(axes, COLUMNS[4:], titles):
+        values = [r[col] if isinstance(r[col], (int, float)) else 0.0 for r in rows]
+        ax.bar(range(len(rows)), values, color=[f"C{i % 10}" for i in range(len(rows))])
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_title(title)
+    finish(fig, axes, path)
+
+
+def report(out: Path, runs: list[Run], charts: list[Path], rows: list[list[str]]) -> None:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    imgs = "".join(f"<h2>{p.stem}</h2><img alt='{p.stem}' src='data:image/png;base64,"
+                   f"{base64.b64encode(p.read_bytes()).decode()}'>" for p in charts)
+    sources = ", ".join(html.escape(str(run.path)) for run in runs)
+    (out / "report.html").write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>training report</title><style>"
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+        "padding:4px 8px;text-align:right}img{max-width:100%}</style></head><body>"
+        f"<h1>training report</h1><p>runs: {sources}</p><table><tr>{head}</tr>{body}</table>{imgs}</body></html>\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="plot_logs.py", description="Charts (PNG), a comparison table (markdown and CSV) and report.html "
+        "from one or more run folders of vit.train. Charts: loss.png (train/eval loss, eval top-1), "
+        "throughput.png (images/s), resources.png (GPU utilisation and memory per host and GPU; host CPU %% and "
+        "process RSS), breakdown.png (step-time phases per rank, stacked) and, for several runs, compare.png.")
+    p.add_argument("runs", nargs="+", help="run folders (logs/<run>)")
+    p.add_argument("--out", help="output folder (default: <run>/plots for one run, <common parent of the runs>/plots "
+                                 "for several)")
+    args = p.parse_args(argv)
+    try:
+        runs = [Run(r) for r in args.runs]
+        seen = {}
+        for run in runs:  # same folder name under different parents
+            seen[run.name] = seen.get(run.name, 0) + 1
+            if seen[run.name] > 1:
+                run.name = f"{run.name}-{seen[run.name]}"
+        if args.out:
+            out = Path(args.out)
+        elif len(runs) == 1:
+            out = runs[0].path / "plots"
+        else:
+            out = Path(os.path.commonpath([r.path.resolve() for r in runs])) / "plots"
+        out.mkdir(parents=True, exist_ok=True)
+        charts = [out / "loss.png", out / "throughput.png", out / "resources.png", out / "breakdown.png"]
+        plot_loss(runs, charts[0])
+        plot_throughput(runs, charts[1])
+        plot_resources(runs, charts[2])
+        plot_breakdown(runs, charts[3])
+        if len(runs) > 1:
+            charts.append(out / "compare.png")
+            plot_compare(runs, charts[-1])
+        md, rows = table(runs)
+        (out / "comparison.md").write_text(md)
+        with open(out / "comparison.csv", "w", newline="") as f:
+            csv.writer(f).writerows([COLUMNS, *rows])
+        report(out, runs, charts, rows)
+    except (LogError, OSError) as e:
+        print(f"plot_logs.py: error: {e}", file=sys.stderr)
+        return 1
+    print(md, end="")
+    print(f"wrote {len(charts)} charts, comparison.md, comparison.csv and report.html to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

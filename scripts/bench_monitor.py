@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""What one monitor sample costs with each backend: NVML (where it initialises), GPUtil (the real nvidia-smi,
+or tests/fake_bin/nvidia-smi when there is none) and CPU-only. A benchmark to read, not a test.
+
+    .venv/bin/python scripts/bench_monitor.py [--samples N]
+
+Per backend: wall milliseconds per sample (median and 95th percentile; spent in the sampler thread, not
+in the training loop), CPU milliseconds per sample in this process and in child processes (nvidia-smi), and
+the share of one core that costs at the default interval of 1 s.
+"""
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vit.monitor import Monitor  # noqa: E402
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def bench(backend: str, samples: int) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        mon = Monitor(d, 0, interval_s=3600, backend=backend)  # the thread sleeps; we call sample() ourselves
+        mon.start()
+        try:
+            if mon.backend != backend:
+                return f"unavailable (fell back to {mon.backend})"
+            mon.sample()  # warm-up: imports, first process spawn
+            walls, cpu0, child0 = [], time.process_time(), children_cpu_s()
+            for _ in range(samples):
+                t0 = time.perf_counter()
+                mon.sample()
+                walls.append(time.perf_counter() - t0)
+            cpu_ms = 1e3 * (time.process_time() - cpu0) / samples
+            child_ms = 1e3 * (children_cpu_s() - child0) / samples
+        finally:
+            mon.stop()
+    walls.sort()
+    median, p95 = 1e3 * statistics.median(walls), 1e3 * walls[int(0.95 * (len(walls) - 1))]
+    return (f"wall {median:7.2f} ms median, {p95:7.2f} ms p95 | CPU {cpu_ms:6.2f} ms in-process + {child_ms:6.2f} ms "
+            f"in nvidia-smi = {(cpu_ms + child_ms) / 10:.2f}% of a core at 1 s")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=50, help="timed samples per backend")
+    args = p.parse_args()
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        os.environ["PATH"] = f"{ROOT / 'tests' / 'fake_bin'}:{os.environ['PATH']}"
+    print(f"host CPUs: {os.cpu_count()}; nvidia-smi: {smi or 'none, using tests/fake_bin/nvidia-smi (a bash script)'}")
+    for backend in ("nvml", "gputil", "none"):
+        print(f"{backend:>7}: {bench(backend, args.samples)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

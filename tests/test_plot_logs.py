@@ -1,0 +1,184 @@
+"""plot_logs.py on the logs of real 2-rank runs (ZeRO-2 and the pipeline, CPU and gloo), trained once for the
+module; and on broken or odd folders."""
+import csv
+import json
+import shutil
+import sys
+
+import matplotlib.image
+import pytest
+from conftest import ROOT, base_env, launch, run_cmd
+
+import plot_logs
+from vit.config import parser
+
+CHARTS = ("loss", "throughput", "resources", "breakdown")
+MONITOR_WIRED = "--monitor-interval" in parser().format_help()
+# The module's two trainings run inside the first test's time limit.
+TIMEOUT = 900
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    common = ["--steps", 20, "--log-interval", 2, "--eval-interval", 10, "--no-save"]
+    if MONITOR_WIRED:
+        common += ["--monitor-interval", 0.2]
+    for name, engine in [("zero2", ["--engine", "zero", "--ds-config", ROOT / "deepspeed_configs" / "zero2.json"]),
+                         ("pipeline", ["--engine", "pipeline"])]:
+        r = launch([*engine, *common, "--log-dir", root / name], nprocs=2, timeout=400)
+        assert r.ok, r
+    return {"zero2": root / "zero2", "pipeline": root / "pipeline"}
+
+
+def plot(*args, timeout=120):
+    return run_cmd([sys.executable, str(ROOT / "plot_logs.py"), *map(str, args)], timeout=timeout)
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    pixels = matplotlib.image.imread(path)
+    height, width = pixels.shape[:2]
+    assert 200 <= height <= 2000 and 400 <= width <= 2000 and pixels.shape[2] in (3, 4), (path, pixels.shape)
+    assert pixels.std() > 0.01, f"{path} is blank"
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_charts_table_and_report_from_real_runs(runs, tmp_path):
+    out = tmp_path / "plots"
+    r = plot(runs["zero2"], runs["pipeline"], "--out", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in (*CHARTS, "compare"):
+        assert_png(out / f"{name}.png")
+    with open(out / "comparison.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["run"] for row in rows] == ["zero2", "pipeline"]
+    for row, name in zip(rows, ("zero2", "pipeline")):
+        s = json.loads((runs[name] / "summary.json").read_text())
+        assert row["engine"] == ("zero2" if name == "zero2" else "pipeline (2 stages)")
+        assert int(row["chunks (micro-batches = grad_accum)"]) == s["grad_accum"] == (1 if name == "zero2" else 4)
+        assert int(row["batch size (global)"]) == s["global_batch"] == 64
+        assert float(row["memory per GPU (peak_mem_gib)"]) == pytest.approx(s["peak_mem_gib"], abs=1e-3)
+        assert float(row["images/s"]) == pytest.approx(s["images_per_s"], abs=0.1)
+        assert float(row["training time (train_s)"]) == pytest.approx(s["train_s"], abs=0.01)
+    md = (out / "comparison.md").read_text().splitlines()
+    assert len(md) == 4 and md[2].startswith("| zero2 | zero2 | 1 | 64 |") and md[3].startswith("| pipeline |")
+    html = (out / "report.html").read_text()
+    assert html.count("src='data:image/png;base64,") == len(CHARTS) + 1
+    assert "http" not in html and all(row["images/s"] in html for row in rows)  # self-contained, with the table
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_one_run_default_output_folder(runs, tmp_path):
+    run = shutil.copytree(runs["pipeline"], tmp_path / "pipe")
+    r = plot(run)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(
+        [f"{c}.png" for c in CHARTS] + ["comparison.csv", "comparison.md", "report.html"])
+    for name in CHARTS:
+        assert_png(run / "plots" / f"{name}.png")
+    evals = [rec for rec in plot_logs.Run(run).records("eval")]
+    assert [rec["step"] for rec in evals] == [10, 20]
+    # Every rank appears in the step-time chart.
+    assert {rank for rank in plot_logs.Run(run).metrics} == {0, 1}
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.skipif(not MONITOR_WIRED, reason="vit/train.py has no --monitor-interval yet")
+def test_monitor_logs_of_real_runs(runs):
+    for name, run_dir in runs.items():
+        run = plot_logs.Run(run_dir)
+        assert sorted(run.monitor) == [0, 1]
+        for rank, records in run.monitor.items():
+            assert records and all(rec["rank"] == rank and rec["host"] and rec["rss_mib"] > 0 for rec in records)
+            assert max(rec["step"] for rec in records) == 20  # the last sample comes after the last step
+        gpus, cpus, rss = plot_logs.series(run)
+        assert len(cpus) == 1 and sorted(rss) == [f"{name} rank 0", f"{name} rank 1"]  # one host, two ranks
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert [m["rank"] for m in summary["monitor"]] == [0, 1]
+        assert all(m["samples"] == len(run.monitor[m["rank"]]) for m in summary["monitor"])
+        assert set(summary["gpu_util_mean_per_host"]) == {rec["host"] for rec in run.monitor[0]}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_run_killed_mid_write(runs, tmp_path):
+    # No summary.json, half a line at the end of the logs: charts still, the table from the config and records.
+    run = shutil.copytree(runs["zero2"], tmp_path / "killed")
+    (run / "summary.json").unlink()
+    for log in run.glob("*_rank1.jsonl"):
+        with open(log, "a") as f:
+            f.write('{"kind": "train", "step": 22, "lo')
+    r = plot(run, "--out", tmp_path / "out")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "truncated last line" in r.stderr
+    for name in CHARTS:
+        assert_png(tmp_path / "out" / f"{name}.png")
+    row = next(csv.DictReader(open(tmp_path / "out" / "comparison.csv")))
+    assert row["engine"] == "zero2" and row["batch size (global)"] == "64" and float(row["images/s"]) > 0
+    assert row["training time (train_s)"] == ""
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.timeout(60)
+def test_step_time_breakdown_with_unknown_fields(tmp_path):
+    # Records as the pipeline engine will write them, plus a field this script has never heard of.
+    run = tmp_path / "pipe-x"
+    run.mkdir()
+    for rank, send in ((0, 0.010), (1, 0.030)):  # rank 1 waits longer: a straggler
+        write_jsonl(run / f"metrics_rank{rank}.jsonl", [
+            {"kind": "train", "step": s, "time": 1.0 * s, "rank": rank, "host": "cn0", "loss": 2.0 - s / 10,
+             "images_per_s": 500.0, "step_time_s": 0.100, "data_s": 0.005, "forward_s": 0.020, "backward_s": 0.040,
+             "optimizer_s": 0.010, "pipe_send_s": send, "pipe_recv_s": 0.005, "allreduce_s": 0.002,
+             "other_s": 0.001, "future_field": [1, 2], "note_s": "x"}
+            for s in (2, 4, 6)])
+    write_jsonl(run / "monitor_rank0.jsonl", [
+        {"time": 100.0 + t, "host": "cn0", "rank": 0, "step": t, "cpu_percent": 50.0, "rss_mib": 900.0, "gpus": [
+            {"index": 0, "util_pct": 90.0, "mem_used_mib": 8000.0, "mem_total_mib": 12288.0}], "new": True}
+        for t in range(3)])
+    got, step_s = plot_logs.breakdown(plot_logs.Run(run).records("train", 1))
+    assert list(got) == ["data_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s", "pipe_recv_s",
+                         "pipe_send_s", "other_s", "unaccounted"]
+    assert got["pipe_send_s"] == pytest.approx(0.030) and got["unaccounted"] == pytest.approx(0.0, abs=1e-9)
+    assert step_s == pytest.approx(0.100)
+    assert plot_logs.breakdown(plot_logs.Run(run).records("train", 0))[0]["unaccounted"] == pytest.approx(0.007)
+    r = plot(run)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in CHARTS:
+        assert_png(run / "plots" / f"{name}.png")
+    assert "| pipe-x | – | – | – | – | 500.0 | – |" in (run / "plots" / "comparison.md").read_text()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["empty folder", "missing folder", "corrupt middle line"])
+def test_bad_folder_is_one_line_error(tmp_path, case):
+    folder = tmp_path / "run"
+    if case != "missing folder":
+        folder.mkdir()
+    if case == "corrupt middle line":
+        (folder / "metrics_rank0.jsonl").write_text('{"kind": "train", "step": 1}\n{oops\n{"kind": "train"}\n')
+    r = plot(folder)
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("plot_logs.py: error: "), r.stderr
+    assert {"empty folder": "not a run folder", "missing folder": "no such folder",
+            "corrupt middle line": "metrics_rank0.jsonl:2: not a JSON line"}[case] in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_help():
+    r = plot("--help")
+    assert r.returncode == 0 and "--out" in r.stdout and "report.html" in r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_compare_script_help_and_bad_input():
+    script = str(ROOT / "scripts" / "compare.sh")
+    r = run_cmd([script, "--help"], timeout=30)
+    assert r.returncode == 0 and "HOSTFILE" in r.stdout and "STEPS" in r.stdout
+    r = run_cmd([script, "--steps", "5"], timeout=30)
+    assert r.returncode == 2 and "unknown option '--steps' (train options go after --)" in r.stderr
+    r = run_cmd([script], env={**base_env(), "RUNS": "zero9", "OUT": "/nonexistent/never"}, timeout=30)
+    assert r.returncode == 2 and "unknown run 'zero9'" in r.stderr

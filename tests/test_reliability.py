@@ -1,0 +1,207 @@
+"""Reliability with real ranks on gloo: a killed rank ends the job, checkpoints are never half-loaded,
+damaged ones are caught, a full disk keeps the previous checkpoint, bad configs are refused."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT, Ranks, base_env, last_step, launch, run_cmd, train_losses, wait_for
+
+CHECKPOINTED = ["--steps", 8, "--log-interval", 1, "--save-interval", 4]
+
+
+@pytest.fixture(scope="module")
+def zero_run(tmp_path_factory):
+    """A ZeRO-2 run on 2 ranks with complete checkpoints at steps 4 and 8."""
+    d = tmp_path_factory.mktemp("zero_run")
+    r = launch([*CHECKPOINTED, "--log-dir", d], timeout=240)
+    assert r.ok, r
+    return d
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_of_rank1_ends_every_rank_within_60s(tmp_path):
+    ranks = Ranks(["--steps", 100000, "--log-interval", 1, "--no-save", "--dist-timeout", 30, "--log-dir", tmp_path])
+    wait_for(lambda: last_step(tmp_path, 1) >= 3, 150, "rank 1 to train 3 steps")
+    killed_at = time.monotonic()
+    os.kill(ranks.procs[1].pid, signal.SIGKILL)
+    r = ranks.wait(timeout=90)
+    elapsed = time.monotonic() - killed_at
+    assert elapsed < 60, f"rank 0 took {elapsed:.0f} s to stop"
+    assert r.returncodes[0] != 0 and r.returncodes[1] == -signal.SIGKILL
+    assert "rank 0 (" in r.outputs[0] and ("failed at step" in r.outputs[0] or "stops" in r.outputs[0]), r
+
+
+@pytest.mark.timeout(300)
+def test_non_finite_loss_stops_naming_the_step(tmp_path):
+    # The logged loss is the global mean, so every rank sees it, though only on logging step 3.
+    r = launch(["--steps", 6, "--log-interval", 3, "--lr", 1e9, "--warmup-steps", 1, "--no-save",
+                "--log-dir", tmp_path], timeout=200)
+    assert r.returncodes == [1, 1], r
+    for rank in (0, 1):
+        assert f"rank {rank} (" in r.outputs[rank] and "the loss became non-finite at step 2" in r.outputs[rank], r
+
+
+@pytest.mark.timeout(480)
+def test_interrupted_save_is_never_loaded(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    r = launch(["--steps", 8, "--log-interval", 1, "--save-interval", 2, "--log-dir", tmp_path],
+               env={"VIT_TEST_CRASH_IN_SAVE": "step4"}, timeout=200)
+    assert r.returncodes == [3, 3], r  # both died between writing step4's files and its manifest
+    assert (ckpt / ".tmp-step4").is_dir() and not (ckpt / "step4").exists()
+    assert (ckpt / "latest").read_text() == "step2"
+    r = launch(["--steps", 8, "--log-interval", 1, "--save-interval", 2, "--resume", "--log-dir", tmp_path],
+               timeout=200)
+    assert r.ok, r
+    assert "resumed from step2" in r.outputs[0], r
+    assert not (ckpt / ".tmp-step4").exists() and (ckpt / "step4" / "manifest.json").is_file()
+
+
+@pytest.mark.timeout(480)
+def test_damaged_shard_is_caught_and_previous_checkpoint_used(zero_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(zero_run, run)
+    shard = run / "checkpoints" / "step8" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one flipped byte
+    shard.write_bytes(bytes(data))
+    r = launch([*CHECKPOINTED, "--resume", "--log-dir", run], timeout=200)
+    assert r.ok, r
+    assert f"checkpoint {run / 'checkpoints'}/step8 is damaged ({shard.name} does not match its sha256)" in r.outputs[0]
+    assert "resumed from step4" in r.outputs[0]
+    # Exact resume: steps 5..8 repeat the uninterrupted run's losses.
+    want, got = train_losses(zero_run), train_losses(run)
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7)
+
+
+def one_process(args, env=None) -> subprocess.CompletedProcess:
+    extra = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", **env} if env else {}
+    return run_cmd([sys.executable, "-m", "vit.train", *map(str, args)], env=base_env(**extra), timeout=100)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args,env,message", [
+    (["--engine", "ddp"], {}, "was written by --engine zero, this run uses --engine ddp; resume with --engine zero"),
+    ([], {"WORLD_SIZE": "4"}, "holds ZeRO-2 state sharded over 2 data-parallel ranks, this run has 4"),
+], ids=["other engine", "other world size"])
+def test_resume_under_incompatible_layout_is_refused(zero_run, args, env, message):
+    r = one_process(["--resume", zero_run / "checkpoints", "--log-dir", zero_run / "again", *args], env or {})
+    assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1], r.stderr
+    assert not (zero_run / "again").exists()
+
+
+@pytest.mark.timeout(120)
+def test_resume_with_other_pipeline_stages_is_refused(tmp_path):
+    # A complete pipeline checkpoint's manifest, as vit.checkpoint writes it (files list empty: the layout
+    # check reads the manifest only, before any process group starts).
+    tag = tmp_path / "step10"
+    tag.mkdir()
+    (tag / "manifest.json").write_text(json.dumps({
+        "step": 10, "tag": "step10", "files": {}, "engine": "pipeline", "pipeline_stages": 2, "world_size": 2,
+        "data_parallel_size": 1, "zero_stage": 1, "config_hash": "x"}))
+    r = one_process(["--engine", "pipeline", "--pipeline-stages", 4, "--resume", tmp_path], {"WORLD_SIZE": "4"})
+    assert r.returncode == 2, r.stderr
+    assert "has 2 pipeline stages, this run 4; resume with --pipeline-stages 2" in r.stderr, r.stderr
+
+
+def ds_config(tmp_path, **cfg) -> str:
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, **cfg}))
+    return str(p)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cfg,message", [
+    ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation'; did you mean 'zero_optimization'?"),
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}},
+     "unknown key 'zero_optimization.overlap_com'; did you mean 'overlap_comm'?"),
+    ({"fp16": {"enabled": False, "initial_scale_powr": 10}},
+     "unknown key 'fp16.initial_scale_powr'; did you mean 'initial_scale_power'?"),
+    ({"gradient_clipping": "1.0"}, "gradient_clipping must be a number, got '1.0'"),
+    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage must be 0, 1, 2 or 3, got 'two'"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}},
+     "zero_optimization.reduce_bucket_size is \"auto\""),
+    ({"bf16": True}, "bf16 must be an object, got True"),
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu must be a positive integer, got 0"),
+    ({"optimizer": {"type": "Adam"}}, "remove 'optimizer'"),
+], ids=["top-level typo", "zero typo", "fp16 typo", "type", "zero stage", "auto", "section type", "batch",
+        "optimizer"])
+def test_each_bad_config_has_its_own_message(tmp_path, cfg, message):
+    r = one_process(["--ds-config", ds_config(tmp_path, **cfg), "--log-dir", tmp_path / "run"])
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("entry_cn.sh: error: DeepSpeed config") and message in last, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args,message", [
+    (["--keep-checkpoints", 0], "--keep-checkpoints must be positive"),
+    (["--dist-timeout", -1], "--dist-timeout must be positive"),
+    (["--resume"], "--resume needs the run's --log-dir"),
+])
+def test_bad_command_line_values(tmp_path, args, message):
+    r = one_process(args)
+    assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 4 MiB filesystem (tmpfs): room for one checkpoint of the digits model, not two."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode:
+        pytest.skip("needs root and tmpfs mounts to fill a disk")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.timeout(480)
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, small_disk):
+    r = launch([*CHECKPOINTED, "--save-dir", small_disk, "--log-dir", tmp_path / "run"], timeout=200)
+    assert not r.ok
+    out = "\n".join(r.outputs)
+    # Whichever rank hits the full disk names itself and the free space; every rank ends with that message.
+    assert "saving checkpoint step8" in out and "failed on rank" in out and "MiB free there" in out, r
+    for output in r.outputs:
+        assert "the previous checkpoint (step4) is still valid" in output.strip().splitlines()[-1], r
+    assert (small_disk / "latest").read_text() == "step4"
+    r = launch(["--steps", 8, "--log-interval", 1, "--no-save", "--resume", small_disk, "--log-dir", tmp_path / "b"],
+               timeout=200)
+    assert r.ok, r
+    assert "resumed from step4" in r.outputs[0]
+
+
+@pytest.mark.timeout(600)
+def test_retry_wrapper_relaunches_from_last_checkpoint(tmp_path):
+    mpirun = [str(Path(sys.executable).parent / "mpirun"), "--oversubscribe"]
+    if os.geteuid() == 0:
+        mpirun.append("--allow-run-as-root")
+    cmd = [str(ROOT / "scripts" / "retry.sh"), "-n", "2", "--", *mpirun, "-np", "2", "./entry_cn.sh",
+           "--steps", "30", "--log-interval", "1", "--save-interval", "5", "--log-dir", str(tmp_path)]
+    out = open(tmp_path / "retry.log", "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: (tmp_path / "checkpoints" / "step5" / "manifest.json").is_file() and
+                 last_step(tmp_path, 1) >= 7, 240, "a checkpoint at step 5 and rank 1 past step 7")
+        victim = next(p for p in psutil.process_iter(["cmdline"])
+                      if "vit.train" in (cmdline := " ".join(p.info["cmdline"] or [])) and str(tmp_path) in cmdline
+                      and p.environ().get("OMPI_COMM_WORLD_RANK") == "1")
+        victim.kill()
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out.seek(0)
+    log = out.read()
+    assert "attempt 2 of 3" in log and "--resume" in log, log[-3000:]
+    assert "resumed from step" in log
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 30
