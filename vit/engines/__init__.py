@@ -5,7 +5,8 @@
                                        # returns the mean loss over the global batch (a tensor)
     loss_sum, correct, count = engine.evaluate(batches)   # totals over every rank
     engine.save(save_dir, tag, client_state); client_state = engine.load(load_dir, tag)
-    engine.lr, engine.dp_rank, engine.dp_size, engine.reads_data
+    engine.breakdown(steps)            # mean seconds per step of each phase since the last call
+    engine.lr, engine.skipped_steps, engine.dp_rank, engine.dp_size, engine.reads_data
 
 Nothing outside this package knows which engine runs.
 """
@@ -41,6 +42,32 @@ def deepspeed_comm():
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())
+
+
+class DeepSpeedEngine:
+    """What the DeepSpeed engines share; a subclass sets self.engine, self.optimizer and self.timer."""
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps DeepSpeed skipped because the gradients overflowed."""
+        return self.engine.skipped_steps
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def breakdown(self, steps: int) -> dict[str, float]:
+        return self.timer.read(steps)
+
+    def save(self, save_dir, tag, client_state):
+        # No 'latest' from DeepSpeed: vit.checkpoint points at a checkpoint once it is complete.
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+
+    def load(self, load_dir, tag):
+        path, client_state = self.engine.load_checkpoint(load_dir, tag=tag)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {load_dir}")
+        return client_state
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -5,7 +5,15 @@ import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 
-from vit.engines import EngineContext, deepspeed_comm, eval_totals, make_optimizer, make_scheduler, sum_over_ranks
+from vit.engines import (
+    DeepSpeedEngine,
+    EngineContext,
+    deepspeed_comm,
+    eval_totals,
+    make_optimizer,
+    make_scheduler,
+    sum_over_ranks,
+)
 from vit.metrics import PhaseTimer
 from vit.model import loss_fn
 
@@ -33,7 +41,7 @@ def timed_instructions(instruction_map: dict, timer: PhaseTimer) -> dict:
     return {instr: timed(fn, PHASES.get(instr, "other_s")) for instr, fn in instruction_map.items()}
 
 
-class PipelineEngine:
+class PipelineEngine(DeepSpeedEngine):
     def __init__(self, ctx: EngineContext):
         deepspeed_comm()
         args = ctx.args
@@ -49,15 +57,6 @@ class PipelineEngine:
         self.reads_data = self.engine.is_first_stage() or self.engine.is_last_stage()
         self.timer = PhaseTimer(self.engine.device)
         self.engine._INSTRUCTION_MAP = timed_instructions(type(self.engine)._INSTRUCTION_MAP, self.timer)
-
-    @property
-    def skipped_steps(self) -> int:
-        """fp16 steps DeepSpeed skipped because the gradients overflowed."""
-        return self.engine.skipped_steps
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def train_step(self, batches):
         # Already the mean over micro-batches and data-parallel copies, broadcast to every stage.
@@ -75,18 +74,6 @@ class PipelineEngine:
         self.timer.read(1)  # evaluation is not part of the training steps' breakdown
         return sum_over_ranks(totals)
 
-    def breakdown(self, steps: int) -> dict[str, float]:
-        return self.timer.read(steps)
-
-    def save(self, save_dir, tag, client_state):
-        # No 'latest' from DeepSpeed: vit.checkpoint points at a checkpoint once it is complete.
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
-
-    def load(self, load_dir, tag):
-        path, client_state = self.engine.load_checkpoint(load_dir, tag=tag)
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {load_dir}")
-        return client_state
 
 
 def build(ctx: EngineContext):

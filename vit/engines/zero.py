@@ -5,6 +5,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.engines import (
+    DeepSpeedEngine,
     EngineContext,
     deepspeed_comm,
     eval_totals,
@@ -17,7 +18,7 @@ from vit.metrics import PhaseTimer
 from vit.model import loss_fn
 
 
-class ZeroEngine:
+class ZeroEngine(DeepSpeedEngine):
     reads_data = True
 
     def __init__(self, ctx: EngineContext):
@@ -31,15 +32,6 @@ class ZeroEngine:
         self.grad_accum = ctx.batch.grad_accum
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.timer = PhaseTimer(self.engine.device)
-
-    @property
-    def skipped_steps(self) -> int:
-        """fp16 steps DeepSpeed skipped because the gradients overflowed."""
-        return self.engine.skipped_steps
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def _to_device(self, x, y):
         dev = self.engine.device
@@ -70,18 +62,6 @@ class ZeroEngine:
         self.engine.train()
         return sum_over_ranks(totals)
 
-    def breakdown(self, steps: int) -> dict[str, float]:
-        return self.timer.read(steps)
-
-    def save(self, save_dir, tag, client_state):
-        # No 'latest' from DeepSpeed: vit.checkpoint points at a checkpoint once it is complete.
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
-
-    def load(self, load_dir, tag):
-        path, client_state = self.engine.load_checkpoint(load_dir, tag=tag)
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {load_dir}")
-        return client_state
 
 
 def build(ctx: EngineContext):
