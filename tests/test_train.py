@@ -80,8 +80,14 @@ def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
 
 @pytest.mark.timeout(240)
 def test_mpirun_launch_discovers_ranks(tmp_path):
-    r = run_cmd([*MPIRUN, "-np", "2", "./entry_cn.sh", "--steps", "3", "--no-save", "--log-dir", str(tmp_path)],
-                timeout=200)
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost slots=1\n")
+    r = run_cmd([*MPIRUN, "-np", "2", "./entry_cn.sh", "--steps", "3", "--no-save", "--log-dir", str(tmp_path),
+                 "--hostfile", str(hostfile)], timeout=200)
+    assert r.returncode == 1 and "preflight: world size 2 is more than the hostfile's 1 slots" in r.stderr, r.stderr
+    hostfile.write_text("localhost slots=2\n")
+    r = run_cmd([*MPIRUN, "-np", "2", "./entry_cn.sh", "--steps", "3", "--no-save", "--log-dir", str(tmp_path),
+                 "--hostfile", str(hostfile)], timeout=200)
     assert r.returncode == 0, r.stdout + r.stderr
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["launcher"] == "Open MPI" and cfg["world_size"] == 2
@@ -132,6 +138,7 @@ BAD_INPUT = {
                         "ZeRO stage 2 does not work with the pipeline engine"),
     "resume from empty folder": (lambda t: ["--resume", str(t)], {}, "no complete checkpoint there"),
     "negative steps": (lambda t: ["--steps", "-3"], {}, "--steps must be positive"),
+    "missing hostfile": (lambda t: ["--hostfile", str(t / "hosts.txt")], {}, "hosts.txt: no such file"),
 }
 
 

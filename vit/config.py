@@ -63,6 +63,7 @@ def parser() -> argparse.ArgumentParser:
     a("--monitor-backend", choices=("auto", "nvml", "gputil", "none"), default="auto",
       help="GPU monitor: NVML in-process, GPUtil (nvidia-smi), or none (CPU and memory only)")
     a("--workers", type=int, default=0, help="DataLoader worker processes")
+    a("--hostfile", help="the launch's hostfile: the preflight checks the world size against its slots")
     a("--dist-timeout", type=float, default=300,
       help="seconds before a process-group start or a collective fails, and before the watchdog ends a job "
            "in which no step finished")
@@ -93,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ConfigError(f"unknown dataset '{args.dataset}'; choose one of: {', '.join(DATASETS)}")
     if args.partition not in ("uniform", "parameters") and not args.partition.startswith("type:"):
         raise ConfigError(f"--partition must be uniform, parameters or type:REGEX, got '{args.partition}'")
+    if args.hostfile and not Path(args.hostfile).is_file():
+        raise ConfigError(f"--hostfile {args.hostfile}: no such file")
     if args.ds_config is None:
         args.ds_config = str(ROOT / "deepspeed_configs" / DEFAULT_DS_CONFIG[args.engine])
     if args.epochs is None and args.steps is None:

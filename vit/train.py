@@ -16,7 +16,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from vit import checkpoint
+from vit import checkpoint, preflight
 from vit.config import (
     ROOT,
     Batch,
@@ -130,7 +130,8 @@ def run(plan: Plan, start_time: float) -> None:
     except Exception as e:
         elsewhere = failure_elsewhere()
         if elsewhere is None:
-            traceback.print_exc()
+            if not isinstance(e, ConfigError):  # a preflight finding needs no traceback
+                traceback.print_exc()
             message = f"rank {plan.env.rank} ({socket.gethostname()}) failed at step {watchdog.step}: {e}"
             announce_failure(message)
         else:
@@ -154,6 +155,7 @@ def alive(batches, watchdog: Watchdog):
 
 def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
     args, env, batch = plan.args, plan.env, plan.batch
+    preflight.check(env.world_size, args.hostfile)
     dev = device(env)
     log_dir = shared_log_dir(plan)
     save_dir = plan.save_dir or os.path.join(log_dir, "checkpoints")
