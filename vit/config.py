@@ -64,6 +64,8 @@ def parser() -> argparse.ArgumentParser:
       help="GPU monitor: NVML in-process, GPUtil (nvidia-smi), or none (CPU and memory only)")
     a("--workers", type=int, default=0, help="DataLoader worker processes")
     a("--hostfile", help="the launch's hostfile: the preflight checks the world size against its slots")
+    # The DeepSpeed launcher passes --local_rank=N; LOCAL_RANK in the environment says the same.
+    a("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     a("--dist-timeout", type=float, default=300,
       help="seconds before a process-group start or a collective fails, and before the watchdog ends a job "
            "in which no step finished")
