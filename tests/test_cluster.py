@@ -245,7 +245,7 @@ def test_training_runs_one_rank_per_host(cluster, tmp_path, engine_args):
     hostfile = tmp_path / "hosts.txt"
     cluster.on(0, f"setup/make_hostfile.sh --out {hostfile} {' '.join(HOSTS)}", timeout=60)
     log_dir = tmp_path / "logs"
-    cmd = (f". setup/cluster.env && exec .venv/bin/mpirun -x TORCH_EXTENSIONS_DIR -np 3 --hostfile {hostfile} "
+    cmd = (f". setup/cluster.env && exec .venv/bin/mpirun -x TORCH_EXTENSIONS_DIR -x IFACE -np 3 --hostfile {hostfile} "
            f"./entry_cn.sh {shlex.join(engine_args)} --steps {STEPS} --log-dir {log_dir}")
     r = cluster.on(0, cmd, timeout=360, IFACE="eth0")  # gloo over the simulated network only
     assert f"step {STEPS}/{STEPS}" in r.output, r

@@ -53,7 +53,9 @@ def test_interrupted_save_is_never_loaded(tmp_path):
     ckpt = tmp_path / "checkpoints"
     r = launch(["--steps", 8, "--log-interval", 1, "--save-interval", 2, "--log-dir", tmp_path],
                env={"VIT_TEST_CRASH_IN_SAVE": "step4"}, timeout=200)
-    assert r.returncodes == [3, 3], r  # both died between writing step4's files and its manifest
+    # Both die between writing step4's files and its manifest (exit 3); a rank that gets there second may
+    # already have been ended by its watchdog when rank 0, which holds the job's store, went away (exit 1).
+    assert 3 in r.returncodes and all(rc in (1, 3) for rc in r.returncodes), r
     assert (ckpt / ".tmp-step4").is_dir() and not (ckpt / "step4").exists()
     assert (ckpt / "latest").read_text() == "step2"
     r = launch(["--steps", 8, "--log-interval", 1, "--save-interval", 2, "--resume", "--log-dir", tmp_path],

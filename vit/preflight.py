@@ -45,8 +45,10 @@ def problems(reports: list[dict], world_size: int, slots: int | None) -> list[st
         found.append(f"world size {world_size} is more than the hostfile's {slots} slots")
     first = reports[0]
     for key in ("python", *PACKAGES, *IFACE_VARS):
+        # Interface names may differ between hosts; set on some ranks and not on others is the mistake.
+        differs = (lambda a, b: bool(a) != bool(b)) if key in IFACE_VARS else (lambda a, b: a != b)
         odd = [f"rank {r} ({rep['host']}) has {rep[key] or 'none'}" for r, rep in enumerate(reports)
-               if rep[key] != first[key]]
+               if differs(rep[key], first[key])]
         if odd:
             found.append(f"{key}: rank 0 ({first['host']}) has {first[key] or 'none'}, but " + ", ".join(odd))
     return found
