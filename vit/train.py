@@ -235,7 +235,8 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
                 raise NonFiniteLoss(f"fp16: {skipped_in_a_row} overflow-skipped steps in a row up to step {step}; "
                                     "lower initial_scale_power in the DeepSpeed config or use bf16")
         if step % args.log_interval == 0 or step == total:
-            loss_value = loss.item()  # the only host sync of the step, on logging steps only
+            # The only host sync and the only collective of our own per step, on logging steps only.
+            loss_value = engine.mean_loss(loss).item()
             if check_finite and first_bad_step.item():
                 raise NonFiniteLoss(f"the loss became non-finite at step {first_bad_step.item()} (now "
                                     f"{loss_value}); lower --lr, or resume from an earlier checkpoint")

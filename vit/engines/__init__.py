@@ -1,8 +1,9 @@
 """Training engines, one module each, behind one small interface:
 
     engine = build(name, ctx)          # ctx: EngineContext
-    loss = engine.train_step(batches)  # one optimizer step over grad_accum micro-batches;
-                                       # returns the mean loss over the global batch (a tensor)
+    loss = engine.train_step(batches)  # one optimizer step over grad_accum micro-batches; returns
+                                       # this rank's share of the loss (a tensor, no host sync)
+    engine.mean_loss(loss)             # the mean loss over the global batch (a collective; on logging steps)
     loss_sum, correct, count = engine.evaluate(batches)   # totals over every rank
     engine.save(save_dir, tag, client_state); client_state = engine.load(load_dir, tag)
     engine.breakdown(steps)            # mean seconds per step of each phase since the last call

@@ -76,7 +76,10 @@ class DDPEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         t.lap("optimizer_s")
-        return mean_over_ranks(total / self.grad_accum)
+        return total / self.grad_accum
+
+    def mean_loss(self, loss):
+        return mean_over_ranks(loss)
 
     @torch.no_grad()
     def evaluate(self, batches):

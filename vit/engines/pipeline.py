@@ -62,6 +62,9 @@ class PipelineEngine(DeepSpeedEngine):
         # Already the mean over micro-batches and data-parallel copies, broadcast to every stage.
         return self.engine.train_batch(data_iter=batches if self.reads_data else None)
 
+    def mean_loss(self, loss):
+        return loss
+
     @torch.no_grad()
     def evaluate(self, batches):
         # eval_batch keeps only the last micro-batch's logits, so it runs one micro-batch per call.

@@ -50,7 +50,10 @@ class ZeroEngine(DeepSpeedEngine):
             self.engine.step()  # steps the optimizer only at the accumulation boundary
             t.lap("optimizer_s")
             total = total + loss.detach()
-        return mean_over_ranks(total / self.grad_accum)
+        return total / self.grad_accum
+
+    def mean_loss(self, loss):
+        return mean_over_ranks(loss)
 
     @torch.no_grad()
     def evaluate(self, batches):
