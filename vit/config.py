@@ -49,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
     a("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
     a("--min-lr", type=float, default=1e-5, help="learning rate at the end of the cosine")
     a("--weight-decay", type=float, default=0.05)
+    a("--fused-adam", action="store_true", help="torch's fused AdamW kernel (one kernel for all parameters)")
     a("--warmup-steps", type=int, help="linear warm-up steps (default 5%% of the steps)")
     a("--log-dir", help="run output folder (default logs/<engine>-<time>)")
     a("--log-interval", type=int, default=10, help="steps between log lines and metric records")

@@ -86,7 +86,7 @@ def make_optimizer(model: nn.Module, args, cpu_offload: bool = False) -> torch.o
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=args.lr, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=args.lr)
+    return torch.optim.AdamW(groups, lr=args.lr, fused=True if args.fused_adam else None)
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float:
