@@ -63,13 +63,14 @@ def _wait_all(procs, timeout: float) -> list:
 class Ranks:
     """`nprocs` ranks of vit.train on this machine (gloo), torchrun-style variables, output in temp files."""
 
-    def __init__(self, args, nprocs: int = 2, env=None):
+    def __init__(self, args, nprocs: int = 2, env=None, rank_env=None):
         port = free_port()
         self.procs, self.logs = [], []
         for rank in range(nprocs):
             log = tempfile.TemporaryFile("w+")
             e = base_env(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
-                         LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))
+                         LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}),
+                         **(rank_env or {}).get(rank, {}))
             self.procs.append(subprocess.Popen([sys.executable, "-m", "vit.train", *map(str, args)], cwd=ROOT, env=e,
                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             self.logs.append(log)
@@ -84,9 +85,9 @@ class Ranks:
         return Result(rcs, outs)
 
 
-def launch(args, nprocs: int = 2, timeout: float = 240, env=None) -> Result:
-    """Start `nprocs` ranks and wait for them, at most `timeout` seconds."""
-    return Ranks(args, nprocs, env).wait(timeout)
+def launch(args, nprocs: int = 2, timeout: float = 240, env=None, rank_env=None) -> Result:
+    """Start `nprocs` ranks and wait for them, at most `timeout` seconds; rank_env: {rank: {VAR: value}}."""
+    return Ranks(args, nprocs, env, rank_env).wait(timeout)
 
 
 def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.5):

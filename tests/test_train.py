@@ -133,7 +133,6 @@ BAD_INPUT = {
     "batch arithmetic": (lambda t: ["--ds-config", inconsistent_batch(t)], {"WORLD_SIZE": "2"},
                          "train_batch_size 100 != train_micro_batch_size_per_gpu 32 x gradient_accumulation_steps 1 "
                          "x data-parallel size 2 (= 64"),
-    "fp16 on cpu": (lambda t: ["--precision", "fp16"], {}, "precision fp16 is not supported on this CPU"),
     "zero-2 pipeline": (lambda t: ["--engine", "pipeline", "--ds-config", str(CONFIGS / "zero2.json")], {},
                         "ZeRO stage 2 does not work with the pipeline engine"),
     "resume from empty folder": (lambda t: ["--resume", str(t)], {}, "no complete checkpoint there"),

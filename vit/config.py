@@ -15,7 +15,7 @@ from vit.model import PRESETS
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("zero", "pipeline", "ddp")
 DEFAULT_DS_CONFIG = {"zero": "zero2.json", "pipeline": "pipeline.json", "ddp": "zero0.json"}
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DEFAULT_FP16_SCALE_POWER = 12  # 2^16, DeepSpeed's default, overflowed on every step in users' ViT runs
 
 
@@ -33,7 +33,15 @@ def parser() -> argparse.ArgumentParser:
     a("--ds-config", help="DeepSpeed JSON (batch, precision, ZeRO); default deepspeed_configs/"
       + ", ".join(f"{v} for {k}" for k, v in DEFAULT_DS_CONFIG.items()))
     a("--pipeline-stages", type=int, default=2, help="pipeline engine: number of stages")
-    a("--partition", default="parameters", help="pipeline engine: uniform, parameters or type:REGEX")
+    a("--partition", default="parameters",
+      help="pipeline engine: how layers are cut into stages: uniform, parameters, type:REGEX, or balanced (by the "
+           "census: each rank's measured speed and free memory, and each layer's FLOPs)")
+    a("--batch-split", choices=("equal", "proportional"), default="equal",
+      help="zero and ddp engines: every rank the same micro-batch, or micro-batches in proportion to each rank's "
+           "measured speed (within its memory), gradients weighted so the update is the same")
+    a("--simulate-slowdown", metavar="RANK=FACTOR[,...]",
+      help="make these ranks' compute FACTOR times slower (each layer's forward and backward is followed by a "
+           "wait of FACTOR-1 times its time), to try mixed-GPU settings on identical hardware")
     a("--model", default="vit_digits", help="one of: " + ", ".join(PRESETS))
     a("--img-size", type=int, help="image side for imagefolder/synthetic (default: the model's)")
     a("--dataset", default="digits", help="one of: " + ", ".join(DATASETS))
@@ -45,7 +53,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--epochs", type=float, help="epochs to train (default 40 when --steps is not given)")
     a("--micro-batch-size", type=int, help="override train_micro_batch_size_per_gpu of the JSON")
     a("--grad-accum", type=int, help="override gradient_accumulation_steps of the JSON")
-    a("--precision", choices=PRECISIONS, help="override the JSON's fp16/bf16 setting")
+    a("--precision", choices=PRECISIONS,
+      help="override the JSON's fp16/bf16 setting; auto: bf16 if every rank supports it, else fp16 if every rank "
+           "does, else fp32")
+    a("--loss-scale", choices=("config", "auto"), default="config",
+      help="fp16: the JSON's initial_scale_power, or auto: a short fp32 probe of the gradients picks it")
     a("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
     a("--min-lr", type=float, default=1e-5, help="learning rate at the end of the cosine")
     a("--weight-decay", type=float, default=0.05)
@@ -95,8 +107,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ConfigError(f"unknown model '{args.model}'; choose one of: {', '.join(PRESETS)}")
     if args.dataset not in DATASETS:
         raise ConfigError(f"unknown dataset '{args.dataset}'; choose one of: {', '.join(DATASETS)}")
-    if args.partition not in ("uniform", "parameters") and not args.partition.startswith("type:"):
-        raise ConfigError(f"--partition must be uniform, parameters or type:REGEX, got '{args.partition}'")
+    if args.partition not in ("uniform", "parameters", "balanced") and not args.partition.startswith("type:"):
+        raise ConfigError(f"--partition must be uniform, parameters, balanced or type:REGEX, got '{args.partition}'")
+    if args.partition == "balanced" and args.engine != "pipeline":
+        raise ConfigError("--partition balanced applies to --engine pipeline")
+    if args.batch_split == "proportional" and args.engine == "pipeline":
+        raise ConfigError("--batch-split proportional applies to --engine zero or ddp (a pipeline balances its "
+                          "stages with --partition balanced)")
     if args.hostfile and not Path(args.hostfile).is_file():
         raise ConfigError(f"--hostfile {args.hostfile}: no such file")
     if args.ds_config is None:
@@ -193,25 +210,17 @@ def resolve_ds_config(args, world_size: int) -> tuple[dict, Batch]:
     cfg.update(train_batch_size=batch.global_size, train_micro_batch_size_per_gpu=micro,
                gradient_accumulation_steps=gas)
 
-    if args.precision:
-        cfg.setdefault("fp16", {})["enabled"] = args.precision == "fp16"
-        cfg.setdefault("bf16", {})["enabled"] = args.precision == "bf16"
-        if args.precision == "fp16":
-            cfg["fp16"].setdefault("initial_scale_power", DEFAULT_FP16_SCALE_POWER)
+    if args.precision and args.precision != "auto":
+        set_precision(cfg, args.precision)
     precision_of(cfg)  # both enabled is an error
+    if args.loss_scale == "auto" and args.precision != "auto" and precision_of(cfg) != "fp16":
+        raise ConfigError(f"--loss-scale auto tunes fp16, but the precision is {precision_of(cfg)}")
     deepspeed_parses(cfg, name)
     return cfg, batch
 
 
-def check_precision(precision: str) -> None:
-    """fp16 on a device without it stops here, not inside DeepSpeed."""
-    import torch
-
+def set_precision(cfg: dict, precision: str) -> None:
+    cfg.setdefault("fp16", {})["enabled"] = precision == "fp16"
+    cfg.setdefault("bf16", {})["enabled"] = precision == "bf16"
     if precision == "fp16":
-        from deepspeed.accelerator import get_accelerator
-
-        if not torch.cuda.is_available() or not get_accelerator().is_fp16_supported():
-            where = torch.cuda.get_device_name() if torch.cuda.is_available() else "this CPU"
-            raise ConfigError(f"precision fp16 is not supported on {where}; use --precision bf16 or fp32")
-    if precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"precision bf16 is not supported on {torch.cuda.get_device_name()}; use fp16 or fp32")
+        cfg["fp16"].setdefault("initial_scale_power", DEFAULT_FP16_SCALE_POWER)

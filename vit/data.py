@@ -157,16 +157,19 @@ def steps_per_epoch(num_samples: int, global_batch: int) -> int:
 class TrainBatches(Sampler):
     """Index lists of this rank's micro-batches, step after step, from `start_step` to `end_step`.
 
-    Micro-batch j of data-parallel rank r in step k is slice (j * dp_size + r) of global batch k.
+    Global batch k is cut into grad_accum chunks, one per micro-step; data-parallel rank r takes its
+    micro-batch out of each chunk, after those of ranks 0..r-1. `sizes` gives every rank's micro-batch
+    when they differ (--batch-split proportional); by default all are `micro_batch`.
     """
 
     def __init__(self, num_samples: int, micro_batch: int, grad_accum: int, dp_rank: int, dp_size: int,
-                 seed: int, start_step: int, end_step: int):
-        self.global_batch = micro_batch * grad_accum * dp_size
+                 seed: int, start_step: int, end_step: int, sizes: list[int] | None = None):
+        self.sizes = sizes or [micro_batch] * dp_size
+        self.global_batch = sum(self.sizes) * grad_accum
         self.per_epoch = steps_per_epoch(num_samples, self.global_batch)
         if self.per_epoch == 0:
             raise ValueError(f"global batch {self.global_batch} is larger than the {num_samples} training samples")
-        self.n, self.mb, self.ga, self.r, self.dp = num_samples, micro_batch, grad_accum, dp_rank, dp_size
+        self.n, self.ga, self.r = num_samples, grad_accum, dp_rank
         self.seed, self.start, self.end = seed, start_step, end_step
 
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -179,9 +182,10 @@ class TrainBatches(Sampler):
             if epoch != perm_epoch:
                 perm, perm_epoch = self._perm(epoch), epoch
             batch = perm[pos * self.global_batch:(pos + 1) * self.global_batch]
+            chunk, mine = sum(self.sizes), self.sizes[self.r]
             for j in range(self.ga):
-                k = j * self.dp + self.r
-                yield batch[k * self.mb:(k + 1) * self.mb].tolist()
+                first = j * chunk + sum(self.sizes[:self.r])
+                yield batch[first:first + mine].tolist()
 
     def __len__(self):
         return (self.end - self.start) * self.ga

@@ -6,6 +6,7 @@ Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore u
    and the step-time breakdown in seconds per step: "data_s", "forward_s", "backward_s", "optimizer_s",
    for the pipeline also "pipe_send_s", "pipe_recv_s", "allreduce_s"}
   {"kind": "eval",  "step", "time", "rank", "host", "eval_loss", "top1"}
+  {"kind": "skip",  "step", "time", "rank", "host", "skipped_steps", "in_a_row"}: an fp16 step skipped on overflow
 """
 import json
 import os

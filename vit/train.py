@@ -16,12 +16,11 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from vit import checkpoint, preflight
+from vit import checkpoint, hetero, preflight, slowdown
 from vit.config import (
     ROOT,
     Batch,
     ConfigError,
-    check_precision,
     parse_args,
     precision_of,
     resolve_ds_config,
@@ -49,14 +48,15 @@ class Plan:
     save_dir: str | None
     resume: tuple[str, list[str]] | None  # (save dir, candidate tags, newest first)
     layout: dict  # what a checkpoint must match to be resumed by this run
+    slowdowns: dict  # --simulate-slowdown: rank -> factor
 
 
 def make_plan(argv) -> Plan:
     args = parse_args(argv)
     env = discover()
     ds_config, batch = resolve_ds_config(args, env.world_size)
-    precision = precision_of(ds_config)
-    check_precision(precision)
+    precision = "auto" if args.precision == "auto" else precision_of(ds_config)  # every rank's say: hetero.adapt
+    slowdowns = slowdown.parse(args.simulate_slowdown, env.world_size)
     preset = PRESETS[args.model]
     data = load_dataset(args.dataset, args.data_path, args.img_size or preset.img_size, args.download,
                         args.synthetic_size, args.seed)
@@ -89,7 +89,7 @@ def make_plan(argv) -> Plan:
             checkpoint.check_layout(saved, layout, f"checkpoint {resume[0]}/{tag}")
             break
     resolve_master(env)
-    return Plan(args, env, ds_config, batch, precision, data, total_steps, save_dir, resume, layout)
+    return Plan(args, env, ds_config, batch, precision, data, total_steps, save_dir, resume, layout, slowdowns)
 
 
 def config_hash(plan: Plan) -> str:
@@ -162,14 +162,19 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
     data = plan.data
-    layers = build_layers(args.model, data.num_classes, data.in_chans, data.img_size, args.seed)
-    engine = build(args.engine, EngineContext(args, layers, plan.ds_config, batch, dev, plan.total_steps,
-                                              plan.precision))
+    settings_hash = config_hash(plan)  # the user's settings, before the census fills in precision and loss scale
     start, resumed_from = 0, None
     if plan.resume:
         resumed_from = resume_tag(plan)
         saved = checkpoint.read_manifest(plan.resume[0], resumed_from)
-        if saved.get("config_hash") != config_hash(plan) and env.is_main:
+        start = saved["step"]
+    layers = build_layers(args.model, data.num_classes, data.in_chans, data.img_size, args.seed)
+    hw = hetero.adapt(args, env, batch, plan.ds_config, plan.precision, layers, data, dev, start, plan.slowdowns)
+    plan.precision = hw.precision
+    engine = build(args.engine, EngineContext(args, layers, plan.ds_config, batch, dev, plan.total_steps,
+                                              plan.precision, hw.loss_weight, hw.parts))
+    if plan.resume:
+        if saved.get("config_hash") != settings_hash and env.is_main:
             print(f"warning: {resumed_from} was written with other settings (model, data, optimizer or "
                   "DeepSpeed config) than this run", flush=True)
         start = checkpoint.load(engine, plan.resume[0], resumed_from)["step"]
@@ -177,6 +182,7 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
     main = env.is_main
     if main:
         os.makedirs(log_dir, exist_ok=True)
+        write_json(os.path.join(log_dir, "cluster.json"), hw.record)
         write_json(os.path.join(log_dir, "config.json"), {
             "args": vars(args), "deepspeed": plan.ds_config, "precision": plan.precision,
             "world_size": env.world_size, "launcher": env.launcher, "master": f"{env.master_addr}:{env.master_port}",
@@ -207,10 +213,11 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
     def save(step: int) -> None:
         watchdog.beat()
         checkpoint.save(engine, save_dir, step, {"step": step, "engine": args.engine},
-                        {**plan.layout, "config_hash": config_hash(plan)}, args.keep_checkpoints)
+                        {**plan.layout, "config_hash": settings_hash}, args.keep_checkpoints)
 
     sampler = TrainBatches(len(data.train), batch.micro, batch.grad_accum, engine.dp_rank, engine.dp_size,
-                           args.seed, start, total)
+                           args.seed, start, total, hw.split)
+    my_micro = hw.split[engine.dp_rank] if hw.split else batch.micro
     batches = iter(make_loader(data.train, sampler, args.workers, pin)) if engine.reads_data else None
     loss_value, saved_step = float("nan"), start
     # fp16 overflows are DeepSpeed's (or the GradScaler's) to skip; any other non-finite loss stops the run.
@@ -231,6 +238,11 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
         else:
             skipped_in_a_row = skipped_in_a_row + 1 if engine.skipped_steps > skipped_before else 0
             skipped_before = engine.skipped_steps
+            if skipped_in_a_row:  # every skip, as it happens
+                metrics.write("skip", step, skipped_steps=engine.skipped_steps, in_a_row=skipped_in_a_row)
+                if main:
+                    print(f"step {step}: fp16 gradients overflowed, step skipped ({engine.skipped_steps} so far)",
+                          flush=True)
             if skipped_in_a_row > args.max_skipped_steps:
                 raise NonFiniteLoss(f"fp16: {skipped_in_a_row} overflow-skipped steps in a row up to step {step}; "
                                     "lower initial_scale_power in the DeepSpeed config or use bf16")
@@ -247,7 +259,7 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
             for phase, seconds in phases.items():
                 phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds * window_steps
             metrics.write("train", step, loss=loss_value, lr=lr, images_per_s=ips, step_time_s=step_time, mem_gib=mem,
-                          rank_images_per_s=batch.micro * batch.grad_accum / step_time,
+                          rank_images_per_s=my_micro * batch.grad_accum / step_time,
                           skipped_steps=engine.skipped_steps, **phases)
             if main:
                 if sys.stderr.isatty():

@@ -32,6 +32,8 @@ class EngineContext:
     device: torch.device
     total_steps: int
     precision: str
+    loss_weight: float = 1.0  # this rank's micro-batch x data-parallel size / the micro-step's samples
+    parts: list[int] | None = None  # pipeline stage boundaries for --partition balanced
 
 
 def build(name: str, ctx: EngineContext):

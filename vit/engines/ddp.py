@@ -32,7 +32,7 @@ class DDPEngine:
         self.scaler = (torch.amp.GradScaler("cuda", init_scale=2.0 ** fp16.get("initial_scale_power", 16))
                        if ctx.precision == "fp16" else None)
         self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
-        self.grad_accum = ctx.batch.grad_accum
+        self.grad_accum, self.loss_weight = ctx.batch.grad_accum, ctx.loss_weight
         self.skipped_steps = 0  # fp16 steps the GradScaler skipped on inf/nan gradients
         self.timer = PhaseTimer(self.device)
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
@@ -56,7 +56,7 @@ class DDPEngine:
             sync = j == self.grad_accum - 1  # all-reduce gradients once, on the last micro-batch
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 logits, y = self._forward(*next(batches))
-                loss = loss_fn(logits, y)
+                loss = loss_fn(logits, y) * self.loss_weight  # DDP averages over ranks: see vit.engines.zero
                 t.lap("forward_s")
                 scaled = loss / self.grad_accum
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()

@@ -41,12 +41,27 @@ def timed_instructions(instruction_map: dict, timer: PhaseTimer) -> dict:
     return {instr: timed(fn, PHASES.get(instr, "other_s")) for instr, fn in instruction_map.items()}
 
 
+class PlannedPipeline(PipelineModule):
+    """A PipelineModule whose stage boundaries are given (--partition balanced) instead of computed."""
+
+    def __init__(self, parts: list[int], **kwargs):
+        object.__setattr__(self, "planned_parts", parts)  # before nn.Module's own __init__
+        super().__init__(**kwargs)
+
+    def _partition_layers(self, method="uniform"):
+        if method != "balanced":
+            return super()._partition_layers(method)
+        self.parts = list(self.planned_parts)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
 class PipelineEngine(DeepSpeedEngine):
     def __init__(self, ctx: EngineContext):
         deepspeed_comm()
         args = ctx.args
-        module = PipelineModule(layers=ctx.layers, num_stages=args.pipeline_stages, loss_fn=loss_fn,
-                                partition_method=args.partition)
+        module = PlannedPipeline(ctx.parts, layers=ctx.layers, num_stages=args.pipeline_stages, loss_fn=loss_fn,
+                                 partition_method=args.partition)
         opt = make_optimizer(module, args)
         sched = make_scheduler(opt, args, ctx.total_steps)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -76,7 +91,6 @@ class PipelineEngine(DeepSpeedEngine):
                 totals += eval_totals(logits, y)
         self.timer.read(1)  # evaluation is not part of the training steps' breakdown
         return sum_over_ranks(totals)
-
 
 
 def build(ctx: EngineContext):

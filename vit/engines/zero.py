@@ -29,7 +29,7 @@ class ZeroEngine(DeepSpeedEngine):
         sched = make_scheduler(opt, ctx.args, ctx.total_steps)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)
-        self.grad_accum = ctx.batch.grad_accum
+        self.grad_accum, self.loss_weight = ctx.batch.grad_accum, ctx.loss_weight
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.timer = PhaseTimer(self.engine.device)
 
@@ -43,7 +43,8 @@ class ZeroEngine(DeepSpeedEngine):
         for _ in range(self.grad_accum):
             x, y = self._to_device(*next(batches))
             t.lap("data_s")
-            loss = loss_fn(self.engine(x), y)
+            # Weighted by this rank's share, so the average over ranks is the global batch's mean loss.
+            loss = loss_fn(self.engine(x), y) * self.loss_weight
             t.lap("forward_s")
             self.engine.backward(loss)
             t.lap("backward_s")
@@ -64,7 +65,6 @@ class ZeroEngine(DeepSpeedEngine):
             totals += eval_totals(self.engine(x), y)
         self.engine.train()
         return sum_over_ranks(totals)
-
 
 
 def build(ctx: EngineContext):

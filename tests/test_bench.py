@@ -1,0 +1,61 @@
+"""vit.bench end to end with real processes: the training table and the all-reduce table. No timing
+assertions: speed targets live in docs/benchmarks.md, not in tests."""
+import json
+import sys
+
+import pytest
+from conftest import MPIRUN, run_cmd
+
+ENGINES = ["ddp", "zero0", "zero1", "zero2", "zero3", "pipeline"]
+
+
+@pytest.mark.timeout(240)
+def test_train_table_has_a_row_and_a_ratio_per_engine(tmp_path):
+    cmd = [sys.executable, "-m", "vit.bench", "train", "--model", "vit_digits", "--global-batch", 16, "--ranks", 2,
+           "--steps", 2, "--warmup", 1, "--engines", ",".join(ENGINES), "--timeout", 120, "--out", tmp_path]
+    r = run_cmd([str(c) for c in cmd], timeout=220)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "train.json").read_text())
+    rows = {row["engine"]: row for row in result["rows"]}
+    assert list(rows) == ["reference", *ENGINES]
+    assert rows["reference"]["ratio"] == 1.0
+    for row in rows.values():
+        assert row["images_per_s"] > 0 and row["step_time_s"] > 0 and row["ratio"] > 0 and row["peak_mem_gib"] > 0
+        assert row["ratio"] == pytest.approx(row["images_per_s"] / rows["reference"]["images_per_s"])
+    assert rows["pipeline"]["layout"] == "4 x 4 x 1" and rows["ddp"]["layout"] == "8 x 1 x 2"  # global batch 16
+    assert result["flops_per_image"] > 0
+    table = (tmp_path / "train.md").read_text()
+    assert "| ratio to ref |" in table and table in r.stdout
+    body = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [line.split("|")[1].strip() for line in body] == ["reference", *ENGINES]
+    for engine in ENGINES:  # every engine ran as a real 2-rank vit.train
+        assert (tmp_path / "logs" / engine / "metrics_rank1.jsonl").exists()
+
+
+@pytest.mark.timeout(120)
+def test_fused_adam_reaches_the_reference_and_every_engine_run(tmp_path):
+    cmd = [sys.executable, "-m", "vit.bench", "train", "--model", "vit_digits", "--global-batch", 16, "--ranks", 2,
+           "--steps", 2, "--warmup", 1, "--engines", "zero1", "--fused-adam", "--timeout", 90, "--out", tmp_path]
+    r = run_cmd([str(c) for c in cmd], timeout=110)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads((tmp_path / "train.json").read_text())["fused_adam"] is True
+    assert "AdamW fused" in (tmp_path / "train.md").read_text()
+    assert json.loads((tmp_path / "logs" / "zero1" / "config.json").read_text())["args"]["fused_adam"] is True
+
+
+@pytest.mark.timeout(90)
+def test_allreduce_under_mpirun_reports_bus_bandwidth(tmp_path):
+    cmd = [*MPIRUN, "-np", 2, sys.executable, "-m", "vit.bench", "allreduce", "--max-bytes", "16K", "--iters", 3,
+           "--warmup", 1, "--timeout", 60, "--out", tmp_path]
+    r = run_cmd([str(c) for c in cmd], timeout=80)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "allreduce.json").read_text())
+    assert result["world_size"] == 2 and result["backend"] == "gloo" and result["bus_factor"] == 2 * (2 - 1) / 2
+    assert [row["bytes"] for row in result["rows"]] == [1024, 2048, 4096, 8192, 16384]
+    for row in result["rows"]:
+        for way in ("torch", "mpi"):
+            m = row[way]
+            assert m["time_s"] > 0
+            assert m["algbw_gbps"] == pytest.approx(row["bytes"] / m["time_s"] / 1e9)
+            assert m["busbw_gbps"] == pytest.approx(m["algbw_gbps"] * 2 * (2 - 1) / 2)
+    assert "busbw GB/s" in r.stdout and "16384" in r.stdout

@@ -1,0 +1,250 @@
+"""Mixed GPUs: the planners against brute force and by hand, then real 2-rank runs: proportional batches give
+the homogeneous update, balanced stages train the same network, impossible precisions are refused by rank."""
+import json
+import random
+import sys
+
+import pytest
+import torch
+from conftest import base_env, launch, run_cmd, train_losses
+
+from vit import hetero, slowdown
+from vit.config import ConfigError, parse_args
+from vit.data import TrainBatches
+from vit.reference import reference_losses
+
+
+def random_case(rng: random.Random, n: int, stages: int, tight: bool):
+    cost = [rng.uniform(0.1, 5) for _ in range(n)]
+    static = [rng.uniform(0, 3) for _ in range(n)]
+    act = [rng.uniform(0, 1) for _ in range(n)]
+    speed = [rng.choice([0.5, 1, 1, 2, 3]) for _ in range(stages)]
+    inflight = hetero.pipeline_inflight(stages, rng.choice([1, 4, 8]))
+    total = sum(static) + sum(act) * max(inflight)
+    capacity = [rng.uniform(0.2, 0.6) * total if tight else total for _ in range(stages)]
+    return cost, static, act, speed, capacity, inflight
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_balanced_split_matches_brute_force(seed):
+    rng = random.Random(seed)
+    n, stages = rng.randint(2, 9), rng.randint(1, 4)
+    stages = min(stages, n)
+    case = random_case(rng, n, stages, tight=seed % 2 == 1)
+    got, best = hetero.balanced_split(*case), hetero.brute_force_split(*case)
+    if best is None:
+        assert got is None
+        return
+    assert got is not None
+    assert max(got.times) == pytest.approx(max(best.times))
+    parts = got.parts
+    assert parts[0] == 0 and parts[-1] == n and all(a < b for a, b in zip(parts, parts[1:]))  # contiguous, non-empty
+    assert all(m <= c for m, c in zip(got.mems, case[4]))
+
+
+def test_balanced_split_gives_the_slow_rank_fewer_layers_and_respects_memory():
+    cost, static, act = [1.0] * 12, [1.0] * 12, [0.0] * 12
+    plan = hetero.balanced_split(cost, static, act, speed=[2.0, 1.0], capacity=[100, 100], inflight=[1, 1])
+    assert plan.parts == [0, 8, 12] and plan.times == [4.0, 4.0]
+    # The fast rank has room for 6 layers only: the best split that fits, not the fastest one.
+    plan = hetero.balanced_split(cost, static, act, speed=[2.0, 1.0], capacity=[6, 100], inflight=[1, 1])
+    assert plan.parts == [0, 6, 12] and plan.mems == [6.0, 6.0]
+    # Activations count once per micro-batch in flight.
+    plan = hetero.balanced_split(cost, [0.0] * 12, [1.0] * 12, speed=[1.0, 1.0], capacity=[10, 10], inflight=[2, 1])
+    assert plan.parts == [0, 5, 12] and plan.mems == [10.0, 7.0]
+    assert hetero.balanced_split(cost, static, act, speed=[1.0, 1.0], capacity=[5, 5], inflight=[1, 1]) is None
+
+
+def census(free_gib=(8.0, 8.0), block_ms=(10.0, 20.0)):
+    return [{"host": f"cn{r}", "device": "GPU", "mem_free_gib": f, "block_ms": b}
+            for r, (f, b) in enumerate(zip(free_gib, block_ms))]
+
+
+PROFILE = [{"name": "Embed", "flops": 1e6, "act_bytes": 4e3, "params": 1e4}]
+PROFILE += [{"name": "Block", "flops": 1e8, "act_bytes": 1e5, "params": 5e5} for _ in range(12)]
+PROFILE += [{"name": "Head", "flops": 1e5, "act_bytes": 1e3, "params": 1e3}]
+
+
+def test_stage_plan_uses_census_speed_and_says_when_nothing_fits():
+    plan = hetero.plan_stages(PROFILE, census(), stages=2, micro=16, micro_batches=4, precision="fp32")
+    assert plan.parts == [0, 9, 14]  # rank 1 is twice as slow: 8 blocks + embedding against 4 blocks + head
+    text = hetero.stage_plan_text(plan, PROFILE, census(), {"uniform": [0, 7, 14]})
+    assert "stage 1 on rank 1 (cn1): layers 9-13 (Block x4, Head x1)" in text and "--partition uniform" in text
+    with pytest.raises(ConfigError, match="no split of the 14 layers into 2 stages fits"):
+        hetero.plan_stages(PROFILE, census(free_gib=(0.05, 0.05)), 2, 16, 4, "fp32")
+
+
+def test_proportional_split_follows_speed_within_memory():
+    assert hetero.proportional_split(64, [2.0, 1.0], [64, 64]) == [43, 21]
+    assert hetero.proportional_split(64, [1.0, 1.0], [64, 64]) == [32, 32]
+    assert hetero.proportional_split(64, [3.0, 1.0], [40, 64]) == [40, 24]  # capped: the rest goes to the other
+    assert sum(hetero.proportional_split(10, [1.0, 1.0, 1.0], [10, 10, 10])) == 10
+    assert hetero.proportional_split(4, [100.0, 1.0, 1.0, 1.0], [4, 4, 4, 4]) == [1, 1, 1, 1]  # at least 1 each
+    with pytest.raises(ValueError):
+        hetero.proportional_split(64, [1.0, 1.0], [30, 30])
+    with pytest.raises(ConfigError, match="free memory holds"):
+        hetero.split_batches(PROFILE, census(free_gib=(0.05, 0.05)), micro=32, precision="fp32")
+
+
+def test_uneven_micro_batches_make_up_the_global_batch():
+    sizes, ga = [5, 2, 1], 2
+    single = list(TrainBatches(100, 16, 1, 0, 1, seed=3, start_step=0, end_step=5))
+    per_rank = [list(TrainBatches(100, 0, ga, r, 3, seed=3, start_step=0, end_step=5, sizes=sizes)) for r in range(3)]
+    for step in range(5):
+        mine = [per_rank[r][step * ga:(step + 1) * ga] for r in range(3)]
+        assert [len(b) for r in range(3) for b in mine[r]] == [5, 5, 2, 2, 1, 1]
+        assert sorted(i for r in range(3) for b in mine[r] for i in b) == sorted(single[step])
+
+
+def test_precision_negotiation():
+    def rep(fp16, bf16):
+        return {"host": "h", "device": "GPU", "fp16": fp16, "bf16": bf16}
+
+    assert hetero.negotiate("auto", [rep(True, True), rep(True, True)])[0] == "bf16"
+    precision, why = hetero.negotiate("auto", [rep(True, True), rep(True, False)])
+    assert precision == "fp16" and "no bf16 on rank 1 (h, GPU)" in why
+    assert hetero.negotiate("auto", [rep(False, True), rep(True, False)])[0] == "fp32"
+    with pytest.raises(ConfigError, match=r"precision bf16 is not supported by rank 1 \(h, GPU\), rank 2 "):
+        hetero.negotiate("bf16", [rep(True, True), rep(True, False), rep(True, False)])
+
+
+def test_scale_power_keeps_the_margin():
+    for g in (1e-4, 0.37, 3.0, 900.0):
+        p = hetero.scale_power(g)
+        assert g * 2**p * hetero.SCALE_MARGIN < hetero.FP16_MAX <= g * 2 ** (p + 1) * hetero.SCALE_MARGIN
+    assert hetero.scale_power(1e6) == 0
+    with pytest.raises(ConfigError, match="not finite"):
+        hetero.scale_power(float("inf"))
+
+
+def test_slowdown_parse_and_unchanged_gradients():
+    assert slowdown.parse("1=2,3=1.5", 4) == {1: 2.0, 3: 1.5}
+    for bad, msg in [("1:2", "not RANK=FACTOR"), ("4=2", "rank 4 does not exist"), ("1=0.5", "at least 1")]:
+        with pytest.raises(ConfigError, match=msg):
+            slowdown.parse(bad, 4)
+
+    def grads(factor):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(8, 8) for _ in range(3)]
+        if factor:
+            for layer in layers:
+                slowdown.attach(layer, factor, torch.device("cpu"))
+        torch.nn.Sequential(*layers)(torch.randn(4, 8)).square().sum().backward()
+        return [p.grad for layer in layers for p in layer.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(None), grads(3.0)))
+
+
+# ---------------------------------------------------------------------------------- real 2-rank runs
+
+COMMON = ["--steps", 6, "--no-save", "--monitor-interval", 0, "--log-interval", 1]
+
+
+def reference() -> list[float]:
+    return reference_losses(parse_args([]), global_batch=64, steps=6, clip=1.0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine", ["zero", "ddp"])
+def test_proportional_batches_give_the_homogeneous_update(tmp_path, engine):
+    r = launch(["--engine", engine, "--batch-split", "proportional", "--simulate-slowdown", "1=3", *COMMON,
+                "--log-dir", tmp_path], timeout=280)
+    assert r.ok, r
+    split = json.loads((tmp_path / "cluster.json").read_text())["batch_split"]
+    assert sum(split) == 64 and split[0] > split[1] + 10  # rank 1 is 3x slower: it gets far fewer samples
+    ref = reference()
+    got = train_losses(tmp_path)
+    assert list(got) == list(range(1, 7))
+    for step, loss in got.items():
+        assert loss == pytest.approx(ref[step - 1], rel=2e-4), (step, loss, ref)
+
+
+@pytest.mark.timeout(300)
+def test_balanced_pipeline_gives_the_slow_rank_less_and_trains_the_same_network(tmp_path):
+    r = launch(["--engine", "pipeline", "--partition", "balanced", "--simulate-slowdown", "1=3", *COMMON,
+                "--log-dir", tmp_path], timeout=280)
+    assert r.ok, r
+    assert "pipeline plan (--partition balanced)" in r.outputs[0]
+    parts = json.loads((tmp_path / "cluster.json").read_text())["stages"]["parts"]
+    assert parts[0] == 0 and parts[2] == 6 and parts[1] >= 4  # embed + >=3 of 4 blocks on the fast rank
+    ref = reference()
+    for step, loss in train_losses(tmp_path).items():
+        assert loss == pytest.approx(ref[step - 1], rel=2e-4), (step, loss, ref)
+
+
+@pytest.mark.timeout(200)
+def test_explicit_precision_a_rank_lacks_is_refused_naming_it(tmp_path):
+    no_bf16 = {1: {"VIT_CENSUS_OVERRIDE": json.dumps({"bf16": False, "device": "GTX 1080"})}}
+    r = launch(["--precision", "bf16", *COMMON, "--log-dir", tmp_path / "run"], timeout=180, rank_env=no_bf16)
+    assert all(rc != 0 for rc in r.returncodes)
+    assert "precision bf16 is not supported by rank 1 (" in r.outputs[0] and "GTX 1080)" in r.outputs[0]
+    assert "rank 0 (" not in r.outputs[0].split("not supported by")[1].split(";")[0]
+    assert not (tmp_path / "run").exists()
+    # fp16 on CPU ranks: every rank is named.
+    r = launch(["--precision", "fp16", *COMMON, "--log-dir", tmp_path / "run"], timeout=180)
+    assert not r.ok and "precision fp16 is not supported by rank 0 (" in r.outputs[0] and ", rank 1 (" in r.outputs[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(200)
+def test_auto_precision_settles_on_what_every_rank_can_run(tmp_path):
+    no_bf16 = {1: {"VIT_CENSUS_OVERRIDE": json.dumps({"bf16": False})}}
+    r = launch(["--precision", "auto", "--steps", 2, "--no-save", "--monitor-interval", 0, "--log-dir", tmp_path],
+               timeout=180, rank_env=no_bf16)
+    assert r.ok, r
+    cluster = json.loads((tmp_path / "cluster.json").read_text())
+    assert cluster["precision"] == "fp32" and "no bf16 on rank 1" in cluster["precision_why"]
+    assert [c["bf16"] for c in cluster["census"]] == [True, False]
+    assert all(c["block_ms"] > 0 and c["matmul_tflops"] > 0 and c["mem_total_gib"] > 0 for c in cluster["census"])
+    assert json.loads((tmp_path / "config.json").read_text())["precision"] == "fp32"
+    assert "census (fp32" in r.outputs[0] and "precision fp32: no bf16 on rank 1" in r.outputs[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args,message", [
+    (["--partition", "balanced"], "--partition balanced applies to --engine pipeline"),
+    (["--engine", "pipeline", "--batch-split", "proportional"], "--batch-split proportional applies to --engine zero"),
+    (["--loss-scale", "auto"], "--loss-scale auto tunes fp16, but the precision is fp32"),
+    (["--simulate-slowdown", "2=2"], "--simulate-slowdown: rank 2 does not exist (world size 1)"),
+])
+def test_bad_heterogeneous_options_are_one_line(tmp_path, args, message):
+    r = run_cmd([sys.executable, "-m", "vit.train", *args, "--log-dir", str(tmp_path / "run")], env=base_env(),
+                timeout=100)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith(f"entry_cn.sh: error: {message}"), r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_probe_finds_the_largest_gradient_of_parameters_and_layer_outputs(tmp_path):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)]
+    batches = [(torch.randn(5, 6), torch.randint(0, 3, (5,))) for _ in range(3)]
+    want = 0.0
+    for x, y in batches:  # by hand: every parameter's gradient and the first layer's output gradient
+        h = layers[0](x)
+        h.retain_grad()
+        (torch.nn.functional.cross_entropy(layers[1](h), y) / 2).backward()
+        want = max([want, h.grad.abs().max().item()] + [p.grad.abs().max().item() for lay in layers
+                                                        for p in lay.parameters()])
+        for lay in layers:
+            lay.zero_grad(set_to_none=True)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        got = hetero.probe_grad_max(layers, batches, torch.device("cpu"), grad_accum=2)
+    finally:
+        dist.destroy_process_group()
+    assert got == pytest.approx(want, rel=1e-6)
+    assert all(p.grad is None for lay in layers for p in lay.parameters())  # the probe leaves no gradients
+
+
+@pytest.mark.timeout(120)
+def test_lossscale_benchmark_emulates_deepspeeds_scaler(tmp_path):
+    cmd = [sys.executable, "-m", "vit.bench_hetero", "lossscale", "--steps", 4, "--out", tmp_path]
+    r = run_cmd([str(c) for c in cmd], timeout=110)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "lossscale.json").read_text())
+    assert len(result["grad_max"]) == 4 and result["probe"] > 0
+    assert [row[1] for row in result["rows"]] == [16, 12, hetero.scale_power(result["probe"])]
+    assert "| --loss-scale auto |" in (tmp_path / "lossscale.md").read_text()

@@ -1,0 +1,215 @@
+"""Benchmarks for mixed GPUs (docs/benchmarks.md):
+
+    python -m vit.bench_hetero mixed [--slowdown 1=2]   # pipeline partitions and data-parallel batch splits,
+                                                        # with some ranks slowed by --simulate-slowdown
+    python -m vit.bench_hetero lossscale                # fp16 overflow-skipped steps: DeepSpeed's default loss
+                                                        # scale against --loss-scale auto, emulated from fp32
+
+Numbers are printed and written to --out; nothing here is a test.
+"""
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vit import slowdown
+from vit.bench import publish
+from vit.config import ROOT, parse_args
+
+MIXED_RUNS = [  # (row name, vit.train options)
+    ("pipeline, --partition uniform", ["--engine", "pipeline", "--partition", "uniform"]),
+    ("pipeline, --partition parameters", ["--engine", "pipeline", "--partition", "parameters"]),
+    ("pipeline, --partition balanced", ["--engine", "pipeline", "--partition", "balanced"]),
+    ("zero2, --batch-split equal", ["--engine", "zero", "--batch-split", "equal"]),
+    ("zero2, --batch-split proportional", ["--engine", "zero", "--batch-split", "proportional"]),
+]
+
+
+def run_train(opts: list, ranks: int, log_dir: Path, timeout: float, warmup: int) -> dict:
+    """One real `mpirun -np ranks ./entry_cn.sh` run; the median step time of the metric records after the first
+    (warm-up) window, and cluster.json."""
+    mpirun = [str(Path(sys.executable).parent / "mpirun"), "-np", str(ranks), "--oversubscribe",
+              *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "output.log", "w") as out:
+        p = subprocess.Popen([*mpirun, str(ROOT / "entry_cn.sh"), *map(str, opts), "--log-dir", str(log_dir)],
+                             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            rc = f"timed out after {timeout} s"
+    if rc != 0:
+        tail = "\n  ".join((log_dir / "output.log").read_text().splitlines()[-5:])
+        sys.exit(f"vit.bench_hetero: run failed ({rc}); {log_dir / 'output.log'} ends:\n  {tail}")
+    records = [json.loads(line) for line in (log_dir / "metrics_rank0.jsonl").read_text().splitlines()]
+    step_s = statistics.median(r["step_time_s"] for r in records if r["kind"] == "train" and r["step"] > warmup)
+    return {"step_time_s": step_s, "cluster": json.loads((log_dir / "cluster.json").read_text())}
+
+
+def ideal_ratio(speeds: list[float]) -> float:
+    """Throughput of perfectly balanced work over that of an equal share per rank."""
+    return sum(speeds) / (len(speeds) * min(speeds))
+
+
+def mixed(a) -> int:
+    common = ["--model", a.model, "--dataset", "synthetic", "--steps", a.warmup + a.steps, "--log-interval", a.warmup,
+              "--no-save", "--monitor-interval", 0, "--simulate-slowdown", a.slowdown,
+              "--micro-batch-size", a.global_batch // a.ranks, "--grad-accum", 1]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(a.out or tmp) / "logs"
+        for rep in range(a.repeat):
+            for name, opts in MIXED_RUNS:
+                if "pipeline" in name:  # the whole global batch per pipeline, in 4 micro-batches
+                    extra = ["--pipeline-stages", a.ranks, "--micro-batch-size", a.global_batch // 4, "--grad-accum", 4]
+                else:
+                    extra = []
+                run = run_train([*common, *opts, *extra], a.ranks, logs / f"{name.split(',')[0]}-{opts[-1]}.{rep}",
+                                a.timeout, a.warmup)
+                rows.append({"name": name, "images_per_s": a.global_batch / run["step_time_s"], **run})
+                print(f"{name}: {rows[-1]['images_per_s']:.1f} images/s", flush=True)
+    best = {name: max((r for r in rows if r["name"] == name), key=lambda r: r["images_per_s"])
+            for name, _ in MIXED_RUNS}
+    lines = [f"{a.model}, synthetic data, global batch {a.global_batch}, {a.ranks} ranks, --simulate-slowdown "
+             f"{a.slowdown}; images/s from the median step time of {a.steps} steps after {a.warmup} warm-up, best of "
+             f"{a.repeat}. ideal: the speed-up of perfectly balanced work over an equal share, sum of the ranks' "
+             "speeds / (ranks x the slowest), with speed = 1 / slowdown; census: the same from the block times that "
+             "run's census measured", "",
+             "| run | images/s | vs equal share | ideal | census | plan |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    factors = slowdown.parse(a.slowdown, a.ranks)
+    ideal = ideal_ratio([1 / factors.get(r, 1.0) for r in range(a.ranks)])
+    for name, _ in MIXED_RUNS:
+        r, base = best[name], best[MIXED_RUNS[0 if "pipeline" in name else 3][0]]
+        c = r["cluster"]
+        plan = (f"layers {c['stages']['parts']}" if "stages" in c else
+                f"micro-batches {c['batch_split']}" if "batch_split" in c else "")
+        census = ideal_ratio([1 / rank["block_ms"] for rank in c["census"]])
+        lines.append(f"| {name} | {r['images_per_s']:.1f} | {r['images_per_s'] / base['images_per_s']:.2f} | "
+                     f"{ideal:.2f} | {census:.2f} | {plan} |")
+    publish(a.out, "mixed", {"args": vars(a), "rows": rows}, "\n".join(lines) + "\n")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ loss scale
+
+def grad_max_per_step(a) -> tuple[list[float], float]:
+    """fp32 training on the global batch for --steps steps: the largest |gradient| of each step over the
+    parameters and the layer outputs; and the --loss-scale auto probe's value at step 0."""
+    from vit.data import TrainBatches, load_dataset, make_loader
+    from vit.engines import make_optimizer, make_scheduler
+    from vit.hetero import probe_grad_max, watch_output_grad
+    from vit.model import PRESETS, build_layers, loss_fn
+
+    args = parse_args(["--model", a.model, "--dataset", a.dataset])
+    data = load_dataset(a.dataset, None, PRESETS[a.model].img_size, seed=args.seed)
+    layers = build_layers(a.model, data.num_classes, data.in_chans, data.img_size, args.seed)
+    n = len(data.train)
+    probe = probe_grad_max(layers, make_loader(data.train, TrainBatches(n, a.global_batch, 1, 0, 1, args.seed, 0, 2),
+                                               0, False), torch.device("cpu"), 1)
+    model = nn.Sequential(*layers)
+    opt = make_optimizer(model, args)
+    sched = make_scheduler(opt, args, a.steps)
+    peaks = []
+    peak = torch.zeros(())
+
+    def keep(t):
+        peak.copy_(torch.maximum(peak, t.detach().abs().max()))
+
+    for layer in layers:
+        layer.register_forward_hook(watch_output_grad(keep))
+    for x, y in make_loader(data.train, TrainBatches(n, a.global_batch, 1, 0, 1, args.seed, 0, a.steps), 0, False):
+        peak.zero_()
+        loss_fn(model(x), y).backward()
+        for p in model.parameters():
+            keep(p.grad)
+        peaks.append(peak.item())
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    return peaks, probe
+
+
+def skipped_steps(peaks: list[float], power: int) -> int:
+    """DeepSpeed's dynamic loss scaler (its own class, the fp16 defaults: window 1000, hysteresis 2, min 1) fed
+    with overflow = max|g| x scale reaches the fp16 limit."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from vit.hetero import FP16_MAX
+
+    scaler = DynamicLossScaler(init_scale=2.0**power, scale_window=1000, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    skipped = 0
+    for g in peaks:
+        overflow = g * scaler.cur_scale >= FP16_MAX
+        skipped += overflow
+        scaler.update_scale(overflow)
+    return skipped
+
+
+def lossscale(a) -> int:
+    import torch.distributed as dist
+
+    from vit.config import DEFAULT_FP16_SCALE_POWER
+    from vit.hetero import scale_power
+
+    with tempfile.TemporaryDirectory() as tmp:  # the loss scaler logs through torch.distributed's rank
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        torch.set_num_threads(os.cpu_count() or 1)
+        start = time.perf_counter()
+        peaks, probe = grad_max_per_step(a)
+        tuned = scale_power(probe)
+        rows = [("DeepSpeed's default", 16), ("this project's --precision fp16 default", DEFAULT_FP16_SCALE_POWER),
+                ("--loss-scale auto", tuned)]
+        counts = [(name, power, skipped_steps(peaks, power)) for name, power in rows]
+        dist.destroy_process_group()
+    lines = [f"{a.model} on {a.dataset}, global batch {a.global_batch}, {a.steps} fp32 steps "
+             f"({time.perf_counter() - start:.0f} s): largest |gradient| per step {min(peaks):.3g} .. {max(peaks):.3g};"
+             f" the probe (2 batches before training) saw {probe:.3g}", "",
+             "| initial loss scale | initial_scale_power | skipped steps (emulated) |", "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {power} | {n} of {a.steps} |" for name, power, n in counts]
+    publish(a.out, "lossscale", {"args": vars(a), "grad_max": peaks, "probe": probe, "rows": counts},
+            "\n".join(lines) + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vit.bench_hetero", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    d = argparse.ArgumentDefaultsHelpFormatter
+    m = sub.add_parser("mixed", formatter_class=d, help="pipeline partitions and batch splits with slowed ranks")
+    m.add_argument("--model", default="vit_tiny_cifar")
+    m.add_argument("--ranks", type=int, default=2)
+    m.add_argument("--slowdown", default="1=2", help="--simulate-slowdown of every run")
+    m.add_argument("--global-batch", type=int, default=64)
+    m.add_argument("--steps", type=int, default=10, help="timed steps")
+    m.add_argument("--warmup", type=int, default=3, help="untimed steps first; also the metrics window")
+    m.add_argument("--repeat", type=int, default=1, help="rounds of all runs; each row reports its fastest")
+    m.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed")
+    m.add_argument("--out", help="folder for mixed.md, mixed.json and the runs' logs")
+    s = sub.add_parser("lossscale", formatter_class=d, help="fp16 skipped steps, default scale vs auto (emulated)")
+    s.add_argument("--model", default="vit_digits")
+    s.add_argument("--dataset", default="digits")
+    s.add_argument("--global-batch", type=int, default=64)
+    s.add_argument("--steps", type=int, default=200)
+    s.add_argument("--out", help="folder for lossscale.md and lossscale.json")
+    a = p.parse_args(argv)
+    if a.command == "mixed" and a.global_batch % (4 * a.ranks):
+        p.error(f"--global-batch {a.global_batch} must be a multiple of 4 x --ranks")
+    return {"mixed": mixed, "lossscale": lossscale}[a.command](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
