@@ -162,10 +162,12 @@ def lossscale(a) -> int:
     import torch.distributed as dist
 
     from vit.config import DEFAULT_FP16_SCALE_POWER
+    from vit.engines import deepspeed_comm
     from vit.hetero import scale_power
 
     with tempfile.TemporaryDirectory() as tmp:  # the loss scaler logs through torch.distributed's rank
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        deepspeed_comm()
         torch.set_num_threads(os.cpu_count() or 1)
         start = time.perf_counter()
         peaks, probe = grad_max_per_step(a)
