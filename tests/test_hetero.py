@@ -248,3 +248,19 @@ def test_lossscale_benchmark_emulates_deepspeeds_scaler(tmp_path):
     assert len(result["grad_max"]) == 4 and result["probe"] > 0
     assert [row[1] for row in result["rows"]] == [16, 12, hetero.scale_power(result["probe"])]
     assert "| --loss-scale auto |" in (tmp_path / "lossscale.md").read_text()
+
+
+@pytest.mark.timeout(200)
+def test_loss_scale_auto_writes_the_probed_power_into_the_resolved_config(tmp_path):
+    # fp16 does not run on a CPU under DeepSpeed; the override stands in for a GPU that has it, and the ddp
+    # engine runs fp16 autocast on the CPU.
+    env = base_env(VIT_CENSUS_OVERRIDE=json.dumps({"fp16": True}))
+    r = run_cmd([sys.executable, "-m", "vit.train", "--engine", "ddp", "--precision", "fp16", "--loss-scale", "auto",
+                 "--steps", "2", "--no-save", "--monitor-interval", "0", "--log-dir", str(tmp_path)], env=env,
+                timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    probe = json.loads((tmp_path / "cluster.json").read_text())["loss_scale"]
+    assert probe["probe_grad_max"] > 0 and probe["initial_scale_power"] == hetero.scale_power(probe["probe_grad_max"])
+    resolved = json.loads((tmp_path / "config.json").read_text())["deepspeed"]["fp16"]
+    assert resolved == {"enabled": True, "initial_scale_power": probe["initial_scale_power"]}
+    assert f"-> initial_scale_power {probe['initial_scale_power']} (" in r.stdout

@@ -175,3 +175,11 @@ def test_preflight_lists_every_problem_in_one_message():
     assert found == ["world size 3 is more than the hostfile's 2 slots",
                      "torch: rank 0 (cn0) has 2.14.1, but rank 2 (cn2) has 2.13.0",
                      "GLOO_SOCKET_IFNAME: rank 0 (cn0) has eno1, but rank 2 (cn2) has none"]
+
+
+@pytest.mark.parametrize("name", ["vit_digits", "vit_base_patch16_224"])
+def test_attention_runs_through_fused_scaled_dot_product_attention(name):
+    from vit.model import create_vit
+
+    vit = create_vit(name, num_classes=10, in_chans=3)
+    assert all(block.attn.fused_attn for block in vit.blocks)  # F.scaled_dot_product_attention, not q @ k.T
