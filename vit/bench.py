@@ -181,12 +181,37 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def mpirun_train(train: list, ranks: int, log_dir: Path, timeout: float, mpirun_args: str = "") -> int | str:
+    """`mpirun -np ranks ./entry_cn.sh TRAIN...`, its output in LOG_DIR/output.log; the exit code, or why it
+    was killed."""
+    mpirun = [str(Path(sys.executable).parent / "mpirun"), "-np", str(ranks), "--oversubscribe",
+              *(["--allow-run-as-root"] if os.geteuid() == 0 else []), *shlex.split(mpirun_args)]
+    with open(log_dir / "output.log", "w") as out:
+        p = subprocess.Popen([*mpirun, str(ROOT / "entry_cn.sh"), *map(str, train)], cwd=ROOT, stdout=out,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            return f"timed out after {timeout} s"
+
+
+def failure_tail(log_dir: Path) -> str:
+    return f"{log_dir / 'output.log'} ends:\n  " + "\n  ".join((log_dir / "output.log").read_text().splitlines()[-5:])
+
+
+def median_step_s(log_dir: Path, warmup: int) -> float:
+    """Rank 0's median step time over the metric windows after the first (warm-up) one: a burst of load from
+    other processes on a shared machine skews one window, not all."""
+    records = [r for r in read_jsonl(log_dir / "metrics_rank0.jsonl") if r["kind"] == "train"]
+    return statistics.median(r["step_time_s"] for r in records if r["step"] > warmup)
+
+
 def run_engine(name: str, a, log_dir: Path) -> dict:
     """One real multi-process run of vit.train under mpirun; the median step time of the records after the first
     (warm-up) window, so that a burst of load from other processes on a shared machine skews one window, not all."""
     opts, layout = engine_args(name, a)
-    mpirun = [str(Path(sys.executable).parent / "mpirun"), "-np", str(a.ranks), "--oversubscribe",
-              *(["--allow-run-as-root"] if os.geteuid() == 0 else []), *shlex.split(a.mpirun_args)]
     train = [*opts, "--model", a.model, "--dataset", "synthetic", "--synthetic-size", max(2048, a.global_batch),
              "--steps", a.warmup + a.steps, "--log-interval", a.warmup, "--no-save", "--monitor-interval", 0,
              "--log-dir", log_dir]
@@ -198,23 +223,12 @@ def run_engine(name: str, a, log_dir: Path) -> dict:
     log_dir.mkdir(parents=True)
     row = {"engine": name, "ranks": a.ranks, "layout": layout}
     others = OthersCpu()
-    with open(log_dir / "output.log", "w") as out:
-        p = subprocess.Popen([*mpirun, str(ROOT / "entry_cn.sh"), *map(str, train)], cwd=ROOT, stdout=out,
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            rc = p.wait(timeout=a.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            rc = f"timed out after {a.timeout} s"
+    rc = mpirun_train(train, a.ranks, log_dir, a.timeout, a.mpirun_args)
     row["others_cores"] = others.cores()  # over the whole run, start-up included
     if rc != 0 or not (log_dir / "summary.json").exists():
-        tail = (log_dir / "output.log").read_text().splitlines()[-5:]
-        print(f"vit.bench: {name} failed ({rc}); {log_dir / 'output.log'} ends:\n  " + "\n  ".join(tail),
-              file=sys.stderr)
+        print(f"vit.bench: {name} failed ({rc}); {failure_tail(log_dir)}", file=sys.stderr)
         return {**row, "error": f"exit {rc}"}
-    records = [r for r in read_jsonl(log_dir / "metrics_rank0.jsonl") if r["kind"] == "train"]
-    step_s = statistics.median(r["step_time_s"] for r in records if r["step"] > a.warmup)  # first window: warm-up
+    step_s = median_step_s(log_dir, a.warmup)
     summary = json.loads((log_dir / "summary.json").read_text())
     return {**row, "step_time_s": step_s, "images_per_s": a.global_batch / step_s,
             "peak_mem_gib": summary["peak_mem_gib"]}

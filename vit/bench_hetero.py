@@ -10,9 +10,6 @@ Numbers are printed and written to --out; nothing here is a test.
 import argparse
 import json
 import os
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,8 +19,8 @@ import torch
 from torch import nn
 
 from vit import slowdown
-from vit.bench import publish
-from vit.config import ROOT, parse_args
+from vit.bench import failure_tail, median_step_s, mpirun_train, publish
+from vit.config import parse_args
 
 MIXED_RUNS = [  # (row name, vit.train options)
     ("pipeline, --partition uniform", ["--engine", "pipeline", "--partition", "uniform"]),
@@ -35,26 +32,13 @@ MIXED_RUNS = [  # (row name, vit.train options)
 
 
 def run_train(opts: list, ranks: int, log_dir: Path, timeout: float, warmup: int) -> dict:
-    """One real `mpirun -np ranks ./entry_cn.sh` run; the median step time of the metric records after the first
-    (warm-up) window, and cluster.json."""
-    mpirun = [str(Path(sys.executable).parent / "mpirun"), "-np", str(ranks), "--oversubscribe",
-              *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
+    """One real `mpirun -np ranks ./entry_cn.sh` run: its median step time after warm-up, and cluster.json."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / "output.log", "w") as out:
-        p = subprocess.Popen([*mpirun, str(ROOT / "entry_cn.sh"), *map(str, opts), "--log-dir", str(log_dir)],
-                             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            rc = f"timed out after {timeout} s"
+    rc = mpirun_train([*opts, "--log-dir", log_dir], ranks, log_dir, timeout)
     if rc != 0:
-        tail = "\n  ".join((log_dir / "output.log").read_text().splitlines()[-5:])
-        sys.exit(f"vit.bench_hetero: run failed ({rc}); {log_dir / 'output.log'} ends:\n  {tail}")
-    records = [json.loads(line) for line in (log_dir / "metrics_rank0.jsonl").read_text().splitlines()]
-    step_s = statistics.median(r["step_time_s"] for r in records if r["kind"] == "train" and r["step"] > warmup)
-    return {"step_time_s": step_s, "cluster": json.loads((log_dir / "cluster.json").read_text())}
+        sys.exit(f"vit.bench_hetero: run failed ({rc}); {failure_tail(log_dir)}")
+    cluster = json.loads((log_dir / "cluster.json").read_text())
+    return {"step_time_s": median_step_s(log_dir, warmup), "cluster": cluster}
 
 
 def ideal_ratio(speeds: list[float]) -> float:
@@ -108,7 +92,7 @@ def grad_max_per_step(a) -> tuple[list[float], float]:
     parameters and the layer outputs; and the --loss-scale auto probe's value at step 0."""
     from vit.data import TrainBatches, load_dataset, make_loader
     from vit.engines import make_optimizer, make_scheduler
-    from vit.hetero import probe_grad_max, watch_output_grad
+    from vit.hetero import GradPeak, probe_grad_max
     from vit.model import PRESETS, build_layers, loss_fn
 
     args = parse_args(["--model", a.model, "--dataset", a.dataset])
@@ -120,20 +104,11 @@ def grad_max_per_step(a) -> tuple[list[float], float]:
     model = nn.Sequential(*layers)
     opt = make_optimizer(model, args)
     sched = make_scheduler(opt, args, a.steps)
-    peaks = []
-    peak = torch.zeros(())
-
-    def keep(t):
-        peak.copy_(torch.maximum(peak, t.detach().abs().max()))
-
-    for layer in layers:
-        layer.register_forward_hook(watch_output_grad(keep))
+    peaks, peak = [], GradPeak(layers, torch.device("cpu"))
     for x, y in make_loader(data.train, TrainBatches(n, a.global_batch, 1, 0, 1, args.seed, 0, a.steps), 0, False):
-        peak.zero_()
+        peak.value.zero_()
         loss_fn(model(x), y).backward()
-        for p in model.parameters():
-            keep(p.grad)
-        peaks.append(peak.item())
+        peaks.append(peak.read(model).item())
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -314,37 +314,47 @@ def split_batches(profile: list[dict], reports: list[dict], micro: int, precisio
 
 # ------------------------------------------------------------------------------------ fp16 loss scale
 
-def watch_output_grad(keep):
-    """A forward hook that hands the gradient of the layer's output to keep() in backward."""
-    def hook(module, inputs, output):
+class GradPeak:
+    """The largest |gradient| seen: every layer's output (hooked in backward) and the parameters (read())."""
+
+    def __init__(self, layers: list[nn.Module], dev: torch.device):
+        self.value = torch.zeros((), device=dev)
+        self.handles = [layer.register_forward_hook(self._watch) for layer in layers]
+
+    def keep(self, grad: torch.Tensor) -> None:
+        self.value.copy_(torch.maximum(self.value, grad.detach().abs().max().float()))
+
+    def _watch(self, module, inputs, output):
         if output.requires_grad:
-            output.register_hook(keep)
-    return hook
+            output.register_hook(self.keep)
+
+    def read(self, model: nn.Module) -> torch.Tensor:
+        """Fold in the parameters' gradients; the peak so far."""
+        for p in model.parameters():
+            if p.grad is not None:
+                self.keep(p.grad)
+        return self.value
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def probe_grad_max(layers: list[nn.Module], batches, dev: torch.device, grad_accum: int) -> float:
     """The largest |gradient| of fp32 forward and backward passes of (loss / grad_accum), over the parameters
     and every layer's output, on this rank's real batches; the maximum over all ranks."""
-    model = nn.Sequential(*layers).to(dev)
-    peak = torch.zeros((), device=dev)
-
-    def keep(t):
-        peak.copy_(torch.maximum(peak, t.detach().abs().max().float()))
-
-    handles = [layer.register_forward_hook(watch_output_grad(keep)) for layer in layers]
     from vit.model import loss_fn
 
+    model = nn.Sequential(*layers).to(dev)
+    peak = GradPeak(layers, dev)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         for x, y in batches:
             (loss_fn(model(x.to(dev)), y.to(dev)) / grad_accum).backward()
-            for p in model.parameters():
-                if p.grad is not None:
-                    keep(p.grad)
-                    p.grad = None
-    for h in handles:
-        h.remove()
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return peak.item()
+            peak.read(model)
+            model.zero_grad(set_to_none=True)
+    peak.remove()
+    dist.all_reduce(peak.value, op=dist.ReduceOp.MAX)
+    return peak.value.item()
 
 
 def scale_power(grad_max: float) -> int:
