@@ -1,5 +1,5 @@
 # make run   the default job: 2 ranks on this machine (CPU and gloo without a GPU), digits, ZeRO-2
-# make test  the test suite
+# make test  the test suite; make test-fast  only the tests that start no processes (seconds)
 # Both create .venv from requirement.txt first when it is missing or out of date.
 SHELL := bash
 VENV := .venv
@@ -20,4 +20,7 @@ run: venv
 test: venv
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-.PHONY: venv run test
+test-fast: venv
+	$(VENV)/bin/python -m pytest -m "not ranks" $(PYTEST_ARGS)
+
+.PHONY: venv run test test-fast

@@ -4,7 +4,9 @@ import json
 import sys
 
 import pytest
-from conftest import MPIRUN, run_cmd
+from helpers import MPIRUN, run_cmd
+
+pytestmark = pytest.mark.ranks  # every test here starts processes
 
 ENGINES = ["ddp", "zero0", "zero1", "zero2", "zero3", "pipeline"]
 

@@ -20,7 +20,7 @@ SIM = str(ROOT / "scripts" / "sim_cluster.sh")
 HOSTS = ["cn0", "cn1", "cn2"]
 STEPS = 30
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.ranks]
 
 FAKE_NVIDIA_SMI = """#!/bin/sh
 # nvidia-smi of a host with two GPUs: the true outer boundary of setup/make_hostfile.sh.

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import base_env, launch, run_cmd, train_losses
+from helpers import base_env, launch, run_cmd, train_losses
 
 from vit import hetero, slowdown
 from vit.config import ConfigError, parse_args
@@ -144,6 +144,7 @@ def reference() -> list[float]:
     return reference_losses(parse_args([]), global_batch=64, steps=6, clip=1.0)
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("engine", ["zero", "ddp"])
 def test_proportional_batches_give_the_homogeneous_update(tmp_path, engine):
@@ -159,6 +160,7 @@ def test_proportional_batches_give_the_homogeneous_update(tmp_path, engine):
         assert loss == pytest.approx(ref[step - 1], rel=2e-4), (step, loss, ref)
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(300)
 def test_balanced_pipeline_gives_the_slow_rank_less_and_trains_the_same_network(tmp_path):
     r = launch(["--engine", "pipeline", "--partition", "balanced", "--simulate-slowdown", "1=3", *COMMON,
@@ -172,6 +174,7 @@ def test_balanced_pipeline_gives_the_slow_rank_less_and_trains_the_same_network(
         assert loss == pytest.approx(ref[step - 1], rel=2e-4), (step, loss, ref)
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_explicit_precision_a_rank_lacks_is_refused_naming_it(tmp_path):
     no_bf16 = {1: {"VIT_CENSUS_OVERRIDE": json.dumps({"bf16": False, "device": "GTX 1080"})}}
@@ -186,6 +189,7 @@ def test_explicit_precision_a_rank_lacks_is_refused_naming_it(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_auto_precision_settles_on_what_every_rank_can_run(tmp_path):
     no_bf16 = {1: {"VIT_CENSUS_OVERRIDE": json.dumps({"bf16": False})}}
@@ -200,6 +204,7 @@ def test_auto_precision_settles_on_what_every_rank_can_run(tmp_path):
     assert "census (fp32" in r.outputs[0] and "precision fp32: no bf16 on rank 1" in r.outputs[0]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args,message", [
     (["--partition", "balanced"], "--partition balanced applies to --engine pipeline"),
@@ -239,6 +244,7 @@ def test_probe_finds_the_largest_gradient_of_parameters_and_layer_outputs(tmp_pa
     assert all(p.grad is None for lay in layers for p in lay.parameters())  # the probe leaves no gradients
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_lossscale_benchmark_emulates_deepspeeds_scaler(tmp_path):
     cmd = [sys.executable, "-m", "vit.bench_hetero", "lossscale", "--steps", 4, "--out", tmp_path]
@@ -250,6 +256,7 @@ def test_lossscale_benchmark_emulates_deepspeeds_scaler(tmp_path):
     assert "| --loss-scale auto |" in (tmp_path / "lossscale.md").read_text()
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_loss_scale_auto_writes_the_probed_power_into_the_resolved_config(tmp_path):
     # fp16 does not run on a CPU under DeepSpeed; the override stands in for a GPU that has it, and the ddp

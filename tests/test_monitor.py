@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pynvml
 import pytest
-from conftest import ROOT, read_jsonl
+from helpers import ROOT, read_jsonl
 
 from vit.monitor import Monitor, gpu_util_mean_per_host
 

@@ -7,10 +7,12 @@ import sys
 
 import matplotlib.image
 import pytest
-from conftest import ROOT, base_env, launch, run_cmd
+from helpers import ROOT, base_env, launch, run_cmd
 
 import plot_logs
 from vit.config import parser
+
+pytestmark = pytest.mark.ranks  # every test here starts processes
 
 CHARTS = ("loss", "throughput", "resources", "breakdown")
 MONITOR_WIRED = "--monitor-interval" in parser().format_help()

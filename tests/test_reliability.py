@@ -11,7 +11,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, Ranks, base_env, last_step, launch, run_cmd, train_losses, wait_for
+from helpers import ROOT, Ranks, base_env, last_step, launch, run_cmd, train_losses, wait_for
+
+pytestmark = pytest.mark.ranks  # every test here starts processes
 
 CHECKPOINTED = ["--steps", 8, "--log-interval", 1, "--save-interval", 4]
 

@@ -5,10 +5,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MPIRUN, ROOT, base_env, free_port, launch, read_jsonl, run_cmd, train_losses
+from helpers import MPIRUN, ROOT, base_env, free_port, launch, read_jsonl, run_cmd, train_losses
 
 from vit.config import parse_args
 from vit.reference import reference_losses
+
+pytestmark = pytest.mark.ranks  # every test here starts processes
 
 STEPS = 6
 CONFIGS = ROOT / "deepspeed_configs"

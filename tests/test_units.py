@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import base_env, run_cmd
+from helpers import base_env, run_cmd
 from torch import nn
 
 from vit.data import PAD_LABEL, TrainBatches, eval_batches, load_dataset
@@ -79,6 +79,7 @@ def test_imagefolder(tmp_path):
         load_dataset("imagefolder", str(tmp_path), 16)
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_training_reads_cifar_folder(tmp_path):
     write_cifar(tmp_path / "data", "cifar10")

@@ -1,0 +1,142 @@
+"""What the tests share: real ranks (N processes of `python -m vit.train`, torchrun-style variables, a free
+port, a hard timeout, every rank killed as soon as one fails or time runs out), commands with a hard timeout,
+and readers of the run logs.
+
+Every test that starts a process must carry @pytest.mark.ranks (conftest.py sets CURRENT_TEST_STARTS_PROCESSES),
+so that `pytest -m "not ranks"` stays a quick, in-process run."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from vit.dist_env import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+MPIRUN = [str(Path(sys.executable).parent / "mpirun"), "--oversubscribe"]
+if os.geteuid() == 0:
+    MPIRUN.append("--allow-run-as-root")
+
+
+# Set per test by conftest.py: True under @pytest.mark.ranks, False without, None outside a test.
+CURRENT_TEST_STARTS_PROCESSES = None
+
+
+def require_ranks_mark() -> None:
+    if CURRENT_TEST_STARTS_PROCESSES is False:
+        pytest.fail("this test starts processes: mark it @pytest.mark.ranks")
+
+
+def base_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_")) and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+class Result:
+    def __init__(self, returncodes, outputs):
+        self.returncodes, self.outputs = returncodes, outputs
+
+    @property
+    def ok(self) -> bool:
+        return all(rc == 0 for rc in self.returncodes)
+
+    def __repr__(self):
+        return "\n".join(f"--- rank {r} exit {rc}\n{out[-4000:]}"
+                         for r, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
+
+
+def _wait_all(procs, timeout: float) -> list:
+    """Wait for every process; on the first failure give the others 20 s, then kill the lot."""
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now - failed_at > 20):
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    return [p.wait() for p in procs]
+
+
+class Ranks:
+    """`nprocs` ranks of vit.train on this machine (gloo), torchrun-style variables, output in temp files."""
+
+    def __init__(self, args, nprocs: int = 2, env=None, rank_env=None):
+        require_ranks_mark()
+        port = free_port()
+        self.procs, self.logs = [], []
+        for rank in range(nprocs):
+            log = tempfile.TemporaryFile("w+")
+            e = base_env(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                         LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}),
+                         **(rank_env or {}).get(rank, {}))
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "vit.train", *map(str, args)], cwd=ROOT, env=e,
+                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            self.logs.append(log)
+
+    def wait(self, timeout: float) -> Result:
+        rcs = _wait_all(self.procs, timeout)
+        outs = []
+        for log in self.logs:
+            log.seek(0)
+            outs.append(log.read())
+            log.close()
+        return Result(rcs, outs)
+
+
+def launch(args, nprocs: int = 2, timeout: float = 240, env=None, rank_env=None) -> Result:
+    """Start `nprocs` ranks and wait for them, at most `timeout` seconds; rank_env: {rank: {VAR: value}}."""
+    return Ranks(args, nprocs, env, rank_env).wait(timeout)
+
+
+def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def last_step(log_dir, rank: int) -> int:
+    path = Path(log_dir) / f"metrics_rank{rank}.jsonl"
+    if not path.exists():
+        return 0
+    steps = [r["step"] for r in read_jsonl(path) if r["kind"] == "train"]
+    return max(steps, default=0)
+
+
+def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; kill the whole group on timeout."""
+    require_ranks_mark()
+    p = subprocess.Popen(cmd, cwd=cwd, env=env or base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        lines = f.read().split("\n")
+    return [json.loads(line) for line in lines if line.strip() and line.endswith("}")]
+
+
+def train_losses(log_dir, rank: int = 0) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(Path(log_dir) / f"metrics_rank{rank}.jsonl")
+            if r["kind"] == "train"}
