@@ -1,8 +1,7 @@
 """pytest wiring: the `ranks` marker is required of every test that starts processes (tests/helpers.py checks),
 so that `pytest -m "not ranks"` runs only the in-process tests."""
-import pytest
-
 import helpers
+import pytest
 
 
 @pytest.fixture(autouse=True)
