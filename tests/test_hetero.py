@@ -1,5 +1,6 @@
 """Mixed GPUs: the planners against brute force and by hand, then real 2-rank runs: proportional batches give
 the homogeneous update, balanced stages train the same network, impossible precisions are refused by rank."""
+import itertools
 import json
 import random
 import sys
@@ -8,30 +9,45 @@ import pytest
 import torch
 from helpers import base_env, launch, run_cmd, train_losses
 
-from vit import hetero, slowdown
-from vit.config import ConfigError, parse_args
+from vit import slowdown
 from vit.data import TrainBatches
+from vit.errors import ConfigError
+from vit.hetero import batch_split, census, loss_scale, stages
 from vit.reference import reference_losses
+from vit.settings import defaults
 
 
-def random_case(rng: random.Random, n: int, stages: int, tight: bool):
+def brute_force_split(cost, static, act, speed, capacity, inflight) -> stages.StagePlan | None:
+    """Every contiguous split: the specification balanced_split is checked against."""
+    n, num_stages, found = len(cost), len(speed), None
+    for cuts in itertools.combinations(range(1, n), num_stages - 1):
+        parts = [0, *cuts, n]
+        costs = [stages.stage_cost(s, parts[s], parts[s + 1], cost, static, act, speed, inflight)
+                 for s in range(num_stages)]
+        if all(m <= capacity[s] for s, (_, m) in enumerate(costs)):
+            slowest = max(t for t, _ in costs)
+            if found is None or slowest < max(found.times):
+                found = stages.StagePlan(parts, [t for t, _ in costs], [m for _, m in costs])
+    return found
+
+
+def random_case(rng: random.Random, n: int, num_stages: int, tight: bool):
     cost = [rng.uniform(0.1, 5) for _ in range(n)]
     static = [rng.uniform(0, 3) for _ in range(n)]
     act = [rng.uniform(0, 1) for _ in range(n)]
-    speed = [rng.choice([0.5, 1, 1, 2, 3]) for _ in range(stages)]
-    inflight = hetero.pipeline_inflight(stages, rng.choice([1, 4, 8]))
+    speed = [rng.choice([0.5, 1, 1, 2, 3]) for _ in range(num_stages)]
+    inflight = stages.pipeline_inflight(num_stages, rng.choice([1, 4, 8]))
     total = sum(static) + sum(act) * max(inflight)
-    capacity = [rng.uniform(0.2, 0.6) * total if tight else total for _ in range(stages)]
+    capacity = [rng.uniform(0.2, 0.6) * total if tight else total for _ in range(num_stages)]
     return cost, static, act, speed, capacity, inflight
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_balanced_split_matches_brute_force(seed):
     rng = random.Random(seed)
-    n, stages = rng.randint(2, 9), rng.randint(1, 4)
-    stages = min(stages, n)
-    case = random_case(rng, n, stages, tight=seed % 2 == 1)
-    got, best = hetero.balanced_split(*case), hetero.brute_force_split(*case)
+    n = rng.randint(2, 9)
+    case = random_case(rng, n, min(rng.randint(1, 4), n), tight=seed % 2 == 1)
+    got, best = stages.balanced_split(*case), brute_force_split(*case)
     if best is None:
         assert got is None
         return
@@ -44,18 +60,18 @@ def test_balanced_split_matches_brute_force(seed):
 
 def test_balanced_split_gives_the_slow_rank_fewer_layers_and_respects_memory():
     cost, static, act = [1.0] * 12, [1.0] * 12, [0.0] * 12
-    plan = hetero.balanced_split(cost, static, act, speed=[2.0, 1.0], capacity=[100, 100], inflight=[1, 1])
+    plan = stages.balanced_split(cost, static, act, speed=[2.0, 1.0], capacity=[100, 100], inflight=[1, 1])
     assert plan.parts == [0, 8, 12] and plan.times == [4.0, 4.0]
     # The fast rank has room for 6 layers only: the best split that fits, not the fastest one.
-    plan = hetero.balanced_split(cost, static, act, speed=[2.0, 1.0], capacity=[6, 100], inflight=[1, 1])
+    plan = stages.balanced_split(cost, static, act, speed=[2.0, 1.0], capacity=[6, 100], inflight=[1, 1])
     assert plan.parts == [0, 6, 12] and plan.mems == [6.0, 6.0]
     # Activations count once per micro-batch in flight.
-    plan = hetero.balanced_split(cost, [0.0] * 12, [1.0] * 12, speed=[1.0, 1.0], capacity=[10, 10], inflight=[2, 1])
+    plan = stages.balanced_split(cost, [0.0] * 12, [1.0] * 12, speed=[1.0, 1.0], capacity=[10, 10], inflight=[2, 1])
     assert plan.parts == [0, 5, 12] and plan.mems == [10.0, 7.0]
-    assert hetero.balanced_split(cost, static, act, speed=[1.0, 1.0], capacity=[5, 5], inflight=[1, 1]) is None
+    assert stages.balanced_split(cost, static, act, speed=[1.0, 1.0], capacity=[5, 5], inflight=[1, 1]) is None
 
 
-def census(free_gib=(8.0, 8.0), block_ms=(10.0, 20.0)):
+def census_of(free_gib=(8.0, 8.0), block_ms=(10.0, 20.0)):
     return [{"host": f"cn{r}", "device": "GPU", "mem_free_gib": f, "block_ms": b}
             for r, (f, b) in enumerate(zip(free_gib, block_ms))]
 
@@ -66,24 +82,24 @@ PROFILE += [{"name": "Head", "flops": 1e5, "act_bytes": 1e3, "params": 1e3}]
 
 
 def test_stage_plan_uses_census_speed_and_says_when_nothing_fits():
-    plan = hetero.plan_stages(PROFILE, census(), stages=2, micro=16, micro_batches=4, precision="fp32")
+    plan = stages.plan_stages(PROFILE, census_of(), stages=2, micro_batch=16, grad_accum=4, precision="fp32")
     assert plan.parts == [0, 9, 14]  # rank 1 is twice as slow: 8 blocks + embedding against 4 blocks + head
-    text = hetero.stage_plan_text(plan, PROFILE, census(), {"uniform": [0, 7, 14]})
+    text = stages.stage_plan_text(plan, PROFILE, census_of(), {"uniform": [0, 7, 14]})
     assert "stage 1 on rank 1 (cn1): layers 9-13 (Block x4, Head x1)" in text and "--partition uniform" in text
     with pytest.raises(ConfigError, match="no split of the 14 layers into 2 stages fits"):
-        hetero.plan_stages(PROFILE, census(free_gib=(0.05, 0.05)), 2, 16, 4, "fp32")
+        stages.plan_stages(PROFILE, census_of(free_gib=(0.05, 0.05)), 2, 16, 4, "fp32")
 
 
 def test_proportional_split_follows_speed_within_memory():
-    assert hetero.proportional_split(64, [2.0, 1.0], [64, 64]) == [43, 21]
-    assert hetero.proportional_split(64, [1.0, 1.0], [64, 64]) == [32, 32]
-    assert hetero.proportional_split(64, [3.0, 1.0], [40, 64]) == [40, 24]  # capped: the rest goes to the other
-    assert sum(hetero.proportional_split(10, [1.0, 1.0, 1.0], [10, 10, 10])) == 10
-    assert hetero.proportional_split(4, [100.0, 1.0, 1.0, 1.0], [4, 4, 4, 4]) == [1, 1, 1, 1]  # at least 1 each
+    assert batch_split.proportional_split(64, [2.0, 1.0], [64, 64]) == [43, 21]
+    assert batch_split.proportional_split(64, [1.0, 1.0], [64, 64]) == [32, 32]
+    assert batch_split.proportional_split(64, [3.0, 1.0], [40, 64]) == [40, 24]  # capped: the rest goes to the other
+    assert sum(batch_split.proportional_split(10, [1.0, 1.0, 1.0], [10, 10, 10])) == 10
+    assert batch_split.proportional_split(4, [100.0, 1.0, 1.0, 1.0], [4, 4, 4, 4]) == [1, 1, 1, 1]  # at least 1 each
     with pytest.raises(ValueError):
-        hetero.proportional_split(64, [1.0, 1.0], [30, 30])
+        batch_split.proportional_split(64, [1.0, 1.0], [30, 30])
     with pytest.raises(ConfigError, match="free memory holds"):
-        hetero.split_batches(PROFILE, census(free_gib=(0.05, 0.05)), micro=32, precision="fp32")
+        batch_split.split_batches(PROFILE, census_of(free_gib=(0.05, 0.05)), micro_batch=32, precision="fp32")
 
 
 def test_uneven_micro_batches_make_up_the_global_batch():
@@ -100,21 +116,21 @@ def test_precision_negotiation():
     def rep(fp16, bf16):
         return {"host": "h", "device": "GPU", "fp16": fp16, "bf16": bf16}
 
-    assert hetero.negotiate("auto", [rep(True, True), rep(True, True)])[0] == "bf16"
-    precision, why = hetero.negotiate("auto", [rep(True, True), rep(True, False)])
+    assert census.negotiate("auto", [rep(True, True), rep(True, True)])[0] == "bf16"
+    precision, why = census.negotiate("auto", [rep(True, True), rep(True, False)])
     assert precision == "fp16" and "no bf16 on rank 1 (h, GPU)" in why
-    assert hetero.negotiate("auto", [rep(False, True), rep(True, False)])[0] == "fp32"
+    assert census.negotiate("auto", [rep(False, True), rep(True, False)])[0] == "fp32"
     with pytest.raises(ConfigError, match=r"precision bf16 is not supported by rank 1 \(h, GPU\), rank 2 "):
-        hetero.negotiate("bf16", [rep(True, True), rep(True, False), rep(True, False)])
+        census.negotiate("bf16", [rep(True, True), rep(True, False), rep(True, False)])
 
 
 def test_scale_power_keeps_the_margin():
     for g in (1e-4, 0.37, 3.0, 900.0):
-        p = hetero.scale_power(g)
-        assert g * 2**p * hetero.SCALE_MARGIN < hetero.FP16_MAX <= g * 2 ** (p + 1) * hetero.SCALE_MARGIN
-    assert hetero.scale_power(1e6) == 0
+        p = loss_scale.scale_power(g)
+        assert g * 2**p * loss_scale.SCALE_MARGIN < loss_scale.FP16_MAX <= g * 2 ** (p + 1) * loss_scale.SCALE_MARGIN
+    assert loss_scale.scale_power(1e6) == 0
     with pytest.raises(ConfigError, match="not finite"):
-        hetero.scale_power(float("inf"))
+        loss_scale.scale_power(float("inf"))
 
 
 def test_slowdown_parse_and_unchanged_gradients():
@@ -141,7 +157,7 @@ COMMON = ["--steps", 6, "--no-save", "--monitor-interval", 0, "--log-interval", 
 
 
 def reference() -> list[float]:
-    return reference_losses(parse_args([]), global_batch=64, steps=6, clip=1.0)
+    return reference_losses(defaults(), global_batch=64, steps=6, clip=1.0)
 
 
 @pytest.mark.ranks
@@ -237,7 +253,7 @@ def test_probe_finds_the_largest_gradient_of_parameters_and_layer_outputs(tmp_pa
             lay.zero_grad(set_to_none=True)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        got = hetero.probe_grad_max(layers, batches, torch.device("cpu"), grad_accum=2)
+        got = loss_scale.probe_grad_max(layers, batches, torch.device("cpu"), grad_accum=2)
     finally:
         dist.destroy_process_group()
     assert got == pytest.approx(want, rel=1e-6)
@@ -252,7 +268,7 @@ def test_lossscale_benchmark_emulates_deepspeeds_scaler(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "lossscale.json").read_text())
     assert len(result["grad_max"]) == 4 and result["probe"] > 0
-    assert [row[1] for row in result["rows"]] == [16, 12, hetero.scale_power(result["probe"])]
+    assert [row[1] for row in result["rows"]] == [16, 12, loss_scale.scale_power(result["probe"])]
     assert "| --loss-scale auto |" in (tmp_path / "lossscale.md").read_text()
 
 
@@ -267,7 +283,8 @@ def test_loss_scale_auto_writes_the_probed_power_into_the_resolved_config(tmp_pa
                 timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     probe = json.loads((tmp_path / "cluster.json").read_text())["loss_scale"]
-    assert probe["probe_grad_max"] > 0 and probe["initial_scale_power"] == hetero.scale_power(probe["probe_grad_max"])
+    assert probe["probe_grad_max"] > 0
+    assert probe["initial_scale_power"] == loss_scale.scale_power(probe["probe_grad_max"])
     resolved = json.loads((tmp_path / "config.json").read_text())["deepspeed"]["fp16"]
     assert resolved == {"enabled": True, "initial_scale_power": probe["initial_scale_power"]}
     assert f"-> initial_scale_power {probe['initial_scale_power']} (" in r.stdout

@@ -10,7 +10,7 @@ import pytest
 from helpers import ROOT, base_env, launch, run_cmd
 
 import plot_logs
-from vit.config import parser
+from vit.settings import parser
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 

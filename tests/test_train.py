@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from helpers import MPIRUN, ROOT, base_env, free_port, launch, read_jsonl, run_cmd, train_losses
 
-from vit.config import parse_args
 from vit.reference import reference_losses
+from vit.settings import defaults
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
@@ -17,7 +17,7 @@ CONFIGS = ROOT / "deepspeed_configs"
 
 
 def reference(global_batch: int, steps: int = STEPS) -> list[float]:
-    return reference_losses(parse_args([]), global_batch, steps, clip=1.0)
+    return reference_losses(defaults(), global_batch, steps, clip=1.0)
 
 
 def assert_matches_reference(log_dir, global_batch: int, rel: float = 2e-4):
@@ -86,7 +86,7 @@ def test_mpirun_launch_discovers_ranks(tmp_path):
     hostfile.write_text("localhost slots=1\n")
     r = run_cmd([*MPIRUN, "-np", "2", "./entry_cn.sh", "--steps", "3", "--no-save", "--log-dir", str(tmp_path),
                  "--hostfile", str(hostfile)], timeout=200)
-    assert r.returncode == 1 and "preflight: world size 2 is more than the hostfile's 1 slots" in r.stderr, r.stderr
+    assert r.returncode == 2 and "preflight: world size 2 is more than the hostfile's 1 slots" in r.stderr, r.stderr
     hostfile.write_text("localhost slots=2\n")
     r = run_cmd([*MPIRUN, "-np", "2", "./entry_cn.sh", "--steps", "3", "--no-save", "--log-dir", str(tmp_path),
                  "--hostfile", str(hostfile)], timeout=200)
@@ -125,7 +125,7 @@ BAD_INPUT = {
     "missing config": (lambda t: ["--ds-config", str(t / "nope.json")], {}, "nope.json: no such file"),
     "invalid json": (lambda t: ["--ds-config", bad_json(t)], {}, "invalid JSON"),
     "unknown model": (lambda t: ["--model", "vit_huge"], {}, "unknown model 'vit_huge'"),
-    "unknown dataset": (lambda t: ["--dataset", "mnist"], {}, "unknown dataset 'mnist'"),
+    "unknown dataset": (lambda t: ["--dataset", "mnist"], {}, "argument --dataset: invalid choice: 'mnist'"),
     "image size vs patch": (lambda t: ["--model", "vit_tiny_cifar", "--dataset", "synthetic", "--img-size", "30"], {},
                             "image size 30 is not divisible by the patch size 4"),
     "stages do not divide world": (lambda t: ["--engine", "pipeline", "--pipeline-stages", "2"],

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vit.config import ROOT, parse_args
 from vit.metrics import peak_mem_gib, write_json
 from vit.model import PRESETS, build_layers, loss_fn
+from vit.settings import ROOT, defaults
 
 CONFIGS = ROOT / "deepspeed_configs"
 ENGINES = ("ddp", "zero0", "zero1", "zero2", "zero3", "pipeline")
@@ -112,12 +112,12 @@ class OthersCpu:
 
 def run_reference(a, train_args, dev: torch.device) -> dict:
     """The plain loop: nn.Sequential of the same layers, the trainer's AdamW and schedule, data in memory."""
-    from vit.engines import make_optimizer, make_scheduler
+    from vit.optim import make_optimizer, make_scheduler
 
     img = PRESETS[a.model].img_size
     model = nn.Sequential(*build_layers(a.model, 10, 3, img, train_args.seed)).to(dev)
-    opt = make_optimizer(model, train_args)
-    sched = make_scheduler(opt, train_args, a.warmup + a.steps)
+    opt = make_optimizer(model, train_args.optim)
+    sched = make_scheduler(opt, train_args.optim, a.warmup + a.steps)
     clip = json.loads((CONFIGS / "zero0.json").read_text()).get("gradient_clipping", 0.0)  # as the engines do
     g = torch.Generator().manual_seed(0)
     x = torch.randn(a.global_batch, 3, img, img, generator=g).to(dev)
@@ -284,7 +284,7 @@ def train(a) -> int:
         print(f"vit.bench: no peak FLOP/s for '{name}' in PEAK_TFLOPS ({a.precision}); MFU left out. Measure one "
               "with `python -m vit.bench peak` and pass --peak-tflops", file=sys.stderr)
     # The trainer's defaults (lr, weight decay, warm-up, seed), and its optimizer choice
-    train_args = parse_args(["--model", a.model, *(["--fused-adam"] if a.fused_adam else [])])
+    train_args = defaults().with_(model=a.model, fused_adam=a.fused_adam)
     before = load_avg()
     img = PRESETS[a.model].img_size
     flops = flops_per_image(nn.Sequential(*build_layers(a.model, 10, 3, img)), img)
@@ -399,8 +399,8 @@ def allreduce(a) -> int:
 
     from vit.dist_env import MPI_LAUNCHERS, device, discover, init_process_group, resolve_master
 
-    env = resolve_master(discover())
-    dev = device(env)
+    job = resolve_master(discover())
+    dev = device(job)
     max_bytes = a.max_bytes or (256 * 2**20 if dev.type == "cuda" else 64 * 2**20)
     sizes, size = [], a.min_bytes
     while size <= max_bytes:
@@ -408,12 +408,12 @@ def allreduce(a) -> int:
         size *= 2
     if not sizes:
         sys.exit(f"vit.bench: --min-bytes {a.min_bytes} is above the largest size, {max_bytes}")
-    backend = init_process_group(env, a.timeout)
-    world = env.world_size
+    backend = init_process_group(job, a.timeout)
+    world = job.world_size
     hosts = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     placement = " ".join(f"{h}:{n}" for h, n in Counter(hosts).items())
-    use_mpi = env.launcher in MPI_LAUNCHERS and not a.no_mpi
+    use_mpi = job.launcher in MPI_LAUNCHERS and not a.no_mpi
     factor = 2 * (world - 1) / world
     before, rows = load_avg(), []
     for size in sizes:
@@ -427,12 +427,12 @@ def allreduce(a) -> int:
             t = slowest.item()
             row[way] = {"time_s": t, "algbw_gbps": size / t / 1e9, "busbw_gbps": size / t / 1e9 * factor}
         rows.append(row)
-        if env.is_main:
+        if job.is_main:
             print(f"{size} bytes done", file=sys.stderr, flush=True)
     result = {"benchmark": "allreduce", "backend": backend, "world_size": world, "placement": placement,
               "bus_factor": factor, "device": device_name(), "load_avg_before": before, "load_avg_after": load_avg(),
               "rows": rows}
-    if env.is_main:
+    if job.is_main:
         publish(a.out, "allreduce", result, allreduce_table(result))
     dist.barrier()
     dist.destroy_process_group()

@@ -20,7 +20,7 @@ from torch import nn
 
 from vit import slowdown
 from vit.bench import failure_tail, median_step_s, mpirun_train, publish
-from vit.config import parse_args
+from vit.settings import defaults
 
 MIXED_RUNS = [  # (row name, vit.train options)
     ("pipeline, --partition uniform", ["--engine", "pipeline", "--partition", "uniform"]),
@@ -91,28 +91,25 @@ def grad_max_per_step(a) -> tuple[list[float], float]:
     """fp32 training on the global batch for --steps steps: the largest |gradient| of each step over the
     parameters and the layer outputs; and the --loss-scale auto probe's value at step 0."""
     from vit.data import TrainBatches, load_dataset, make_loader
-    from vit.engines import make_optimizer, make_scheduler
-    from vit.hetero import GradPeak, probe_grad_max
-    from vit.model import PRESETS, build_layers, loss_fn
+    from vit.hetero.loss_scale import GradPeak, probe_grad_max
+    from vit.model import PRESETS, build_layers
+    from vit.optim import make_optimizer, make_scheduler
+    from vit.reference import train_step
 
-    args = parse_args(["--model", a.model, "--dataset", a.dataset])
-    data = load_dataset(a.dataset, None, PRESETS[a.model].img_size, seed=args.seed)
-    layers = build_layers(a.model, data.num_classes, data.in_chans, data.img_size, args.seed)
+    s = defaults().with_(model=a.model, dataset=a.dataset)
+    seed = s.train.seed
+    data = load_dataset(a.dataset, None, PRESETS[a.model].img_size, seed=seed)
+    layers = build_layers(a.model, data.num_classes, data.in_chans, data.img_size, seed)
     n = len(data.train)
-    probe = probe_grad_max(layers, make_loader(data.train, TrainBatches(n, a.global_batch, 1, 0, 1, args.seed, 0, 2),
+    probe = probe_grad_max(layers, make_loader(data.train, TrainBatches(n, a.global_batch, 1, 0, 1, seed, 0, 2),
                                                0, False), torch.device("cpu"), 1)
     model = nn.Sequential(*layers)
-    opt = make_optimizer(model, args)
-    sched = make_scheduler(opt, args, a.steps)
+    opt = make_optimizer(model, s.optim)
+    sched = make_scheduler(opt, s.optim, a.steps)
     peaks, peak = [], GradPeak(layers, torch.device("cpu"))
-    for x, y in make_loader(data.train, TrainBatches(n, a.global_batch, 1, 0, 1, args.seed, 0, a.steps), 0, False):
+    for x, y in make_loader(data.train, TrainBatches(n, a.global_batch, 1, 0, 1, seed, 0, a.steps), 0, False):
         peak.value.zero_()
-        loss_fn(model(x), y).backward()
-        peaks.append(peak.read(model).item())
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
+        train_step(model, opt, sched, x, y, clip=1.0, after_backward=lambda: peaks.append(peak.read(model).item()))
     return peaks, probe
 
 
@@ -121,7 +118,7 @@ def skipped_steps(peaks: list[float], power: int) -> int:
     with overflow = max|g| x scale reaches the fp16 limit."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from vit.hetero import FP16_MAX
+    from vit.hetero.loss_scale import FP16_MAX
 
     scaler = DynamicLossScaler(init_scale=2.0**power, scale_window=1000, min_scale=1, delayed_shift=2,
                                consecutive_hysteresis=False)
@@ -136,9 +133,9 @@ def skipped_steps(peaks: list[float], power: int) -> int:
 def lossscale(a) -> int:
     import torch.distributed as dist
 
-    from vit.config import DEFAULT_FP16_SCALE_POWER
-    from vit.engines import deepspeed_comm
-    from vit.hetero import scale_power
+    from vit.ds_config import DEFAULT_FP16_SCALE_POWER
+    from vit.engines.deepspeed_engine import deepspeed_comm
+    from vit.hetero.loss_scale import scale_power
 
     with tempfile.TemporaryDirectory() as tmp:  # the loss scaler logs through torch.distributed's rank
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)

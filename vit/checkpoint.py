@@ -192,3 +192,25 @@ def load(engine, save_dir: str, tag: str) -> dict:
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))
     return client_state
+
+
+class Checkpointer:
+    """Decides its own cadence: save(step) after every step saves at each --save-interval; save(step,
+    last_step=True) at the end saves unless that step was just saved."""
+
+    def __init__(self, engine, save_dir: str, *, interval: int, enabled: bool, keep: int, meta: dict, on_progress):
+        self.engine, self.save_dir, self.interval, self.enabled = engine, save_dir, interval, enabled
+        self.keep, self.meta, self.on_progress = keep, meta, on_progress
+        self.saved_step = None
+
+    def save(self, step: int, last_step: bool = False) -> None:
+        due = last_step or (self.interval and step % self.interval == 0)
+        if not self.enabled or not due or step == self.saved_step:
+            return
+        self.on_progress()
+        save(self.engine, self.save_dir, step, {"step": step, "engine": self.meta["engine"]}, self.meta, self.keep)
+        self.saved_step = step
+
+
+def step_of(tag: str) -> int:
+    return int(TAG.match(tag).group(1))

@@ -14,7 +14,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
+from vit.errors import ConfigError
+from vit.settings import DATASETS, DataSettings
+
+READS_DATA_PATH = ("cifar10", "cifar100", "imagefolder")
 PAD_LABEL = -100  # evaluation padding, ignored by the loss and by top-1
 
 
@@ -84,7 +87,8 @@ def load_cifar(name: str, data_path: str, download: bool) -> DataSplit:
         getattr(datasets, name.upper())(str(root.parent), download=True)
     missing = [f for f in [*train_files, test_file] if not (root / f).is_file()]
     if missing:
-        raise ValueError(f"{name}: {root} lacks {', '.join(missing)} (python pickle batches; pass --download to fetch)")
+        raise ConfigError(f"{name}: {root} lacks {', '.join(missing)} (python pickle batches; pass --download to "
+                          "fetch)")
 
     def read(files):
         xs, ys = [], []
@@ -108,14 +112,17 @@ def load_imagefolder(data_path: str, img_size: int) -> DataSplit:
     splits = [root / "train", root / "val"]
     for s in splits:
         if not s.is_dir():
-            raise ValueError(f"imagefolder: {s} is not a folder (expected DATA/train/<class>/ and DATA/val/<class>/)")
+            raise ConfigError(f"imagefolder: {s} is not a folder (expected DATA/train/<class>/ and DATA/val/<class>/)")
     tf = transforms.Compose([
         transforms.Resize(int(img_size * 1.14)), transforms.CenterCrop(img_size), transforms.ToTensor(),
         transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
     ])
-    train, test = (datasets.ImageFolder(str(s), transform=tf) for s in splits)
+    try:
+        train, test = (datasets.ImageFolder(str(s), transform=tf) for s in splits)
+    except FileNotFoundError as e:  # torchvision: no class folder, or no image in any of them
+        raise ConfigError(f"imagefolder: {str(e).splitlines()[0]} (expected DATA/<split>/<class>/*.jpg, .png, ...)")
     if train.classes != test.classes:
-        raise ValueError(f"imagefolder: the class folders of {splits[0]} and {splits[1]} differ")
+        raise ConfigError(f"imagefolder: the class folders of {splits[0]} and {splits[1]} differ")
     return DataSplit(train, test, num_classes=len(train.classes), in_chans=3, img_size=img_size)
 
 
@@ -134,6 +141,34 @@ class _Synthetic(Dataset):
         return self.images[i % len(self.images)], i % self.num_classes
 
 
+def infer_dataset(data_path: str) -> str | None:
+    """The data set a --data-path folder holds, from its layout: CIFAR's pickle folders or train/ and val/."""
+    root = Path(data_path)
+    for name, (folder, *_rest) in CIFAR.items():
+        if root.name == folder or (root / folder).is_dir():
+            return name
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        return "imagefolder"
+    return None
+
+
+def dataset_for(data: DataSettings) -> tuple[str, str | None]:
+    """(data set, note): --dataset as given, or inferred from --data-path, else digits; a --data-path that the data
+    set would not read is an error, never ignored."""
+    if data.data_path is None:
+        return data.dataset or "digits", None
+    if data.dataset in READS_DATA_PATH:
+        return data.dataset, None
+    if data.dataset:
+        raise ConfigError(f"--data-path {data.data_path}: --dataset {data.dataset} reads no files; use "
+                          f"--dataset {' / '.join(READS_DATA_PATH)}, or leave --data-path out")
+    inferred = infer_dataset(data.data_path)
+    if inferred is None:
+        raise ConfigError(f"--data-path {data.data_path}: not a CIFAR folder (cifar-10-batches-py/, "
+                          "cifar-100-python/) nor an image folder (train/ and val/); pass --dataset")
+    return inferred, f"--data-path {data.data_path} holds {inferred}: training on it (--dataset {inferred})"
+
+
 def load_dataset(name: str, data_path: str | None, img_size: int, download: bool = False,
                  synthetic_size: int = 2048, seed: int = 0) -> DataSplit:
     if name == "digits":
@@ -142,12 +177,12 @@ def load_dataset(name: str, data_path: str | None, img_size: int, download: bool
         return load_cifar(name, data_path or os.path.join("data", name), download)
     if name == "imagefolder":
         if not data_path:
-            raise ValueError("imagefolder needs --data-path DATA (with DATA/train and DATA/val)")
+            raise ConfigError("imagefolder needs --data-path DATA (with DATA/train and DATA/val)")
         return load_imagefolder(data_path, img_size)
     if name == "synthetic":
         return DataSplit(_Synthetic(synthetic_size, img_size, 10, seed), _Synthetic(256, img_size, 10, seed + 1),
                          num_classes=10, in_chans=3, img_size=img_size)
-    raise ValueError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
+    raise ConfigError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
 
 
 def steps_per_epoch(num_samples: int, global_batch: int) -> int:
@@ -168,8 +203,8 @@ class TrainBatches(Sampler):
         self.global_batch = sum(self.sizes) * grad_accum
         self.per_epoch = steps_per_epoch(num_samples, self.global_batch)
         if self.per_epoch == 0:
-            raise ValueError(f"global batch {self.global_batch} is larger than the {num_samples} training samples")
-        self.n, self.ga, self.r = num_samples, grad_accum, dp_rank
+            raise ConfigError(f"global batch {self.global_batch} is larger than the {num_samples} training samples")
+        self.n, self.grad_accum, self.r = num_samples, grad_accum, dp_rank
         self.seed, self.start, self.end = seed, start_step, end_step
 
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -183,12 +218,12 @@ class TrainBatches(Sampler):
                 perm, perm_epoch = self._perm(epoch), epoch
             batch = perm[pos * self.global_batch:(pos + 1) * self.global_batch]
             chunk, mine = sum(self.sizes), self.sizes[self.r]
-            for j in range(self.ga):
+            for j in range(self.grad_accum):
                 first = j * chunk + sum(self.sizes[:self.r])
                 yield batch[first:first + mine].tolist()
 
     def __len__(self):
-        return (self.end - self.start) * self.ga
+        return (self.end - self.start) * self.grad_accum
 
 
 class _Padded(Dataset):

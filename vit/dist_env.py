@@ -9,6 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from vit.errors import ConfigError
+
 DEFAULT_PORT = 29500
 
 # (launcher, rank, world size, local rank, local world size)
@@ -23,7 +25,8 @@ MPI_LAUNCHERS = ("Open MPI", "MPICH/PMI")
 
 
 @dataclass
-class DistEnv:
+class Job:
+    """This process's place in the job, as its launcher tells it."""
     rank: int
     world_size: int
     local_rank: int
@@ -37,36 +40,36 @@ class DistEnv:
         return self.rank == 0
 
 
-def _int(env, name):
-    v = env.get(name)
+def _int(environ, name):
+    v = environ.get(name)
     if v is None:
         return None
     try:
         return int(v.split("(")[0].split(",")[0])  # SLURM_NTASKS_PER_NODE can read "2(x3)"
     except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+        raise ConfigError(f"environment variable {name}={v!r} is not an integer") from None
 
 
-def discover(env=None) -> DistEnv:
+def discover(environ=None) -> Job:
     """Rank and world size from the launcher's variables; an error if two launchers disagree."""
-    env = os.environ if env is None else env
+    environ = os.environ if environ is None else environ
     found = []
     for launcher, r, w, lr, lw in SOURCES:
-        if r not in env or w not in env:
+        if r not in environ or w not in environ:
             continue
         # mpirun inside a Slurm allocation inherits the Slurm daemon's variables: MPI wins there.
         if launcher == "Slurm" and any(f[0] in MPI_LAUNCHERS for f in found):
             continue
-        found.append((launcher, _int(env, r), _int(env, w), _int(env, lr) or 0, _int(env, lw)))
+        found.append((launcher, _int(environ, r), _int(environ, w), _int(environ, lr) or 0, _int(environ, lw)))
     if not found:
-        return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, launcher="single")
+        return Job(rank=0, world_size=1, local_rank=0, local_world_size=1, launcher="single")
     if len({(f[1], f[2]) for f in found}) > 1:
         seen = "; ".join(f"{f[0]} says rank {f[1]} of {f[2]}" for f in found)
-        raise ValueError(f"launcher variables disagree: {seen} (unset the stale ones)")
+        raise ConfigError(f"launcher variables disagree: {seen} (unset the stale ones)")
     launcher, rank, world, local, local_world = found[0]
     if not 0 <= rank < world:
-        raise ValueError(f"{launcher}: rank {rank} is outside world size {world}")
-    return DistEnv(rank=rank, world_size=world, local_rank=local, local_world_size=local_world or 1,
+        raise ConfigError(f"{launcher}: rank {rank} is outside world size {world}")
+    return Job(rank=rank, world_size=world, local_rank=local, local_world_size=local_world or 1,
                    launcher=launcher)
 
 
@@ -94,13 +97,13 @@ def choose_master_addr(hosts: list[tuple[str, list]], ifname: str | None) -> str
         for name, iface in ifaces0:
             if name == ifname:
                 return str(iface.ip)
-        raise ValueError(f"rank 0 ({host0}) has no IPv4 address on interface {ifname} (GLOO_SOCKET_IFNAME)")
+        raise ConfigError(f"rank 0 ({host0}) has no IPv4 address on interface {ifname} (GLOO_SOCKET_IFNAME)")
     others = [ifaces for h, ifaces in hosts if h != host0]
     for _, iface in ifaces0:
         if all(any(o.ip in iface.network for _, o in ifaces) for ifaces in others):
             return str(iface.ip)
     mine = ", ".join(f"{n}={i}" for n, i in ifaces0) or "none"
-    raise ValueError(f"rank 0 ({host0}) shares no subnet with every other host (its addresses: {mine}); "
+    raise ConfigError(f"rank 0 ({host0}) shares no subnet with every other host (its addresses: {mine}); "
                      "set MASTER_ADDR or the interface (IFACE in setup/cluster.env)")
 
 
@@ -110,55 +113,70 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def resolve_master(de: DistEnv, env=None) -> DistEnv:
+def resolve_master(job: Job, environ=None) -> Job:
     """Fill in rank 0's address and port; under MPI without MASTER_ADDR, agree on them via mpi4py."""
-    env = os.environ if env is None else env
-    if env.get("MASTER_ADDR"):
-        de.master_addr, de.master_port = env["MASTER_ADDR"], _int(env, "MASTER_PORT") or DEFAULT_PORT
-    elif de.world_size == 1:
-        de.master_addr, de.master_port = "127.0.0.1", _int(env, "MASTER_PORT") or free_port()
-    elif de.launcher in MPI_LAUNCHERS:
+    environ = os.environ if environ is None else environ
+    if environ.get("MASTER_ADDR"):
+        job.master_addr, job.master_port = environ["MASTER_ADDR"], _int(environ, "MASTER_PORT") or DEFAULT_PORT
+    elif job.world_size == 1:
+        job.master_addr, job.master_port = "127.0.0.1", _int(environ, "MASTER_PORT") or free_port()
+    elif job.launcher in MPI_LAUNCHERS:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
         hosts = comm.gather((socket.gethostname(), ipv4_interfaces()), root=0)
         answer = None
-        if de.rank == 0:
+        if job.rank == 0:
             try:
-                addr = choose_master_addr(hosts, env.get("GLOO_SOCKET_IFNAME"))
-                answer = (addr, _int(env, "MASTER_PORT") or free_port())
-            except ValueError as e:
+                addr = choose_master_addr(hosts, environ.get("GLOO_SOCKET_IFNAME"))
+                answer = (addr, _int(environ, "MASTER_PORT") or free_port())
+            except ConfigError as e:
                 answer = str(e)
         answer = comm.bcast(answer, root=0)
         if isinstance(answer, str):
-            raise ValueError(answer)
-        de.master_addr, de.master_port = answer
-    elif de.launcher == "Slurm" and env.get("SLURM_JOB_NODELIST"):
+            raise ConfigError(answer)
+        job.master_addr, job.master_port = answer
+    elif job.launcher == "Slurm" and environ.get("SLURM_JOB_NODELIST"):
         import subprocess
 
-        first = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
+        first = subprocess.run(["scontrol", "show", "hostnames", environ["SLURM_JOB_NODELIST"]],
                                capture_output=True, text=True, check=True).stdout.split()[0]
-        de.master_addr, de.master_port = first, _int(env, "MASTER_PORT") or DEFAULT_PORT
+        job.master_addr, job.master_port = first, _int(environ, "MASTER_PORT") or DEFAULT_PORT
     else:
-        raise ValueError(f"{de.launcher} started {de.world_size} ranks but MASTER_ADDR is not set")
-    return de
+        raise ConfigError(f"{job.launcher} started {job.world_size} ranks but MASTER_ADDR is not set")
+    return job
 
 
-def init_process_group(de: DistEnv, timeout_s: float) -> str:
+def init_process_group(job: Job, timeout_s: float) -> str:
     """Start torch.distributed (nccl on GPU, gloo on CPU); export the torchrun variables DeepSpeed reads."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a host share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // de.local_world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_world_size))
     if torch.cuda.is_available():
-        torch.cuda.set_device(de.local_rank % torch.cuda.device_count())
-    os.environ.update(RANK=str(de.rank), WORLD_SIZE=str(de.world_size), LOCAL_RANK=str(de.local_rank),
-                      MASTER_ADDR=de.master_addr, MASTER_PORT=str(de.master_port))
-    dist.init_process_group(backend, init_method=f"tcp://{de.master_addr}:{de.master_port}", rank=de.rank,
-                            world_size=de.world_size, timeout=timedelta(seconds=timeout_s))
+        torch.cuda.set_device(job.local_rank % torch.cuda.device_count())
+    os.environ.update(RANK=str(job.rank), WORLD_SIZE=str(job.world_size), LOCAL_RANK=str(job.local_rank),
+                      MASTER_ADDR=job.master_addr, MASTER_PORT=str(job.master_port))
+    dist.init_process_group(backend, init_method=f"tcp://{job.master_addr}:{job.master_port}", rank=job.rank,
+                            world_size=job.world_size, timeout=timedelta(seconds=timeout_s))
     return backend
 
 
-def device(de: DistEnv) -> torch.device:
+def device(job: Job) -> torch.device:
     if torch.cuda.is_available():
-        return torch.device("cuda", de.local_rank % torch.cuda.device_count())
+        return torch.device("cuda", job.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def rank0_decides(decide):
+    """Collective: rank 0 runs decide() and every rank gets its answer, or raises the ConfigError (or other
+    exception of the project's) that it raised, so that all ranks stop alike with one message."""
+    answer = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer[0] = decide()
+        except Exception as e:  # handed to every rank, raised there
+            answer[0] = e
+    dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], Exception):
+        raise answer[0]
+    return answer[0]

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from vit.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -40,7 +42,7 @@ PRESETS = {
 def check_img_size(model_name: str, img_size: int) -> None:
     patch = PRESETS[model_name].patch_size
     if img_size <= 0 or img_size % patch:
-        raise ValueError(f"image size {img_size} is not divisible by the patch size {patch} of model {model_name}")
+        raise ConfigError(f"image size {img_size} is not divisible by the patch size {patch} of model {model_name}")
 
 
 class Embed(nn.Module):
@@ -82,7 +84,7 @@ def create_vit(model_name: str, num_classes: int, in_chans: int, img_size: int |
                seed: int = 0) -> VisionTransformer:
     """The timm model for a preset, initialised from `seed` (same weights on every rank)."""
     if model_name not in PRESETS:
-        raise ValueError(f"unknown model '{model_name}'; choose one of: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown model '{model_name}'; choose one of: {', '.join(PRESETS)}")
     p = PRESETS[model_name]
     img_size = img_size or p.img_size
     check_img_size(model_name, img_size)

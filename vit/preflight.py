@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from vit.dist_env import rank0_decides
 from vit.errors import ConfigError
 
 PACKAGES = ("torch", "deepspeed", "timm")
@@ -58,10 +59,10 @@ def check(world_size: int, hostfile: str | None) -> None:
     """Collective: every rank calls it; raises ConfigError on every rank when rank 0 finds problems."""
     reports = [None] * world_size
     dist.all_gather_object(reports, local_report())
-    verdict = [None]
-    if dist.get_rank() == 0:
-        slots = hostfile_slots(hostfile) if hostfile else None
-        verdict[0] = "; ".join(problems(reports, world_size, slots)) or None
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0]:
-        raise ConfigError(f"preflight: {verdict[0]}")
+
+    def verdict():
+        found = problems(reports, world_size, hostfile_slots(hostfile) if hostfile else None)
+        if found:
+            raise ConfigError(f"preflight: {'; '.join(found)}")
+
+    rank0_decides(verdict)

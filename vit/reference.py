@@ -1,33 +1,43 @@
 """A plain single-process PyTorch loop: no DeepSpeed, no DDP, no process group.
 
 It trains the same network from the same seed on the same global batches, with the same optimizer and
-LR schedule as the engines, so an engine's per-step losses can be compared with it.
+LR schedule as the engines, so an engine's per-step losses can be compared with it. Its step is also the
+benchmarks' baseline (bench/).
 """
+import contextlib
+
 import torch
 from torch import nn
 
 from vit.data import TrainBatches, load_dataset, make_loader
-from vit.engines import make_optimizer, make_scheduler
 from vit.model import PRESETS, build_layers, loss_fn
+from vit.optim import make_optimizer, make_scheduler
+from vit.settings import Settings
 
 
-def reference_losses(args, global_batch: int, steps: int, clip: float = 0.0) -> list[float]:
-    """Per-step mean loss over each global batch, for parsed `args` (model, dataset, seed, lr...)."""
-    data = load_dataset(args.dataset, args.data_path, args.img_size or PRESETS[args.model].img_size,
-                        seed=args.seed, synthetic_size=args.synthetic_size)
-    model = nn.Sequential(*build_layers(args.model, data.num_classes, data.in_chans, data.img_size, args.seed))
-    opt = make_optimizer(model, args)
-    sched = make_scheduler(opt, args, steps)
-    batches = make_loader(data.train, TrainBatches(len(data.train), global_batch, 1, 0, 1, args.seed, 0, steps), 0,
-                          False)
-    losses = []
-    for x, y in batches:
+def train_step(model: nn.Module, optimizer, scheduler, x, y, clip: float = 0.0, autocast=None,
+               after_backward=None) -> torch.Tensor:
+    """One optimizer step on one batch; `after_backward()` runs between the backward pass and the update."""
+    with autocast or contextlib.nullcontext():
         loss = loss_fn(model(x), y)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(loss.item())
-    return losses
+    loss.backward()
+    if after_backward:
+        after_backward()
+    if clip:
+        nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss
+
+
+def reference_losses(s: Settings, global_batch: int, steps: int, clip: float = 0.0) -> list[float]:
+    """Per-step mean loss over each global batch, for settings `s` (model, data, seed, optimizer)."""
+    img_size = s.model.img_size or PRESETS[s.model.model].img_size
+    data = load_dataset(s.data.dataset or "digits", s.data.data_path, img_size, seed=s.train.seed,
+                        synthetic_size=s.data.synthetic_size)
+    model = nn.Sequential(*build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed))
+    opt = make_optimizer(model, s.optim)
+    sched = make_scheduler(opt, s.optim, steps)
+    sampler = TrainBatches(len(data.train), global_batch, 1, 0, 1, s.train.seed, 0, steps)
+    return [train_step(model, opt, sched, x, y, clip).item() for x, y in make_loader(data.train, sampler, 0, False)]

@@ -1,15 +1,14 @@
-"""Train a ViT: validate everything, start the process group, build the engine, train, evaluate, summarise.
+"""Train a ViT: plan everything, start the process group, build the engine, train, evaluate, summarise.
 
 Run through ./entry_cn.sh (under mpirun, srun, torchrun or directly); `--help` lists the options.
 """
-import hashlib
-import json
 import logging
 import os
 import socket
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -17,301 +16,236 @@ import torch
 import torch.distributed as dist
 
 from vit import checkpoint, hetero, preflight, slowdown
-from vit.config import (
-    ROOT,
-    Batch,
-    ConfigError,
-    parse_args,
-    precision_of,
-    resolve_ds_config,
-    zero_stage,
-)
-from vit.data import DataSplit, TrainBatches, eval_batches, load_dataset, make_loader, steps_per_epoch
-from vit.dist_env import DistEnv, device, discover, init_process_group, resolve_master
-from vit.engines import EngineContext, build
+from vit.checkpoint import Checkpointer
+from vit.data import TrainBatches, make_loader
+from vit.dist_env import device, discover, init_process_group, rank0_decides
+from vit.ds_config import with_precision
+from vit.engines import Engine, EngineContext, build
+from vit.errors import ConfigError, NonFiniteLoss, NothingToDo
+from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure, failure_elsewhere
-from vit.metrics import MetricsLog, log_line, peak_mem_gib, progress, write_json
-from vit.model import PRESETS, build_layers, check_img_size
-from vit.monitor import Monitor, gpu_util_mean_per_host
+from vit.metrics import MetricsLog, peak_mem_gib
+from vit.model import build_layers
+from vit.monitor import Monitor
+from vit.plan import Plan, choose_resume, make_plan
+from vit.rundir import RunLock
+from vit.settings import ROOT, parse
+from vit.stats import StepStats
+from vit.summary import start_record, write_summary
+
+
+def prepare_environment() -> None:
+    """Before DeepSpeed is imported: where it builds its ops, and with which ninja."""
+    # DeepSpeed JIT-builds small ops (the CPU shared-memory comm op, CPU Adam) into this cache. Its key includes
+    # the interpreter's path, so two environments sharing one cache rebuild each other's ops.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    # torch builds them with the first `ninja` on PATH. The venv's ninja (pip) and the system's write .ninja_log
+    # hashes the other cannot read, so runs with and without the venv on PATH rebuilt the op every time: a
+    # minute or more of CPU each. Use the venv's.
+    bin_dir = os.path.dirname(sys.executable)
+    if os.path.isfile(os.path.join(bin_dir, "ninja")) and not os.environ.get("PATH", "").startswith(bin_dir):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
 @dataclass
-class Plan:
-    """Everything decided before any process group starts."""
-    args: object
-    env: DistEnv
-    ds_config: dict
-    batch: Batch
+class Session:
+    """A run once its engine is built: what the loop and the finish need."""
+    engine: Engine
+    log_dir: str
+    start_step: int
     precision: str
-    data: DataSplit
-    total_steps: int
-    save_dir: str | None
-    resume: tuple[str, list[str]] | None  # (save dir, candidate tags, newest first)
-    layout: dict  # what a checkpoint must match to be resumed by this run
-    slowdowns: dict  # --simulate-slowdown: rank -> factor
+    ds_config: dict
+    batches: Iterator | None
+    stats: StepStats
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    metrics: MetricsLog
+    monitor: Monitor
+    locks: list[RunLock]  # the run's folders, held until the process ends
 
 
-def make_plan(argv) -> Plan:
-    args = parse_args(argv)
-    env = discover()
-    ds_config, batch = resolve_ds_config(args, env.world_size)
-    precision = "auto" if args.precision == "auto" else precision_of(ds_config)  # every rank's say: hetero.adapt
-    slowdowns = slowdown.parse(args.simulate_slowdown, env.world_size)
-    preset = PRESETS[args.model]
-    data = load_dataset(args.dataset, args.data_path, args.img_size or preset.img_size, args.download,
-                        args.synthetic_size, args.seed)
-    if args.img_size and args.img_size != data.img_size:
-        raise ConfigError(f"--img-size {args.img_size} does not match the {data.img_size}x{data.img_size} "
-                          f"images of {args.dataset}")
-    check_img_size(args.model, data.img_size)
-    if args.engine == "pipeline" and args.pipeline_stages > preset.depth + 2:
-        raise ConfigError(f"--pipeline-stages {args.pipeline_stages} exceeds the {preset.depth + 2} layers of "
-                          f"{args.model} (embedding, {preset.depth} blocks, head)")
-    per_epoch = steps_per_epoch(len(data.train), batch.global_size)
-    if per_epoch == 0:
-        raise ConfigError(f"global batch {batch.global_size} is larger than the {len(data.train)} training "
-                          f"samples of {args.dataset}")
-    total_steps = args.steps or max(1, round(args.epochs * per_epoch))
-    save_dir = args.save_dir or (os.path.join(args.log_dir, "checkpoints") if args.log_dir else None)
-    layout = {"engine": args.engine, "world_size": env.world_size, "data_parallel_size": batch.dp_size,
-              "pipeline_stages": args.pipeline_stages if args.engine == "pipeline" else 1,
-              "zero_stage": zero_stage(ds_config) if args.engine != "ddp" else 0}
-    resume = None
-    if args.resume == "auto" and not save_dir:
-        raise ConfigError("--resume needs the run's --log-dir (or --save-dir), or --resume PATH")
-    if args.resume:
-        resume = checkpoint.locate(save_dir if args.resume == "auto" else args.resume)
-        for tag in resume[1]:  # the newest readable manifest says how the run was laid out
-            try:
-                saved = checkpoint.read_manifest(resume[0], tag)
-            except (OSError, ValueError):
-                continue
-            checkpoint.check_layout(saved, layout, f"checkpoint {resume[0]}/{tag}")
-            break
-    resolve_master(env)
-    return Plan(args, env, ds_config, batch, precision, data, total_steps, save_dir, resume, layout, slowdowns)
+def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
+    run = setup(plan, watchdog)
+    for step in range(run.start_step + 1, plan.total_steps + 1):
+        lr = run.engine.lr
+        loss = run.engine.train_step(run.batches)
+        watchdog.beat(step)
+        run.monitor.step = step
+        run.stats.record(step, loss, lr)
+        if run.stats.should_log(step):
+            run.stats.log(step)
+        with run.stats.paused():
+            run.evaluator.maybe(step)
+            run.checkpointer.save(step)
+    finish(plan, run, start_time)
 
 
-def config_hash(plan: Plan) -> str:
-    a = plan.args
-    what = {"model": a.model, "dataset": a.dataset, "img_size": a.img_size, "seed": a.seed, "lr": a.lr,
-            "min_lr": a.min_lr, "weight_decay": a.weight_decay, "deepspeed": plan.ds_config}
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def resume_tag(plan: Plan) -> str:
-    """Rank 0 verifies the candidates' manifests and picks the newest sound one; all ranks get it."""
-    answer = [None]
-    if plan.env.is_main:
-        try:
-            answer[0] = checkpoint.choose(*plan.resume)
-        except checkpoint.CheckpointError as e:
-            answer[0] = e
-    dist.broadcast_object_list(answer, src=0)
-    if isinstance(answer[0], Exception):
-        raise answer[0]
-    return answer[0]
-
-
-def shared_log_dir(plan: Plan) -> str:
+def agree_log_dir(plan: Plan) -> str:
     """The run folder; the default name is rank 0's clock, so it is broadcast."""
-    name = [plan.args.log_dir or os.path.join(ROOT, "logs", f"{plan.args.engine}-{time.strftime('%Y%m%d-%H%M%S')}")]
+    name = [plan.settings.log.log_dir or os.path.join(ROOT, "logs", f"{plan.settings.parallel.engine}-"
+                                                       f"{time.strftime('%Y%m%d-%H%M%S')}")]
     dist.broadcast_object_list(name, src=0)
     return name[0]
 
 
-def run(plan: Plan, start_time: float) -> None:
+def lock_run_dirs(log_dir: str, save_dir: str, no_save: bool) -> list[RunLock]:
+    """Rank 0 holds the log dir (and a save dir outside it) for the run's lifetime; every rank stops alike when
+    another run holds one."""
+    locks = []
+
+    def take():
+        locks.append(RunLock(log_dir, "--log-dir"))
+        if not no_save and not os.path.realpath(save_dir).startswith(os.path.realpath(log_dir) + os.sep):
+            locks.append(RunLock(save_dir, "--save-dir"))
+
+    rank0_decides(take)
+    return locks
+
+
+def setup(plan: Plan, watchdog: Watchdog) -> Session:
+    s, job, batch = plan.settings, plan.job, plan.batch
+    preflight.check(job.world_size, s.cluster.hostfile)
+    dev = device(job)
+    log_dir = agree_log_dir(plan)
+    save_dir = plan.save_dir or os.path.join(log_dir, "checkpoints")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if job.is_main:
+        for note in plan.notes:
+            print(note, flush=True)
+    start, resumed_from = 0, None
+    if plan.resume:
+        resumed_from = rank0_decides(lambda: choose_resume(plan))
+        start = checkpoint.read_manifest(plan.resume.save_dir, resumed_from)["step"]
+    data = plan.data
+    layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
+    adapted = adapt(plan, dev, layers, start)
+    factor = plan.slowdowns.get(job.rank, 1.0)
+    if factor != 1:
+        for layer in layers:
+            slowdown.attach(layer, factor, dev)
+    locks = lock_run_dirs(log_dir, save_dir, s.checkpoint.no_save)
+    ds_config = with_precision(plan.ds_config, adapted.precision, adapted.scale_power)
+    engine = build(s.parallel.engine, EngineContext(
+        layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision, s.parallel.pipeline_stages,
+        s.parallel.partition, adapted.parts, adapted.loss_weight))
+    if plan.resume:
+        start = checkpoint.load(engine, plan.resume.save_dir, resumed_from)["step"]
+    if job.is_main:
+        if plan.resume and plan.settings_hash() != checkpoint.read_manifest(
+                plan.resume.save_dir, resumed_from).get("config_hash"):
+            print(f"warning: {resumed_from} was written with other settings (model, data, optimizer or DeepSpeed "
+                  "config) than this run", flush=True)
+        start_record(log_dir, plan, ds_config=ds_config, precision=adapted.precision, cluster=adapted.record,
+                     start_step=start, resumed_from=resumed_from)
+    return session(plan, engine, watchdog, log_dir, save_dir, start, adapted, ds_config, locks)
+
+
+def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> hetero.Adapted:
+    """The census and the plans for mixed GPUs (vit.hetero), from this run's settings."""
+    s, job, batch, data = plan.settings, plan.job, plan.batch, plan.data
+
+    def probe_batches():  # two steps of this rank's real batches, from where training starts
+        dp = batch.dp_size
+        probe = TrainBatches(len(data.train), batch.micro_batch, batch.grad_accum, job.rank % dp, dp, s.train.seed,
+                             start_step, start_step + 2)
+        return make_loader(data.train, probe, 0, False)
+
+    par = s.parallel
+    return hetero.adapt(
+        job, dev, layers, requested_precision=plan.requested_precision, micro_batch=batch.micro_batch,
+        grad_accum=batch.grad_accum, sample=data.train[0][0][None],
+        balanced_stages=par.pipeline_stages if par.engine == "pipeline" and par.partition == "balanced" else None,
+        proportional=par.batch_split == "proportional",
+        probe_batches=probe_batches if par.loss_scale == "auto" else None,
+        slowdown=plan.slowdowns.get(job.rank, 1.0))
+
+
+def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,
+            adapted: hetero.Adapted, ds_config: dict, locks: list[RunLock]) -> Session:
+    s, job, batch, data = plan.settings, plan.job, plan.batch, plan.data
+    pin = engine.device.type == "cuda"
+    metrics = MetricsLog(log_dir, job.rank)
+    # The driver (NVML, nvidia-smi) numbers GPUs unlike CUDA does; the UUID names this rank's GPU in both.
+    gpus = [str(torch.cuda.get_device_properties(engine.device).uuid)] if engine.device.type == "cuda" else None
+    monitor = Monitor(log_dir, job.rank, s.log.monitor_interval, s.log.monitor_backend, gpu_indices=gpus)
+    monitor.start()
+    my_micro = adapted.split[engine.dp_rank] if adapted.split else batch.micro_batch
+    stats = StepStats(engine, metrics, global_batch=batch.global_size, rank_images=my_micro * batch.grad_accum,
+                      total_steps=plan.total_steps, log_interval=s.log.log_interval, precision=adapted.precision,
+                      max_skipped_steps=s.train.max_skipped_steps, is_main=job.is_main)
+    evaluator = Evaluator(engine, data, micro_batch=batch.micro_batch, workers=s.data.workers, pin_memory=pin,
+                          metrics=metrics, watchdog=watchdog, interval=s.train.eval_interval,
+                          total_steps=plan.total_steps, is_main=job.is_main)
+    checkpointer = Checkpointer(engine, save_dir, interval=s.checkpoint.save_interval,
+                                enabled=not s.checkpoint.no_save, keep=s.checkpoint.keep_checkpoints,
+                                meta={**plan.layout, "config_hash": plan.settings_hash()}, on_progress=watchdog.beat)
+    sampler = TrainBatches(len(data.train), batch.micro_batch, batch.grad_accum, engine.dp_rank, engine.dp_size,
+                           s.train.seed, start, plan.total_steps, adapted.split)
+    batches = iter(make_loader(data.train, sampler, s.data.workers, pin)) if engine.reads_data else None
+    return Session(engine, log_dir, start, adapted.precision, ds_config, batches, stats, evaluator, checkpointer,
+                   metrics, monitor, locks)
+
+
+def finish(plan: Plan, run: Session, start_time: float) -> None:
+    """The final evaluation and checkpoint, the monitors' summaries, and summary.json."""
+    evaluation = run.evaluator.run(plan.total_steps)
+    run.checkpointer.save(plan.total_steps, last_step=True)
+    peak = torch.tensor([peak_mem_gib(run.engine.device)], device=run.engine.device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    run.monitor.stop()
+    monitors = [None] * plan.job.world_size
+    dist.all_gather_object(monitors, run.monitor.summary())
+    if plan.job.is_main:
+        write_summary(run.log_dir, plan, precision=run.precision, ds_config=run.ds_config, start_step=run.start_step,
+                      totals=run.stats.totals(), evaluation=evaluation, peak_mem_gib=peak.item(), monitors=monitors,
+                      start_time=start_time)
+    run.metrics.close()
+    dist.barrier()
+
+
+def run(plan: Plan, start_time: float) -> int:
     """Train; any failure on any rank ends every rank, non-zero, naming the rank that failed."""
-    init_process_group(plan.env, plan.args.dist_timeout)
-    watchdog = Watchdog(plan.env.rank, plan.args.dist_timeout)
+    init_process_group(plan.job, plan.settings.cluster.dist_timeout)
+    watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
     try:
         train(plan, start_time, watchdog)
+    except NothingToDo as e:  # decided on rank 0 before anything was written
+        if plan.job.is_main:
+            print(f"entry_cn.sh: {e}", flush=True)
     except Exception as e:
+        where = f"rank {plan.job.rank} ({socket.gethostname()})"
         elsewhere = failure_elsewhere()
+        if isinstance(e, ConfigError):  # a collective finding (preflight, census, lock): the same on every rank
+            announce_failure(f"{where}: {e}")
+            print(f"entry_cn.sh: error: {e}", file=sys.stderr, flush=True)
+            os._exit(2)
         if elsewhere is None:
-            if not isinstance(e, ConfigError):  # a preflight finding needs no traceback
+            if not isinstance(e, (NonFiniteLoss, checkpoint.CheckpointError)):  # those say all there is to say
                 traceback.print_exc()
-            message = f"rank {plan.env.rank} ({socket.gethostname()}) failed at step {watchdog.step}: {e}"
+            message = f"{where} failed at step {watchdog.step}: {e}"
             announce_failure(message)
         else:
-            message = f"rank {plan.env.rank} ({socket.gethostname()}) stops: {elsewhere}"
+            message = f"{where} stops: {elsewhere}"
         print(message, file=sys.stderr, flush=True)
         os._exit(1)  # not through atexit: DeepSpeed and MPI would wait on the ranks that are gone
     watchdog.stop()
     dist.destroy_process_group()
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
-
-
-def alive(batches, watchdog: Watchdog):
-    """The batches, telling the watchdog of progress at each one."""
-    for b in batches:
-        watchdog.beat()
-        yield b
-
-
-def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
-    args, env, batch = plan.args, plan.env, plan.batch
-    preflight.check(env.world_size, args.hostfile)
-    dev = device(env)
-    log_dir = shared_log_dir(plan)
-    save_dir = plan.save_dir or os.path.join(log_dir, "checkpoints")
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-
-    data = plan.data
-    settings_hash = config_hash(plan)  # the user's settings, before the census fills in precision and loss scale
-    start, resumed_from = 0, None
-    if plan.resume:
-        resumed_from = resume_tag(plan)
-        saved = checkpoint.read_manifest(plan.resume[0], resumed_from)
-        start = saved["step"]
-    layers = build_layers(args.model, data.num_classes, data.in_chans, data.img_size, args.seed)
-    hw = hetero.adapt(args, env, batch, plan.ds_config, plan.precision, layers, data, dev, start, plan.slowdowns)
-    plan.precision = hw.precision
-    engine = build(args.engine, EngineContext(args, layers, plan.ds_config, batch, dev, plan.total_steps,
-                                              plan.precision, hw.loss_weight, hw.parts))
-    if plan.resume:
-        if saved.get("config_hash") != settings_hash and env.is_main:
-            print(f"warning: {resumed_from} was written with other settings (model, data, optimizer or "
-                  "DeepSpeed config) than this run", flush=True)
-        start = checkpoint.load(engine, plan.resume[0], resumed_from)["step"]
-    total = plan.total_steps
-    main = env.is_main
-    if main:
-        os.makedirs(log_dir, exist_ok=True)
-        write_json(os.path.join(log_dir, "cluster.json"), hw.record)
-        write_json(os.path.join(log_dir, "config.json"), {
-            "args": vars(args), "deepspeed": plan.ds_config, "precision": plan.precision,
-            "world_size": env.world_size, "launcher": env.launcher, "master": f"{env.master_addr}:{env.master_port}",
-            "global_batch": batch.global_size, "data_parallel_size": batch.dp_size, "total_steps": total})
-        print(f"{args.engine}: {args.model} on {args.dataset} ({len(data.train)} train / {len(data.test)} held-out), "
-              f"{env.world_size} ranks, {plan.precision}; global batch {batch.global_size} = micro-batch "
-              f"{batch.micro} x grad accum {batch.grad_accum} x data-parallel {batch.dp_size}; "
-              f"{steps_per_epoch(len(data.train), batch.global_size)} steps/epoch; steps {start + 1}..{total}"
-              f"{' (resumed from ' + resumed_from + ')' if resumed_from else ''}", flush=True)
-    metrics = MetricsLog(log_dir, env.rank)
-    # The driver (NVML, nvidia-smi) numbers GPUs unlike CUDA does; the UUID names this rank's GPU in both.
-    monitor = Monitor(log_dir, env.rank, args.monitor_interval, args.monitor_backend,
-                      gpu_indices=[str(torch.cuda.get_device_properties(dev).uuid)] if dev.type == "cuda" else None)
-    monitor.start()
-    pin = dev.type == "cuda"
-
-    def evaluate(step: int) -> tuple[float, float]:
-        lists = eval_batches(len(data.test), batch.micro, engine.dp_rank, engine.dp_size)
-        batches = make_loader(data.test, lists, args.workers, pin) if engine.reads_data else [(None, None)] * len(lists)
-        loss_sum, correct, count = engine.evaluate(alive(batches, watchdog))
-        eval_loss, top1 = loss_sum / count, correct / count
-        metrics.write("eval", step, eval_loss=eval_loss, top1=top1)
-        if main:
-            print(f"eval at step {step}: loss {eval_loss:.4f} | top-1 {100 * top1:.2f}% ({correct}/{count})",
-                  flush=True)
-        return eval_loss, top1
-
-    def save(step: int) -> None:
-        watchdog.beat()
-        checkpoint.save(engine, save_dir, step, {"step": step, "engine": args.engine},
-                        {**plan.layout, "config_hash": settings_hash}, args.keep_checkpoints)
-
-    sampler = TrainBatches(len(data.train), batch.micro, batch.grad_accum, engine.dp_rank, engine.dp_size,
-                           args.seed, start, total, hw.split)
-    my_micro = hw.split[engine.dp_rank] if hw.split else batch.micro
-    batches = iter(make_loader(data.train, sampler, args.workers, pin)) if engine.reads_data else None
-    loss_value, saved_step = float("nan"), start
-    # fp16 overflows are DeepSpeed's (or the GradScaler's) to skip; any other non-finite loss stops the run.
-    # The first bad step is kept on the device and read on logging steps, to add no host sync per step.
-    check_finite = plan.precision != "fp16"
-    first_bad_step = torch.zeros((), dtype=torch.long, device=dev)
-    skipped_in_a_row, skipped_before = 0, engine.skipped_steps
-    train_start = window_start = time.perf_counter()
-    window_steps, phase_totals = 0, {}
-    for step in range(start + 1, total + 1):
-        lr = engine.lr
-        loss = engine.train_step(batches)
-        watchdog.beat(step)
-        monitor.step = step
-        window_steps += 1
-        if check_finite:
-            first_bad_step.masked_fill_((first_bad_step == 0) & ~torch.isfinite(loss.to(dev)), step)
-        else:
-            skipped_in_a_row = skipped_in_a_row + 1 if engine.skipped_steps > skipped_before else 0
-            skipped_before = engine.skipped_steps
-            if skipped_in_a_row:  # every skip, as it happens
-                metrics.write("skip", step, skipped_steps=engine.skipped_steps, in_a_row=skipped_in_a_row)
-                if main:
-                    print(f"step {step}: fp16 gradients overflowed, step skipped ({engine.skipped_steps} so far)",
-                          flush=True)
-            if skipped_in_a_row > args.max_skipped_steps:
-                raise NonFiniteLoss(f"fp16: {skipped_in_a_row} overflow-skipped steps in a row up to step {step}; "
-                                    "lower initial_scale_power in the DeepSpeed config or use bf16")
-        if step % args.log_interval == 0 or step == total:
-            # The only host sync and the only collective of our own per step, on logging steps only.
-            loss_value = engine.mean_loss(loss).item()
-            if check_finite and first_bad_step.item():
-                raise NonFiniteLoss(f"the loss became non-finite at step {first_bad_step.item()} (now "
-                                    f"{loss_value}); lower --lr, or resume from an earlier checkpoint")
-            now = time.perf_counter()
-            step_time = (now - window_start) / window_steps
-            ips, mem = batch.global_size / step_time, peak_mem_gib(dev)
-            phases = engine.breakdown(window_steps)
-            for phase, seconds in phases.items():
-                phase_totals[phase] = phase_totals.get(phase, 0.0) + seconds * window_steps
-            metrics.write("train", step, loss=loss_value, lr=lr, images_per_s=ips, step_time_s=step_time, mem_gib=mem,
-                          rank_images_per_s=my_micro * batch.grad_accum / step_time,
-                          skipped_steps=engine.skipped_steps, **phases)
-            if main:
-                if sys.stderr.isatty():
-                    sys.stderr.write("\r")
-                print(log_line(step, total, loss_value, lr, ips, step_time, mem), flush=True)
-            window_start, window_steps = time.perf_counter(), 0
-        if main:
-            progress(step, total)
-        if args.eval_interval and step % args.eval_interval == 0 and step != total:
-            evaluate(step)
-        if not args.no_save and args.save_interval and step % args.save_interval == 0:
-            save(step)
-            saved_step = step
-    train_s = time.perf_counter() - train_start
-
-    eval_loss, top1 = evaluate(total)
-    if not args.no_save and saved_step != total:
-        save(total)
-    peak = torch.tensor([peak_mem_gib(dev)], device=dev)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    monitor.stop()
-    monitors = [None] * env.world_size
-    dist.all_gather_object(monitors, monitor.summary())
-    if main:
-        summary = {
-            "engine": args.engine, "model": args.model, "dataset": args.dataset, "precision": plan.precision,
-            "zero_stage": zero_stage(plan.ds_config) if args.engine != "ddp" else None,
-            "pipeline_stages": args.pipeline_stages if args.engine == "pipeline" else None,
-            "world_size": env.world_size, "data_parallel_size": batch.dp_size, "micro_batch": batch.micro,
-            "grad_accum": batch.grad_accum, "global_batch": batch.global_size, "steps": total,
-            "steps_this_run": total - start, "final_loss": loss_value, "eval_loss": eval_loss, "top1": top1,
-            "images_per_s": (total - start) * batch.global_size / train_s if total > start else None,
-            "train_s": train_s, "wall_s": time.time() - start_time, "peak_mem_gib": peak.item(),
-            "breakdown": {k: v / max(1, total - start) for k, v in phase_totals.items()},
-            "monitor": monitors, "gpu_util_mean_per_host": gpu_util_mean_per_host(monitors),
-        }
-        write_json(os.path.join(log_dir, "summary.json"), summary)
-        print(f"done: {total} steps in {summary['wall_s']:.1f} s, top-1 {100 * top1:.2f}%, "
-              f"logs in {log_dir}", flush=True)
-    metrics.close()
-    dist.barrier()
+    return 0
 
 
 def main(argv=None) -> int:
+    prepare_environment()
     start_time = psutil.Process().create_time()  # wall time includes the imports
     try:
-        plan = make_plan(argv)
-    except (ConfigError, ValueError) as e:
+        plan = make_plan(parse(argv), discover())
+    except NothingToDo as e:
+        print(f"entry_cn.sh: {e}", flush=True)
+        return 0
+    except ConfigError as e:
         print(f"entry_cn.sh: error: {e}", file=sys.stderr)
         return 2
-    run(plan, start_time)
-    return 0
+    return run(plan, start_time)
 
 
 if __name__ == "__main__":

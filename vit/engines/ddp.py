@@ -11,29 +11,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from vit.engines import EngineContext, eval_totals, make_optimizer, make_scheduler, mean_over_ranks, sum_over_ranks
-from vit.metrics import PhaseTimer
+from vit.engines.base import Engine, EngineContext
 from vit.model import loss_fn
+from vit.optim import make_optimizer, make_scheduler
+from vit.stats import PhaseTimer
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class DDPEngine:
-    reads_data = True
-
+class DDPEngine(Engine):
     def __init__(self, ctx: EngineContext):
         self.device = ctx.device
         model = nn.Sequential(*ctx.layers).to(self.device)
         self.model = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None)
-        self.optimizer = make_optimizer(model, ctx.args)
-        self.scheduler = make_scheduler(self.optimizer, ctx.args, ctx.total_steps)
+        self.optimizer = make_optimizer(model, ctx.optim)
+        self.scheduler = make_scheduler(self.optimizer, ctx.optim, ctx.total_steps)
         self.dtype = DTYPES.get(ctx.precision)
         fp16 = ctx.ds_config.get("fp16", {})
         self.scaler = (torch.amp.GradScaler("cuda", init_scale=2.0 ** fp16.get("initial_scale_power", 16))
                        if ctx.precision == "fp16" else None)
         self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
         self.grad_accum, self.loss_weight = ctx.batch.grad_accum, ctx.loss_weight
-        self.skipped_steps = 0  # fp16 steps the GradScaler skipped on inf/nan gradients
+        self._skipped_steps = 0  # fp16 steps the GradScaler skipped on inf/nan gradients
         self.timer = PhaseTimer(self.device)
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
 
@@ -41,13 +40,12 @@ class DDPEngine:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def _forward(self, x, y):
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        self.timer.lap("data_s")
-        autocast = (torch.autocast(self.device.type, dtype=self.dtype) if self.dtype
-                    else contextlib.nullcontext())
-        with autocast:
-            return self.model(x), y
+    @property
+    def skipped_steps(self) -> int:
+        return self._skipped_steps
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
 
     def train_step(self, batches):
         total, t = 0.0, self.timer
@@ -55,7 +53,11 @@ class DDPEngine:
         for j in range(self.grad_accum):
             sync = j == self.grad_accum - 1  # all-reduce gradients once, on the last micro-batch
             with contextlib.nullcontext() if sync else self.model.no_sync():
-                logits, y = self._forward(*next(batches))
+                x, y = next(batches)
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+                t.lap("data_s")
+                with self._autocast():
+                    logits = self.model(x)
                 loss = loss_fn(logits, y) * self.loss_weight  # DDP averages over ranks: see vit.engines.zero
                 t.lap("forward_s")
                 scaled = loss / self.grad_accum
@@ -70,7 +72,7 @@ class DDPEngine:
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # skips the step on inf/nan gradients
             self.scaler.update()
-            self.skipped_steps += self.scaler.get_scale() < scale
+            self._skipped_steps += self.scaler.get_scale() < scale
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -78,20 +80,12 @@ class DDPEngine:
         t.lap("optimizer_s")
         return total / self.grad_accum
 
-    def mean_loss(self, loss):
-        return mean_over_ranks(loss)
+    def eval_logits(self, x, y):
+        with self._autocast():
+            return self.model(x.to(self.device, non_blocking=True))
 
-    @torch.no_grad()
-    def evaluate(self, batches):
-        self.model.eval()
-        totals = torch.zeros(3, device=self.device)
-        for x, y in batches:
-            totals += eval_totals(*self._forward(x, y))
-        self.model.train()
-        return sum_over_ranks(totals)
-
-    def breakdown(self, steps: int) -> dict[str, float]:
-        return self.timer.read(steps)
+    def train_mode(self, training):
+        self.model.train(training)
 
     def _state(self):
         return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),

@@ -1,21 +1,14 @@
 """DeepSpeed pipeline parallelism: the layer list cut into --pipeline-stages stages, and data
 parallelism across the copies of the pipeline when the world size is a multiple of the stages."""
 import deepspeed
-import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 
-from vit.engines import (
-    DeepSpeedEngine,
-    EngineContext,
-    deepspeed_comm,
-    eval_totals,
-    make_optimizer,
-    make_scheduler,
-    sum_over_ranks,
-)
-from vit.metrics import PhaseTimer
+from vit.engines.base import EngineContext
+from vit.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_comm
 from vit.model import loss_fn
+from vit.optim import make_optimizer, make_scheduler
+from vit.stats import PhaseTimer
 
 # The breakdown field of each instruction of DeepSpeed's pipeline schedule. A receive includes the wait
 # for the neighbouring stage, so the pipeline bubble shows up in pipe_recv_s.
@@ -44,7 +37,7 @@ def timed_instructions(instruction_map: dict, timer: PhaseTimer) -> dict:
 class PlannedPipeline(PipelineModule):
     """A PipelineModule whose stage boundaries are given (--partition balanced) instead of computed."""
 
-    def __init__(self, parts: list[int], **kwargs):
+    def __init__(self, parts: list[int] | None, **kwargs):
         object.__setattr__(self, "planned_parts", parts)  # before nn.Module's own __init__
         super().__init__(**kwargs)
 
@@ -59,38 +52,32 @@ class PlannedPipeline(PipelineModule):
 class PipelineEngine(DeepSpeedEngine):
     def __init__(self, ctx: EngineContext):
         deepspeed_comm()
-        args = ctx.args
-        module = PlannedPipeline(ctx.parts, layers=ctx.layers, num_stages=args.pipeline_stages, loss_fn=loss_fn,
-                                 partition_method=args.partition)
-        opt = make_optimizer(module, args)
-        sched = make_scheduler(opt, args, ctx.total_steps)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+        module = PlannedPipeline(ctx.parts, layers=ctx.layers, num_stages=ctx.pipeline_stages, loss_fn=loss_fn,
+                                 partition_method=ctx.partition)
+        opt = make_optimizer(module, ctx.optim)
+        sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
+        self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)
-        grid = self.engine.grid
+        self.device = self.ds_engine.device
+        grid = self.ds_engine.grid
         self.dp_rank, self.dp_size = grid.data_parallel_id, grid.data_parallel_size
         # Only the first stage reads images and only the last reads labels; the middle reads nothing.
-        self.reads_data = self.engine.is_first_stage() or self.engine.is_last_stage()
-        self.timer = PhaseTimer(self.engine.device)
-        self.engine._INSTRUCTION_MAP = timed_instructions(type(self.engine)._INSTRUCTION_MAP, self.timer)
+        self.reads_data = self.ds_engine.is_first_stage() or self.ds_engine.is_last_stage()
+        self.timer = PhaseTimer(self.device)
+        self.ds_engine._INSTRUCTION_MAP = timed_instructions(type(self.ds_engine)._INSTRUCTION_MAP, self.timer)
 
     def train_step(self, batches):
         # Already the mean over micro-batches and data-parallel copies, broadcast to every stage.
-        return self.engine.train_batch(data_iter=batches if self.reads_data else None)
+        return self.ds_engine.train_batch(data_iter=batches if self.reads_data else None)
 
     def mean_loss(self, loss):
         return loss
 
-    @torch.no_grad()
-    def evaluate(self, batches):
+    def eval_logits(self, x, y):
         # eval_batch keeps only the last micro-batch's logits, so it runs one micro-batch per call.
-        totals = torch.zeros(3, device=self.engine.device)
-        for x, y in batches:
-            _, logits = self.engine.eval_batch(iter([(x, y)]) if self.reads_data else None, return_logits=True,
-                                               bcast_loss=False, num_micro_batches=1)
-            if self.engine.is_last_stage():
-                totals += eval_totals(logits, y)
-        self.timer.read(1)  # evaluation is not part of the training steps' breakdown
-        return sum_over_ranks(totals)
+        _, logits = self.ds_engine.eval_batch(iter([(x, y)]) if self.reads_data else None, return_logits=True,
+                                              bcast_loss=False, num_micro_batches=1)
+        return logits if self.ds_engine.is_last_stage() else None
 
 
 def build(ctx: EngineContext):

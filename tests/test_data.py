@@ -1,0 +1,102 @@
+"""Data sets in their real file formats, and the step-indexed sampling every engine shares."""
+import pickle
+import sys
+
+import numpy as np
+import pytest
+import torch
+from helpers import base_env, run_cmd
+
+from vit.data import PAD_LABEL, TrainBatches, eval_batches, load_dataset
+from vit.errors import ConfigError
+
+
+def test_digits_split_is_fixed_and_stratified():
+    load_digits_twice = [load_dataset("digits", None, 8) for _ in range(2)]
+    d = load_digits_twice[0]
+    assert (len(d.train), len(d.test), d.num_classes, d.in_chans, d.img_size) == (1437, 360, 10, 1, 8)
+    assert torch.equal(d.test.tensors[0], load_digits_twice[1].test.tensors[0])
+    assert torch.bincount(d.test.tensors[1]).min() >= 35  # every class held out
+
+
+def write_cifar(root, name, n_train=24, n_test=12):
+    rng = np.random.default_rng(0)
+    folder, files, test, key, classes = {
+        "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], "test_batch", b"labels", 10),
+        "cifar100": ("cifar-100-python", ["train"], "test", b"fine_labels", 100)}[name]
+    (root / folder).mkdir(parents=True)
+    for f, n in [*[(f, n_train) for f in files], (test, n_test)]:
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 key: rng.integers(0, classes, n).tolist()}
+        with open(root / folder / f, "wb") as fh:
+            pickle.dump(batch, fh)
+    return classes, len(files) * n_train, n_test
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100"])
+def test_cifar_pickle_batches(tmp_path, name):
+    classes, n_train, n_test = write_cifar(tmp_path, name)
+    d = load_dataset(name, str(tmp_path), 32)
+    assert (len(d.train), len(d.test), d.num_classes, d.img_size) == (n_train, n_test, classes, 32)
+    x, y = d.train[0]
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and 0 <= int(y) < classes
+    assert -3 < float(x.mean()) < 3
+
+
+def test_cifar_missing_files_name_them(tmp_path):
+    with pytest.raises(ConfigError, match="lacks data_batch_1"):
+        load_dataset("cifar10", str(tmp_path), 32)
+
+
+def test_imagefolder(tmp_path):
+    from PIL import Image
+
+    for split, n in (("train", 3), ("val", 2)):
+        for cls, color in (("cat", (200, 30, 30)), ("dog", (30, 30, 200))):
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (40 + i, 36), color).save(tmp_path / split / cls / f"{i}.png")
+    d = load_dataset("imagefolder", str(tmp_path), 16)
+    assert (len(d.train), len(d.test), d.num_classes) == (6, 4, 2)
+    x, y = d.test[3]
+    assert x.shape == (3, 16, 16) and y == 1
+    (tmp_path / "val" / "dog").rename(tmp_path / "val" / "bird")
+    with pytest.raises(ConfigError, match="class folders"):
+        load_dataset("imagefolder", str(tmp_path), 16)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_training_reads_cifar_folder(tmp_path):
+    write_cifar(tmp_path / "data", "cifar10")
+    r = run_cmd([sys.executable, "-m", "vit.train", "--dataset", "cifar10", "--data-path", str(tmp_path / "data"),
+                 "--model", "vit_tiny_cifar", "--steps", "2", "--micro-batch-size", "8", "--no-save",
+                 "--monitor-interval", "0", "--log-dir", str(tmp_path / "run")], env=base_env(), timeout=110)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "eval at step 2" in r.stdout
+
+
+@pytest.mark.parametrize("dp,ga", [(1, 1), (2, 1), (2, 3), (4, 2)])
+def test_data_parallel_micro_batches_make_up_the_global_batch(dp, ga):
+    n, mb = 103, 4
+    single = list(TrainBatches(n, mb * ga * dp, 1, 0, 1, seed=5, start_step=0, end_step=7))
+    per_rank = [list(TrainBatches(n, mb, ga, r, dp, seed=5, start_step=0, end_step=7)) for r in range(dp)]
+    for step in range(7):
+        shards = [i for r in range(dp) for i in sum(per_rank[r][step * ga:(step + 1) * ga], [])]
+        assert sorted(shards) == sorted(single[step]) and len(set(shards)) == mb * ga * dp
+
+
+def test_sampler_resumes_mid_run_and_reshuffles_per_epoch():
+    full = list(TrainBatches(50, 5, 2, 1, 2, seed=1, start_step=0, end_step=9))
+    assert list(TrainBatches(50, 5, 2, 1, 2, seed=1, start_step=4, end_step=9)) == full[8:]
+    one_epoch = TrainBatches(50, 10, 1, 0, 1, seed=1, start_step=0, end_step=10)
+    batches = list(one_epoch)
+    assert one_epoch.per_epoch == 5 and batches[:5] != batches[5:10]
+
+
+def test_eval_batches_pad_every_rank_to_the_same_count():
+    lists = [eval_batches(11, 4, r, 3) for r in range(3)]
+    assert {len(b) for b in lists} == {1} and all(len(b) == 4 for rank in lists for b in rank)
+    real = sorted(i for rank in lists for b in rank for i in b if i >= 0)
+    assert real == list(range(11))
+    assert PAD_LABEL == -100

@@ -1,0 +1,41 @@
+"""Launcher discovery and rank 0's address."""
+import ipaddress
+
+import pytest
+
+from vit.dist_env import choose_master_addr, discover
+from vit.errors import ConfigError
+
+
+def test_discover_launchers():
+    assert discover({}).launcher == "single"
+    ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    d = discover(ompi)
+    assert (d.rank, d.world_size, d.local_rank, d.local_world_size, d.launcher) == (3, 5, 1, 2, "Open MPI")
+    # mpirun inside a Slurm allocation: the Slurm variables belong to the launcher's daemon, MPI wins.
+    assert discover({**ompi, "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}).rank == 3
+    d = discover({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "2(x2)"})
+    assert (d.rank, d.world_size, d.local_world_size) == (2, 4, 2)
+    assert discover({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}).launcher == "MPICH/PMI"
+    with pytest.raises(ConfigError, match="launcher variables disagree: torchrun says rank 0 of 2; Open MPI says"):
+        discover({"RANK": "0", "WORLD_SIZE": "2", **ompi})
+    with pytest.raises(ConfigError, match="outside world size"):
+        discover({"RANK": "4", "WORLD_SIZE": "2"})
+
+
+def iface(addr):
+    return ("eth0", ipaddress.IPv4Interface(addr))
+
+
+def test_master_address_is_the_one_every_host_reaches():
+    one_host = [("a", [iface("10.0.0.1/24")]), ("a", [iface("10.0.0.1/24")])]
+    assert choose_master_addr(one_host, None) == "127.0.0.1"
+    hosts = [("a", [("docker0", ipaddress.IPv4Interface("172.17.0.1/16")), iface("192.168.5.10/24")]),
+             ("b", [iface("192.168.5.11/24")]), ("c", [iface("192.168.5.12/24")])]
+    assert choose_master_addr(hosts, None) == "192.168.5.10"
+    assert choose_master_addr(hosts, "docker0") == "172.17.0.1"
+    with pytest.raises(ConfigError, match="no IPv4 address on interface ib0"):
+        choose_master_addr(hosts, "ib0")
+    with pytest.raises(ConfigError, match="shares no subnet"):
+        choose_master_addr([hosts[0], ("d", [iface("10.9.9.9/24")])], None)

@@ -1,0 +1,59 @@
+"""The command line as typed settings: defaults without parsing, every number checked (NaN and infinity too),
+checks between options, and --data-path never ignored."""
+import pytest
+
+from vit.data import dataset_for
+from vit.errors import ConfigError
+from vit.settings import DataSettings, Settings, defaults, parse, parser
+
+
+def test_defaults_need_no_command_line():
+    s = defaults()
+    assert s == parse([])
+    assert s.optim.lr == 2e-3 and s.parallel.engine == "zero" and s.train.epochs == 40.0
+    assert s.parallel.ds_config.endswith("deepspeed_configs/zero2.json")
+    assert parse(["--engine", "ddp"]).parallel.ds_config.endswith("zero0.json")
+    assert s.with_(lr=0.1, engine="pipeline").optim.lr == 0.1
+    with pytest.raises(TypeError, match="unknown settings: nope"):
+        s.with_(nope=1)
+
+
+def test_every_option_is_in_flat_and_in_help():
+    flat, text = Settings().flat(), parser().format_help()
+    for name in flat:
+        if name != "local_rank":
+            assert "--" + name.replace("_", "-") in text, name
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--epochs", "inf"], "--epochs must be a finite number, got inf"),
+    (["--dist-timeout", "nan"], "--dist-timeout must be a finite number, got nan"),
+    (["--monitor-interval", "nan"], "--monitor-interval must be a finite number, got nan"),
+    (["--monitor-interval", "-1"], "--monitor-interval must not be negative, got -1.0"),
+    (["--weight-decay", "-0.1"], "--weight-decay must not be negative, got -0.1"),
+    (["--lr", "0.01", "--min-lr", "0.1"], "--min-lr 0.1 is above --lr 0.01"),
+    (["--steps", "0"], "--steps must be positive, got 0"),
+    (["--steps", "3", "--epochs", "2"], "argument --epochs: not allowed with argument --steps"),
+    (["--engine", "tpu"], "argument --engine: invalid choice: 'tpu'"),
+    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+    (["--partition", "random"], "--partition must be uniform, parameters, balanced or type:REGEX"),
+])
+def test_bad_values_are_refused_naming_the_option(argv, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse(argv)
+
+
+def test_data_path_is_read_or_refused_never_ignored(tmp_path):
+    (tmp_path / "imgs" / "train").mkdir(parents=True)
+    (tmp_path / "imgs" / "val").mkdir()
+    (tmp_path / "cifar" / "cifar-10-batches-py").mkdir(parents=True)
+    assert dataset_for(DataSettings()) == ("digits", None)
+    name, note = dataset_for(DataSettings(data_path=str(tmp_path / "imgs")))
+    assert name == "imagefolder" and "training on it (--dataset imagefolder)" in note
+    assert dataset_for(DataSettings(data_path=str(tmp_path / "cifar")))[0] == "cifar10"
+    assert dataset_for(DataSettings(dataset="cifar100", data_path=str(tmp_path / "x"))) == ("cifar100", None)
+    with pytest.raises(ConfigError, match="--dataset digits reads no files"):
+        dataset_for(DataSettings(dataset="digits", data_path=str(tmp_path / "imgs")))
+    with pytest.raises(ConfigError, match="not a CIFAR folder .* nor an image folder"):
+        dataset_for(DataSettings(data_path=str(tmp_path)))

@@ -1,0 +1,109 @@
+"""The engine contract: what the training loop sees of ZeRO, the pipeline or DDP (in the manner of Lightning's
+Strategy), with evaluation written once for all of them."""
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vit.data import PAD_LABEL
+from vit.ds_config import Batch
+from vit.settings import OptimSettings
+from vit.stats import PhaseTimer
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine is built from."""
+    layers: list[nn.Module]  # the network as a flat list (vit.model.build_layers)
+    ds_config: dict  # the resolved DeepSpeed JSON (ddp reads its batch, precision, loss scale and clipping)
+    batch: Batch
+    device: torch.device
+    optim: OptimSettings
+    total_steps: int  # for the LR schedule
+    precision: str  # fp32, fp16 or bf16, as every rank agreed
+    pipeline_stages: int = 1
+    partition: str = "parameters"  # pipeline: DeepSpeed's partition_method, or "balanced" with `parts`
+    parts: list[int] | None = None  # pipeline stage boundaries for --partition balanced
+    loss_weight: float = 1.0  # this rank's micro-batch x data-parallel size / the micro-step's samples
+
+
+class Engine(ABC):
+    """One optimizer step at a time over this rank's micro-batches; nothing outside vit.engines knows which
+    engine runs. A subclass sets device, dp_rank, dp_size, timer (a PhaseTimer) and reads_data."""
+
+    device: torch.device
+    dp_rank: int  # this rank's data-parallel index and the number of data-parallel copies
+    dp_size: int
+    timer: PhaseTimer
+    reads_data: bool = True  # False on ranks that take no batches (a pipeline's middle stages)
+
+    @abstractmethod
+    def train_step(self, batches: Iterator) -> torch.Tensor:
+        """One optimizer step over grad_accum micro-batches; this rank's share of the loss (no host sync)."""
+
+    @abstractmethod
+    def eval_logits(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """The logits of one evaluation micro-batch, or None on ranks that compute none."""
+
+    @abstractmethod
+    def save(self, save_dir: str, tag: str, client_state: dict) -> None:
+        """Collective: write this rank's part of the state into save_dir/tag."""
+
+    @abstractmethod
+    def load(self, load_dir: str, tag: str) -> dict:
+        """Collective: restore from load_dir/tag; returns the client state saved with it."""
+
+    @property
+    @abstractmethod
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps skipped because the gradients overflowed."""
+        return 0
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean loss over the global batch (a collective; called on logging steps only)."""
+        return mean_over_ranks(loss)
+
+    def train_mode(self, training: bool) -> None:
+        """Switch the model between training and evaluation (dropout, drop-path)."""
+
+    def breakdown(self, steps: int) -> dict[str, float]:
+        """Mean seconds per step of each phase since the last call."""
+        return self.timer.read(steps)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterator) -> tuple[float, int, int]:
+        """(loss sum, correct, count) over every rank's batches; padding counts nowhere."""
+        totals = torch.zeros(3, device=self.device)
+        self.train_mode(False)
+        with self.timer.paused():  # evaluation is no part of the training steps' breakdown
+            for x, y in batches:
+                logits = self.eval_logits(x, y)
+                if logits is not None:
+                    totals += eval_totals(logits, y)
+        self.train_mode(True)
+        dist.all_reduce(totals)
+        loss_sum, correct, count = totals.tolist()
+        return loss_sum, int(correct), int(count)
+
+
+def mean_over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Mean of a tensor over the ranks of `group` (gloo has no ReduceOp.AVG)."""
+    t = t.detach().float().clone()
+    dist.all_reduce(t, group=group)
+    return t / dist.get_world_size(group)
+
+
+def eval_totals(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[loss sum, correct, count] of one micro-batch; padding (PAD_LABEL) counts nowhere."""
+    labels = labels.to(logits.device)
+    real = labels != PAD_LABEL
+    loss_sum = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=PAD_LABEL, reduction="sum")
+    correct = ((logits.argmax(-1) == labels) & real).sum()
+    return torch.stack([loss_sum, correct.float(), real.sum().float()])

@@ -1,0 +1,84 @@
+"""Mixed GPUs: before the engine is built, adapt() takes a census of every rank (device, memory, what it can run,
+how fast it is), settles the precision, and where asked plans balanced pipeline stages, proportional batches and
+the fp16 loss scale. Rank 0 prints each decision; `record` goes to cluster.json.
+
+census: the measuring, collective part; profile: per-layer costs; stages, batch_split: the planners (pure, tested
+against brute force); loss_scale: the fp16 probe.
+"""
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vit.dist_env import Job
+from vit.hetero.batch_split import split_batches
+from vit.hetero.census import capabilities, census_table, gather, measure_speed, negotiate
+from vit.hetero.loss_scale import FP16_MAX, SCALE_MARGIN, probe_grad_max, scale_power
+from vit.hetero.profile import profile_layers
+from vit.hetero.stages import plan_stages, stage_plan_text
+
+
+@dataclass(frozen=True)
+class Adapted:
+    """What the census decided for this run."""
+    precision: str
+    scale_power: int | None = None  # fp16 initial_scale_power chosen by --loss-scale auto
+    loss_weight: float = 1.0  # this rank's share of a micro-step's samples x data-parallel size
+    split: list[int] | None = None  # every data-parallel rank's micro-batch (--batch-split proportional)
+    parts: list[int] | None = None  # pipeline stage boundaries (--partition balanced)
+    record: dict = field(default_factory=dict)  # cluster.json
+
+
+def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str, micro_batch: int,
+          grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
+          probe_batches: Callable[[], Iterable] | None, slowdown: float) -> Adapted:
+    """Collective. `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to
+    be balanced; `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto)."""
+    from deepspeed.runtime import utils as ds_utils
+
+    caps = gather(capabilities(device, job.local_world_size))
+    precision, why = negotiate(requested_precision, caps)
+    with torch.no_grad(), torch.random.fork_rng():
+        block_input = (micro_batch, *layers[0](sample).shape[1:])
+    for turn in range(job.world_size):  # one rank at a time: ranks that share a host's cores would slow each other
+        if turn == job.rank:
+            speed = measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown)
+        dist.barrier()
+    reports = gather({**caps[job.rank], **speed, "slowdown": slowdown})
+    record = {"census": reports, "precision": precision, "precision_why": why}
+    say = [census_table(reports, precision), f"precision {precision}: {why}"]
+    decided = {}
+
+    if balanced_stages or proportional:
+        profile = profile_layers(layers, sample)
+        record["layers"] = profile
+    if balanced_stages:
+        plan = plan_stages(profile, reports, balanced_stages, micro_batch, grad_accum, precision)
+        compare = {"parameters": ds_utils.partition_balanced([p["params"] for p in profile], balanced_stages),
+                   "uniform": ds_utils.partition_uniform(len(profile), balanced_stages)}
+        compare = {k: [int(i) for i in v] for k, v in compare.items()}
+        decided["parts"] = plan.parts
+        record["stages"] = {"parts": plan.parts, "predicted_s": plan.times, "predicted_bytes": plan.mems,
+                            "compare": compare}
+        say.append(stage_plan_text(plan, profile, reports, compare))
+    if proportional:
+        split = split_batches(profile, reports, micro_batch, precision)
+        decided.update(split=split, loss_weight=split[job.rank] * len(split) / sum(split))
+        record["batch_split"] = split
+        say.append(f"batch split (proportional to block speed): micro-batches {split} (sum {sum(split)} = "
+                   f"{micro_batch} x {len(split)} ranks)")
+    if probe_batches is not None and precision == "fp16":
+        grad_max = probe_grad_max(layers, probe_batches(), device, grad_accum)
+        decided["scale_power"] = power = scale_power(grad_max)
+        record["loss_scale"] = {"probe_grad_max": grad_max, "initial_scale_power": power}
+        say.append(f"fp16 loss scale: largest gradient of a {2 * grad_accum}-micro-batch fp32 probe {grad_max:.3g} "
+                   f"-> initial_scale_power {power} (2^{power} x {grad_max:.3g} x margin {SCALE_MARGIN} < "
+                   f"{FP16_MAX:g})")
+    elif probe_batches is not None:
+        say.append(f"--loss-scale auto: nothing to tune in {precision}")
+    if job.is_main:
+        print("\n".join(say), flush=True)
+    return Adapted(precision, record=record, **decided)

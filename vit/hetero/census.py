@@ -1,0 +1,121 @@
+"""The census: what every rank's device is and can run, how fast it is, and the precision all of them can run."""
+import json
+import os
+import socket
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vit.errors import ConfigError
+from vit.slowdown import Clock
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def capabilities(dev: torch.device, local_world_size: int) -> dict:
+    """This rank's device: name, memory, compute capability and what DeepSpeed says it can run.
+
+    VIT_CENSUS_OVERRIDE (a JSON object) replaces fields of the report, so that tests can stand in for a GPU
+    without bf16 on a machine that has none."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        name, capability = props.name, f"{props.major}.{props.minor}"
+    else:  # ranks on one host share its memory
+        mem = psutil.virtual_memory()
+        free, total = mem.available / local_world_size, mem.total / local_world_size
+        name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                    "CPU")
+        capability = None
+    report = {"host": socket.gethostname(), "device": name, "capability": capability,
+              "mem_total_gib": total / 2**30, "mem_free_gib": free / 2**30,
+              "fp16": bool(acc.is_fp16_supported()), "bf16": bool(acc.is_bf16_supported())}
+    override = os.environ.get("VIT_CENSUS_OVERRIDE")
+    if override:
+        try:
+            report.update(json.loads(override))
+        except (json.JSONDecodeError, TypeError, ValueError):
+            raise ConfigError(f"VIT_CENSUS_OVERRIDE is not a JSON object: {override!r}") from None
+    return report
+
+
+def who(rank: int, report: dict) -> str:
+    return f"rank {rank} ({report['host']}, {report['device']})"
+
+
+def negotiate(requested: str, reports: list[dict]) -> tuple[str, str]:
+    """(precision, why). 'auto': bf16 if every rank has it, else fp16, else fp32. An explicit precision that
+    some rank lacks is an error naming those ranks."""
+    def lacking(p):
+        return [who(r, rep) for r, rep in enumerate(reports) if p != "fp32" and not rep[p]]
+
+    if requested != "auto":
+        missing = lacking(requested)
+        if missing:
+            every = [p for p in ("bf16", "fp16", "fp32") if not lacking(p)]
+            raise ConfigError(f"precision {requested} is not supported by {', '.join(missing)}; every rank can run "
+                              f"{', '.join(every)}: use --precision auto or one of those")
+        return requested, "every rank supports it"
+    why = []
+    for p in ("bf16", "fp16"):
+        missing = lacking(p)
+        if not missing:
+            return p, "; ".join([*why, f"every rank supports {p}"])
+        why.append(f"no {p} on {', '.join(missing)}")
+    return "fp32", "; ".join(why)
+
+
+def _timed(fn, clock: Clock, reps: int = 5) -> float:
+    """Fastest of `reps` runs of fn() after one warm-up, slowed like the rank's layers (in seconds; the
+    fastest, because a busy host only ever slows a run down)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = clock.now()
+        clock.start()
+        fn()
+        clock.stop()
+        times.append(clock.now() - start)
+    return min(times)
+
+
+def measure_speed(dev: torch.device, precision: str, block: nn.Module, block_input: tuple[int, ...],
+                  slowdown: float) -> dict:
+    """A timed matmul and one timed forward and backward of a ViT block on an input of the run's shape."""
+    dtype = DTYPES[precision]
+    clock = Clock(slowdown, dev)
+    n = 4096 if dev.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    matmul_s = _timed(lambda: a @ b, clock)
+    block = block.to(dev, dtype)
+    x = torch.randn(*block_input, device=dev, dtype=dtype, requires_grad=True)
+
+    def step():
+        block(x).float().sum().backward()
+
+    block_s = _timed(step, clock)
+    return {"matmul_tflops": 2 * n**3 / matmul_s / 1e12, "block_ms": 1e3 * block_s}
+
+
+def gather(report: dict) -> list[dict]:
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    return reports
+
+
+def census_table(reports: list[dict], precision: str) -> str:
+    lines = [f"census ({precision}; block: one forward and backward of a ViT block at the run's micro-batch)",
+             f"{'rank':>4}  {'host':<12} {'device':<32} {'cc':>4} {'free/total GiB':>15} {'fp16':>4} {'bf16':>4} "
+             f"{'matmul TFLOP/s':>14} {'block ms':>9}"]
+    for r, rep in enumerate(reports):
+        slow = f"  (slowed x{rep['slowdown']:g})" if rep["slowdown"] != 1 else ""
+        lines.append(f"{r:>4}  {rep['host'][:12]:<12} {rep['device'][:32]:<32} {rep['capability'] or '-':>4} "
+                     f"{rep['mem_free_gib']:>6.1f}/{rep['mem_total_gib']:<8.1f} {'yes' if rep['fp16'] else 'no':>4} "
+                     f"{'yes' if rep['bf16'] else 'no':>4} {rep['matmul_tflops']:>14.3f} {rep['block_ms']:>9.2f}"
+                     + slow)
+    return "\n".join(lines)

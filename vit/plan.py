@@ -1,0 +1,132 @@
+"""Everything decided before any process group starts: the settings checked against each other, the data, the
+DeepSpeed JSON and its batch arithmetic, the length of the run, where it writes, and what it resumes from. Any
+mistake found here is one line and exit 2, with nothing written."""
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from vit import checkpoint, slowdown
+from vit.data import DataSplit, dataset_for, load_dataset, steps_per_epoch
+from vit.dist_env import Job, resolve_master
+from vit.ds_config import Batch, precision_of, resolve, zero_stage
+from vit.errors import ConfigError, NothingToDo
+from vit.model import PRESETS, check_img_size
+from vit.rundir import check_writable
+from vit.settings import ROOT, Settings
+
+
+@dataclass(frozen=True)
+class Resume:
+    save_dir: str
+    tags: list[str]  # complete checkpoints to try, newest first
+
+
+@dataclass(frozen=True)
+class Plan:
+    settings: Settings  # the data set filled in when --data-path named it
+    job: Job
+    ds_config: dict  # resolved; the census may still settle the precision ("auto") and the fp16 loss scale
+    batch: Batch
+    requested_precision: str  # auto, or what the JSON and --precision ask for
+    data: DataSplit
+    steps_per_epoch: int
+    total_steps: int
+    save_dir: str | None  # None: <log dir>/checkpoints, once the log dir's default name is agreed
+    resume: Resume | None
+    layout: dict  # what a checkpoint must match to be resumed by this run
+    slowdowns: dict[int, float]  # --simulate-slowdown: rank -> factor
+    notes: list[str]  # said first by rank 0
+
+    def settings_hash(self) -> str:
+        """The user's settings that make checkpoints comparable (before the census fills in precision)."""
+        m, d, o = self.settings.model, self.settings.data, self.settings.optim
+        what = {"model": m.model, "dataset": d.dataset, "img_size": m.img_size, "seed": self.settings.train.seed,
+                "lr": o.lr, "min_lr": o.min_lr, "weight_decay": o.weight_decay, "deepspeed": self.ds_config}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def make_plan(settings: Settings, job: Job) -> Plan:
+    dataset, note = dataset_for(settings.data)
+    s = settings.with_(dataset=dataset)
+    par, ckpt = s.parallel, s.checkpoint
+    check_writable(s.log.log_dir or str(ROOT / "logs"), "--log-dir")
+    if s.checkpoint.save_dir and not ckpt.no_save:
+        check_writable(s.checkpoint.save_dir, "--save-dir")
+    ds_config, batch = resolve(par, job.world_size)
+    requested = "auto" if par.precision == "auto" else precision_of(ds_config)  # every rank's say: hetero.adapt
+    slowdowns = slowdown.parse(par.simulate_slowdown, job.world_size)
+    if s.model.model not in PRESETS:
+        raise ConfigError(f"unknown model '{s.model.model}'; choose one of: {', '.join(PRESETS)}")
+    preset = PRESETS[s.model.model]
+    data = load_dataset(dataset, s.data.data_path, s.model.img_size or preset.img_size, s.data.download,
+                        s.data.synthetic_size, s.train.seed)
+    if s.model.img_size and s.model.img_size != data.img_size:
+        raise ConfigError(f"--img-size {s.model.img_size} does not match the {data.img_size}x{data.img_size} images "
+                          f"of {dataset}")
+    check_img_size(s.model.model, data.img_size)
+    if par.engine == "pipeline" and par.pipeline_stages > preset.depth + 2:
+        raise ConfigError(f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} layers of "
+                          f"{s.model.model} (embedding, {preset.depth} blocks, head)")
+    per_epoch = steps_per_epoch(len(data.train), batch.global_size)
+    if per_epoch == 0:
+        raise ConfigError(f"global batch {batch.global_size} is larger than the {len(data.train)} training samples "
+                          f"of {dataset}")
+    total_steps = s.train.steps or max(1, round(s.train.epochs * per_epoch))
+    save_dir = ckpt.save_dir or (os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None)
+    layout = {"engine": par.engine, "world_size": job.world_size, "data_parallel_size": batch.dp_size,
+              "pipeline_stages": par.pipeline_stages if par.engine == "pipeline" else 1,
+              "zero_stage": zero_stage(ds_config) if par.engine != "ddp" else 0, "global_batch": batch.global_size}
+    resume = find_resume(s, save_dir, layout, batch) if ckpt.resume else None
+    resolve_master(job)
+    return Plan(s, job, ds_config, batch, requested, data, per_epoch, total_steps, save_dir, resume, layout,
+                slowdowns, [note] if note else [])
+
+
+def find_resume(s: Settings, save_dir: str | None, layout: dict, batch: Batch) -> Resume:
+    """What --resume continues from, refused when it cannot be continued without overwriting a checkpoint."""
+    where, tags = checkpoint.locate(save_dir if s.checkpoint.resume == "auto" else s.checkpoint.resume)
+    for tag in tags:  # the newest readable manifest says how the run was laid out
+        try:
+            saved = checkpoint.read_manifest(where, tag)
+        except (OSError, ValueError):
+            continue
+        checkpoint.check_layout(saved, layout, f"checkpoint {where}/{tag}")
+        check_global_batch(saved.get("global_batch"), batch, f"checkpoint {where}/{tag}")
+        break
+    step = checkpoint.step_of(tags[0])
+    newer = [t for t in checkpoint.complete_tags(save_dir) if checkpoint.step_of(t) > step] if save_dir else []
+    if newer and os.path.realpath(save_dir) == os.path.realpath(where):
+        raise ConfigError(f"--resume {where}/{tags[0]}: {save_dir} also holds newer checkpoints ({', '.join(newer)}) "
+                          "that this run would overwrite; resume from the newest (--resume without a path), or "
+                          "write elsewhere (--save-dir or another --log-dir)")
+    return Resume(where, tags)
+
+
+def choose_resume(plan: Plan) -> str:
+    """Rank 0, once the process group is up: the newest checkpoint that verifies (vit.checkpoint.choose falls back
+    past damaged ones). A run already complete is nothing to do; a checkpoint at or past the run's end is refused,
+    never trained over."""
+    r, total = plan.resume, plan.total_steps
+    tag = checkpoint.choose(r.save_dir, r.tags)
+    step = checkpoint.step_of(tag)
+    if step < total:
+        return tag
+    log_dir = plan.settings.log.log_dir
+    summary = Path(log_dir, "summary.json") if log_dir else Path(r.save_dir).parent / "summary.json"
+    if step == total and summary.is_file() and json.loads(summary.read_text()).get("steps") == step:
+        raise NothingToDo(f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step ({step}), and "
+                          f"{summary} says so; nothing to do")
+    raise ConfigError(f"--resume: checkpoint {r.save_dir}/{tag} is already at step {step}, and this run ends at "
+                      f"step {total}; ask for more steps (--steps or --epochs)")
+
+
+def check_global_batch(saved: int | None, batch: Batch, where: str) -> None:
+    """A resume that keeps the data order and the LR schedule must keep the global batch."""
+    if saved is None or saved == batch.global_size:
+        return
+    per_accum = batch.micro_batch * batch.dp_size
+    hint = f"; pass --grad-accum {saved // per_accum} to keep it" if saved % per_accum == 0 else ""
+    raise ConfigError(f"{where} was trained with global batch {saved}, this run's is {batch.global_size} "
+                      f"({batch.arithmetic()}){hint}")

@@ -1,0 +1,52 @@
+"""Output folders: checked before any process group starts, and held by one run at a time.
+
+A run's log dir (and a separate save dir) carries a `.lock` file locked with POSIX record locks (fcntl.lockf,
+which NFS also honours) for the run's lifetime; the kernel releases it on any exit, a kill included. The file
+says which host and pid hold it, so a second run can name them."""
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+
+from vit.errors import ConfigError
+
+LOCK_FILE = ".lock"
+
+
+def check_writable(path: str, option: str) -> None:
+    """`path` is, or can become, a folder this process can write: one line naming the problem otherwise.
+    Creates nothing."""
+    p = Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{option} {path} is a file, not a folder")
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{option} {path}: {existing} is a file, not a folder")
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise ConfigError(f"{option} {path}: {existing} is on a read-only file system")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {path}: {existing} is not writable by this user")
+
+
+class RunLock:
+    """lock = RunLock(folder) holds folder/.lock until the process ends; ConfigError names the holder."""
+
+    def __init__(self, folder: str, option: str):
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, LOCK_FILE)
+        self.file = open(path, "a+")
+        try:
+            fcntl.lockf(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "unknown"
+            self.file.close()
+            raise ConfigError(f"{option} {folder} is in use by another run ({holder}); wait for it to end, or use "
+                              f"another {option}") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self.file.flush()
