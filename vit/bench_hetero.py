@@ -21,6 +21,7 @@ from torch import nn
 from vit import slowdown
 from vit.bench import failure_tail, median_step_s, mpirun_train, publish
 from vit.settings import defaults
+from vit.train import prepare_environment
 
 MIXED_RUNS = [  # (row name, vit.train options)
     ("pipeline, --partition uniform", ["--engine", "pipeline", "--partition", "uniform"]),
@@ -180,6 +181,7 @@ def main(argv=None) -> int:
     s.add_argument("--steps", type=int, default=200)
     s.add_argument("--out", help="folder for lossscale.md and lossscale.json")
     a = p.parse_args(argv)
+    prepare_environment()
     if a.command == "mixed" and a.global_batch % (4 * a.ranks):
         p.error(f"--global-batch {a.global_batch} must be a multiple of 4 x --ranks")
     return {"mixed": mixed, "lossscale": lossscale}[a.command](a)
