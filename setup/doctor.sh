@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-Usage: scripts/doctor.sh [--help] [NP]
+Usage: setup/doctor.sh [--help] [NP]
 
 Checks, for a run of NP ranks (default: all slots) over the hostfile:
   - the hostfile: "HOST slots=N" lines (as Open MPI and the DeepSpeed launcher read them), NP
@@ -26,7 +26,7 @@ case "${1:-}" in -h|--help) usage; exit 0 ;; -*) usage >&2; exit 2 ;; esac
 PROG=doctor.sh
 [ $# -eq 0 ] || NP=$1
 # shellcheck source=setup/common.sh
-. "$(dirname "$0")/../setup/common.sh"
+. "$(dirname "$0")/common.sh"
 if [ -f "$ROOT/setup/cluster.env" ]; then
   # shellcheck source=setup/cluster.env
   . "$ROOT/setup/cluster.env"
