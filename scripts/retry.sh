@@ -21,7 +21,9 @@ Under mpirun: Open MPI 5's mpirun ends the job at the first rank that exits non-
 that rank's status (measured with Open MPI 5.0.11):
   - every rank exits 2: mpirun exits 2, not retried;
   - one rank of entry_cn.sh has a configuration error, the others none: 2 as well, not retried (that
-    rank stops before the others can start without it, so its exit is the first mpirun sees);
+    rank stops before the others can start without it, so its exit is the first mpirun sees); but in
+    2 of 17 such runs on a busy machine mpirun hung instead ("PMIX ERROR: PMIX_ERR_UNREACH"), with
+    the other rank waiting, and a hang is nothing retry.sh can see;
   - one rank exits 2 and another 1 at the same moment: mpirun exits with whichever status it saw
     first, 2 or 1 (both happen). A 1 is retried; the relaunch then stops at the configuration error
     with 2, as above;
