@@ -8,11 +8,10 @@ ARGS ?=
 PYTEST_ARGS ?=
 MPIRUN_FLAGS := --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)
 
-$(VENV)/.requirement.sha256: requirement.txt scripts/bootstrap.sh
+# bootstrap.sh itself decides whether .venv is up to date: the torch build it picks depends on the
+# host's driver and TORCH_CUDA, which make cannot see.
+venv:
 	./scripts/bootstrap.sh
-	touch $@
-
-venv: $(VENV)/.requirement.sha256
 
 run: venv
 	$(VENV)/bin/mpirun $(MPIRUN_FLAGS) -np $(NP) ./entry_cn.sh $(ARGS)

@@ -1,36 +1,156 @@
 #!/usr/bin/env bash
-# Creates the project's virtual environment (.venv) if missing and installs requirement.txt into it.
+# Creates the project's virtual environment (.venv) if missing and installs requirement.txt into it,
+# with the torch build that this host's NVIDIA driver and GPUs can run.
 # torch goes in first so that deepspeed, built without build isolation, compiles against it
 # instead of pulling a second torch into its build environment.
 set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-Usage: scripts/bootstrap.sh [--help]
+Usage: scripts/bootstrap.sh [--help] [--print-torch]
 
 Creates .venv (python from $PYTHON, default python3) if it is missing and installs the pinned
-packages of requirement.txt. Does nothing when .venv already matches requirement.txt.
-Environment: PYTHON (interpreter for the new venv), VENV (folder, default .venv).
+packages of requirement.txt, with torch and torchvision in the build this host can run:
+  - nvidia-smi reports a driver >= 580.65.06 and only Turing or newer GPUs: the PyPI wheel (cu130);
+  - a driver from 525.60.13 on, or a GPU older than Turing: cu126 from download.pytorch.org;
+  - no nvidia-smi: the PyPI wheel, which runs on the CPU too;
+  - a driver or GPU that no build runs: one line saying why, exit 2, nothing installed.
+The builds, their minimum drivers and GPUs are the table BUILDS in this script (see README.md,
+"GPU hosts"). Does nothing when .venv already matches requirement.txt and the chosen build; a
+different choice replaces torch and torchvision.
+
+  --print-torch  print the choice and why, and install nothing (no .venv is made)
+
+Environment: TORCH_CUDA (cu126, cu130, cu132, cpu, ...: this build instead of the choice; cpu is
+the smaller CPU-only build), PYTHON (interpreter for a new venv), VENV (folder, default .venv).
 USAGE
 }
-case "${1:-}" in -h|--help) usage; exit 0 ;; "") ;; *) echo "bootstrap.sh: unknown argument '$1'" >&2; exit 2 ;; esac
 
-cd "$(dirname "$0")/.."
+# shellcheck source=setup/common.sh
+. "$(dirname "$0")/../setup/common.sh"
+print_only=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --print-torch) print_only=1; shift ;;
+    *) unknown_option "$1" ;;
+  esac
+done
+cd "$ROOT"
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-stamp="$VENV/.requirement.sha256"
-want=$(sha256sum requirement.txt | cut -d' ' -f1)
+TORCH_CUDA=${TORCH_CUDA:-}
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+# The torch builds to choose from, for torch $TABLE_TORCH. Sources:
+# - builds and their GPUs: PyTorch's CUDA support matrix for 2.14 (RELEASE.md; pytorch/pytorch#190355,
+#   #194367): CUDA 12.6 (legacy: Maxwell 5.0, Pascal 6.0, Volta 7.0, Turing 7.5, Ampere 8.0/8.6,
+#   Hopper 9.0), 13.0 and 13.2 (Turing 7.5 to Blackwell 12.0, +PTX for newer); CUDA 12.8 builds
+#   ended with 2.12 (#182849).
+# - the PyPI wheel of torch 2.14.1 is the cu130 build: its metadata requires cuda-toolkit 13.0.3, and
+#   torch.cuda.get_arch_list() lists sm_75 to sm_120 (checked with pip and the installed wheel).
+# - minimum Linux drivers: NVIDIA's CUDA minor-version compatibility guide and toolkit release notes:
+#   CUDA 12.x runs on >= 525.60.13, CUDA 13.x needs >= 580.65.06.
+# Columns: build, minimum driver, lowest compute capability it has kernels for, the first it has
+# none for (-: PTX covers newer GPUs), where pip gets it (pypi: the default index).
+TABLE_TORCH=2.14.1
+BUILDS="\
+cu130 580.65.06 7.5 -    pypi
+cu126 525.60.13 5.0 10.0 https://download.pytorch.org/whl/cu126
+cu132 580.65.06 7.5 -    https://download.pytorch.org/whl/cu132
+cpu   -         -   -    https://download.pytorch.org/whl/cpu"
+AUTO="cu130 cu126"  # tried in this order: the PyPI wheel, then the newest cu12x build
+
+fail() { echo "$PROG: $*" >&2; exit 2; }
+pin() { grep -E "^$1==" requirement.txt; }
+row() { awk -v b="$1" '$1 == b' <<<"$BUILDS"; }
+version_ge() { [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n 1)" = "$2" ]; }
+
+# choose_torch: sets build, where (pypi or an index URL) and reason.
+choose_torch() {
+  local torch_version driver caps seen cc b min_driver min_cc no_cc fix refused=""
+  torch_version=$(pin torch | cut -d= -f3)
+  [ "$torch_version" = "$TABLE_TORCH" ] || fail "requirement.txt pins torch==$torch_version but BUILDS in" \
+    "scripts/bootstrap.sh describes torch $TABLE_TORCH: update the table from PyTorch's CUDA support matrix"
+  if [ -n "$TORCH_CUDA" ]; then
+    build=$TORCH_CUDA
+    where=$(row "$build" | awk '{ print $5 }')
+    reason="set by TORCH_CUDA"
+    if [ -z "$where" ]; then
+      [[ "$build" =~ ^(cpu|cu[0-9]+|rocm[0-9.]+)$ ]] || fail "TORCH_CUDA=$build is not a build name (cu126, cu130, cpu, ...)"
+      where=https://download.pytorch.org/whl/$build
+      reason+="; not one of the builds this script knows for torch $TABLE_TORCH: $(awk '{ print $1 }' <<<"$BUILDS" | paste -sd ' ')"
+    fi
+    return
+  fi
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    read -r build _ _ _ where <<<"$(awk '$5 == "pypi"' <<<"$BUILDS")"
+    reason="no nvidia-smi here, so no NVIDIA driver to match: the PyPI wheel, which also runs on the CPU (TORCH_CUDA=cpu: the smaller CPU-only build)"
+    return
+  fi
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>&1 | head -n 1) || true
+  [[ "$driver" =~ ^[0-9]+(\.[0-9]+)+$ ]] \
+    || fail "nvidia-smi did not report a driver version ('$driver'): fix the driver, or choose a build with TORCH_CUDA"
+  # One driver per host, a compute capability per GPU; an nvidia-smi too old to report that leaves
+  # the choice to the driver.
+  caps=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | grep -E '^[0-9]+\.[0-9]+$' | sort -uV || true)
+  seen="driver $driver, compute capability $(paste -sd ' ' <<<"${caps:-not reported}")"
+  for b in $AUTO; do
+    read -r _ min_driver min_cc no_cc where <<<"$(row "$b")"
+    if ! version_ge "$driver" "$min_driver"; then
+      refused+="; $b needs driver >= $min_driver"
+      continue
+    fi
+    for cc in $caps; do
+      if ! version_ge "$cc" "$min_cc" || { [ "$no_cc" != - ] && version_ge "$cc" "$no_cc"; }; then
+        refused+="; $b has no kernels for compute capability $cc"
+        continue 2
+      fi
+    done
+    build=$b
+    reason="$seen$refused${refused:+; $b runs on drivers >= $min_driver}"
+    return
+  done
+  fix="TORCH_CUDA=cpu for the CPU-only build"
+  [[ "$refused" != *"needs driver"* ]] || fix="update the NVIDIA driver, or $fix"
+  fail "no torch $TABLE_TORCH build runs on this host ($seen)$refused: $fix"
+}
+
+choose_torch
+torch_pins=("$(pin torch)" "$(pin torchvision)")
+if [ "$where" = pypi ]; then
+  from=() source_name="PyPI"
+else
+  from=(--index-url "$where") source_name=$where
+fi
+if [ "$print_only" = 1 ]; then
+  echo "$build: $reason"
+  echo "pip install ${torch_pins[*]} from $source_name"
   exit 0
 fi
+
+# The stamp: "<sha256 of requirement.txt> torch=<build>". One without a build predates the choice:
+# that venv has the PyPI wheel.
+stamp="$VENV/.requirement.sha256"
+want_hash=$(sha256sum requirement.txt | cut -d' ' -f1)
+read -r have_hash installed 2>/dev/null <"$stamp" || true
+installed=${installed:-${have_hash:+torch=cu130}}
+installed=${installed#torch=}
+if [ "${have_hash:-}" = "$want_hash" ] && [ "$installed" = "$build" ]; then
+  exit 0
+fi
+echo "$PROG: torch $build: $reason"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
+# pip would keep a torch of another build (its version satisfies the pin): that one goes first.
+if [ "$installed" != "$build" ] && "$VENV/bin/python" -m pip show torch >/dev/null 2>&1; then
+  echo "$PROG: replacing torch and torchvision (${installed:-build unknown}) with the $build build"
+  "$VENV/bin/python" -m pip uninstall --yes --quiet torch torchvision
+fi
 pip=("$VENV/bin/python" -m pip install --disable-pip-version-check --quiet)
-pin() { grep -E "^$1==" requirement.txt; }
 "${pip[@]}" --upgrade pip "$(pin setuptools)" wheel
-"${pip[@]}" "$(pin torch)" "$(pin torchvision)" "$(pin numpy)"
+"${pip[@]}" "${from[@]}" "${torch_pins[@]}"
+"${pip[@]}" "$(pin numpy)"
 "${pip[@]}" --no-build-isolation -r requirement.txt
-echo "$want" > "$stamp"
-echo "bootstrap.sh: $VENV is ready ($("$VENV/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null))"
+echo "$want_hash torch=$build" > "$stamp"
+echo "$PROG: $VENV is ready ($("$VENV/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null))"

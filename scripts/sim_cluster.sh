@@ -218,5 +218,6 @@ case "${1:-}" in
     esac
     echo "sim_cluster.sh: $1 cn$2: done"
     ;;
-  *) usage >&2; exit 2 ;;
+  "") usage >&2; exit 2 ;;
+  *) echo "sim_cluster.sh: unknown command '$1' (see --help)" >&2; exit 2 ;;
 esac

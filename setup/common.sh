@@ -1,10 +1,12 @@
 # shellcheck shell=bash
-# Sourced by the setup/ scripts: the hostfile's hosts, one set of ssh options, and running one
-# small shell script on every host at once with a hard time limit per host.
-# The sourcing script sets PROG (its name, for messages).
+# Sourced by the scripts of setup/ and scripts/. The shared opening: --help, one line naming an
+# unknown option, the hostfile, setup/cluster.env, a temp dir removed on exit; then for the cluster
+# steps: the hostfile's hosts, one set of ssh options, and running one small shell script on every
+# host at once with a hard time limit per host.
+# The sourcing script defines usage() first; PROG (its name, for messages) defaults to its file name.
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-HOSTFILE=${HOSTFILE:-$ROOT/setup/hosts.txt}
+PROG=${PROG:-$(basename "$0")}
 SSH_TIMEOUT=${SSH_TIMEOUT:-5}   # seconds to wait for a host's ssh port
 HOST_TIMEOUT=${HOST_TIMEOUT:-10} # seconds one host may take in all, login included
 # BatchMode: fail instead of asking; accept-new: record a host key on first contact, refuse a
@@ -12,6 +14,48 @@ HOST_TIMEOUT=${HOST_TIMEOUT:-10} # seconds one host may take in all, login inclu
 SSH_OPTS=(-o BatchMode=yes -o ConnectTimeout="$SSH_TIMEOUT" -o StrictHostKeyChecking=accept-new)
 
 die() { echo "$PROG: $*" >&2; exit 1; }
+
+# usage_error MESSAGE: bad command line, one line, exit 2.
+usage_error() { echo "$PROG: $* (see --help)" >&2; exit 2; }
+
+# unknown_option OPTION [HINT]
+unknown_option() { usage_error "unknown option '$1'${2:+; $2}"; }
+
+# opening ARGS...: the scripts whose arguments are all positional: -h/--help prints the usage and
+# exits 0; a leading option (anything else starting with -) is refused, naming it.
+opening() {
+  case "${1:-}" in
+    -h|--help) usage; exit 0 ;;
+    -?*) unknown_option "$1" ;;
+  esac
+}
+
+# use_hostfile [FILE]: HOSTFILE is FILE, else $HOSTFILE, else setup/hosts.txt.
+use_hostfile() { HOSTFILE=${1:-${HOSTFILE:-$ROOT/setup/hosts.txt}}; }
+
+# hostfile_opening ARGS...: the whole opening of a cluster step called as `SCRIPT [--help] [HOSTFILE]`:
+# the hostfile's hosts in HOSTS and a temp dir in $tmp.
+hostfile_opening() {
+  opening "$@"
+  [ $# -le 1 ] || usage_error "one HOSTFILE at most, got $# arguments"
+  use_hostfile "${1:-}"
+  read_hosts
+  make_tmp
+}
+
+# make_tmp: a temp dir in $tmp, removed when the script exits.
+make_tmp() {
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+}
+
+# source_cluster_env: the network settings (IFACE) that entry_cn.sh also reads on every rank.
+source_cluster_env() {
+  if [ -f "$ROOT/setup/cluster.env" ]; then
+    # shellcheck source=setup/cluster.env
+    . "$ROOT/setup/cluster.env"
+  fi
+}
 
 # Fills HOSTS with the first word of every line of the hostfile, comments and blank lines skipped.
 read_hosts() {

@@ -15,21 +15,20 @@ Environment: HOSTFILE (default setup/hosts.txt; read for the hosts and the defau
 SSH_TIMEOUT (connect timeout, default 5 s), HOST_TIMEOUT (limit per host, default 10 s).
 USAGE
 }
-PROG=make_hostfile.sh
 # shellcheck source=setup/common.sh
 . "$(dirname "$0")/common.sh"
+use_hostfile
 out=$HOSTFILE
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
-    --out) [ $# -ge 2 ] || die "--out needs a file"; out=$2; shift 2 ;;
-    -*) usage >&2; exit 2 ;;
+    --out) [ $# -ge 2 ] || usage_error "--out needs a file"; out=$2; shift 2 ;;
+    -*) unknown_option "$1" ;;
     *) break ;;
   esac
 done
 if [ $# -gt 0 ]; then HOSTS=("$@"); else read_hosts; fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+make_tmp
 
 # shellcheck disable=SC2016 # expanded on the host
 count='if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -c "^GPU " || true; else echo 0; fi'

@@ -21,15 +21,10 @@ ssh tries by itself, since mpirun runs plain ssh), SSH_TIMEOUT (connect timeout,
 HOST_TIMEOUT (limit per host and step, default 10 s).
 USAGE
 }
-case "${1:-}" in -h|--help) usage; exit 0 ;; -*) usage >&2; exit 2 ;; esac
-PROG=setup_ssh.sh
-[ $# -eq 0 ] || HOSTFILE=$1
 # shellcheck source=setup/common.sh
 . "$(dirname "$0")/common.sh"
-read_hosts
+hostfile_opening "$@"
 SSH_KEY=${SSH_KEY:-$HOME/.ssh/id_ed25519}
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
 
 if [ ! -f "$SSH_KEY" ]; then
   mkdir -p "$(dirname "$SSH_KEY")"

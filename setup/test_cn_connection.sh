@@ -17,14 +17,9 @@ Environment: HOSTFILE (default setup/hosts.txt), SSH_TIMEOUT (connect timeout, d
 HOST_TIMEOUT (limit per host, default 10 s).
 USAGE
 }
-case "${1:-}" in -h|--help) usage; exit 0 ;; -*) usage >&2; exit 2 ;; esac
-PROG=test_cn_connection.sh
-[ $# -eq 0 ] || HOSTFILE=$1
 # shellcheck source=setup/common.sh
 . "$(dirname "$0")/common.sh"
-read_hosts
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+hostfile_opening "$@"
 
 # Prints "key value" lines. Versions come from package metadata: importing torch would take seconds.
 # shellcheck disable=SC2016 # expanded on the host

@@ -20,18 +20,12 @@ MPIRUN (default .venv/bin/mpirun), MPIRUN_ARGS (extra mpirun arguments, split on
 "--oversubscribe"), MPI_TIMEOUT (seconds per launch, default 120), SSH_TIMEOUT, HOST_TIMEOUT.
 USAGE
 }
-case "${1:-}" in -h|--help) usage; exit 0 ;; -*) usage >&2; exit 2 ;; esac
-PROG=test_mpi.sh
-[ $# -eq 0 ] || HOSTFILE=$1
 # shellcheck source=setup/common.sh
 . "$(dirname "$0")/common.sh"
-read_hosts
+hostfile_opening "$@"
 HOSTFILE=$(realpath "$HOSTFILE")
 cd "$ROOT"
-if [ -f setup/cluster.env ]; then
-  # shellcheck source=setup/cluster.env
-  . setup/cluster.env
-fi
+source_cluster_env
 MPIRUN=${MPIRUN:-$ROOT/.venv/bin/mpirun}
 MPI_TIMEOUT=${MPI_TIMEOUT:-120}
 NP=${NP:-$(sum_slots "$HOSTFILE")}
@@ -39,8 +33,6 @@ read -r -a extra <<<"${MPIRUN_ARGS:-}"
 for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME; do
   [ -z "${!var:-}" ] || extra+=(-x "$var")
 done
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
 
 # Built under a per-host name, then renamed: hosts sharing one filesystem do not collide.
 # shellcheck disable=SC2016 # expanded on the host

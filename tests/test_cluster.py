@@ -218,7 +218,7 @@ def test_unreachable_host_is_named_fast_and_mpirun_does_not_hang(cluster):
         assert r.rc != 0 and "cn2" in r.output and r.duration_s < 20, r
         r = cluster.on(0, 'setup/setup_ssh.sh "$SIM_DIR/hostfile"', timeout=60, check=False)
         assert r.rc != 0 and "cn2: ssh-copy-id failed" in r.output, r
-        r = cluster.on(0, 'scripts/doctor.sh', timeout=60, check=False, HOSTFILE=str(cluster.hostfile))
+        r = cluster.on(0, 'setup/doctor.sh', timeout=60, check=False, HOSTFILE=str(cluster.hostfile))
         assert r.rc == 1 and "cn2: unreachable" in r.output, r
 
         cluster.sim("unplug", "1")  # nothing answers: only timeouts can tell

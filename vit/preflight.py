@@ -2,7 +2,7 @@
 cluster fails with one message listing every problem, instead of deep inside DeepSpeed.
 
 (Rank 0's address was already agreed before the process group started, and the group's start proves
-that every rank reaches it; scripts/doctor.sh runs the same checks by hand, over ssh.)
+that every rank reaches it; setup/doctor.sh runs the same checks by hand, over ssh.)
 """
 import importlib.metadata
 import os

@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-Usage: scripts/doctor.sh [--help] [NP]
+Usage: setup/doctor.sh [--help] [NP]
 
 Checks, for a run of NP ranks (default: all slots) over the hostfile:
   - the hostfile: "HOST slots=N" lines (as Open MPI and the DeepSpeed launcher read them), NP
@@ -22,20 +22,17 @@ Environment: HOSTFILE (default setup/hosts.txt), NP, MASTER_ADDR, IFACE (see set
 SSH_TIMEOUT, HOST_TIMEOUT.
 USAGE
 }
-case "${1:-}" in -h|--help) usage; exit 0 ;; -*) usage >&2; exit 2 ;; esac
-PROG=doctor.sh
-[ $# -eq 0 ] || NP=$1
 # shellcheck source=setup/common.sh
-. "$(dirname "$0")/../setup/common.sh"
-if [ -f "$ROOT/setup/cluster.env" ]; then
-  # shellcheck source=setup/cluster.env
-  . "$ROOT/setup/cluster.env"
-fi
+. "$(dirname "$0")/common.sh"
+opening "$@"
+[ $# -le 1 ] || usage_error "one NP at most, got $# arguments"
+[ $# -eq 0 ] || NP=$1
+use_hostfile
+source_cluster_env
 read_hosts
+make_tmp
 IFACE=${IFACE:-}
 master=${MASTER_ADDR:-${HOSTS[0]}}
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
 problems=()
 
 bad_lines=$(awk '{ sub(/#.*/, "") } NF && !/^[^ \t]+[ \t]+slots=[0-9]+[ \t]*$/ { printf "%s\"%s\"", sep, $0; sep = ", " }' "$HOSTFILE")

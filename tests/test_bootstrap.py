@@ -1,0 +1,140 @@
+"""scripts/bootstrap.sh's choice of torch build, with a fake nvidia-smi on PATH (the true outer boundary: there
+is no GPU here) answering exactly the two queries the script makes, and with no nvidia-smi at all; and the
+.venv stamp that makes a different choice replace torch."""
+import hashlib
+import os
+import shutil
+import sys
+
+import pytest
+from helpers import ROOT, base_env, run_cmd
+
+pytestmark = [pytest.mark.ranks, pytest.mark.timeout(60)]  # every test here starts processes
+
+BOOTSTRAP = str(ROOT / "scripts" / "bootstrap.sh")
+PYPI = "pip install torch==2.14.1 torchvision==0.29.1 from PyPI"
+CU126 = "pip install torch==2.14.1 torchvision==0.29.1 from https://download.pytorch.org/whl/cu126"
+# The commands bootstrap.sh runs for --print-torch, and nothing else: PATH holds only these (and, in a test
+# that wants one, the fake nvidia-smi), so that a real nvidia-smi on a GPU machine cannot answer instead.
+TOOLS = ["bash", "dirname", "basename", "awk", "sed", "grep", "sort", "head", "paste", "cut"]
+
+FAKE_SMI = """#!/bin/sh
+# nvidia-smi of a host with driver $FAKE_DRIVER and one GPU per compute capability in $FAKE_CAPS; other
+# arguments fail as the real one fails on a field it does not know.
+case "$*" in
+  "--query-gpu=driver_version --format=csv,noheader") for cap in $FAKE_CAPS; do echo "$FAKE_DRIVER"; done ;;
+  "--query-gpu=compute_cap --format=csv,noheader") for cap in $FAKE_CAPS; do echo "$cap"; done ;;
+  *) echo "fake nvidia-smi: unexpected arguments: $*"; exit 2 ;;
+esac
+"""
+
+
+@pytest.fixture
+def path(tmp_path):
+    """PATH with the tools bootstrap.sh needs and no nvidia-smi; fake_smi(driver, caps) adds one."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for tool in TOOLS:
+        (tools / tool).symlink_to(shutil.which(tool))
+    return str(tools)
+
+
+def fake_smi(tmp_path, path):
+    smi_dir = tmp_path / "smi"
+    smi_dir.mkdir()
+    (smi_dir / "nvidia-smi").write_text(FAKE_SMI)
+    (smi_dir / "nvidia-smi").chmod(0o755)
+    return f"{smi_dir}:{path}"
+
+
+def print_torch(tmp_path, path, **env):
+    env = {k: v for k, v in base_env().items() if k != "TORCH_CUDA"} | dict(PATH=path, VENV=str(tmp_path / "venv"),
+                                                                            **env)
+    r = run_cmd([BOOTSTRAP, "--print-torch"], timeout=30, env=env)
+    assert not (tmp_path / "venv").exists(), "--print-torch made a venv"
+    return r
+
+
+@pytest.mark.parametrize("driver, caps, build, why, pip", [
+    ("550.54.15", "8.6", "cu126", "driver 550.54.15, compute capability 8.6; cu130 needs driver >= 580.65.06", CU126),
+    ("535.183.01", "8.6 8.6", "cu126", "driver 535.183.01, compute capability 8.6; cu130 needs driver >= 580.65.06",
+     CU126),
+    ("580.65.06", "8.6", "cu130", "driver 580.65.06, compute capability 8.6", PYPI),
+    ("580.65.06", "6.1 8.6", "cu126",  # a GTX 1080 beside an RTX 3070
+     "driver 580.65.06, compute capability 6.1 8.6; cu130 has no kernels for compute capability 6.1", CU126),
+])
+def test_print_torch_follows_the_driver_and_gpus(tmp_path, path, driver, caps, build, why, pip):
+    """550 (CUDA 12.4, an RTX 3070 host), 535 (CUDA 12.2): cu126; 580 (CUDA 13.0): the PyPI wheel, cu130,
+    unless a GPU is older than Turing."""
+    r = print_torch(tmp_path, fake_smi(tmp_path, path), FAKE_DRIVER=driver, FAKE_CAPS=caps)
+    assert r.returncode == 0 and r.stderr == "", r
+    first, second = r.stdout.splitlines()
+    assert first.startswith(f"{build}: {why}"), r.stdout
+    assert second == pip
+
+
+@pytest.mark.parametrize("driver, caps, why", [
+    ("470.256.02", "8.6", "(driver 470.256.02, compute capability 8.6); cu130 needs driver >= 580.65.06; "
+     "cu126 needs driver >= 525.60.13: update the NVIDIA driver, or TORCH_CUDA=cpu"),  # CUDA 11.4
+    ("570.124.06", "12.0", "cu130 needs driver >= 580.65.06; cu126 has no kernels for compute capability 12.0: "
+     "update the NVIDIA driver"),  # an RTX 5090 on a driver before 580
+])
+def test_print_torch_refuses_a_host_no_build_runs_on(tmp_path, path, driver, caps, why):
+    r = print_torch(tmp_path, fake_smi(tmp_path, path), FAKE_DRIVER=driver, FAKE_CAPS=caps)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.startswith("bootstrap.sh: no torch 2.14.1 build runs on this host") and why in r.stderr, r
+    assert len(r.stderr.splitlines()) == 1
+
+
+def test_print_torch_without_nvidia_smi_takes_the_pypi_wheel(tmp_path, path):
+    r = print_torch(tmp_path, path)
+    assert r.returncode == 0 and r.stderr == "", r
+    first, second = r.stdout.splitlines()
+    assert first.startswith("cu130: no nvidia-smi here") and "runs on the CPU" in first, r.stdout
+    assert second == PYPI
+
+
+@pytest.mark.parametrize("torch_cuda, pip", [
+    ("cpu", "pip install torch==2.14.1 torchvision==0.29.1 from https://download.pytorch.org/whl/cpu"),
+    ("cu126", CU126),
+    ("cu130", PYPI),
+])
+def test_torch_cuda_overrides_the_choice(tmp_path, path, torch_cuda, pip):
+    r = print_torch(tmp_path, fake_smi(tmp_path, path), FAKE_DRIVER="580.65.06", FAKE_CAPS="8.6",
+                    TORCH_CUDA=torch_cuda)
+    assert r.returncode == 0 and r.stdout == f"{torch_cuda}: set by TORCH_CUDA\n{pip}\n", r
+
+
+def test_torch_cuda_must_name_a_build(tmp_path, path):
+    r = print_torch(tmp_path, path, TORCH_CUDA="cuda 12")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr == \
+        "bootstrap.sh: TORCH_CUDA=cuda 12 is not a build name (cu126, cu130, cpu, ...)\n", r
+
+
+@pytest.mark.timeout(240)
+def test_a_different_choice_replaces_torch(tmp_path):
+    """A venv stamped for the PyPI wheel (an old stamp without a build means that) and TORCH_CUDA=cpu: torch and
+    torchvision are uninstalled before the install, which fails here because pip gets no index (the outer
+    boundary: no network), and the stamp is left as it was. With the stamp's own build nothing happens."""
+    venv = tmp_path / "venv"
+    run_cmd([sys.executable, "-m", "venv", str(venv)], timeout=120).check_returncode()
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    for name, version in (("torch", "2.14.1"), ("torchvision", "0.29.1")):  # a stand-in for the 2 GB wheels
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "RECORD").write_text(f"{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+    stamp = venv / ".requirement.sha256"
+    requirement_hash = hashlib.sha256((ROOT / "requirement.txt").read_bytes()).hexdigest()
+    stamp.write_text(f"{requirement_hash}\n")
+    env = {k: v for k, v in base_env(VENV=str(venv)).items() if not k.startswith("PIP_")}
+    offline = dict(env, PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, TORCH_CUDA="cpu")
+
+    r = run_cmd([BOOTSTRAP], timeout=120, env=dict(env, TORCH_CUDA="cu130"))
+    assert r.returncode == 0 and r.stdout == r.stderr == "", r  # the old stamp means cu130: up to date
+
+    r = run_cmd([BOOTSTRAP], timeout=120, env=offline)
+    assert "bootstrap.sh: replacing torch and torchvision (cu130) with the cpu build" in r.stdout, r
+    assert r.returncode != 0, r
+    assert not list(site.glob("torch*.dist-info")), "torch and torchvision are still installed"
+    assert stamp.read_text() == f"{requirement_hash}\n"

@@ -1,0 +1,96 @@
+"""The shell tools of setup/ and scripts/: retry.sh with real training runs (a configuration error is not
+retried, a relaunch names its checkpoint or says it starts over), and every script's --help and its one line
+for an unknown option."""
+import os
+
+import pytest
+from helpers import MPIRUN, ROOT, base_env, run_cmd
+
+pytestmark = pytest.mark.ranks  # every test here starts processes
+
+SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for d in ("setup", "scripts") for p in (ROOT / d).glob("*.sh")
+                 if os.access(p, os.X_OK))
+SHORT_RUN = ["--engine", "ddp", "--log-interval", "1", "--eval-interval", "0", "--monitor-interval", "0"]
+
+
+def retry(*args, env=None, timeout=180):
+    r = run_cmd([str(ROOT / "scripts" / "retry.sh"), *map(str, args)], timeout=timeout, env=base_env(**(env or {})))
+    return r, r.stdout + r.stderr
+
+
+def crashing_run(log_dir, steps: int, crash_at: str):
+    """retry.sh -n 1 around a direct run that saves every 2 steps and dies (exit 3) while saving crash_at."""
+    return retry("-n", 1, "--", "./entry_cn.sh", "--steps", steps, "--save-interval", 2, *SHORT_RUN,
+                 "--log-dir", log_dir, env={"VIT_TEST_CRASH_IN_SAVE": crash_at})
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("launch", ["direct", "mpirun"])
+def test_retry_does_not_retry_a_configuration_error(tmp_path, launch):
+    """Exit 2 (entry_cn.sh's configuration error) stops retry.sh at once, also through mpirun, which exits with
+    the first failing rank's status. (With the error on one rank only, mpirun exits 2 as well, but now and then
+    Open MPI 5.0.11 hangs there instead: see retry.sh --help. No test for that case, it would be flaky.)"""
+    cmd = ["./entry_cn.sh", "--steps", "-1", "--log-dir", tmp_path / "run"]
+    if launch == "mpirun":
+        cmd = [*MPIRUN, "-np", "2", *cmd]
+    r, out = retry("-n", 2, "--", *cmd)
+    assert r.returncode == 2, out[-3000:]
+    assert "entry_cn.sh: error: --steps must be positive" in out
+    assert "attempt 1 of 3" in out and "attempt 2" not in out, out[-3000:]
+    assert "exited with 2, a configuration or usage error" in out and "not retrying" in out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(240)
+def test_retry_names_the_checkpoint_it_resumes_from(tmp_path):
+    """The run saves step 2, then dies while saving step 4 (VIT_TEST_CRASH_IN_SAVE, exit 3): the relaunch names
+    step 2 and resumes from it; it dies again at step 4 and retry.sh gives up with that status."""
+    r, out = crashing_run(tmp_path, 6, "step4")
+    assert r.returncode == 3, out[-3000:]
+    assert f"retry.sh: attempt 1 exited with 3; relaunching from checkpoint {tmp_path}/checkpoints/step2\n" in out
+    assert f"attempt 2 of 2: ./entry_cn.sh --steps 6 --save-interval 2 {' '.join(SHORT_RUN)} --log-dir {tmp_path} " \
+           "--resume\n" in out, out[-3000:]
+    assert "(resumed from step2)" in out
+    assert "giving up after 2 attempts; the last exited with 3" in out
+
+
+@pytest.mark.timeout(240)
+def test_retry_starts_over_without_a_complete_checkpoint(tmp_path):
+    """The run dies while saving its first checkpoint: nothing to resume, so the relaunch says it starts over
+    and runs without --resume."""
+    r, out = crashing_run(tmp_path, 4, "step2")
+    assert r.returncode == 3, out[-3000:]
+    assert f"attempt 1 exited with 3; starting over: no complete checkpoint in {tmp_path}/checkpoints yet" in out
+    assert f"attempt 2 of 2: ./entry_cn.sh --steps 4 --save-interval 2 {' '.join(SHORT_RUN)} --log-dir {tmp_path}\n" \
+           in out, out[-3000:]
+    assert "--resume" not in out and "resumed from" not in out
+
+
+@pytest.mark.timeout(30)
+def test_retry_n_without_a_value_is_one_line():
+    r, out = retry("-n")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == "retry.sh: -n needs a number (see --help)\n"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_unknown_option_is_named_in_one_line(script):
+    r = run_cmd([str(ROOT / script), "--foo"], timeout=20)
+    assert r.returncode == 2 and r.stdout == "", r
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{os.path.basename(script)}: unknown ") and "'--foo'" in lines[0], r
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+    r = run_cmd([str(ROOT / script), "--help"], timeout=20)
+    assert r.returncode == 0 and r.stdout.startswith("Usage: ") and r.stderr == "", r
+
+
+@pytest.mark.timeout(30)
+def test_doctor_lives_in_setup():
+    assert not (ROOT / "scripts" / "doctor.sh").exists()
+    r = run_cmd([str(ROOT / "setup" / "doctor.sh"), "--help"], timeout=20)
+    assert r.returncode == 0 and r.stdout.startswith("Usage: setup/doctor.sh [--help] [NP]"), r
