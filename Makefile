@@ -6,7 +6,6 @@ VENV := .venv
 NP ?= 2
 ARGS ?=
 PYTEST_ARGS ?=
-MPIRUN_FLAGS := --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)
 
 # bootstrap.sh itself decides whether .venv is up to date: the torch build it picks depends on the
 # host's driver and TORCH_CUDA, which make cannot see.
@@ -14,7 +13,7 @@ venv:
 	./scripts/bootstrap.sh
 
 run: venv
-	$(VENV)/bin/mpirun $(MPIRUN_FLAGS) -np $(NP) ./entry_cn.sh $(ARGS)
+	scripts/mpirun --oversubscribe -np $(NP) ./entry_cn.sh $(ARGS)
 
 test: venv
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

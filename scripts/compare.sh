@@ -31,7 +31,8 @@ Environment (defaults in brackets):
   MONITOR_INTERVAL seconds between monitor samples [0.5]
   RUNS             runs to make, space-separated [ddp zero0 zero1 zero2 zero3 pipeline]
   OUT              output folder, relative to the repository root [logs/compare-<date-time>]
-  MPIRUN           [.venv/bin/mpirun]; MPIRUN_ARGS extra mpirun arguments, split on spaces
+  MPIRUN_ARGS      extra mpirun arguments, split on spaces (runs go through scripts/mpirun, which uses
+                   MPIRUN [.venv/bin/mpirun] and adds --allow-run-as-root for root)
 setup/cluster.env (IFACE) is sourced first, as entry_cn.sh does.
 USAGE
 }
@@ -58,7 +59,6 @@ EVAL_INTERVAL=${EVAL_INTERVAL:-0}
 MONITOR_INTERVAL=${MONITOR_INTERVAL:-0.5}
 RUNS=${RUNS:-ddp zero0 zero1 zero2 zero3 pipeline}
 OUT=${OUT:-logs/compare-$(date +%Y%m%d-%H%M%S)}
-MPIRUN=${MPIRUN:-$root/.venv/bin/mpirun}
 PYTHON=${PYTHON:-$root/.venv/bin/python}
 
 # Paths given relative to where the script was started; the defaults are relative to the repository.
@@ -71,7 +71,6 @@ if [ -f setup/cluster.env ]; then
 fi
 read -r -a mpi_args <<<"${MPIRUN_ARGS:-}"
 mpi_args+=(--oversubscribe)
-[ "$(id -u)" != 0 ] || mpi_args+=(--allow-run-as-root)
 [ -z "$HOSTFILE" ] || mpi_args+=(--hostfile "$HOSTFILE")
 for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME; do
   [ -z "${!var:-}" ] || mpi_args+=(-x "$var")
@@ -107,10 +106,10 @@ done_runs=() failed=()
 for name in $RUNS; do
   engine_of "$name"
   mkdir -p "$OUT/$name"
-  echo "compare.sh: $name: $MPIRUN -np $NP ${mpi_args[*]} ./entry_cn.sh ${engine[*]} ..."
+  echo "compare.sh: $name: scripts/mpirun -np $NP ${mpi_args[*]} ./entry_cn.sh ${engine[*]} ..."
   train=(--model "$MODEL" --dataset "$DATASET" --steps "$STEPS" --log-interval "$LOG_INTERVAL"
          --eval-interval "$EVAL_INTERVAL" --monitor-interval "$MONITOR_INTERVAL" --no-save --log-dir "$OUT/$name")
-  if "$MPIRUN" -np "$NP" "${mpi_args[@]}" ./entry_cn.sh "${engine[@]}" "${train[@]}" "$@" \
+  if scripts/mpirun -np "$NP" "${mpi_args[@]}" ./entry_cn.sh "${engine[@]}" "${train[@]}" "$@" \
       </dev/null >"$OUT/$name/output.log" 2>&1; then
     tail -n 1 "$OUT/$name/output.log"
     [ -z "$HOSTFILE" ] || gather "$OUT/$name"

@@ -16,8 +16,8 @@ Each launch must show all NP ranks; a launch that takes longer than MPI_TIMEOUT 
 setup/cluster.env (IFACE) is sourced first, as entry_cn.sh does.
 
 Environment: HOSTFILE (default setup/hosts.txt), NP (default: all slots of the hostfile),
-MPIRUN (default .venv/bin/mpirun), MPIRUN_ARGS (extra mpirun arguments, split on spaces, e.g.
-"--oversubscribe"), MPI_TIMEOUT (seconds per launch, default 120), SSH_TIMEOUT, HOST_TIMEOUT.
+MPIRUN (the mpirun that scripts/mpirun runs, default .venv/bin/mpirun), MPIRUN_ARGS (extra mpirun
+arguments, split on spaces, e.g. "--oversubscribe"), MPI_TIMEOUT (seconds per launch, default 120), SSH_TIMEOUT, HOST_TIMEOUT.
 USAGE
 }
 # shellcheck source=setup/common.sh
@@ -26,7 +26,6 @@ hostfile_opening "$@"
 HOSTFILE=$(realpath "$HOSTFILE")
 cd "$ROOT"
 source_cluster_env
-MPIRUN=${MPIRUN:-$ROOT/.venv/bin/mpirun}
 MPI_TIMEOUT=${MPI_TIMEOUT:-120}
 NP=${NP:-$(sum_slots "$HOSTFILE")}
 read -r -a extra <<<"${MPIRUN_ARGS:-}"
@@ -47,7 +46,7 @@ launch() {
   local name=$1 pattern=$2 rc=0 missing
   shift 2
   echo "$PROG: $name: mpirun -np $NP --hostfile $HOSTFILE ${extra[*]} $*"
-  timeout -k 10 "$MPI_TIMEOUT" "$MPIRUN" -np "$NP" --hostfile "$HOSTFILE" "${extra[@]}" "$@" \
+  timeout -k 10 "$MPI_TIMEOUT" "$ROOT/scripts/mpirun" -np "$NP" --hostfile "$HOSTFILE" "${extra[@]}" "$@" \
     </dev/null 2>&1 | tee "$tmp/$name.log" || rc=$?
   [ "$rc" != 124 ] || die "$name: mpirun did not finish within ${MPI_TIMEOUT}s"
   missing=$(for ((r = 0; r < NP; r++)); do

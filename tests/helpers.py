@@ -18,9 +18,7 @@ import pytest
 from vit.dist_env import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-MPIRUN = [str(Path(sys.executable).parent / "mpirun"), "--oversubscribe"]
-if os.geteuid() == 0:
-    MPIRUN.append("--allow-run-as-root")
+MPIRUN = [str(ROOT / "scripts" / "mpirun"), "--oversubscribe"]
 
 
 # Set per test by conftest.py: True under @pytest.mark.ranks, False without, None outside a test.

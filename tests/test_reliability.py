@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import ROOT, Ranks, base_env, last_step, launch, run_cmd, train_losses, wait_for
+from helpers import MPIRUN, ROOT, Ranks, base_env, last_step, launch, run_cmd, train_losses, wait_for
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
@@ -185,10 +185,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, small_di
 
 @pytest.mark.timeout(600)
 def test_retry_wrapper_relaunches_from_last_checkpoint(tmp_path):
-    mpirun = [str(Path(sys.executable).parent / "mpirun"), "--oversubscribe"]
-    if os.geteuid() == 0:
-        mpirun.append("--allow-run-as-root")
-    cmd = [str(ROOT / "scripts" / "retry.sh"), "-n", "2", "--", *mpirun, "-np", "2", "./entry_cn.sh",
+    cmd = [str(ROOT / "scripts" / "retry.sh"), "-n", "2", "--", *MPIRUN, "-np", "2", "./entry_cn.sh",
            "--steps", "30", "--log-interval", "1", "--save-interval", "5", "--log-dir", str(tmp_path)]
     out = open(tmp_path / "retry.log", "w+")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT,

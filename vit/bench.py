@@ -184,8 +184,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def mpirun_train(train: list, ranks: int, log_dir: Path, timeout: float, mpirun_args: str = "") -> int | str:
     """`mpirun -np ranks ./entry_cn.sh TRAIN...`, its output in LOG_DIR/output.log; the exit code, or why it
     was killed."""
-    mpirun = [str(Path(sys.executable).parent / "mpirun"), "-np", str(ranks), "--oversubscribe",
-              *(["--allow-run-as-root"] if os.geteuid() == 0 else []), *shlex.split(mpirun_args)]
+    mpirun = [str(ROOT / "scripts" / "mpirun"), "-np", str(ranks), "--oversubscribe", *shlex.split(mpirun_args)]
     with open(log_dir / "output.log", "w") as out:
         p = subprocess.Popen([*mpirun, str(ROOT / "entry_cn.sh"), *map(str, train)], cwd=ROOT, stdout=out,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -48,9 +48,9 @@ def balanced_split(cost: list[float], static: list[float], act: list[float], spe
     return StagePlan(parts, [t for t, _ in stats], [m for _, m in stats])
 
 
-def pipeline_inflight(stages: int, micro_batches: int) -> list[int]:
+def pipeline_inflight(stages: int, grad_accum: int) -> list[int]:
     """Micro-batches whose activations stage s holds at once under DeepSpeed's 1F1B schedule."""
-    return [max(1, min(stages - s, micro_batches)) for s in range(stages)]
+    return [max(1, min(stages - s, grad_accum)) for s in range(stages)]
 
 
 def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int,

@@ -1,0 +1,164 @@
+"""What a run may and may not do to the folders it is given, with real processes: a resume never trains over a
+checkpoint, a finished run stays finished, two runs never share a folder, output folders are checked before any
+process group starts, and a --data-path is never ignored."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import Ranks, base_env, last_step, launch, run_cmd, wait_for
+
+pytestmark = pytest.mark.ranks  # every test here starts processes
+
+
+def tree_digest(folder: Path) -> dict:
+    """Every file under folder with its sha256: what "touching nothing" is checked against."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def one_process(args, **env) -> subprocess.CompletedProcess:
+    """vit.train as a single process; with WORLD_SIZE in env, as one rank of a bigger job that never starts
+    (every check here happens before the process group)."""
+    extra = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", **env} if env else {}
+    return run_cmd([sys.executable, "-m", "vit.train", *map(str, args)], env=base_env(**extra), timeout=150)
+
+
+def last_line(r) -> str:
+    return r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished ZeRO-2 run on 2 ranks: checkpoints at steps 5 and 10, its summary."""
+    d = tmp_path_factory.mktemp("finished")
+    r = launch(["--steps", 10, "--save-interval", 5, "--log-interval", 5, "--monitor-interval", 0, "--log-dir", d],
+               timeout=300)
+    assert r.ok, r
+    return d
+
+
+@pytest.mark.timeout(400)
+def test_resume_at_or_before_the_newest_checkpoint_is_refused_and_touches_nothing(finished_run):
+    before = tree_digest(finished_run)
+    r = launch(["--steps", 5, "--resume", "--log-dir", finished_run], timeout=200)
+    assert r.returncode == [2, 2], r
+    assert "checkpoint" in r.outputs[0] and "step10 is already at step 10, and this run ends at step 5" in r.outputs[0]
+    assert tree_digest(finished_run) == before
+
+
+@pytest.mark.timeout(400)
+def test_a_finished_run_resumed_is_complete_and_untouched(finished_run):
+    before = tree_digest(finished_run)
+    r = launch(["--steps", 10, "--resume", "--log-dir", finished_run], timeout=200)
+    assert r.ok, r
+    assert "the run is complete" in r.outputs[0] and "nothing to do" in r.outputs[0], r
+    assert tree_digest(finished_run) == before
+
+
+@pytest.mark.timeout(200)
+def test_resume_from_an_older_checkpoint_into_the_same_folder_is_refused(finished_run):
+    before = tree_digest(finished_run)
+    r = one_process(["--steps", 20, "--resume", finished_run / "checkpoints" / "step5", "--log-dir", finished_run],
+                    WORLD_SIZE="2")
+    assert r.returncode == 2 and "also holds newer checkpoints (step10) that this run would overwrite" in last_line(r)
+    assert tree_digest(finished_run) == before
+
+
+@pytest.mark.timeout(400)
+def test_ddp_resume_on_fewer_ranks_keeps_the_global_batch_or_is_refused(tmp_path):
+    r = launch(["--engine", "ddp", "--steps", 4, "--save-interval", 4, "--monitor-interval", 0, "--log-dir",
+                tmp_path / "a"], timeout=200)
+    assert r.ok, r
+    args = ["--engine", "ddp", "--steps", 8, "--resume", tmp_path / "a" / "checkpoints", "--log-dir", tmp_path / "b"]
+    r = one_process(args)
+    assert r.returncode == 2, r.stderr
+    assert ("was trained with global batch 64, this run's is 32 (global batch 32 = micro-batch 32 x grad accum 1 x "
+            "data-parallel 1); pass --grad-accum 2 to keep it") in last_line(r)
+    assert not (tmp_path / "b").exists()
+    r = one_process([*args, "--grad-accum", 2])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from step4" in r.stdout
+
+
+@pytest.mark.timeout(400)
+def test_a_second_run_in_the_same_folder_is_refused_naming_the_first(tmp_path):
+    first = Ranks(["--steps", 100000, "--log-interval", 1, "--no-save", "--monitor-interval", 0, "--log-dir", tmp_path])
+    try:
+        wait_for(lambda: last_step(tmp_path, 0) >= 1, 200, "the first run's first step")
+        before = (tmp_path / "metrics_rank0.jsonl").stat().st_size
+        r = one_process(["--steps", 2, "--no-save", "--log-dir", tmp_path])
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"--log-dir {tmp_path} is in use by another run (pid {first.procs[0].pid} on " in last_line(r), r.stderr
+        assert json.loads((tmp_path / "config.json").read_text())["world_size"] == 2  # still the first run's
+    finally:
+        for p in first.procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+    assert (tmp_path / "metrics_rank0.jsonl").stat().st_size >= before
+    # A kill releases the lock: the folder can be used again.
+    r = one_process(["--steps", 1, "--no-save", "--monitor-interval", 0, "--log-dir", tmp_path])
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A real read-only file system (a tmpfs mounted read-only): needs root."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode:
+        pytest.skip("needs root and tmpfs mounts for a read-only file system")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.timeout(300)
+def test_output_folders_are_checked_before_anything_starts(tmp_path, read_only_dir):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    cases = [
+        (["--log-dir", a_file], f"--log-dir {a_file} is a file, not a folder"),
+        (["--log-dir", a_file / "run"], f"--log-dir {a_file / 'run'}: {a_file} is a file, not a folder"),
+        (["--log-dir", read_only_dir / "run"], f"{read_only_dir} is on a read-only file system"),
+        (["--log-dir", tmp_path / "run", "--save-dir", read_only_dir / "ckpt"],
+         f"--save-dir {read_only_dir / 'ckpt'}: {read_only_dir} is on a read-only file system"),
+    ]
+    for args, message in cases:
+        r = one_process(["--steps", 2, *args], WORLD_SIZE="2")
+        assert r.returncode == 2 and message in last_line(r) and "Traceback" not in r.stderr, (args, r.stderr)
+    assert not (tmp_path / "run").exists()
+
+
+def write_images(root: Path, splits: dict[str, int], classes=("cat", "dog")) -> None:
+    from PIL import Image
+
+    for split, n in splits.items():
+        for c, cls in enumerate(classes):
+            (root / split / cls).mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                Image.new("RGB", (12, 10), (40 * c + 5 * i, 90, 200 - 60 * c)).save(root / split / cls / f"{i}.png")
+
+
+@pytest.mark.timeout(300)
+def test_data_path_is_used_or_refused_never_ignored(tmp_path):
+    images = tmp_path / "images"
+    write_images(images, {"train": 8, "val": 2})
+    r = one_process(["--data-path", images, "--dataset", "digits", "--log-dir", tmp_path / "x"], WORLD_SIZE="2")
+    assert r.returncode == 2 and "--dataset digits reads no files" in last_line(r)
+    r = one_process(["--data-path", images, "--img-size", 8, "--steps", 1, "--micro-batch-size", 4, "--no-save",
+                     "--monitor-interval", 0, "--log-dir", tmp_path / "run"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"--data-path {images} holds imagefolder: training on it (--dataset imagefolder)" in r.stdout
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["args"]["dataset"] == "imagefolder"
+    empty = tmp_path / "empty"
+    for split in ("train", "val"):
+        (empty / split / "cat").mkdir(parents=True)
+    r = one_process(["--dataset", "imagefolder", "--data-path", empty, "--log-dir", tmp_path / "y"], WORLD_SIZE="2")
+    assert r.returncode == 2 and last_line(r).startswith("entry_cn.sh: error: imagefolder: "), r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
