@@ -46,7 +46,7 @@ def finished_run(tmp_path_factory):
 def test_resume_at_or_before_the_newest_checkpoint_is_refused_and_touches_nothing(finished_run):
     before = tree_digest(finished_run)
     r = launch(["--steps", 5, "--resume", "--log-dir", finished_run], timeout=200)
-    assert r.returncode == [2, 2], r
+    assert r.returncodes == [2, 2], r
     assert "checkpoint" in r.outputs[0] and "step10 is already at step 10, and this run ends at step 5" in r.outputs[0]
     assert tree_digest(finished_run) == before
 
