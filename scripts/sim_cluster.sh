@@ -14,7 +14,8 @@ Usage: scripts/sim_cluster.sh up N [--link RATE] | link RATE|off | down | status
                the CPU copies, many Gbit/s). Only the rate: this kernel has no netem for delay.
   link RATE    reshapes every host's link of the running cluster to RATE; link off unshapes them
   down         removes everything: processes in the namespaces, namespaces, links, state dir
-  status       one line per host: its link rate, bytes sent and received; exits 1 when a host or its sshd is not running
+  status       one line per host: its link rate, bytes sent and received; exits 1 when a host or
+               its sshd is not running
   exec I CMD   runs CMD as host cnI (its network, hostname, /etc/hosts and home), from $PWD
   stop-sshd I  stops host cnI's sshd: logins to it are refused at once; start-sshd I undoes it
   unplug I     takes host cnI off the network: nothing reaches it, connections time out;
@@ -22,8 +23,8 @@ Usage: scripts/sim_cluster.sh up N [--link RATE] | link RATE|off | down | status
 
 Layout: a switch namespace holds a bridge; each host namespace has eth0 = SUBNET.(10+I)/24 wired
 to it (port cnI in the switch). With --link, a token bucket (tc tbf) on eth0 shapes what the host
-sends and one on its switch port what it receives. The root namespace gets no address and no host gets a default route, so no traffic leaves
-the simulated network. Commands run as a host with `exec`: the tests drive the cluster from cn0,
+sends and one on its switch port what it receives. The root namespace gets no address and no host
+gets a default route, so no traffic leaves the simulated network. Commands run as a host with `exec`: the tests drive the cluster from cn0,
 as a person would from the first machine of a real cluster.
 Each host sees its own passwd entry for root whose home is STATE/cnI/home, so ssh, sshd and
 ssh-copy-id use that home's .ssh and never the real one. The filesystem is otherwise shared, so
