@@ -24,8 +24,9 @@ Usage: scripts/sim_cluster.sh up N [--link RATE] | link RATE|off | down | status
 Layout: a switch namespace holds a bridge; each host namespace has eth0 = SUBNET.(10+I)/24 wired
 to it (port cnI in the switch). With --link, a token bucket (tc tbf) on eth0 shapes what the host
 sends and one on its switch port what it receives. The root namespace gets no address and no host
-gets a default route, so no traffic leaves the simulated network. Commands run as a host with `exec`: the tests drive the cluster from cn0,
-as a person would from the first machine of a real cluster.
+gets a default route, so no traffic leaves the simulated network. Commands run as a host with
+`exec`: the tests drive the cluster from cn0, as a person would from the first machine of a real
+cluster.
 Each host sees its own passwd entry for root whose home is STATE/cnI/home, so ssh, sshd and
 ssh-copy-id use that home's .ssh and never the real one. The filesystem is otherwise shared, so
 the project (and its .venv) is at the same path on every host, as the real setup requires.
