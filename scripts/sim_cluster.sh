@@ -5,21 +5,28 @@ set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-Usage: scripts/sim_cluster.sh up N | down | status | exec I [--] CMD...
+Usage: scripts/sim_cluster.sh up N [--link RATE] | link RATE|off | down | status | exec I [--] CMD...
                              | stop-sshd I | start-sshd I | unplug I | plug I
 
   up N         (re)creates N hosts cn0..cn{N-1}; prints the hostfile and bootstrap key to use
+  --link RATE  shapes every host's link to RATE in each direction, like a switch port (tc's rate
+               syntax: 1gbit, 100mbit, 2.5gbit, 125mbps = bytes/s); default: unshaped (as fast as
+               the CPU copies, many Gbit/s). Only the rate: this kernel has no netem for delay.
+  link RATE    reshapes every host's link of the running cluster to RATE; link off unshapes them
   down         removes everything: processes in the namespaces, namespaces, links, state dir
-  status       one line per host; exits 1 when a host or its sshd is not running
+  status       one line per host: its link rate, bytes sent and received; exits 1 when a host or
+               its sshd is not running
   exec I CMD   runs CMD as host cnI (its network, hostname, /etc/hosts and home), from $PWD
   stop-sshd I  stops host cnI's sshd: logins to it are refused at once; start-sshd I undoes it
   unplug I     takes host cnI off the network: nothing reaches it, connections time out;
                plug I undoes it
 
 Layout: a switch namespace holds a bridge; each host namespace has eth0 = SUBNET.(10+I)/24 wired
-to it. The root namespace gets no address and no host gets a default route, so no traffic leaves
-the simulated network. Commands run as a host with `exec`: the tests drive the cluster from cn0,
-as a person would from the first machine of a real cluster.
+to it (port cnI in the switch). With --link, a token bucket (tc tbf) on eth0 shapes what the host
+sends and one on its switch port what it receives. The root namespace gets no address and no host
+gets a default route, so no traffic leaves the simulated network. Commands run as a host with
+`exec`: the tests drive the cluster from cn0, as a person would from the first machine of a real
+cluster.
 Each host sees its own passwd entry for root whose home is STATE/cnI/home, so ssh, sshd and
 ssh-copy-id use that home's .ssh and never the real one. The filesystem is otherwise shared, so
 the project (and its .venv) is at the same path on every host, as the real setup requires.
@@ -37,6 +44,7 @@ SIM_SUBNET=${SIM_SUBNET:-10.250.77}
 SWITCH_NS="$SIM_PREFIX-sw"
 
 die() { echo "sim_cluster.sh: $*" >&2; exit 1; }
+usage_error() { echo "sim_cluster.sh: $*" >&2; exit 2; }
 
 host_ns() { echo "$SIM_PREFIX-cn$1"; }
 host_addr() { echo "$SIM_SUBNET.$((10 + $1))"; }
@@ -50,10 +58,57 @@ check_host() {
   kill -0 "$(holder_pid "$1")" 2>/dev/null || die "host cn$1 is not running (run: up N)"
 }
 
+# Bits per second of a tc rate (1gbit, 100mbit, 2.5gbit, 1gibit, 125mbps = bytes/s); empty if not one.
+rate_bits() {
+  local re='^([0-9]+(\.[0-9]+)?)(k|m|g|t|ki|mi|gi|ti)?(bit|bps)$'
+  [[ "${1,,}" =~ $re ]] || return 0
+  awk -v n="${BASH_REMATCH[1]}" -v p="${BASH_REMATCH[3]}" -v u="${BASH_REMATCH[4]}" 'BEGIN {
+    split("k m g t", si); for (i = 1; i <= 4; i++) { mult[si[i]] = 1000 ^ i; mult[si[i] "i"] = 1024 ^ i }
+    bits = n * (p == "" ? 1 : mult[p]) * (u == "bps" ? 8 : 1)
+    if (bits >= 1) printf "%.0f\n", bits }'
+}
+
+checked_rate() {
+  local bits
+  bits=$(rate_bits "$1")
+  [ -n "$bits" ] || usage_error "--link: '$1' is not a rate (e.g. 1gbit, 100mbit, 2.5gbit; tc's syntax)"
+  echo "$bits"
+}
+
+# One direction of a host's link: a token bucket on DEV, the egress of NS. tbf sends RATE on average,
+# lets BURST bytes through at once after an idle moment, and drops what would wait longer than
+# LATENCY, as a switch drops what its port buffer cannot hold. Measured with one TCP stream at 1gbit
+# (goodput tops out at 957 Mbit/s: 1448 payload bytes in each 1514-byte frame that tbf counts):
+# - burst: 2 ms at the rate, at least 64 KiB. tbf waits for tokens on a timer; a bucket that holds
+#   less than a timer's slack lets the link idle (1600 bytes: 314 Mbit/s; 10 kB: 601; 64 KiB: 942;
+#   125 kB or more: 955-958). A veth also hands tbf GSO packets of up to 64 KiB, which a smaller
+#   bucket must cut into MTU frames, and this 2-core machine has no CPU to spare for that.
+# - latency: 10 ms of queue (1.25 MB at 1 Gbit/s, a switch port's buffer). The wire has no delay, so
+#   a stream's window sits in this queue; it must not run dry when TCP halves its window after a
+#   drop (200 us of queue with a 64 KiB bucket: 608 Mbit/s; 1 ms: 828; 20 ms: 942).
+shape() {
+  local ns=$1 dev=$2 bits=$3 burst
+  burst=$((bits / 8 / 500))
+  [ "$burst" -ge 65536 ] || burst=65536
+  tc -n "$ns" qdisc replace dev "$dev" root tbf rate "${bits}bit" burst "$burst" latency 10ms
+}
+
+# "SENT RECEIVED": bytes through eth0 of host NS since it came up, Ethernet headers included.
+link_bytes() {
+  ip -n "$1" -s link show dev eth0 | awk '$1 == "RX:" { getline; rx = $1 } $1 == "TX:" { getline; tx = $1 }
+    END { print tx, rx }'
+}
+
+# The rate in force on DEV of NS, as tc prints it (1Gbit), or "unshaped".
+link_rate() {
+  tc -n "$1" qdisc show dev "$2" 2>/dev/null | awk '$2 == "tbf" { for (i = 1; i < NF; i++) if ($i == "rate") r = $(i + 1) }
+    END { print (r == "" ? "unshaped" : r) }'
+}
+
 preflight() {
   [ "$(id -u)" = 0 ] || die "needs root (network namespaces)"
   local tool
-  for tool in ip unshare nsenter ssh-keygen /usr/sbin/sshd; do
+  for tool in ip tc unshare nsenter ssh-keygen /usr/sbin/sshd; do
     command -v "$tool" >/dev/null || die "missing $tool (apt-get install iproute2 util-linux openssh-server)"
   done
 }
@@ -85,8 +140,9 @@ start_sshd() {
 }
 
 up() {
-  local n=$1 i
-  [[ "$n" =~ ^[1-9][0-9]?$ ]] || die "up needs a host count 1..99, got '$n'"
+  local n=$1 link=$2 bits="" i
+  [[ "$n" =~ ^[1-9][0-9]?$ ]] || usage_error "up needs a host count 1..99, got '$n'"
+  [ -z "$link" ] || bits=$(checked_rate "$link")
   preflight
   down >/dev/null
   mkdir -p "$SIM_DIR"
@@ -136,6 +192,10 @@ EOF
     ip -n "$ns" addr add "$(host_addr "$i")/24" dev eth0
     ip -n "$ns" link set eth0 up
     ip -n "$ns" link set lo up
+    if [ -n "$bits" ]; then
+      shape "$ns" eth0 "$bits"             # what cnI sends
+      shape "$SWITCH_NS" "cn$i" "$bits"    # what cnI receives
+    fi
     setsid ip netns exec "$ns" unshare --uts --mount --propagation private \
       bash -c "$HOLDER" holder "cn$i" "$dir" "$SIM_DIR" </dev/null >"$dir/holder.log" 2>&1 &
   done
@@ -174,7 +234,7 @@ down() {
 }
 
 status() {
-  local n i pid bad=0 sshd
+  local n i pid bad=0 sshd out in link sent received
   n=$(num_hosts)
   [ "$n" -gt 0 ] || { echo "sim_cluster.sh: no simulated cluster in $SIM_DIR"; return 1; }
   for ((i = 0; i < n; i++)); do
@@ -186,14 +246,31 @@ status() {
     pid=$(cat "$SIM_DIR/cn$i/sshd.pid" 2>/dev/null || true)
     [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && sshd=up
     [ "$sshd" = up ] || bad=1
-    echo "cn$i $(host_addr "$i") host up, sshd $sshd"
+    out=$(link_rate "$(host_ns "$i")" eth0)
+    in=$(link_rate "$SWITCH_NS" "cn$i")
+    [ "$out $in" = "unshaped unshaped" ] && link=unshaped || link="$out out, $in in"
+    read -r sent received < <(link_bytes "$(host_ns "$i")")
+    echo "cn$i $(host_addr "$i") host up, sshd $sshd, link $link, bytes sent $sent received $received"
   done
   return "$bad"
 }
 
 case "${1:-}" in
   -h|--help) usage ;;
-  up) [ $# -eq 2 ] || die "usage: up N"; up "$2" ;;
+  up)
+    shift
+    n="" link=""
+    while [ $# -gt 0 ]; do
+      case "$1" in
+        --link) [ $# -ge 2 ] || usage_error "--link needs a rate (e.g. 1gbit)"; link=$2; shift 2 ;;
+        --link=*) link=${1#--link=}; shift ;;
+        -*) usage_error "up: unknown option '$1' (see --help)" ;;
+        *) [ -z "$n" ] || usage_error "usage: up N [--link RATE]"; n=$1; shift ;;
+      esac
+    done
+    [ -n "$n" ] || usage_error "usage: up N [--link RATE]"
+    up "$n" "$link"
+    ;;
   down) preflight; down ;;
   status) status ;;
   exec)
@@ -202,6 +279,22 @@ case "${1:-}" in
     [ "$1" != -- ] || shift
     check_host "$i"
     exec nsenter -t "$(holder_pid "$i")" -n -u -m --wd="$PWD" env HOME="$SIM_DIR/cn$i/home" "$@"
+    ;;
+  link)
+    [ $# -eq 2 ] || usage_error "usage: link RATE|off"
+    [ "$2" = off ] || bits=$(checked_rate "$2")
+    preflight
+    for ((i = 0; i < $(num_hosts); i++)); do
+      check_host "$i"
+      if [ "$2" = off ]; then
+        tc -n "$(host_ns "$i")" qdisc del dev eth0 root 2>/dev/null || true
+        tc -n "$SWITCH_NS" qdisc del dev "cn$i" root 2>/dev/null || true
+      else
+        shape "$(host_ns "$i")" eth0 "$bits"
+        shape "$SWITCH_NS" "cn$i" "$bits"
+      fi
+    done
+    status
     ;;
   stop-sshd|start-sshd|unplug|plug)
     [ $# -eq 2 ] || die "usage: $1 I"

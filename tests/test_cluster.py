@@ -1,6 +1,7 @@
-"""The cluster tools on three simulated hosts (scripts/sim_cluster.sh): network namespaces with their
-own address, hostname, home and sshd, driven from host cn0 as a person drives a real cluster from
-its first machine. Needs root, network namespaces and sshd (apt-get install openssh-server)."""
+"""The cluster tools on five simulated hosts (scripts/sim_cluster.sh), like five workstations on 1 GbE:
+network namespaces with their own address, hostname, home and sshd, each host's link shaped to 1 Gbit/s
+in each direction, driven from host cn0 as a person drives a real cluster from its first machine.
+Needs root, network namespaces, tc and sshd (apt-get install iproute2 openssh-server)."""
 import importlib.metadata
 import json
 import os
@@ -9,16 +10,24 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+from helpers import last_step, read_jsonl, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SIM = str(ROOT / "scripts" / "sim_cluster.sh")
-HOSTS = ["cn0", "cn1", "cn2"]
-STEPS = 30
+SUBNET = "10.250.77"  # sim_cluster.sh's default: the only addresses these tests send to
+HOSTS = [f"cn{i}" for i in range(5)]
+LINK, LINK_MBIT = "1gbit", 1000
+STEPS = 12
+# Five ranks share this machine's two cores: one thread each, small batches, no GPU monitor.
+TRAIN = "--micro-batch-size 4 --monitor-interval 0 --log-interval 1"
+MPIRUN = ". setup/cluster.env && exec scripts/mpirun -x TORCH_EXTENSIONS_DIR -x IFACE -x OMP_NUM_THREADS"
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ranks]
 
@@ -35,7 +44,7 @@ esac
 def skip_reason():
     if os.geteuid() != 0:
         return "needs root to create network namespaces"
-    for tool in ("ip", "unshare", "nsenter", "ssh", "ssh-copy-id", "ssh-agent"):
+    for tool in ("ip", "tc", "unshare", "nsenter", "ssh", "ssh-copy-id", "ssh-agent"):
         if not shutil.which(tool):
             return f"needs {tool} (apt-get install iproute2 util-linux openssh-client)"
     if not os.path.exists("/usr/sbin/sshd"):
@@ -88,13 +97,11 @@ class Cluster:
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("SSH_", "OMPI_", "PRTE_", "PMIX_", "MASTER_", "GLOO_", "NCCL_"))
                     and k not in ("IFACE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "HOSTFILE", "VIRTUAL_ENV")}
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
         self.env.update(
-            SIM_DIR=str(state_dir), SIM_PREFIX="vitsimtest", PYTHONUNBUFFERED="1",
-            OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-            # The hosts share this machine's build of DeepSpeed's CPU op, as hosts sharing a home
-            # would; each building its own costs ~80 s of CPU per host.
-            TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(cache, "torch_extensions"))
+            SIM_DIR=str(state_dir), SIM_PREFIX="vitsimtest", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+            # The hosts share the build of DeepSpeed's CPU op in .venv, as vit.train has it and hosts sharing
+            # the project's folder would; each building its own costs ~80 s of CPU per host.
+            TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions"))
 
     def sim(self, *args, timeout=60, check=True) -> Result:
         return run([SIM, *args], self.env, timeout, check)
@@ -102,6 +109,15 @@ class Cluster:
     def on(self, host: int, script: str, timeout: float, check=True, **env) -> Result:
         """Run a bash script as simulated host cn{host}, in this checkout."""
         return run([SIM, "exec", str(host), "--", "bash", "-c", script], {**self.env, **env}, timeout, check)
+
+    def host_of(self, pid: int) -> str | None:
+        """The simulated host that process pid runs as: the one whose network namespace it is in."""
+        net = os.readlink(f"/proc/{pid}/ns/net")
+        for i in range(len(HOSTS)):
+            holder = (self.dir / f"cn{i}" / "holder.pid").read_text().strip()
+            if os.readlink(f"/proc/{holder}/ns/net") == net:
+                return f"cn{i}"
+        return None
 
     def authorized_keys(self, host: int) -> list[str]:
         return (self.dir / f"cn{host}" / "home" / ".ssh" / "authorized_keys").read_text().splitlines()
@@ -120,7 +136,7 @@ def cluster(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("cluster") / "sim")
     c.real_ssh_before = real_ssh_dir_snapshot()
     try:
-        c.sim("up", str(len(HOSTS)))
+        c.sim("up", str(len(HOSTS)), "--link", LINK)
         # The bootstrap key in an agent stands in for the password each host would ask once.
         c.first_setup = c.on(0, 'eval "$(ssh-agent -s)" >/dev/null && trap "ssh-agent -k >/dev/null" EXIT && '
                                 'ssh-add -q "$SIM_DIR/bootstrap_key" && setup/setup_ssh.sh "$SIM_DIR/hostfile"',
@@ -142,18 +158,18 @@ def two_gpus_on_cn1(cluster):
 @pytest.mark.timeout(240, method="signal")
 def test_setup_ssh_connects_every_pair_and_is_safe_to_rerun(cluster):
     assert cluster.first_setup.rc == 0, cluster.first_setup
-    assert "between all 9 host pairs" in cluster.first_setup.output
+    assert f"between all {len(HOSTS) ** 2} host pairs" in cluster.first_setup.output
     # From here on only the keys setup_ssh.sh installed may open a door.
     for i in range(len(HOSTS)):
         path = cluster.dir / f"cn{i}" / "home" / ".ssh" / "authorized_keys"
         path.write_text("".join(k + "\n" for k in cluster.authorized_keys(i) if "vit-sim-bootstrap" not in k))
     again = cluster.on(0, 'setup/setup_ssh.sh "$SIM_DIR/hostfile"', timeout=90)
-    assert "between all 9 host pairs" in again.output
+    assert f"between all {len(HOSTS) ** 2} host pairs" in again.output
     for i in range(len(HOSTS)):
         keys = cluster.authorized_keys(i)
         assert len(keys) == len(set(keys)) == len(HOSTS), keys  # one key per host, none twice
-    hop = cluster.on(1, "ssh -o BatchMode=yes cn2 hostname", timeout=30)
-    assert hop.output.strip().splitlines()[-1] == "cn2"
+    hop = cluster.on(1, "ssh -o BatchMode=yes cn4 hostname", timeout=30)
+    assert hop.output.strip().splitlines()[-1] == "cn4"
     assert real_ssh_dir_snapshot() == cluster.real_ssh_before, "the real ~/.ssh was touched"
 
 
@@ -165,14 +181,14 @@ def test_make_hostfile_counts_gpus_and_replaces_the_file_whole(cluster, two_gpus
     for _ in range(2):  # the second run rewrites the same file
         cluster.on(0, f"setup/make_hostfile.sh --out {out}", timeout=60, HOSTFILE=str(cluster.hostfile))
         lines = [line for line in out.read_text().splitlines() if not line.startswith("#")]
-        assert lines == ["cn0 slots=1", "cn1 slots=2", "cn2 slots=1"]
+        assert lines == [f"{h} slots={2 if h == 'cn1' else 1}" for h in HOSTS]
     assert os.listdir(out.parent) == ["hosts.txt"]  # no temporary file left behind
 
 
 @pytest.mark.timeout(120, method="signal")
 def test_cn_connection_table_and_version_mismatch(cluster, two_gpus_on_cn1):
     r = cluster.on(0, 'setup/test_cn_connection.sh "$SIM_DIR/hostfile"', timeout=30)
-    rows = {line.split()[0]: line for line in r.output.splitlines() if line.split()[:1] in (["cn0"], ["cn1"], ["cn2"])}
+    rows = {line.split()[0]: line for line in r.output.splitlines() if line.split()[:1] in [[h] for h in HOSTS]}
     assert sorted(rows) == HOSTS, r
     for host, row in rows.items():
         assert row.split()[1] == host
@@ -199,13 +215,15 @@ def test_cn_connection_table_and_version_mismatch(cluster, two_gpus_on_cn1):
 @pytest.mark.timeout(300, method="signal")
 def test_mpi_hello_mpi4py_and_gloo_across_hosts(cluster):
     r = cluster.on(0, 'setup/test_mpi.sh "$SIM_DIR/hostfile"', timeout=240, IFACE="eth0")
-    assert "test_mpi.sh: ok: 3 ranks on cn0 cn1 cn2" in r.output, r
+    n = len(HOSTS)
+    assert f"test_mpi.sh: ok: {n} ranks on {' '.join(HOSTS)}" in r.output, r
     for rank, host in enumerate(HOSTS):
-        assert f"hello from rank {rank} of 3 on {host}" in r.output
-        assert f"rank {rank} of 3 on {host}: mpi4py allreduce ok, gloo all_reduce ok" in r.output
+        assert f"hello from rank {rank} of {n} on {host}" in r.output
+        assert f"rank {rank} of {n} on {host}: mpi4py allreduce ok, gloo all_reduce ok" in r.output
 
 
-MPIRUN_HELLO = '. setup/cluster.env && exec .venv/bin/mpirun -np 3 --hostfile "$SIM_DIR/hostfile" setup/hello_mpi'
+MPIRUN_HELLO = (f'. setup/cluster.env && exec scripts/mpirun -np {len(HOSTS)} --hostfile "$SIM_DIR/hostfile" '
+                'setup/hello_mpi')
 
 
 @pytest.mark.timeout(240, method="signal")
@@ -227,7 +245,7 @@ def test_unreachable_host_is_named_fast_and_mpirun_does_not_hang(cluster):
         assert r.duration_s < 10, r
         # cn0 and cn1 only: mpirun's ssh must give up on cn1 (cluster.env), not wait for TCP's 2 minutes.
         (cluster.dir / "hostfile-01").write_text("cn0 slots=1\ncn1 slots=1\n")
-        r = cluster.on(0, MPIRUN_HELLO.replace("-np 3", "-np 2").replace("/hostfile", "/hostfile-01"),
+        r = cluster.on(0, MPIRUN_HELLO.replace(f"-np {len(HOSTS)}", "-np 2").replace("/hostfile", "/hostfile-01"),
                        timeout=90, check=False)
         assert r.rc != 0 and "cn1" in r.output and r.duration_s < 25, r
     finally:
@@ -236,23 +254,156 @@ def test_unreachable_host_is_named_fast_and_mpirun_does_not_hang(cluster):
     cluster.on(0, 'setup/test_cn_connection.sh "$SIM_DIR/hostfile"', timeout=30)  # all back
 
 
+@pytest.mark.timeout(120, method="signal")
+def test_links_are_shaped_to_the_rate_in_both_directions(cluster):
+    status = cluster.sim("status").output
+    assert status.count("link 1Gbit out, 1Gbit in") == len(HOSTS), status
+    # One stream each way, then two streams into cn0 and two out of it: a host's link is the limit,
+    # whichever hosts are at the other end. Within 10% of the rate; TCP's headers take 4.4% of it.
+    for pairs in ([(0, 1)], [(1, 0)], [(1, 0), (2, 0)], [(0, 3), (0, 4)]):
+        mbit = transfer_mbit(cluster, pairs, nbytes=200_000_000 // len(pairs))
+        assert 0.9 * LINK_MBIT <= mbit <= 1.01 * LINK_MBIT, (pairs, mbit)
+
+
+@pytest.mark.timeout(120, method="signal")
+def test_link_rate_can_be_changed_and_a_bad_rate_is_one_line(cluster):
+    try:
+        for bad in ("fast", "1gbyte", "0mbit", "-5mbit"):
+            r = cluster.sim("link", bad, check=False)
+            assert r.rc == 2 and r.output.strip() == f"sim_cluster.sh: --link: '{bad}' is not a rate (e.g. 1gbit, " \
+                "100mbit, 2.5gbit; tc's syntax)", r
+        assert cluster.sim("status").output.count("link 1Gbit out, 1Gbit in") == len(HOSTS)  # untouched
+        r = cluster.sim("link", "100mbit")
+        assert r.output.count("link 100Mbit out, 100Mbit in") == len(HOSTS), r
+        assert 90 <= transfer_mbit(cluster, [(2, 3)], nbytes=15_000_000) <= 101
+        r = cluster.sim("link", "off")
+        assert r.output.count("link unshaped") == len(HOSTS), r
+    finally:
+        cluster.sim("link", LINK)
+    # up checks the rate before it touches anything: the running cluster stays.
+    r = cluster.sim("up", "2", "--link", "1gbps-ish", check=False)
+    assert r.rc == 2 and "'1gbps-ish' is not a rate" in r.output and len(r.output.strip().splitlines()) == 1, r
+    assert cluster.sim("status").output.count("host up, sshd up") == len(HOSTS)
+
+
+@pytest.mark.timeout(240, method="signal")
+def test_allreduce_benchmark_reads_busbw_against_the_link(cluster, tmp_path):
+    cmd = (f"{MPIRUN} -x GLOO_SOCKET_IFNAME -np {len(HOSTS)} --hostfile \"$SIM_DIR/hostfile\" .venv/bin/python -m "
+           f"vit.bench allreduce --min-bytes 4M --max-bytes 4M --iters 3 --warmup 1 --link-gbps 1 --out {tmp_path}")
+    r = cluster.on(0, cmd, timeout=180, IFACE="eth0")
+    result = json.loads((tmp_path / "allreduce.json").read_text())
+    assert result["placement"] == " ".join(f"{h}:1" for h in HOSTS) and result["link_gbps"] == 1, result
+    assert "busbw / link" in r.output, r
+    for way in ("torch", "mpi"):
+        busbw = result["rows"][0][way]["busbw_gbps"]
+        # With one rank per host, no all-reduce algorithm moves less than busbw's bytes through each
+        # host's link: busbw above the link's rate would mean the traffic bypassed the shaped links.
+        assert 0 < busbw * 8 <= 1.0, (way, busbw)
+
+
 @pytest.mark.timeout(420, method="signal")
 @pytest.mark.parametrize("engine_args", [
     ["--engine", "zero", "--ds-config", "deepspeed_configs/zero2.json"],
-    ["--engine", "pipeline", "--pipeline-stages", "3", "--ds-config", "deepspeed_configs/pipeline.json"],
-], ids=["zero2", "pipeline3"])
+    # vit_digits has 6 layers (embedding, 4 blocks, head): 5 stages of one or two layers
+    ["--engine", "pipeline", "--pipeline-stages", "5", "--ds-config", "deepspeed_configs/pipeline.json"],
+], ids=["zero2", "pipeline5"])
 def test_training_runs_one_rank_per_host(cluster, tmp_path, engine_args):
     hostfile = tmp_path / "hosts.txt"
     cluster.on(0, f"setup/make_hostfile.sh --out {hostfile} {' '.join(HOSTS)}", timeout=60)
     log_dir = tmp_path / "logs"
-    cmd = (f". setup/cluster.env && exec .venv/bin/mpirun -x TORCH_EXTENSIONS_DIR -x IFACE -np 3 --hostfile {hostfile} "
-           f"./entry_cn.sh {shlex.join(engine_args)} --steps {STEPS} --log-dir {log_dir}")
+    cmd = (f"{MPIRUN} -np {len(HOSTS)} --hostfile {hostfile} ./entry_cn.sh {shlex.join(engine_args)} {TRAIN} "
+           f"--steps {STEPS} --no-save --log-dir {log_dir}")
     r = cluster.on(0, cmd, timeout=360, IFACE="eth0")  # gloo over the simulated network only
     assert f"step {STEPS}/{STEPS}" in r.output, r
     for rank, host in enumerate(HOSTS):
-        records = [json.loads(line) for line in (log_dir / f"metrics_rank{rank}.jsonl").read_text().splitlines()]
+        records = read_jsonl(log_dir / f"metrics_rank{rank}.jsonl")
         assert records, f"rank {rank} wrote no metrics"
         assert {(rec["rank"], rec["host"]) for rec in records} == {(rank, host)}, records[:2]
-    steps = {rec["step"] for rec in map(json.loads, (log_dir / "metrics_rank0.jsonl").read_text().splitlines())
-             if rec["kind"] == "train"}
-    assert STEPS in steps
+    assert last_step(log_dir, 0) == STEPS
+
+
+@pytest.mark.timeout(600, method="signal")
+def test_killed_rank_on_one_host_ends_every_rank_and_retry_finishes_the_run(cluster, tmp_path):
+    log_dir, victim_host = tmp_path / "run", 3
+    cmd = (f"{MPIRUN.replace('exec ', 'exec scripts/retry.sh -n 1 -- ')} -np {len(HOSTS)} --hostfile "
+           f"\"$SIM_DIR/hostfile\" ./entry_cn.sh {TRAIN} --steps {STEPS} --save-interval 4 --log-dir {log_dir}")
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([SIM, "exec", "0", "--", "bash", "-c", cmd], cwd=ROOT,
+                                env={**cluster.env, "IFACE": "eth0"}, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for(lambda: (log_dir / "checkpoints" / "step4" / "manifest.json").is_file()
+                     and last_step(log_dir, victim_host) >= 6, 300, "a checkpoint at step 4 and cn3's rank past step 6")
+            ranks = [p for p in psutil.process_iter(["cmdline"])
+                     if "vit.train" in (p.info["cmdline"] or []) and str(log_dir) in p.info["cmdline"]]
+            hosts = {p.pid: cluster.host_of(p.pid) for p in ranks}
+            assert sorted(hosts.values()) == HOSTS, hosts
+            victim = next(p for p in ranks if hosts[p.pid] == f"cn{victim_host}")
+            victim.kill()  # SIGKILL: no exception, no goodbye, as when a machine's process is OOM-killed
+            killed_at = time.monotonic()
+            gone = wait_for(lambda: all(not alive(p) for p in ranks) and time.monotonic(), 60,
+                            "every rank of the first attempt to end")
+            assert gone - killed_at <= 30, f"the last rank ended {gone - killed_at:.1f} s after the kill"
+            assert proc.wait(timeout=420) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        out.seek(0)
+        log = out.read()
+    assert "attempt 2 of 2" in log and "--resume" in log and "resumed from step" in log, log[-4000:]
+    assert json.loads((log_dir / "summary.json").read_text())["steps"] == STEPS
+    assert last_step(log_dir, victim_host) == STEPS
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+TRANSFER = """
+import socket, sys, time
+role, addr, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if role == "recv":
+    server = socket.create_server((addr, port))
+    print("listening", flush=True)
+    conn, _ = server.accept()
+    got, first = 0, None
+    while chunk := conn.recv(1 << 20):
+        first = first or time.time()
+        got += len(chunk)
+    print(got, first, time.time(), flush=True)
+else:
+    conn = socket.create_connection((addr, port), timeout=30)
+    conn.sendall(bytes(n))
+    conn.shutdown(socket.SHUT_WR)
+    conn.recv(1)
+"""
+
+
+def transfer_mbit(cluster: Cluster, pairs: list[tuple[int, int]], nbytes: int) -> float:
+    """Send nbytes over TCP from host a to host b for every (a, b) in pairs, all at once; the Mbit/s that
+    the receivers saw together, from the first byte in to the last."""
+    receivers, senders = [], []
+    try:
+        for k, (_, b) in enumerate(pairs):
+            p = subprocess.Popen([SIM, "exec", str(b), "--", sys.executable, "-c", TRANSFER, "recv",
+                                  f"{SUBNET}.{10 + b}", str(5201 + k), "0"], env=cluster.env, stdout=subprocess.PIPE,
+                                 text=True)
+            receivers.append(p)
+            assert p.stdout.readline().strip() == "listening"
+        senders = [subprocess.Popen([SIM, "exec", str(a), "--", sys.executable, "-c", TRANSFER, "send",
+                                     f"{SUBNET}.{10 + b}", str(5201 + k), str(nbytes)], env=cluster.env)
+                   for k, (a, b) in enumerate(pairs)]
+        for p in senders:
+            assert p.wait(timeout=60) == 0
+        results = [[float(x) for x in p.communicate(timeout=10)[0].split()] for p in receivers]
+    finally:
+        for p in receivers + senders:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(got == nbytes for got, _, _ in results), results
+    first, last = min(r[1] for r in results), max(r[2] for r in results)
+    return sum(r[0] for r in results) * 8 / (last - first) / 1e6

@@ -381,14 +381,21 @@ def time_mpi(size: int, a) -> float:
 def allreduce_table(r: dict) -> str:
     ways = [w for w in ("torch", "mpi") if w in r["rows"][0]]
     names = {"torch": f"torch.distributed ({r['backend']})", "mpi": "MPI (mpi4py, host memory)"}
-    head = "| bytes |" + "".join(f" {names[w]} time us | algbw GB/s | busbw GB/s |" for w in ways)
+    link = r.get("link_gbps")
+    per_way = " time us | algbw GB/s | busbw GB/s |" + (" busbw / link |" if link else "")
+    head = "| bytes |" + "".join(f" {names[w]}{per_way}" for w in ways)
+    link_note = (f"; busbw / link = busbw x 8 / {link:g} Gbit/s (TCP over 1500-byte frames carries at most 0.94-0.96 "
+                 "of a link)" if link else "")
     lines = [f"all-reduce, float32 sum, {r['world_size']} ranks on {r['placement']}; algbw = bytes / time, "
-             f"busbw = algbw x 2(n-1)/n = algbw x {r['bus_factor']:.3f}; time = slowest rank's mean; load average "
-             f"{r['load_avg_before']} -> {r['load_avg_after']}", "", head,
-             "| ---: |" + " ---: | ---: | ---: |" * len(ways)]
+             f"busbw = algbw x 2(n-1)/n = algbw x {r['bus_factor']:.3f}{link_note}; time = slowest rank's mean; "
+             f"load average {r['load_avg_before']} -> {r['load_avg_after']}", "", head,
+             "| ---: |" + (" ---: |" * per_way.count("|")) * len(ways)]
     for row in r["rows"]:
-        cells = "".join(f" {1e6 * row[w]['time_s']:.1f} | {row[w]['algbw_gbps']:.3f} | {row[w]['busbw_gbps']:.3f} |"
-                        for w in ways)
+        cells = ""
+        for w in ways:
+            cells += f" {1e6 * row[w]['time_s']:.1f} | {row[w]['algbw_gbps']:.3f} | {row[w]['busbw_gbps']:.3f} |"
+            if link:
+                cells += f" {row[w]['busbw_gbps'] * 8 / link:.2f} |"
         lines.append(f"| {row['bytes']} |{cells}")
     return "\n".join(lines) + "\n"
 
@@ -398,7 +405,14 @@ def allreduce(a) -> int:
 
     from vit.dist_env import MPI_LAUNCHERS, device, discover, init_process_group, resolve_master
 
+    if a.link_gbps is not None and not a.link_gbps > 0:
+        print(f"vit.bench: --link-gbps must be a positive rate in Gbit/s, got {a.link_gbps}", file=sys.stderr)
+        return 2
     job = resolve_master(discover())
+    if a.no_torch and (a.no_mpi or job.launcher not in MPI_LAUNCHERS):
+        print("vit.bench: --no-torch leaves nothing to time without MPI (run under mpirun, without --no-mpi)",
+              file=sys.stderr)
+        return 2
     dev = device(job)
     max_bytes = a.max_bytes or (256 * 2**20 if dev.type == "cuda" else 64 * 2**20)
     sizes, size = [], a.min_bytes
@@ -417,7 +431,7 @@ def allreduce(a) -> int:
     before, rows = load_avg(), []
     for size in sizes:
         row = {"bytes": size}
-        timings = {"torch": time_torch(size, a, dev)}
+        timings = {} if a.no_torch else {"torch": time_torch(size, a, dev)}
         if use_mpi:
             timings["mpi"] = time_mpi(size, a)
         for way, t in timings.items():
@@ -429,8 +443,8 @@ def allreduce(a) -> int:
         if job.is_main:
             print(f"{size} bytes done", file=sys.stderr, flush=True)
     result = {"benchmark": "allreduce", "backend": backend, "world_size": world, "placement": placement,
-              "bus_factor": factor, "device": device_name(), "load_avg_before": before, "load_avg_after": load_avg(),
-              "rows": rows}
+              "bus_factor": factor, "link_gbps": a.link_gbps, "device": device_name(), "load_avg_before": before,
+              "load_avg_after": load_avg(), "rows": rows}
     if job.is_main:
         publish(a.out, "allreduce", result, allreduce_table(result))
     dist.barrier()
@@ -506,6 +520,10 @@ def main(argv=None) -> int:
                    "move more than 1 GiB)")
     r.add_argument("--warmup", type=int, default=5, help="untimed iterations per size")
     r.add_argument("--no-mpi", action="store_true", help="torch.distributed only")
+    r.add_argument("--no-torch", action="store_true", help="MPI only (torch.distributed still gathers the results): "
+                   "time each without the other's processes in the way, e.g. MPI's busy-polling on shared cores")
+    r.add_argument("--link-gbps", type=float, help="the rate of each host's link in Gbit/s (1 for 1 GbE): adds a "
+                   "busbw / link column, the share of the link that the all-reduce uses")
     r.add_argument("--timeout", type=float, default=300, help="seconds before a collective fails")
     r.add_argument("--out", help="folder for allreduce.md and allreduce.json")
     k = command("peak", "GEMM TFLOP/s of this machine in fp32 and bf16, the best of --repeats (for a CPU's entry "
