@@ -76,14 +76,13 @@ for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME; do
   [ -z "${!var:-}" ] || mpi_args+=(-x "$var")
 done
 
-# engine_of NAME: the engine options of run NAME, into the array `engine`.
+# engine_of NAME: the engine options of run NAME (bench/runs.py, the map the training benchmark uses too), into
+# the array `engine`; fails for an unknown name.
 engine_of() {
-  case "$1" in
-    ddp) engine=(--engine ddp) ;;
-    zero[0-3]) engine=(--engine zero --ds-config "deepspeed_configs/$1.json") ;;
-    pipeline) engine=(--engine pipeline --pipeline-stages "$PIPELINE_STAGES" --ds-config "$PIPELINE_CONFIG") ;;
-    *) return 1 ;;
-  esac
+  local options
+  options=$("$PYTHON" -m bench.runs "$1" --pipeline-stages "$PIPELINE_STAGES" --pipeline-config "$PIPELINE_CONFIG" \
+    2>/dev/null) || return 1
+  mapfile -t engine <<<"$options"
 }
 
 # gather DIR: without a folder shared by the hosts, each host keeps its own ranks' JSON lines; fetch them

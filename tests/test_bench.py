@@ -1,4 +1,4 @@
-"""vit.bench end to end with real processes: the training table and the all-reduce table. No timing
+"""The benchmarks (python -m bench) end to end with real processes: the training table and the all-reduce table. No timing
 assertions: speed targets live in docs/benchmarks.md, not in tests."""
 import json
 import sys
@@ -13,7 +13,7 @@ ENGINES = ["ddp", "zero0", "zero1", "zero2", "zero3", "pipeline"]
 
 @pytest.mark.timeout(240)
 def test_train_table_has_a_row_and_a_ratio_per_engine(tmp_path):
-    cmd = [sys.executable, "-m", "vit.bench", "train", "--model", "vit_digits", "--global-batch", 16, "--ranks", 2,
+    cmd = [sys.executable, "-m", "bench", "train", "--model", "vit_digits", "--global-batch", 16, "--ranks", 2,
            "--steps", 2, "--warmup", 1, "--engines", ",".join(ENGINES), "--timeout", 120, "--out", tmp_path]
     r = run_cmd([str(c) for c in cmd], timeout=220)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -36,7 +36,7 @@ def test_train_table_has_a_row_and_a_ratio_per_engine(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_fused_adam_reaches_the_reference_and_every_engine_run(tmp_path):
-    cmd = [sys.executable, "-m", "vit.bench", "train", "--model", "vit_digits", "--global-batch", 16, "--ranks", 2,
+    cmd = [sys.executable, "-m", "bench", "train", "--model", "vit_digits", "--global-batch", 16, "--ranks", 2,
            "--steps", 2, "--warmup", 1, "--engines", "zero1", "--fused-adam", "--timeout", 90, "--out", tmp_path]
     r = run_cmd([str(c) for c in cmd], timeout=110)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -47,7 +47,7 @@ def test_fused_adam_reaches_the_reference_and_every_engine_run(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_allreduce_under_mpirun_reports_bus_bandwidth(tmp_path):
-    cmd = [*MPIRUN, "-np", 2, sys.executable, "-m", "vit.bench", "allreduce", "--max-bytes", "16K", "--iters", 3,
+    cmd = [*MPIRUN, "-np", 2, sys.executable, "-m", "bench", "allreduce", "--max-bytes", "16K", "--iters", 3,
            "--warmup", 1, "--timeout", 60, "--out", tmp_path]
     r = run_cmd([str(c) for c in cmd], timeout=80)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

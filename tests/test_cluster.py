@@ -289,7 +289,7 @@ def test_link_rate_can_be_changed_and_a_bad_rate_is_one_line(cluster):
 @pytest.mark.timeout(240, method="signal")
 def test_allreduce_benchmark_reads_busbw_against_the_link(cluster, tmp_path):
     cmd = (f"{MPIRUN} -x GLOO_SOCKET_IFNAME -np {len(HOSTS)} --hostfile \"$SIM_DIR/hostfile\" .venv/bin/python -m "
-           f"vit.bench allreduce --min-bytes 4M --max-bytes 4M --iters 3 --warmup 1 --link-gbps 1 --out {tmp_path}")
+           f"bench allreduce --min-bytes 4M --max-bytes 4M --iters 3 --warmup 1 --link-gbps 1 --out {tmp_path}")
     r = cluster.on(0, cmd, timeout=180, IFACE="eth0")
     result = json.loads((tmp_path / "allreduce.json").read_text())
     assert result["placement"] == " ".join(f"{h}:1" for h in HOSTS) and result["link_gbps"] == 1, result

@@ -263,7 +263,7 @@ def test_probe_finds_the_largest_gradient_of_parameters_and_layer_outputs(tmp_pa
 @pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_lossscale_benchmark_emulates_deepspeeds_scaler(tmp_path):
-    cmd = [sys.executable, "-m", "vit.bench_hetero", "lossscale", "--steps", 4, "--out", tmp_path]
+    cmd = [sys.executable, "-m", "bench", "lossscale", "--steps", 4, "--out", tmp_path]
     r = run_cmd([str(c) for c in cmd], timeout=110)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "lossscale.json").read_text())

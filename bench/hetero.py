@@ -1,13 +1,12 @@
 """Benchmarks for mixed GPUs (docs/benchmarks.md):
 
-    python -m vit.bench_hetero mixed [--slowdown 1=2]   # pipeline partitions and data-parallel batch splits,
-                                                        # with some ranks slowed by --simulate-slowdown
-    python -m vit.bench_hetero lossscale                # fp16 overflow-skipped steps: DeepSpeed's default loss
-                                                        # scale against --loss-scale auto, emulated from fp32
+    python -m bench mixed [--slowdown 1=2]   # pipeline partitions and data-parallel batch splits, with some ranks
+                                             # slowed by --simulate-slowdown
+    python -m bench lossscale                # fp16 overflow-skipped steps: DeepSpeed's default loss scale against
+                                             # --loss-scale auto, emulated from fp32
 
 Numbers are printed and written to --out; nothing here is a test.
 """
-import argparse
 import json
 import os
 import sys
@@ -18,10 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bench.common import failure_tail, median_step_s, mpirun_train, positive_int, publish
 from vit import slowdown
-from vit.bench import failure_tail, median_step_s, mpirun_train, publish
 from vit.settings import defaults
-from vit.train import prepare_environment
 
 MIXED_RUNS = [  # (row name, vit.train options)
     ("pipeline, --partition uniform", ["--engine", "pipeline", "--partition", "uniform"]),
@@ -37,7 +35,7 @@ def run_train(opts: list, ranks: int, log_dir: Path, timeout: float, warmup: int
     log_dir.mkdir(parents=True, exist_ok=True)
     rc = mpirun_train([*opts, "--log-dir", log_dir], ranks, log_dir, timeout)
     if rc != 0:
-        sys.exit(f"vit.bench_hetero: run failed ({rc}); {failure_tail(log_dir)}")
+        sys.exit(f"bench mixed: run failed ({rc}); {failure_tail(log_dir)}")
     cluster = json.loads((log_dir / "cluster.json").read_text())
     return {"step_time_s": median_step_s(log_dir, warmup), "cluster": cluster}
 
@@ -48,6 +46,8 @@ def ideal_ratio(speeds: list[float]) -> float:
 
 
 def mixed(a) -> int:
+    if a.global_batch % (4 * a.ranks):
+        sys.exit(f"bench mixed: --global-batch {a.global_batch} must be a multiple of 4 x --ranks")
     common = ["--model", a.model, "--dataset", "synthetic", "--steps", a.warmup + a.steps, "--log-interval", a.warmup,
               "--no-save", "--monitor-interval", 0, "--simulate-slowdown", a.slowdown,
               "--micro-batch-size", a.global_batch // a.ranks, "--grad-accum", 1]
@@ -159,33 +159,27 @@ def lossscale(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vit.bench_hetero", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    d = argparse.ArgumentDefaultsHelpFormatter
-    m = sub.add_parser("mixed", formatter_class=d, help="pipeline partitions and batch splits with slowed ranks")
-    m.add_argument("--model", default="vit_tiny_cifar")
-    m.add_argument("--ranks", type=int, default=2)
-    m.add_argument("--slowdown", default="1=2", help="--simulate-slowdown of every run")
-    m.add_argument("--global-batch", type=int, default=64)
-    m.add_argument("--steps", type=int, default=10, help="timed steps")
-    m.add_argument("--warmup", type=int, default=3, help="untimed steps first; also the metrics window")
-    m.add_argument("--repeat", type=int, default=1, help="rounds of all runs; each row reports its fastest")
-    m.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed")
-    m.add_argument("--out", help="folder for mixed.md, mixed.json and the runs' logs")
-    s = sub.add_parser("lossscale", formatter_class=d, help="fp16 skipped steps, default scale vs auto (emulated)")
-    s.add_argument("--model", default="vit_digits")
-    s.add_argument("--dataset", default="digits")
-    s.add_argument("--global-batch", type=int, default=64)
-    s.add_argument("--steps", type=int, default=200)
-    s.add_argument("--out", help="folder for lossscale.md and lossscale.json")
-    a = p.parse_args(argv)
-    prepare_environment()
-    if a.command == "mixed" and a.global_batch % (4 * a.ranks):
-        p.error(f"--global-batch {a.global_batch} must be a multiple of 4 x --ranks")
-    return {"mixed": mixed, "lossscale": lossscale}[a.command](a)
+def add_mixed_arguments(p) -> None:
+    p.add_argument("--model", default="vit_tiny_cifar")
+    p.add_argument("--ranks", type=positive_int, default=2)
+    p.add_argument("--slowdown", default="1=2", help="--simulate-slowdown of every run")
+    p.add_argument("--global-batch", type=positive_int, default=64)
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first; also the metrics window")
+    p.add_argument("--repeat", type=positive_int, default=1, help="rounds of all runs; each row reports its fastest")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed")
+    p.add_argument("--out", help="folder for mixed.md, mixed.json and the runs' logs")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def add_lossscale_arguments(p) -> None:
+    p.add_argument("--model", default="vit_digits")
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--global-batch", type=positive_int, default=64)
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--out", help="folder for lossscale.md and lossscale.json")
+
+
+COMMANDS = {
+    "mixed": ("pipeline partitions and batch splits with slowed ranks", add_mixed_arguments, mixed),
+    "lossscale": ("fp16 skipped steps, default scale vs auto (emulated)", add_lossscale_arguments, lossscale),
+}

@@ -1,27 +1,22 @@
-#!/usr/bin/env python3
 """What one monitor sample costs with each backend: NVML (where it initialises), GPUtil (the real nvidia-smi,
 or tests/fake_bin/nvidia-smi when there is none) and CPU-only. A benchmark to read, not a test.
 
-    .venv/bin/python scripts/bench_monitor.py [--samples N]
+    python -m bench monitor [--samples N]
 
 Per backend: wall milliseconds per sample (median and 95th percentile; spent in the sampler thread, not
 in the training loop), CPU milliseconds per sample in this process and in child processes (nvidia-smi), and
 the share of one core that costs at the default interval of 1 s.
 """
-import argparse
 import os
 import resource
 import shutil
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from vit.monitor import Monitor  # noqa: E402
+from bench.common import positive_int
+from vit.monitor import Monitor
+from vit.settings import ROOT
 
 
 def children_cpu_s() -> float:
@@ -52,10 +47,7 @@ def bench(backend: str, samples: int) -> str:
             f"in nvidia-smi = {(cpu_ms + child_ms) / 10:.2f}% of a core at 1 s")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--samples", type=int, default=50, help="timed samples per backend")
-    args = p.parse_args()
+def run(args) -> int:
     smi = shutil.which("nvidia-smi")
     if not smi:
         os.environ["PATH"] = f"{ROOT / 'tests' / 'fake_bin'}:{os.environ['PATH']}"
@@ -65,5 +57,9 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+def add_arguments(p) -> None:
+    p.add_argument("--samples", type=positive_int, default=50, help="timed samples per backend")
+
+
+COMMANDS = {"monitor": ("what one GPU/CPU monitor sample costs per backend", add_arguments, run)}

@@ -1,0 +1,11 @@
+"""Benchmarks: numbers to read in docs/benchmarks.md, never assertions in tests. One launcher:
+
+    python -m bench train       every engine against the plain single-process loop (images/s, MFU)
+    python -m bench allreduce   all-reduce bandwidth (run under mpirun)
+    python -m bench peak        this machine's GEMM FLOP/s
+    python -m bench mixed       balanced stages and proportional batches with slowed ranks
+    python -m bench lossscale   fp16 skipped steps: DeepSpeed's default loss scale against --loss-scale auto
+    python -m bench monitor     what one monitor sample costs
+
+`python -m bench COMMAND --help` for each.
+"""

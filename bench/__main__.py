@@ -1,0 +1,28 @@
+"""python -m bench COMMAND ...: see bench/__init__.py."""
+import argparse
+import sys
+
+import bench
+from bench import allreduce, hetero, monitor, peak, train
+from vit.settings import HelpFormatter
+from vit.train import prepare_environment
+
+MODULES = (train, allreduce, peak, hetero, monitor)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=bench.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    runs = {}
+    for module in MODULES:
+        for name, (text, add_arguments, run) in module.COMMANDS.items():
+            add_arguments(sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter))
+            runs[name] = run
+    a = p.parse_args(argv)
+    prepare_environment()  # DeepSpeed's op cache, as vit.train has it
+    return runs[a.command](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""What the benchmarks share: the device and its peak FLOP/s, FLOPs per image, launching vit.train under mpirun
+and reading its step time, and publishing a table (printed, and with --out written as NAME.md and NAME.json)."""
+import argparse
+import os
+import resource
+import shlex
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vit.jsonl import read_jsonl
+from vit.metrics import write_json
+from vit.settings import ROOT
+
+# Peak dense TFLOP/s of one device: (a substring of its name, {precision: TFLOP/s}); the first match wins.
+# GPUs: vendor specs without sparsity; bf16/fp16 are tensor-core rates with FP32 accumulate (what autocast and
+# DeepSpeed use; GeForce cards run FP16-accumulate at twice that), fp32 is the non-tensor rate (PyTorch leaves
+# TF32 off for matmuls). CPUs: measured with `python -m vit.bench peak` (a GEMM on all cores), not specs.
+PEAK_TFLOPS = [
+    ("H100 PCIe", {"bf16": 756.5, "fp16": 756.5, "fp32": 51.2}),
+    ("H100 NVL", {"bf16": 835.5, "fp16": 835.5, "fp32": 60.0}),
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),  # SXM5
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    ("RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}),
+    ("RTX 3090", {"bf16": 71.0, "fp16": 71.0, "fp32": 35.6}),
+    ("RTX 3070", {"bf16": 40.6, "fp16": 40.6, "fp32": 20.3}),
+    # The 2-core KVM VM of docs/benchmarks.md (Zen 4: family 25 model 17, AVX-512 with bf16): the best of
+    # `python -m vit.bench peak --size 1024` at load 0.6 (fp32 0.178, bf16 0.428; 2048^3 gives 0.15-0.16 and 0.40-0.42).
+    ("AMD EPYC (2 cores)", {"bf16": 0.43, "fp32": 0.18}),
+]
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 "unknown CPU")
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+def peak_tflops(name: str, precision: str) -> float | None:
+    return next((peaks.get(precision) for key, peaks in PEAK_TFLOPS if key in name), None)
+
+
+def flops_per_image(model: nn.Module, img_size: int) -> float:
+    """Forward FLOPs of one image; attention through the math kernel, whose matmuls the counter sees."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    x = torch.randn(1, 3, img_size, img_size, device=next(model.parameters()).device)
+    with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        model(x)
+    return float(counter.get_total_flops())
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number above zero."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def publish(out: str | None, name: str, result: dict, table: str) -> None:
+    """Print a benchmark's markdown table; with --out also write it as NAME.md and the numbers as NAME.json."""
+    print(table)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        write_json(os.path.join(out, f"{name}.json"), result)
+        Path(out, f"{name}.md").write_text(table)
+
+
+def load_avg() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+class OthersCpu:
+    """Cores kept busy by other processes (and other VMs' steal) while a row ran: the machine's busy time from
+    /proc/stat less this process's and its children's CPU time. On a shared machine it says which rows to trust."""
+
+    def __init__(self):
+        self.start = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float, float]:
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]  # user .. steal
+        busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+        own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                  for f in ("ru_utime", "ru_stime"))
+        return time.perf_counter(), busy, own
+
+    def cores(self) -> float:
+        (t0, busy0, own0), (t1, busy1, own1) = self.start, self._now()
+        return round(max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0), 2)
+
+
+def mpirun_train(train: list, ranks: int, log_dir: Path, timeout: float, mpirun_args: str = "") -> int | str:
+    """`mpirun -np ranks ./entry_cn.sh TRAIN...`, its output in LOG_DIR/output.log; the exit code, or why it
+    was killed."""
+    mpirun = [str(ROOT / "scripts" / "mpirun"), "-np", str(ranks), "--oversubscribe", *shlex.split(mpirun_args)]
+    with open(log_dir / "output.log", "w") as out:
+        p = subprocess.Popen([*mpirun, str(ROOT / "entry_cn.sh"), *map(str, train)], cwd=ROOT, stdout=out,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            return f"timed out after {timeout} s"
+
+
+def failure_tail(log_dir: Path) -> str:
+    return f"{log_dir / 'output.log'} ends:\n  " + "\n  ".join((log_dir / "output.log").read_text().splitlines()[-5:])
+
+
+def median_step_s(log_dir: Path, warmup: int) -> float:
+    """Rank 0's median step time over the metric windows after the first (warm-up) one: a burst of load from
+    other processes on a shared machine skews one window, not all."""
+    records = [r for r in read_jsonl(log_dir / "metrics_rank0.jsonl") if r["kind"] == "train"]
+    return statistics.median(r["step_time_s"] for r in records if r["step"] > warmup)
