@@ -4,7 +4,6 @@ and readers of the run logs.
 
 Every test that starts a process must carry @pytest.mark.ranks (conftest.py sets CURRENT_TEST_STARTS_PROCESSES),
 so that `pytest -m "not ranks"` stays a quick, in-process run."""
-import json
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from vit.dist_env import free_port
+from vit.jsonl import read_jsonl  # noqa: F401  (the one reader of our logs, for the tests too)
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = [str(ROOT / "scripts" / "mpirun"), "--oversubscribe"]
@@ -127,12 +127,6 @@ def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.Complet
         out, err = p.communicate()
         pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
-
-
-def read_jsonl(path) -> list[dict]:
-    with open(path) as f:
-        lines = f.read().split("\n")
-    return [json.loads(line) for line in lines if line.strip() and line.endswith("}")]
 
 
 def train_losses(log_dir, rank: int = 0) -> dict[int, float]:

@@ -1,5 +1,5 @@
-"""The benchmarks (python -m bench) end to end with real processes: the training table and the all-reduce table. No timing
-assertions: speed targets live in docs/benchmarks.md, not in tests."""
+"""The benchmarks (python -m bench) end to end with real processes: the training table and the all-reduce table.
+No timing assertions: speed targets live in docs/benchmarks.md, not in tests."""
 import json
 import sys
 
