@@ -102,8 +102,7 @@ def run(a) -> int:
         print("bench allreduce: --no-torch leaves nothing to time without MPI (run under mpirun, without --no-mpi)",
               file=sys.stderr)
         return 2
-    dev = device(job)
-    max_bytes = a.max_bytes or (256 * 2**20 if dev.type == "cuda" else 64 * 2**20)
+    max_bytes = a.max_bytes or (256 * 2**20 if torch.cuda.is_available() else 64 * 2**20)
     sizes, size = [], a.min_bytes
     while size <= max_bytes:
         sizes.append(size)
@@ -111,6 +110,7 @@ def run(a) -> int:
     if not sizes:
         sys.exit(f"bench allreduce: --min-bytes {a.min_bytes} is above the largest size, {max_bytes}")
     backend = init_process_group(job, a.timeout)
+    dev = device(job)
     world = job.world_size
     hosts = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())

@@ -34,6 +34,7 @@ class Job:
     launcher: str
     master_addr: str | None = None
     master_port: int | None = None
+    device_type: str = "cpu"  # the job's, as every rank agreed in init_process_group
 
     @property
     def is_main(self) -> bool:
@@ -147,24 +148,36 @@ def resolve_master(job: Job, environ=None) -> Job:
     return job
 
 
-def init_process_group(job: Job, timeout_s: float) -> str:
-    """Start torch.distributed (nccl on GPU, gloo on CPU); export the torchrun variables DeepSpeed reads."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto") -> str:
+    """Start torch.distributed on the backend every rank can run (nccl on GPUs, gloo on CPUs), decided from
+    every rank's device report before any collective (vit.gpu); export the torchrun variables DeepSpeed reads."""
+    from vit import gpu
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(job.master_addr, job.master_port, job.world_size, is_master=job.rank == 0,
+                          timeout=timeout)
+    reports = gpu.exchange(store, job.world_size, gpu.local_report(wanted_device, job.rank, job.local_rank),
+                           timeout_s)
+    job.device_type = gpu.decide(reports, wanted_device)
     if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a host share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_world_size))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(job.local_rank % torch.cuda.device_count())
+    device_id = None
+    if job.device_type == "cuda":
+        device_id = device(job)
+        torch.cuda.set_device(device_id)
+    elif torch.cuda.is_available():  # --device cpu on a GPU host: DeepSpeed must not pick CUDA either
+        os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ.update(RANK=str(job.rank), WORLD_SIZE=str(job.world_size), LOCAL_RANK=str(job.local_rank),
                       MASTER_ADDR=job.master_addr, MASTER_PORT=str(job.master_port))
-    dist.init_process_group(backend, init_method=f"tcp://{job.master_addr}:{job.master_port}", rank=job.rank,
-                            world_size=job.world_size, timeout=timedelta(seconds=timeout_s))
+    backend = "nccl" if job.device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=job.rank, world_size=job.world_size, timeout=timeout,
+                            device_id=device_id)
     return backend
 
 
 def device(job: Job) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", job.local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    """This rank's device: GPU LOCAL_RANK of its host, the one DeepSpeed picks too."""
+    return torch.device("cuda", job.local_rank) if job.device_type == "cuda" else torch.device("cpu")
 
 
 def rank0_decides(decide):

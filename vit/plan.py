@@ -29,7 +29,7 @@ class Plan:
     job: Job
     ds_config: dict  # resolved; the census may still settle the precision ("auto") and the fp16 loss scale
     batch: Batch
-    requested_precision: str  # auto, or what the JSON and --precision ask for
+    requested_precision: str  # auto, default (none given), or what the JSON and --precision ask for
     data: DataSplit
     steps_per_epoch: int
     total_steps: int
@@ -55,7 +55,9 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     if s.checkpoint.save_dir and not ckpt.no_save:
         check_writable(s.checkpoint.save_dir, "--save-dir")
     ds_config, batch = resolve(par, job.world_size)
-    requested = "auto" if par.precision == "auto" else precision_of(ds_config)  # every rank's say: hetero.adapt
+    requested = par.precision or precision_of(ds_config)  # every rank's say: hetero.adapt
+    if par.precision is None and not any(ds_config.get(k, {}).get("enabled") for k in ("fp16", "bf16")):
+        requested = "default"  # none given: auto on GPUs, fp32 on CPUs (vit.hetero.census.negotiate)
     slowdowns = slowdown.parse(par.simulate_slowdown, job.world_size)
     if s.model.model not in PRESETS:
         raise ConfigError(f"unknown model '{s.model.model}'; choose one of: {', '.join(PRESETS)}")

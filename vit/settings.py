@@ -61,7 +61,10 @@ class ParallelSettings:
     micro_batch_size: int | None = option(None, "override train_micro_batch_size_per_gpu of the JSON", "positive")
     grad_accum: int | None = option(None, "override gradient_accumulation_steps of the JSON", "positive")
     precision: str | None = option(None, "override the JSON's fp16/bf16 setting; auto: bf16 if every rank supports "
-                                   "it, else fp16 if every rank does, else fp32", choices=PRECISIONS)
+                                   "it, else fp16 if every rank does, else fp32 (the default on GPUs when neither "
+                                   "this nor the JSON names one)", choices=PRECISIONS)
+    tf32: str = option("on", "fp32 matmuls and convolutions in TF32 on Ampere and newer GPUs (no effect elsewhere)",
+                       choices=("on", "off"))
     loss_scale: str = option("config", "fp16: the JSON's initial_scale_power, or auto: a short fp32 probe of the "
                              "gradients picks it", choices=("config", "auto"))
 
@@ -108,6 +111,9 @@ class LogSettings:
 class ClusterSettings:
     hostfile: str | None = option(None, "the launch's hostfile: the preflight checks the world size against its "
                                   "slots")
+    device: str = option("auto", "cuda: every rank on its GPU (nccl), cpu: on the CPU (gloo); auto: cuda when every "
+                         "rank has a usable GPU, cpu when none has one; any mix is an error",
+                         choices=("auto", "cuda", "cpu"))
     dist_timeout: float = option(300.0, "seconds before a process-group start or a collective fails, and before "
                                  "the watchdog ends a job in which no step finished", "positive")
     # The DeepSpeed launcher passes --local_rank=N; LOCAL_RANK in the environment says the same.

@@ -24,6 +24,7 @@ from vit.engines import Engine, EngineContext, build
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo
 from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure, failure_elsewhere
+from vit.gpu import set_tf32
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
@@ -119,6 +120,9 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     data = plan.data
     layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
     adapted = adapt(plan, dev, layers, start)
+    tf32 = set_tf32(dev, s.parallel.tf32 == "on")
+    if tf32 and job.is_main:
+        print(tf32, flush=True)
     factor = plan.slowdowns.get(job.rank, 1.0)
     if factor != 1:
         for layer in layers:
@@ -205,7 +209,11 @@ def finish(plan: Plan, run: Session, start_time: float) -> None:
 
 def run(plan: Plan, start_time: float) -> int:
     """Train; any failure on any rank ends every rank, non-zero, naming the rank that failed."""
-    init_process_group(plan.job, plan.settings.cluster.dist_timeout)
+    try:  # every rank reaches the same verdict on the job's devices, so each stops alike
+        init_process_group(plan.job, plan.settings.cluster.dist_timeout, plan.settings.cluster.device)
+    except ConfigError as e:
+        print(f"entry_cn.sh: error: {e}", file=sys.stderr, flush=True)
+        return 2
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
     try:

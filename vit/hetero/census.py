@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.errors import ConfigError
+from vit.gpu import FP16_FAST, native_precisions
 from vit.slowdown import Clock
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -26,15 +27,16 @@ def capabilities(dev: torch.device, local_world_size: int) -> dict:
         props = torch.cuda.get_device_properties(dev)
         free, total = torch.cuda.mem_get_info(dev)
         name, capability = props.name, f"{props.major}.{props.minor}"
+        native = native_precisions((props.major, props.minor))  # not acc's: it counts emulated bf16 as supported
     else:  # ranks on one host share its memory
         mem = psutil.virtual_memory()
         free, total = mem.available / local_world_size, mem.total / local_world_size
         name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                     "CPU")
         capability = None
+        native = {"fp16": bool(acc.is_fp16_supported()), "bf16": bool(acc.is_bf16_supported())}
     report = {"host": socket.gethostname(), "device": name, "capability": capability,
-              "mem_total_gib": total / 2**30, "mem_free_gib": free / 2**30,
-              "fp16": bool(acc.is_fp16_supported()), "bf16": bool(acc.is_bf16_supported())}
+              "mem_total_gib": total / 2**30, "mem_free_gib": free / 2**30, **native}
     override = os.environ.get("VIT_CENSUS_OVERRIDE")
     if override:
         try:
@@ -49,8 +51,29 @@ def who(rank: int, report: dict) -> str:
 
 
 def negotiate(requested: str, reports: list[dict]) -> tuple[str, str]:
-    """(precision, why). 'auto': bf16 if every rank has it, else fp16, else fp32. An explicit precision that
-    some rank lacks is an error naming those ranks."""
+    """(precision, why). 'auto': bf16 if every rank has it, else fp16, else fp32; 'default' (none given): auto on
+    GPUs, fp32 on CPUs. An explicit precision that some rank lacks is an error naming those ranks. fp16 on a card
+    before Volta comes with a warning."""
+    if requested == "default":
+        if reports[0].get("capability") is None:
+            return "fp32", "no precision given: fp32 on CPUs"
+        precision, why = negotiate("auto", reports)
+        return precision, f"no precision given: auto on GPUs; {why}"
+    precision, why = _negotiate(requested, reports)
+    slow = [who(r, rep) for r, rep in enumerate(reports)
+            if precision == "fp16" and rep.get("capability") and _cc(rep["capability"]) < FP16_FAST]
+    if slow:
+        why += (f"; warning: {', '.join(slow)} run fp16 without tensor cores (compute capability below "
+                f"{FP16_FAST[0]}.{FP16_FAST[1]}), which can be slower than fp32 there")
+    return precision, why
+
+
+def _cc(capability: str) -> tuple[int, int]:
+    major, minor = capability.split(".")
+    return int(major), int(minor)
+
+
+def _negotiate(requested: str, reports: list[dict]) -> tuple[str, str]:
     def lacking(p):
         return [who(r, rep) for r, rep in enumerate(reports) if p != "fp32" and not rep[p]]
 

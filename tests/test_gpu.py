@@ -1,0 +1,201 @@
+"""GPU rules at the library boundary (there is no GPU here): device reports as torch.cuda and a fake nvidia-smi
+would give them, and the verdicts every rank reaches from them; emulated bf16, TF32, device_id; and real 2-rank
+runs whose ranks disagree about CUDA."""
+import types
+
+import pytest
+import torch
+from helpers import launch
+
+from vit import dist_env, gpu
+from vit.errors import ConfigError
+from vit.hetero import census
+
+ARCH_CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+
+# nvidia-smi of a host whose driver is $FAKE_DRIVER (CUDA $FAKE_DRIVER_CUDA) with two RTX 3070s: the two queries
+# vit.gpu makes, and a failure on anything else, as the real one fails on a field it does not know.
+FAKE_SMI = """#!/bin/sh
+case "$*" in
+  "--query-gpu=driver_version,name --format=csv,noheader")
+    echo "$FAKE_DRIVER, NVIDIA GeForce RTX 3070"; echo "$FAKE_DRIVER, NVIDIA GeForce RTX 3070" ;;
+  "") echo "| NVIDIA-SMI $FAKE_DRIVER    Driver Version: $FAKE_DRIVER    CUDA Version: $FAKE_DRIVER_CUDA |" ;;
+  *) echo "fake nvidia-smi: unexpected arguments: $*"; exit 2 ;;
+esac
+"""
+
+
+@pytest.fixture
+def smi_dir(tmp_path):
+    d = tmp_path / "smi"
+    d.mkdir()
+    (d / "nvidia-smi").write_text(FAKE_SMI)
+    (d / "nvidia-smi").chmod(0o755)
+    return d
+
+
+def gpu_report(rank, host, local_rank=0, gpus=1, capability=(8, 6), name="NVIDIA GeForce RTX 3070",
+               arch_list=ARCH_CU130):
+    return {"rank": rank, "local_rank": local_rank, "host": host, "torch": "2.14.1+cu130", "torch_cuda": "13.0",
+            "visible": None, "cuda": True, "gpus": gpus, "arch_list": arch_list, "name": name,
+            "capability": list(capability)}
+
+
+def cpu_report(rank, host, smi=None, torch_cuda="13.0"):
+    return {"rank": rank, "local_rank": 0, "host": host, "torch": "2.14.1+cu130", "torch_cuda": torch_cuda,
+            "visible": None, "cuda": False, "smi": smi}
+
+
+OLD_DRIVER = {"driver": "550.54.15", "cuda": "12.4", "gpus": ["NVIDIA GeForce RTX 3070"]}
+
+
+def test_a_driver_too_old_for_this_torch_is_named_with_what_it_supports(monkeypatch, smi_dir):
+    """The report a rank makes where nvidia-smi sees GPUs but torch does not (the real torch here is cu130)."""
+    monkeypatch.setenv("PATH", f"{smi_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("FAKE_DRIVER", "550.54.15")
+    monkeypatch.setenv("FAKE_DRIVER_CUDA", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    report = gpu.local_report("auto", rank=3, local_rank=0)
+    assert report["cuda"] is False
+    assert report["smi"] == {"driver": "550.54.15", "cuda": "12.4", "gpus": ["NVIDIA GeForce RTX 3070"] * 2}
+    report["host"] = "cn3"
+    with pytest.raises(ConfigError) as e:
+        gpu.decide([gpu_report(0, "cn0"), report], "auto")
+    assert str(e.value).startswith("CUDA on cn0 but not on cn3 (rank 3): driver 550.54.15 supports CUDA 12.4; "
+                                   "this torch (cu130) needs driver >= 580.65.06: update the driver, or run "
+                                   "scripts/bootstrap.sh there")
+    # No nvidia-smi at all: nothing to ask the driver.
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert gpu.local_report("auto", 0, 0)["smi"] is None
+    # --device cpu asks nobody.
+    assert "smi" not in gpu.local_report("cpu", 0, 0)
+
+
+def test_one_backend_for_the_job():
+    gpus = [gpu_report(0, "cn0"), gpu_report(1, "cn1")]
+    assert gpu.decide(gpus, "auto") == "cuda" and gpu.decide(gpus, "cpu") == "cpu"
+    cpus = [cpu_report(0, "cn0"), cpu_report(1, "cn1")]
+    assert gpu.decide(cpus, "auto") == "cpu"
+    with pytest.raises(ConfigError, match=r"^--device cuda, but no CUDA on cn0 \(rank 0\): no NVIDIA GPU or driver"):
+        gpu.decide(cpus, "cuda")
+    # A mix: the hosts on each side, the ranks, and why.
+    mixed = [gpu_report(0, "cn0"), gpu_report(1, "cn1"), cpu_report(2, "cn2"), cpu_report(3, "cn2")]
+    with pytest.raises(ConfigError, match=r"^CUDA on cn0, cn1 but not on cn2 \(ranks 2, 3\): no NVIDIA GPU or "
+                                          r"driver .*every rank must run on the same backend"):
+        gpu.decide(mixed, "auto")
+    # GPUs that torch cannot use are never a silent fall back to the CPU, even on every host.
+    with pytest.raises(ConfigError, match=r"^no usable CUDA on cn0 \(rank 0\): nvidia-smi sees 1 GPU\(s\) \(NVIDIA "
+                                          r"GeForce RTX 3070\) but this torch \(2.14.1\+cpu\) is a CPU-only build"):
+        gpu.decide([{**cpu_report(0, "cn0", OLD_DRIVER, None), "torch": "2.14.1+cpu"}, cpu_report(1, "cn1")], "auto")
+    new_driver = {**OLD_DRIVER, "driver": "580.95.05", "cuda": "13.0"}
+    with pytest.raises(ConfigError, match=r"torch.cuda.is_available\(\) is False \(torch cu130, driver 580.95.05, "
+                                          r"CUDA_VISIBLE_DEVICES=None\)"):
+        gpu.decide([cpu_report(0, "cn0", new_driver)], "auto")
+    assert gpu.decide([cpu_report(0, "cn0", OLD_DRIVER)], "cpu") == "cpu"
+
+
+def test_one_gpu_per_rank():
+    ok = [gpu_report(0, "cn0", 0, gpus=2), gpu_report(1, "cn0", 1, gpus=2), gpu_report(2, "cn1", 0)]
+    assert gpu.decide(ok, "cuda") == "cuda"
+    three_on_two = [gpu_report(r, "cn1", r, gpus=2) for r in range(3)]
+    with pytest.raises(ConfigError, match=r"^one GPU per rank: cn1 runs ranks 0, 1, 2 \(local ranks 0, 1, 2\) but 2 "
+                                          r"GPU\(s\) are visible \(CUDA_VISIBLE_DEVICES=unset\)"):
+        gpu.decide(three_on_two, "auto")
+    # A launcher that shows each rank only its own GPU: local rank 1 has no GPU 1 (DeepSpeed would pick it).
+    per_rank = [{**gpu_report(r, "cn0", r, gpus=1), "visible": str(r)} for r in range(2)]
+    with pytest.raises(ConfigError, match=r"cn0 runs ranks 0, 1 \(local ranks 0, 1\) but 1 GPU\(s\) are visible "
+                                          r"\(CUDA_VISIBLE_DEVICES=0\)"):
+        gpu.decide(per_rank, "auto")
+
+
+def test_a_card_missing_from_the_arch_list_is_refused_naming_host_and_card():
+    assert gpu.runs_on([8, 9], ARCH_CU130)  # sm_86 kernels run on 8.9 (RTX 40xx)
+    assert not gpu.runs_on([8, 0], ["sm_86"])  # but not on 8.0
+    assert gpu.runs_on([9, 0], ["sm_80", "compute_80"])  # PTX is compiled for newer cards
+    assert gpu.runs_on([9, 0], ["sm_90a"]) and not gpu.runs_on([7, 0], ARCH_CU130)
+    reports = [gpu_report(0, "cn0"), gpu_report(1, "cn4", capability=(6, 1), name="NVIDIA GeForce GTX 1080")]
+    with pytest.raises(ConfigError, match=r"^this torch \(cu130\) has no kernels for cn4 \(rank 1\): NVIDIA GeForce "
+                                          r"GTX 1080, compute capability 6.1 \(it has sm_75 .* sm_120\)"):
+        gpu.decide(reports, "auto")
+
+
+def fake_card(monkeypatch, name, major, minor):
+    """torch.cuda as a host with this card would answer the census (no GPU here)."""
+    props = types.SimpleNamespace(name=name, major=major, minor=minor, total_memory=8 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev=None: props)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (7 * 2**30, 8 * 2**30))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what it says on sm_75 too
+
+
+def test_bf16_only_where_native_and_fp16_warned_before_volta(monkeypatch):
+    monkeypatch.delenv("VIT_CENSUS_OVERRIDE", raising=False)
+    caps = {}
+    for name, major, minor in [("RTX 3070", 8, 6), ("RTX 2080 Ti", 7, 5), ("GTX 1080", 6, 1)]:
+        fake_card(monkeypatch, name, major, minor)
+        caps[name] = census.capabilities(torch.device("cuda", 0), 1)
+    assert [(c["fp16"], c["bf16"], c["capability"]) for c in caps.values()] == [
+        (True, True, "8.6"), (True, False, "7.5"), (True, False, "6.1")]
+    assert census.negotiate("auto", [caps["RTX 3070"], caps["RTX 3070"]])[0] == "bf16"
+    precision, why = census.negotiate("auto", [caps["RTX 3070"], caps["RTX 2080 Ti"]])
+    assert precision == "fp16" and "no bf16 on rank 1" in why and "warning" not in why
+    precision, why = census.negotiate("auto", [caps["RTX 3070"], caps["GTX 1080"]])
+    assert precision == "fp16" and "warning: rank 1 (" in why and "without tensor cores" in why
+    # No precision given: auto on GPUs, fp32 on CPUs.
+    precision, why = census.negotiate("default", [caps["RTX 3070"], caps["RTX 2080 Ti"]])
+    assert precision == "fp16" and why.startswith("no precision given: auto on GPUs")
+    cpu = {"host": "h", "device": "CPU", "capability": None, "fp16": False, "bf16": True}
+    assert census.negotiate("default", [cpu, cpu]) == ("fp32", "no precision given: fp32 on CPUs")
+
+
+def test_tf32_on_ampere_only(monkeypatch):
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    try:
+        assert gpu.set_tf32(torch.device("cpu"), True) is None
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (7, 5))
+        assert gpu.set_tf32(torch.device("cuda", 0), True) is None
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))
+        assert "tf32" in gpu.set_tf32(torch.device("cuda", 0), True)
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32" == torch.backends.cudnn.conv.fp32_precision
+        assert "ieee" in gpu.set_tf32(torch.device("cuda", 0), False)
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+
+
+def test_the_process_group_binds_the_local_ranks_gpu(monkeypatch):
+    """On CUDA: nccl, the GPU at LOCAL_RANK set and passed as device_id (torch.cuda and the process group start
+    faked: there is no GPU here; the store exchange is real)."""
+    props = types.SimpleNamespace(name="NVIDIA GeForce RTX 3070", major=8, minor=6)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    chosen, started = [], {}
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kw: started.update(kw, b=backend))
+    job = dist_env.Job(rank=0, world_size=1, local_rank=1, local_world_size=2, launcher="torchrun",
+                       master_addr="127.0.0.1", master_port=dist_env.free_port())
+    assert dist_env.init_process_group(job, 30, "auto") == "nccl"
+    assert chosen == [torch.device("cuda", 1)] and started["device_id"] == torch.device("cuda", 1)
+    assert dist_env.device(job) == torch.device("cuda", 1) and job.device_type == "cuda"
+
+
+COMMON = ["--steps", 1, "--no-save", "--monitor-interval", 0]
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(150)
+def test_ranks_that_disagree_about_cuda_stop_before_the_process_group(tmp_path, smi_dir):
+    """A real 2-rank run: rank 1's host has an NVIDIA driver too old for this torch (a fake nvidia-smi on its
+    PATH); every rank stops with the same one-line error and exit 2, nothing written."""
+    import os
+
+    old = {"PATH": f"{smi_dir}:{os.environ['PATH']}", "FAKE_DRIVER": "550.54.15", "FAKE_DRIVER_CUDA": "12.4"}
+    r = launch([*COMMON, "--log-dir", tmp_path / "run"], timeout=120, rank_env={1: old})
+    assert r.returncodes == [2, 2], r
+    for out in r.outputs:
+        assert "entry_cn.sh: error: no usable CUDA on " in out and "(rank 1): driver 550.54.15 supports CUDA 12.4; " \
+            "this torch (cu130) needs driver >= 580.65.06" in out, r
+    assert not (tmp_path / "run").exists()
+    r = launch([*COMMON, "--device", "cuda", "--log-dir", tmp_path / "run"], timeout=120)
+    assert r.returncodes == [2, 2] and "--device cuda, but no CUDA on " in r.outputs[1], r
