@@ -1,5 +1,6 @@
-"""Run once per rank under mpirun (setup/test_mpi.sh does): an mpi4py allreduce, then a gloo
-all_reduce through torch.distributed with rank 0's address found the way training finds it."""
+"""Run once per rank under mpirun (setup/test_mpi.sh does): an mpi4py allreduce, then an all_reduce through
+torch.distributed the way training starts it: rank 0's address, the backend every rank agrees on (nccl on GPUs,
+gloo on CPUs) and the rank's own device (NCCL refuses CPU tensors)."""
 import os
 import socket
 import sys
@@ -25,13 +26,14 @@ def main() -> None:
 
     de = dist_env.resolve_master(dist_env.discover())
     start = time.perf_counter()
-    dist_env.init_process_group(de, timeout_s=60)
-    t = torch.tensor([float(rank + 1)])
+    backend = dist_env.init_process_group(de, timeout_s=60)
+    dev = dist_env.device(de)
+    t = torch.tensor([float(rank + 1)], device=dev)
     dist.all_reduce(t)
     dist.destroy_process_group()
     if t.item() != expected:
-        sys.exit(f"rank {rank} on {host}: gloo all_reduce gave {t.item()}, expected {expected}")
-    print(f"rank {rank} of {size} on {host}: mpi4py allreduce ok, gloo all_reduce ok "
+        sys.exit(f"rank {rank} on {host}: {backend} all_reduce on {dev} gave {t.item()}, expected {expected}")
+    print(f"rank {rank} of {size} on {host}: mpi4py allreduce ok, {backend} all_reduce on {dev} ok "
           f"(rank 0 at {de.master_addr}:{de.master_port}, {time.perf_counter() - start:.1f}s)", flush=True)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Proves that MPI works across the hostfile's hosts, in three launches of growing weight: a C hello
-# world, then mpi4py and a torch.distributed gloo all_reduce (setup/check_dist.py).
+# world, then mpi4py and a torch.distributed all_reduce (setup/check_dist.py).
 set -euo pipefail
 
 usage() {
@@ -10,8 +10,9 @@ Usage: setup/test_mpi.sh [--help] [HOSTFILE]
 1. Builds setup/hello_mpi from setup/hello_mpi.c with the .venv's mpicc on every host (each host
    runs its own copy at this checkout's path).
 2. mpirun -np NP --hostfile HOSTFILE setup/hello_mpi: every rank prints rank, size and host.
-3. mpirun ... python setup/check_dist.py: an mpi4py allreduce, then a gloo all_reduce with rank
-   0's address found as training finds it (vit/dist_env.py).
+3. mpirun ... python setup/check_dist.py: an mpi4py allreduce, then a torch.distributed all_reduce
+   started as training starts it (vit/dist_env.py): rank 0's address, nccl on GPUs (a tensor on
+   the rank's GPU) or gloo on CPUs.
 Each launch must show all NP ranks; a launch that takes longer than MPI_TIMEOUT is killed.
 setup/cluster.env (IFACE) is sourced first, as entry_cn.sh does.
 
@@ -56,6 +57,6 @@ launch() {
   [ "$rc" = 0 ] || die "$name: mpirun exited $rc"
 }
 launch hello_mpi '' setup/hello_mpi
-launch check_dist 'gloo all_reduce ok' "$ROOT/.venv/bin/python" setup/check_dist.py
+launch check_dist '(gloo|nccl) all_reduce on [a-z0-9:]+ ok' "$ROOT/.venv/bin/python" setup/check_dist.py
 hosts_seen=$(grep -oE '^hello from rank [0-9]+ of [0-9]+ on [^ ]+' "$tmp/hello_mpi.log" | awk '{ print $NF }' | sort -u | tr '\n' ' ')
-echo "$PROG: ok: $NP ranks on ${hosts_seen% }: C hello, mpi4py allreduce, gloo all_reduce"
+echo "$PROG: ok: $NP ranks on ${hosts_seen% }: C hello, mpi4py allreduce, torch.distributed all_reduce"

@@ -219,7 +219,7 @@ def test_mpi_hello_mpi4py_and_gloo_across_hosts(cluster):
     assert f"test_mpi.sh: ok: {n} ranks on {' '.join(HOSTS)}" in r.output, r
     for rank, host in enumerate(HOSTS):
         assert f"hello from rank {rank} of {n} on {host}" in r.output
-        assert f"rank {rank} of {n} on {host}: mpi4py allreduce ok, gloo all_reduce ok" in r.output
+        assert f"rank {rank} of {n} on {host}: mpi4py allreduce ok, gloo all_reduce on cpu ok" in r.output
 
 
 MPIRUN_HELLO = (f'. setup/cluster.env && exec scripts/mpirun -np {len(HOSTS)} --hostfile "$SIM_DIR/hostfile" '
