@@ -10,5 +10,9 @@ class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite (outside fp16's skipped steps)."""
 
 
+class OutOfMemory(RuntimeError):
+    """A rank ran out of device memory; the message says what would fit."""
+
+
 class NothingToDo(Exception):
     """The run asked for is already complete: say so and exit 0, touching nothing."""

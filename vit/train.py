@@ -21,10 +21,11 @@ from vit.data import TrainBatches, make_loader
 from vit.dist_env import device, discover, init_process_group, rank0_decides
 from vit.ds_config import with_precision
 from vit.engines import Engine, EngineContext, build
-from vit.errors import ConfigError, NonFiniteLoss, NothingToDo
+from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure, failure_elsewhere
 from vit.gpu import set_tf32
+from vit.memory import inject_oom_for_tests, out_of_memory
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
@@ -216,12 +217,15 @@ def run(plan: Plan, start_time: float) -> int:
         return 2
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
+    inject_oom_for_tests(plan.job.rank, watchdog)
     try:
         train(plan, start_time, watchdog)
     except NothingToDo as e:  # decided on rank 0 before anything was written
         if plan.job.is_main:
             print(f"entry_cn.sh: {e}", flush=True)
     except Exception as e:
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            e = out_of_memory(plan, device(plan.job), watchdog.step, e)
         where = f"rank {plan.job.rank} ({socket.gethostname()})"
         elsewhere = failure_elsewhere()
         if isinstance(e, ConfigError):  # a collective finding (preflight, census, lock): the same on every rank
@@ -229,7 +233,8 @@ def run(plan: Plan, start_time: float) -> int:
             print(f"entry_cn.sh: error: {e}", file=sys.stderr, flush=True)
             os._exit(2)
         if elsewhere is None:
-            if not isinstance(e, (NonFiniteLoss, checkpoint.CheckpointError)):  # those say all there is to say
+            # those say all there is to say
+            if not isinstance(e, (NonFiniteLoss, OutOfMemory, checkpoint.CheckpointError)):
                 traceback.print_exc()
             message = f"{where} failed at step {watchdog.step}: {e}"
             announce_failure(message)

@@ -3,7 +3,6 @@ import json
 import os
 import socket
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,17 +21,15 @@ def capabilities(dev: torch.device, local_world_size: int) -> dict:
     without bf16 on a machine that has none."""
     from deepspeed.accelerator import get_accelerator
 
+    from vit.memory import device_memory
+
     acc = get_accelerator()
+    name, free, total = device_memory(dev, local_world_size)
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
-        free, total = torch.cuda.mem_get_info(dev)
-        name, capability = props.name, f"{props.major}.{props.minor}"
+        capability = f"{props.major}.{props.minor}"
         native = native_precisions((props.major, props.minor))  # not acc's: it counts emulated bf16 as supported
-    else:  # ranks on one host share its memory
-        mem = psutil.virtual_memory()
-        free, total = mem.available / local_world_size, mem.total / local_world_size
-        name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                    "CPU")
+    else:
         capability = None
         native = {"fp16": bool(acc.is_fp16_supported()), "bf16": bool(acc.is_bf16_supported())}
     report = {"host": socket.gethostname(), "device": name, "capability": capability,

@@ -1,0 +1,53 @@
+"""What fits in memory: the out-of-memory message (device memory faked where a GPU would answer; there is none
+here) and a real 2-rank run in which rank 1 runs out of memory."""
+import types
+
+import pytest
+import torch
+from helpers import launch
+
+from vit import memory
+from vit.dist_env import Job
+from vit.plan import make_plan
+from vit.settings import parse
+
+
+def test_the_estimate_leaves_headroom_for_the_model_and_its_state():
+    # 8 GiB: 90% of it, less 16 bytes per parameter, over the activations of one sample (halved in bf16).
+    assert memory.estimate_fit(8 * 2**30, 10**8, 2**20, "fp32") == int((0.9 * 8 * 2**30 - 16e8) // 2**20)
+    assert memory.estimate_fit(8 * 2**30, 10**8, 2**20, "bf16") == int((0.9 * 8 * 2**30 - 16e8) // 2**19)
+    assert memory.estimate_fit(2**30, 10**8, 2**20, "fp32") < 0  # the model alone does not fit
+
+
+def test_out_of_memory_message_names_the_card_and_what_fits(monkeypatch, tmp_path):
+    """An RTX 3070 (8 GiB) that ran out at micro-batch 256 of ViT-Small/224."""
+    props = types.SimpleNamespace(name="NVIDIA GeForce RTX 3070", major=8, minor=6)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev=None: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (2**28, 8 * 2**30))
+    plan = make_plan(parse(["--model", "vit_small_patch16_224", "--dataset", "synthetic", "--synthetic-size", "1024",
+                            "--micro-batch-size", "256", "--grad-accum", "2", "--log-dir", str(tmp_path)]),
+                     Job(0, 1, 0, 1, "single"))
+    e = memory.out_of_memory(plan, torch.device("cuda", 0), 4, torch.cuda.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 8.00 GiB\nmore"))
+    text = str(e)
+    assert text.startswith("out of memory during step 5 on cuda:0 (NVIDIA GeForce RTX 3070, 8.0 GiB) at "
+                           "micro-batch 256 (bf16): CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total "
+                           "capacity of 8.00 GiB. Estimated to fit: "), text
+    fit = int(text.split("Estimated to fit: ")[1].split()[0])
+    assert 1 <= fit < 256 and f"Try --micro-batch-size {fit}" in text
+    assert "zero2_offload.json" in text and "more --pipeline-stages" in text and "\n" not in text
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(240)
+def test_out_of_memory_on_rank_1_ends_every_rank_with_one_message(tmp_path):
+    r = launch(["--steps", 6, "--no-save", "--monitor-interval", 0, "--log-interval", 1, "--log-dir", tmp_path],
+               timeout=200, rank_env={1: {"VIT_TEST_OOM_AT": "1:3"}})
+    assert all(rc != 0 for rc in r.returncodes), r
+    said = "out of memory during step 3 on cpu ("
+    mine = [line for line in r.outputs[1].splitlines() if said in line]
+    assert len(mine) == 1 and mine[0].startswith("rank 1 (") and "at micro-batch 32 (fp32): CUDA out of memory. " \
+        "Tried to allocate 2.00 GiB" in mine[0] and "Estimated to fit: " in mine[0], r
+    assert "--micro-batch-size" in mine[0] and "zero2_offload" in mine[0] and "Traceback" not in r.outputs[1], r
+    assert "stops" in r.outputs[0] and said in r.outputs[0], r
