@@ -51,3 +51,63 @@ def test_out_of_memory_on_rank_1_ends_every_rank_with_one_message(tmp_path):
         "Tried to allocate 2.00 GiB" in mine[0] and "Estimated to fit: " in mine[0], r
     assert "--micro-batch-size" in mine[0] and "zero2_offload" in mine[0] and "Traceback" not in r.outputs[1], r
     assert "stops" in r.outputs[0] and said in r.outputs[0], r
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_micro_batch_search_finds_the_largest_that_fits_a_fake_memory_limit(seed):
+    """need(n) = static + per-sample x n (as a forward and backward's peak is), a budget, and sometimes an
+    allocator that fails earlier (out of memory above `oom_from`): against every size tried in turn."""
+    import random
+
+    rng = random.Random(seed)
+    static, per, upper = rng.uniform(0, 5e9), rng.uniform(1e5, 5e8), rng.randint(1, 3000)
+    budget = rng.uniform(0.5, 2) * (static + per * rng.randint(1, 4000))
+    oom_from = rng.choice([None, rng.randint(1, 4000)])
+    tried = []
+
+    def need(n):
+        tried.append(n)
+        return None if oom_from is not None and n >= oom_from else static + per * n
+
+    fitting = [n for n in range(1, upper + 1) if (oom_from is None or n < oom_from) and static + per * n <= budget]
+    expected = max(fitting, default=0)
+    assert memory.largest_fitting(need, budget, upper) == expected
+    assert len(tried) <= 2 * upper.bit_length() + 1 and len(set(tried)) == len(tried)
+    over = [n for n in tried if static + per * n > budget]
+    assert len(over) <= 1  # once two sizes are measured, sizes that would not fit are never tried
+
+
+def test_the_search_measures_a_real_forward_and_backward_on_the_cpu():
+    from vit.model import build_layers
+
+    model = torch.nn.Sequential(*build_layers("vit_digits", 10, 1, 8, 0))
+    sample = torch.randn(1, 8, 8)
+    one, two, four = (memory.forward_backward_bytes(model, sample, n) for n in (1, 2, 4))
+    assert one < two < four and four - two == pytest.approx(2 * (two - one), rel=0.05)  # affine in n
+    assert all(p.grad is None for p in model.parameters())
+    budget = two + (four - two) / 2  # room for 3 samples
+    assert memory.largest_fitting(lambda n: memory.forward_backward_bytes(model, sample, n), budget, 100) == 3
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("split", ["equal", "proportional"])
+def test_micro_batch_auto_trains_and_reports_its_choice(tmp_path, split):
+    import json
+
+    r = launch(["--micro-batch-size", "auto", "--batch-split", split, "--steps", 2, "--no-save",
+                "--monitor-interval", 0, "--log-dir", tmp_path], timeout=280)
+    assert r.ok, r
+    config = json.loads((tmp_path / "config.json").read_text())
+    chosen = config["micro_batch_auto"]
+    # digits has 1437 training samples: on this machine's RAM the cap is one step per epoch over 2 ranks.
+    assert chosen["per_rank"] == [718, 718] and chosen["micro_batch"] == 718, chosen
+    assert config["deepspeed"]["train_micro_batch_size_per_gpu"] == 718 and config["global_batch"] == 1436
+    assert config["args"]["micro_batch_size"] == "auto"
+    assert "--micro-batch-size auto: the largest forward and backward (fp32) that fit each rank with headroom: " \
+        "[718, 718]" in r.outputs[0]
+    if split == "proportional":
+        assert chosen["split"] == [718, 718]
+        assert json.loads((tmp_path / "cluster.json").read_text())["batch_split"] == [718, 718]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2

@@ -114,7 +114,7 @@ def resolve(par: ParallelSettings, world_size: int) -> tuple[dict, Batch]:
         raise ConfigError(f"--pipeline-stages {stages} does not divide the world size {world_size}")
     if par.micro_batch_size or par.grad_accum:
         cfg.pop("train_batch_size", None)  # recomputed from the overrides
-    if par.micro_batch_size:
+    if par.micro_batch_size and par.micro_batch_size != "auto":  # auto: the JSON's until vit.memory measures
         cfg["train_micro_batch_size_per_gpu"] = par.micro_batch_size
     if par.grad_accum:
         cfg["gradient_accumulation_steps"] = par.grad_accum

@@ -1,11 +1,15 @@
 """What fits in a rank's memory: the message of a rank that ran out of it (with what would fit), and
 --micro-batch-size auto (the largest micro-batch whose forward and backward fit every rank)."""
 import os
+import socket
+from collections.abc import Callable
 
 import psutil
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from vit.errors import OutOfMemory
+from vit.errors import ConfigError, OutOfMemory
 from vit.hetero.profile import BYTES_PER_PARAM, USABLE_MEMORY, activation_factor
 from vit.model import build_layers
 
@@ -90,3 +94,114 @@ def inject_oom_for_tests(rank: int, watchdog) -> None:
                                               "VIT_TEST_OOM_AT)")
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+
+
+def largest_fitting(need: Callable[[int], float | None], budget: float, upper: int) -> int:
+    """The largest micro-batch n <= upper whose forward and backward need(n) bytes within budget (need returns None
+    when the device ran out of memory); 0 when not even 1 fits. n doubles from 1, then bisects. A size whose
+    need, extrapolated from two sizes already measured (it is affine in n), is over budget is not tried: on a CPU
+    trying would swap, or meet the out-of-memory killer."""
+    measured: dict[int, float] = {}
+
+    def fits(n: int) -> bool:
+        if len(measured) >= 2:
+            (n1, b1), (n2, b2) = sorted(measured.items())[-2:]
+            if b2 + (b2 - b1) / (n2 - n1) * (n - n2) > budget:
+                return False
+        got = need(n)
+        if got is None:
+            return False
+        measured[n] = got
+        return got <= budget
+
+    if upper < 1 or not fits(1):
+        return 0
+    lo, hi = 1, None
+    while lo < upper:
+        n = min(2 * lo, upper)
+        if not fits(n):
+            hi = n
+            break
+        lo = n
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def forward_backward_bytes(model: nn.Module, sample: torch.Tensor, n: int) -> float | None:
+    """Bytes one forward and backward at micro-batch n holds at its peak (weights, gradients, activations and
+    input): the allocator's peak on a GPU (None if it ran out), the tensors kept for backward on a CPU."""
+    dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    try:
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            before = torch.cuda.memory_allocated(dev) - weights
+            model(sample.to(dev, dtype).repeat(n, *[1] * sample.dim())).float().sum().backward()
+            return torch.cuda.max_memory_allocated(dev) - before
+        own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in own:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = sample.to(dtype).repeat(n, *[1] * sample.dim())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+        out.float().sum().backward()
+        return 2 * weights + x.nbytes + sum(saved.values())
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        model.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def fit_micro_batch(plan):
+    """--micro-batch-size auto (collective): every rank finds the largest micro-batch whose forward and backward
+    fit its free memory less the optimizer's state and USABLE_MEMORY's headroom (up to one step per epoch); the
+    job takes the smallest, or with --batch-split proportional each rank its own. The plan follows."""
+    from vit.dist_env import device
+    from vit.hetero.census import DTYPES
+    from vit.plan import with_micro_batch
+
+    if plan.settings.parallel.micro_batch_size != "auto":
+        return plan
+    job, batch = plan.job, plan.batch
+    dev = device(job)
+    name, free, _ = device_memory(dev, job.local_world_size)
+    precision = likely_precision(plan.requested_precision, dev)
+    with torch.random.fork_rng():
+        model = nn.Sequential(*_layers(plan)).to(dev, DTYPES[precision])
+    params = sum(p.numel() for p in model.parameters())
+    budget = USABLE_MEMORY * free - params * OPTIMIZER_BYTES_PER_PARAM
+    upper = len(plan.data.train) // (batch.dp_size * batch.grad_accum)
+    mine = largest_fitting(lambda n: forward_backward_bytes(model, plan.data.train[0][0], n), budget, upper)
+    model = None
+    if dev.type == "cuda":  # the census reads free memory next
+        torch.cuda.empty_cache()
+    found = [None] * job.world_size
+    dist.all_gather_object(found, (mine, job.rank, f"{socket.gethostname()}, {name}, {free / 2**30:.1f} GiB free"))
+    sizes = [f[0] for f in found]
+    none = [f"rank {r} ({where})" for n, r, where in found if n < 1]
+    if none:
+        raise ConfigError(f"--micro-batch-size auto: not even micro-batch 1 fits {', '.join(none)} with the model's "
+                          "optimizer state: try deepspeed_configs/zero2_offload.json (optimizer state in CPU "
+                          "memory), or --engine pipeline")
+    split = None
+    if plan.settings.parallel.batch_split == "proportional":
+        split = list(sizes)
+        for _ in range(sum(split) % batch.dp_size):  # the global batch is micro-batch x data-parallel size
+            split[split.index(max(split))] -= 1
+    micro = sum(split) // batch.dp_size if split else min(sizes)
+    search = {"per_rank": sizes, "micro_batch": micro, "split": split, "precision": precision,
+              "limit": f"one step per epoch: {upper}"}
+    if job.is_main:
+        chosen = f"micro-batches {split} (one per rank)" if split else f"micro-batch {micro}"
+        print(f"--micro-batch-size auto: the largest forward and backward ({precision}) that fit each rank with "
+              f"headroom: {sizes} (at most {upper}, one step per epoch) -> {chosen}", flush=True)
+    return with_micro_batch(plan, micro, split, search)

@@ -4,7 +4,7 @@ mistake found here is one line and exit 2, with nothing written."""
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vit import checkpoint, slowdown
@@ -38,6 +38,8 @@ class Plan:
     layout: dict  # what a checkpoint must match to be resumed by this run
     slowdowns: dict[int, float]  # --simulate-slowdown: rank -> factor
     notes: list[str]  # said first by rank 0
+    micro_split: list[int] | None = None  # --micro-batch-size auto with --batch-split proportional: each rank's
+    micro_search: dict | None = None  # what --micro-batch-size auto measured and chose (config.json)
 
     def settings_hash(self) -> str:
         """The user's settings that make checkpoints comparable (before the census fills in precision)."""
@@ -71,11 +73,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     if par.engine == "pipeline" and par.pipeline_stages > preset.depth + 2:
         raise ConfigError(f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} layers of "
                           f"{s.model.model} (embedding, {preset.depth} blocks, head)")
-    per_epoch = steps_per_epoch(len(data.train), batch.global_size)
-    if per_epoch == 0:
-        raise ConfigError(f"global batch {batch.global_size} is larger than the {len(data.train)} training samples "
-                          f"of {dataset}")
-    total_steps = s.train.steps or max(1, round(s.train.epochs * per_epoch))
+    per_epoch, total_steps = run_length(s, data, batch)
     save_dir = ckpt.save_dir or (os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None)
     layout = {"engine": par.engine, "world_size": job.world_size, "data_parallel_size": batch.dp_size,
               "pipeline_stages": par.pipeline_stages if par.engine == "pipeline" else 1,
@@ -84,6 +82,24 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     resolve_master(job)
     return Plan(s, job, ds_config, batch, requested, data, per_epoch, total_steps, save_dir, resume, layout,
                 slowdowns, [note] if note else [])
+
+
+def run_length(s: Settings, data: DataSplit, batch: Batch) -> tuple[int, int]:
+    """(steps per epoch, steps of the run)."""
+    per_epoch = steps_per_epoch(len(data.train), batch.global_size)
+    if per_epoch == 0:
+        raise ConfigError(f"global batch {batch.global_size} is larger than the {len(data.train)} training samples "
+                          f"of {s.data.dataset}")
+    return per_epoch, s.train.steps or max(1, round(s.train.epochs * per_epoch))
+
+
+def with_micro_batch(plan: Plan, micro_batch: int, split: list[int] | None, search: dict) -> Plan:
+    """The plan once --micro-batch-size auto has measured: its DeepSpeed JSON, batch and length."""
+    par = replace(plan.settings.parallel, micro_batch_size=micro_batch)
+    ds_config, batch = resolve(par, plan.job.world_size)
+    per_epoch, total_steps = run_length(plan.settings, plan.data, batch)
+    return replace(plan, ds_config=ds_config, batch=batch, steps_per_epoch=per_epoch, total_steps=total_steps,
+                   layout={**plan.layout, "global_batch": batch.global_size}, micro_split=split, micro_search=search)
 
 
 def find_resume(s: Settings, save_dir: str | None, layout: dict, batch: Batch) -> Resume:

@@ -58,7 +58,10 @@ class ParallelSettings:
                                            "forward and backward is followed by a wait of FACTOR-1 times its time), "
                                            "to try mixed-GPU settings on identical hardware",
                                            metavar="RANK=FACTOR[,...]")
-    micro_batch_size: int | None = option(None, "override train_micro_batch_size_per_gpu of the JSON", "positive")
+    micro_batch_size: int | str | None = option(
+        None, "override train_micro_batch_size_per_gpu of the JSON; auto: the largest whose forward and backward fit "
+        "every rank's free memory with headroom (zero, ddp; with --batch-split proportional, one per rank)",
+        type=lambda v: v if v == "auto" else _positive_int(v), metavar="N|auto")
     grad_accum: int | None = option(None, "override gradient_accumulation_steps of the JSON", "positive")
     precision: str | None = option(None, "override the JSON's fp16/bf16 setting; auto: bf16 if every rank supports "
                                    "it, else fp16 if every rank does, else fp32 (the default on GPUs when neither "
@@ -228,6 +231,16 @@ def from_namespace(ns: argparse.Namespace) -> Settings:
     return Settings(**groups)
 
 
+def _positive_int(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {v!r}")
+    return n
+
+
 def validate(s: Settings) -> Settings:
     """Checks between options, and the defaults that depend on others filled in."""
     par, opt = s.parallel, s.optim
@@ -235,6 +248,9 @@ def validate(s: Settings) -> Settings:
         raise ConfigError(f"--min-lr {opt.min_lr:g} is above --lr {opt.lr:g}")
     if par.partition not in ("uniform", "parameters", "balanced") and not par.partition.startswith("type:"):
         raise ConfigError(f"--partition must be uniform, parameters, balanced or type:REGEX, got '{par.partition}'")
+    if par.micro_batch_size == "auto" and (par.engine == "pipeline" or s.checkpoint.resume):
+        raise ConfigError("--micro-batch-size auto applies to --engine zero or ddp, and not to --resume (pass the "
+                          "micro-batch the run chose: its config.json says)")
     if par.partition == "balanced" and par.engine != "pipeline":
         raise ConfigError("--partition balanced applies to --engine pipeline")
     if par.batch_split == "proportional" and par.engine == "pipeline":

@@ -25,7 +25,7 @@ from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure, failure_elsewhere
 from vit.gpu import set_tf32
-from vit.memory import inject_oom_for_tests, out_of_memory
+from vit.memory import fit_micro_batch, inject_oom_for_tests, out_of_memory
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
@@ -162,7 +162,7 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
         balanced_stages=par.pipeline_stages if par.engine == "pipeline" and par.partition == "balanced" else None,
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
-        slowdown=plan.slowdowns.get(job.rank, 1.0))
+        slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split)
 
 
 def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,
@@ -219,6 +219,7 @@ def run(plan: Plan, start_time: float) -> int:
     watchdog.start()
     inject_oom_for_tests(plan.job.rank, watchdog)
     try:
+        plan = fit_micro_batch(plan)
         train(plan, start_time, watchdog)
     except NothingToDo as e:  # decided on rank 0 before anything was written
         if plan.job.is_main:

@@ -34,9 +34,10 @@ class Adapted:
 
 def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str, micro_batch: int,
           grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
-          probe_batches: Callable[[], Iterable] | None, slowdown: float) -> Adapted:
+          probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None) -> Adapted:
     """Collective. `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to
-    be balanced; `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto)."""
+    be balanced; `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`:
+    the proportional micro-batches when --micro-batch-size auto measured them."""
     from deepspeed.runtime import utils as ds_utils
 
     caps = gather(capabilities(device, job.local_world_size))
@@ -65,11 +66,12 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
                             "compare": compare}
         say.append(stage_plan_text(plan, profile, reports, compare))
     if proportional:
-        split = split_batches(profile, reports, micro_batch, precision)
+        how = "each rank's largest (--micro-batch-size auto)" if split else "proportional to block speed"
+        split = split or split_batches(profile, reports, micro_batch, precision)
         decided.update(split=split, loss_weight=split[job.rank] * len(split) / sum(split))
         record["batch_split"] = split
-        say.append(f"batch split (proportional to block speed): micro-batches {split} (sum {sum(split)} = "
-                   f"{micro_batch} x {len(split)} ranks)")
+        say.append(f"batch split ({how}): micro-batches {split} (sum {sum(split)} = {micro_batch} x {len(split)} "
+                   "ranks)")
     if probe_batches is not None and precision == "fp16":
         grad_max = probe_grad_max(layers, probe_batches(), device, grad_accum)
         decided["scale_power"] = power = scale_power(grad_max)
