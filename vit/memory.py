@@ -70,7 +70,7 @@ def out_of_memory(plan, dev: torch.device, step: int, error: Exception) -> OutOf
                      "processes may hold memory on this device)")
     hints += ["--micro-batch-size auto", "deepspeed_configs/zero2_offload.json (optimizer state in CPU memory)",
               "--engine pipeline with more --pipeline-stages (each rank holds fewer layers)"]
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
     return OutOfMemory(
         f"out of memory during step {step + 1} on {dev} ({name}, {total / 2**30:.1f} GiB) at micro-batch {micro} "
         f"({precision}): {first}. Estimated to fit: {max(fit, 0)} samples per micro-batch (parameters, gradients "
