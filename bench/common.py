@@ -17,23 +17,29 @@ from vit.jsonl import read_jsonl
 from vit.metrics import write_json
 from vit.settings import ROOT
 
-# Peak dense TFLOP/s of one device: (a substring of its name, {precision: TFLOP/s}); the first match wins.
-# GPUs: vendor specs without sparsity; bf16/fp16 are tensor-core rates with FP32 accumulate (what autocast and
-# DeepSpeed use; GeForce cards run FP16-accumulate at twice that), fp32 is the non-tensor rate (PyTorch leaves
-# TF32 off for matmuls). CPUs: measured with `python -m vit.bench peak` (a GEMM on all cores), not specs.
-PEAK_TFLOPS = [
-    ("H100 PCIe", {"bf16": 756.5, "fp16": 756.5, "fp32": 51.2}),
-    ("H100 NVL", {"bf16": 835.5, "fp16": 835.5, "fp32": 60.0}),
-    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),  # SXM5
-    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
-    ("RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}),
-    ("RTX 3090", {"bf16": 71.0, "fp16": 71.0, "fp32": 35.6}),
-    ("RTX 3070", {"bf16": 40.6, "fp16": 40.6, "fp32": 20.3}),
+# Peak dense TFLOP/s of one device, by its exact name (torch.cuda.get_device_name(), or this module's
+# device_name() for a CPU): a name that is not here has no MFU, never a near match's (an RTX 3090 Ti is not an
+# RTX 3090). GPUs: vendor specs without sparsity; bf16/fp16 are tensor-core rates with FP32 accumulate (what
+# autocast and DeepSpeed use; GeForce cards run FP16-accumulate at twice that), fp32 the non-tensor rate.
+# CPUs: measured with `python -m bench peak` (a GEMM on all cores), not specs.
+PEAK_TFLOPS = {
+    "NVIDIA H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "fp32": 51.2},
+    "NVIDIA H100 NVL": {"bf16": 835.5, "fp16": 835.5, "fp32": 60.0},
+    "NVIDIA H100 80GB HBM3": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},  # SXM5
+    "NVIDIA H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
+    "NVIDIA A100-SXM4-40GB": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "NVIDIA A100-SXM4-80GB": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "NVIDIA A100-PCIE-40GB": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "NVIDIA A100 80GB PCIe": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "NVIDIA GeForce RTX 4090": {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6},
+    "NVIDIA GeForce RTX 3090 Ti": {"bf16": 80.0, "fp16": 80.0, "fp32": 40.0},
+    "NVIDIA GeForce RTX 3090": {"bf16": 71.0, "fp16": 71.0, "fp32": 35.6},
+    "NVIDIA GeForce RTX 3070 Ti": {"bf16": 43.5, "fp16": 43.5, "fp32": 21.7},
+    "NVIDIA GeForce RTX 3070": {"bf16": 40.6, "fp16": 40.6, "fp32": 20.3},
     # The 2-core KVM VM of docs/benchmarks.md (Zen 4: family 25 model 17, AVX-512 with bf16): the best of
-    # `python -m vit.bench peak --size 1024` at load 0.6 (fp32 0.178, bf16 0.428; 2048^3 gives 0.15-0.16 and 0.40-0.42).
-    ("AMD EPYC (2 cores)", {"bf16": 0.43, "fp32": 0.18}),
-]
+    # `python -m bench peak --size 1024` at load 0.6 (fp32 0.178, bf16 0.428; 2048^3 gives 0.15-0.16 and 0.40-0.42).
+    "AMD EPYC (2 cores)": {"bf16": 0.43, "fp32": 0.18},
+}
 
 
 def device_name() -> str:
@@ -45,7 +51,14 @@ def device_name() -> str:
 
 
 def peak_tflops(name: str, precision: str) -> float | None:
-    return next((peaks.get(precision) for key, peaks in PEAK_TFLOPS if key in name), None)
+    return PEAK_TFLOPS.get(name, {}).get(precision)
+
+
+def total_peak_tflops(gpus: list[str], precision: str, per_device: float | None = None) -> float | None:
+    """The peak of a run's GPUs together, each rank's its own (mixed GPUs); None when one is unknown.
+    `per_device` (--peak-tflops) stands for every GPU."""
+    peaks = [per_device or peak_tflops(name, precision) for name in gpus]
+    return None if None in peaks else sum(peaks)
 
 
 def flops_per_image(model: nn.Module, img_size: int) -> float:

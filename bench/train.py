@@ -23,6 +23,7 @@ from bench.common import (
     peak_tflops,
     positive_int,
     publish,
+    total_peak_tflops,
 )
 from bench.runs import CONFIGS, RUNS, engine_options
 from vit.metrics import peak_mem_gib
@@ -97,8 +98,7 @@ def run_engine(name: str, a, log_dir: Path) -> dict:
     train = [*opts, "--model", a.model, "--dataset", "synthetic", "--synthetic-size", max(2048, a.global_batch),
              "--steps", a.warmup + a.steps, "--log-interval", a.warmup, "--no-save", "--monitor-interval", 0,
              "--log-dir", log_dir]
-    if a.precision != "fp32":
-        train += ["--precision", a.precision]
+    train += ["--precision", a.precision]  # none given would be auto on GPUs
     if a.fused_adam:
         train.append("--fused-adam")
     log_dir.mkdir(parents=True)
@@ -111,8 +111,9 @@ def run_engine(name: str, a, log_dir: Path) -> dict:
         return {**row, "error": f"exit {rc}"}
     step_s = median_step_s(log_dir, a.warmup)
     summary = json.loads((log_dir / "summary.json").read_text())
+    census = json.loads((log_dir / "cluster.json").read_text())["census"]
     return {**row, "step_time_s": step_s, "images_per_s": a.global_batch / step_s,
-            "peak_mem_gib": summary["peak_mem_gib"]}
+            "peak_mem_gib": summary["peak_mem_gib"], "devices": [c["device"] for c in census]}
 
 
 def combine(runs: list[dict]) -> dict:
@@ -180,12 +181,14 @@ def run(a) -> int:
             for r in runs[-1 - len(engines):]:
                 print(f"{r['engine']}: " + (r.get("error") or f"{r['images_per_s']:.1f} images/s"), flush=True)
     rows = [combine([r for r in runs if r["engine"] == e]) for e in [runs[0]["engine"], *engines]]
-    # On a GPU every rank has its own device; CPU ranks share the cores of one machine, whose peak is the table's.
+    # On GPUs every rank has its own device, with its own peak; CPU ranks share the cores of one machine, whose
+    # peak is the table's.
     for row in rows:
         if "error" not in row:
-            devices = row["ranks"] if dev.type == "cuda" else 1
+            gpus = row.get("devices", [name]) if dev.type == "cuda" else None
+            total = total_peak_tflops(gpus, a.precision, a.peak_tflops) if gpus else peak
             row["ratio"] = row["images_per_s"] / rows[0]["images_per_s"]
-            row["mfu"] = row["images_per_s"] * 3 * flops / (peak * 1e12 * devices) if peak else None
+            row["mfu"] = row["images_per_s"] * 3 * flops / (total * 1e12) if total else None
     result = {"benchmark": "train", "model": a.model, "global_batch": a.global_batch, "precision": a.precision,
               "steps": a.steps, "warmup": a.warmup, "ranks": a.ranks, "device": name, "host": socket.gethostname(),
               "cpus": os.cpu_count(), "peak_tflops": peak, "flops_per_image": flops, "torch": torch.__version__,

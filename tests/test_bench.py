@@ -61,3 +61,15 @@ def test_allreduce_under_mpirun_reports_bus_bandwidth(tmp_path):
             assert m["algbw_gbps"] == pytest.approx(row["bytes"] / m["time_s"] / 1e9)
             assert m["busbw_gbps"] == pytest.approx(m["algbw_gbps"] * 2 * (2 - 1) / 2)
     assert "busbw GB/s" in r.stdout and "16384" in r.stdout
+
+
+def test_peaks_are_exact_names_and_mixed_gpus_add_their_own():
+    from bench.common import peak_tflops, total_peak_tflops
+
+    assert peak_tflops("NVIDIA GeForce RTX 3090", "bf16") == 71.0
+    assert peak_tflops("NVIDIA GeForce RTX 3090 Ti", "bf16") == 80.0  # not the 3090's
+    assert peak_tflops("NVIDIA GeForce RTX 3090 Laptop GPU", "bf16") is None  # unknown: no MFU, not a near match
+    mixed = ["NVIDIA GeForce RTX 3090", "NVIDIA GeForce RTX 3070", "NVIDIA GeForce RTX 3070"]
+    assert total_peak_tflops(mixed, "fp32") == pytest.approx(35.6 + 2 * 20.3)
+    assert total_peak_tflops([*mixed, "NVIDIA GeForce GTX 1080"], "fp32") is None
+    assert total_peak_tflops(mixed, "fp32", per_device=10.0) == 30.0
