@@ -39,3 +39,20 @@ def test_master_address_is_the_one_every_host_reaches():
         choose_master_addr(hosts, "ib0")
     with pytest.raises(ConfigError, match="shares no subnet"):
         choose_master_addr([hosts[0], ("d", [iface("10.9.9.9/24")])], None)
+
+
+def test_gloo_and_nccl_use_the_interface_that_reaches_rank_0(monkeypatch):
+    """A host with a libvirt bridge, a VPN and the cluster's network (psutil's answer faked: the outer boundary)."""
+    from vit import dist_env
+
+    mine = [("virbr0", ipaddress.IPv4Interface("192.168.122.1/24")), ("tun0", ipaddress.IPv4Interface("10.8.0.6/24")),
+            ("enp3s0", ipaddress.IPv4Interface("192.168.5.12/24"))]
+    monkeypatch.setattr(dist_env, "ipv4_interfaces", lambda: mine)
+    env = {}
+    assert dist_env.pin_interface("192.168.5.10", env) == "enp3s0"
+    assert env == {"GLOO_SOCKET_IFNAME": "enp3s0", "NCCL_SOCKET_IFNAME": "enp3s0"}
+    env = {"NCCL_SOCKET_IFNAME": "eth1"}  # IFACE (or the user) said: left alone
+    assert dist_env.pin_interface("192.168.5.10", env) is None and env == {"NCCL_SOCKET_IFNAME": "eth1"}
+    env = {}
+    assert dist_env.pin_interface("127.0.0.1", env) is None and env == {}  # one host: nothing to choose
+    assert dist_env.pin_interface("172.16.0.9", env) is None and env == {}  # routed: no interface on its subnet

@@ -22,6 +22,7 @@ SOURCES = [
     ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 ]
 MPI_LAUNCHERS = ("Open MPI", "MPICH/PMI")
+IFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 @dataclass
@@ -108,6 +109,27 @@ def choose_master_addr(hosts: list[tuple[str, list]], ifname: str | None) -> str
                      "set MASTER_ADDR or the interface (IFACE in setup/cluster.env)")
 
 
+def interface_toward(addr: str, ifaces: list[tuple[str, ipaddress.IPv4Interface]]) -> str | None:
+    """The name of this host's interface on the subnet of `addr` (rank 0's), if it has one."""
+    try:
+        ip = ipaddress.IPv4Address(socket.gethostbyname(addr))
+    except (OSError, ValueError):
+        return None
+    return None if ip.is_loopback else next((name for name, iface in ifaces if ip in iface.network), None)
+
+
+def pin_interface(master_addr: str, environ=None) -> str | None:
+    """Without IFACE (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), gloo and NCCL use the interface that reaches rank 0:
+    left to themselves they may pick a bridge (virbr0, docker0) or a VPN and hang. Returns the one chosen."""
+    environ = os.environ if environ is None else environ
+    if any(environ.get(v) for v in IFACE_VARS):
+        return None
+    name = interface_toward(master_addr, ipv4_interfaces())
+    if name:
+        environ.update({v: name for v in IFACE_VARS})
+    return name
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -154,6 +176,7 @@ def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto") 
     from vit import gpu
 
     timeout = timedelta(seconds=timeout_s)
+    pin_interface(job.master_addr)
     store = dist.TCPStore(job.master_addr, job.master_port, job.world_size, is_master=job.rank == 0,
                           timeout=timeout)
     reports = gpu.exchange(store, job.world_size, gpu.local_report(wanted_device, job.rank, job.local_rank),
