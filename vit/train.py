@@ -107,6 +107,7 @@ def lock_run_dirs(log_dir: str, save_dir: str, no_save: bool) -> list[RunLock]:
 def setup(plan: Plan, watchdog: Watchdog) -> Session:
     s, job, batch = plan.settings, plan.job, plan.batch
     preflight.check(job.world_size, s.cluster.hostfile)
+    preflight.check_offload(plan.ds_config, job.device_type)
     dev = device(job)
     log_dir = agree_log_dir(plan)
     save_dir = plan.save_dir or os.path.join(log_dir, "checkpoints")
