@@ -15,8 +15,9 @@ SCALAR_TYPES = {
     "memory_breakdown": bool, "prescale_gradients": bool, "gradient_predivide_factor": (int, float),
     "zero_allow_untested_optimizer": bool, "zero_force_ds_cpu_optimizer": bool, "dump_state": bool,
 }
+MONITORS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv_monitor": "csv", "comet": None}
 SECTIONS = ("fp16", "bf16", "zero_optimization", "activation_checkpointing", "flops_profiler", "pipeline",
-            "comms_logger", "tensorboard", "wandb", "csv_monitor", "compile")
+            "comms_logger", "compile", *MONITORS)
 
 
 @cache
@@ -100,6 +101,11 @@ def validate(cfg: dict, name: str) -> None:
     for key in SECTIONS:
         if key in cfg and not isinstance(cfg[key], dict):
             raise ConfigError(f"DeepSpeed config {name}: {key} must be an object, got {cfg[key]!r}")
+    for key, tracker in MONITORS.items():
+        if key in cfg and cfg[key].get("enabled"):  # DeepSpeed's own monitor would start a second tracker
+            use = f"--report-to {tracker}" if tracker else f"--report-to ({', '.join(filter(None, MONITORS.values()))})"
+            raise ConfigError(f"DeepSpeed config {name}: \"{key}\" is DeepSpeed's own monitor; remove it and use "
+                              f"{use} instead")
 
 
 def _is(value, types) -> bool:

@@ -2,7 +2,8 @@
 
 Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore unknown fields):
   {"kind": "train", "step", "time", "rank", "host", "loss", "lr", "images_per_s" (the whole job's),
-   "rank_images_per_s" (this rank's data-parallel share), "step_time_s", "mem_gib", "skipped_steps",
+   "rank_images_per_s" (this rank's data-parallel share), "step_time_s", "mem_gib", "skipped_steps", "loss_scale"
+   (fp16's loss scale, else null),
    and the step-time breakdown in seconds per step: "data_s", "forward_s", "backward_s", "optimizer_s",
    for the pipeline also "pipe_send_s", "pipe_recv_s", "allreduce_s"}
   {"kind": "eval",  "step", "time", "rank", "host", "eval_loss", "top1"}
