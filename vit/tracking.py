@@ -4,6 +4,7 @@ show the same numbers, plus every host's latest monitor sample (GPU and CPU util
 import csv
 import json
 import os
+import secrets
 
 import torch.distributed as dist
 
@@ -68,9 +69,7 @@ def wandb_run_id(log_dir: str) -> str:
     if os.path.exists(path):
         with open(path) as f:
             return f.read().strip()
-    from wandb.util import generate_id
-
-    run_id = generate_id()
+    run_id = secrets.token_hex(4)  # W&B's own ids are 8 lowercase letters and digits too
     with open(path, "w") as f:
         f.write(run_id + "\n")
     return run_id
@@ -92,8 +91,8 @@ class WandbSink:
             raise ConfigError(f"--report-to wandb: {str(e).splitlines()[0]} (log in with `wandb login`, or set "
                               "WANDB_MODE=offline to log without network)") from None
         if self.run.settings.mode == "offline":
-            print(f"wandb: offline run {self.run.id} in {self.run.dir.removesuffix('/files')}; upload it with "
-                  "`wandb sync` on a machine with network", flush=True)
+            print(f"wandb: offline run {self.run.id}; upload it later with: wandb sync "
+                  f"{os.path.dirname(self.run.dir)}", flush=True)
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)
