@@ -93,4 +93,4 @@ def test_help(script):
 def test_doctor_lives_in_setup():
     assert not (ROOT / "scripts" / "doctor.sh").exists()
     r = run_cmd([str(ROOT / "setup" / "doctor.sh"), "--help"], timeout=20)
-    assert r.returncode == 0 and r.stdout.startswith("Usage: setup/doctor.sh [--help] [NP]"), r
+    assert r.returncode == 0 and r.stdout.startswith("Usage: setup/doctor.sh [--help] [--link] [NP]"), r
