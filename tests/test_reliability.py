@@ -175,8 +175,10 @@ def ds_config(tmp_path, **cfg) -> str:
     ({"bf16": True}, "bf16 must be an object, got True"),
     ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu must be a positive integer, got 0"),
     ({"optimizer": {"type": "Adam"}}, "remove 'optimizer'"),
+    ({"bf16": {"enabled": "false"}}, "bf16.enabled must be true or false, got 'false'"),
+    ({"gradient_clipping": -1}, "gradient_clipping must be >= 0, got -1"),
 ], ids=["top-level typo", "zero typo", "fp16 typo", "type", "zero stage", "auto", "section type", "batch",
-        "optimizer"])
+        "optimizer", "string boolean", "range"])
 def test_each_bad_config_has_its_own_message(tmp_path, cfg, message):
     r = one_process(["--ds-config", ds_config(tmp_path, **cfg), "--log-dir", tmp_path / "run"])
     last = r.stderr.strip().splitlines()[-1]
