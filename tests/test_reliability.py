@@ -125,6 +125,24 @@ def test_damaged_shard_is_caught_and_previous_checkpoint_used(zero_run, tmp_path
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("key", ["files", "zero_stage"])
+def test_manifest_without_a_key_is_a_damaged_checkpoint(zero_run, tmp_path, key):
+    run = tmp_path / "run"
+    shutil.copytree(zero_run, run)
+    step8 = run / "checkpoints" / "step8"
+    manifest = json.loads((step8 / "manifest.json").read_text())
+    del manifest[key]
+    (step8 / "manifest.json").write_text(json.dumps(manifest))
+    r = launch([*CHECKPOINTED, "--resume", "--log-dir", run], timeout=200)
+    assert r.ok, r
+    assert f"checkpoint {step8} is damaged (its manifest lacks {key})" in r.outputs[0], r
+    assert "resumed from step4" in r.outputs[0]
+    # The damaged folder is kept aside, never overwritten; step8 is the resumed run's.
+    assert json.loads((run / "checkpoints" / "step8.damaged" / "manifest.json").read_text()) == manifest
+    assert key in json.loads((step8 / "manifest.json").read_text())
+
+
 def one_process(args, env=None) -> subprocess.CompletedProcess:
     extra = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", **env} if env else {}
     return run_cmd([sys.executable, "-m", "vit.train", *map(str, args)], env=base_env(**extra), timeout=100)
