@@ -333,6 +333,17 @@ def test_training_runs_one_rank_per_host(cluster, tmp_path, engine_args):
     assert last_step(log_dir, 0) == STEPS
 
 
+@pytest.mark.timeout(300, method="signal")
+def test_compare_puts_one_rank_on_each_host_of_the_hostfile(cluster, tmp_path):
+    # Open MPI 5's --oversubscribe with a hostfile put every rank on the first host: compare.sh must not pass it.
+    out = tmp_path / "compare"
+    r = cluster.on(0, f'RUNS=ddp STEPS=2 NP={len(HOSTS)} OUT={out} scripts/compare.sh --hostfile "$SIM_DIR/hostfile"',
+                   timeout=240, IFACE="eth0")
+    assert (out / "plots" / "comparison.md").is_file(), r
+    for rank, host in enumerate(HOSTS):
+        assert {rec["host"] for rec in read_jsonl(out / "ddp" / f"metrics_rank{rank}.jsonl")} == {host}, r
+
+
 @pytest.mark.timeout(600, method="signal")
 def test_killed_rank_on_one_host_ends_every_rank_and_retry_finishes_the_run(cluster, tmp_path):
     log_dir, victim_host = tmp_path / "run", 3
