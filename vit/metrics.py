@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from vit.jsonl import open_append
+
 
 def write_json(path: str, obj) -> None:
     """Write JSON through a temporary file, so a reader never sees half of it."""
@@ -39,7 +41,7 @@ class MetricsLog:
     def __init__(self, log_dir: str, rank: int):
         os.makedirs(log_dir, exist_ok=True)
         self.rank, self.host = rank, socket.gethostname()
-        self.file = open(os.path.join(log_dir, f"metrics_rank{rank}.jsonl"), "a")
+        self.file = open_append(os.path.join(log_dir, f"metrics_rank{rank}.jsonl"))
 
     def write(self, kind: str, step: int, **fields) -> None:
         record = {"kind": kind, "step": step, "time": time.time(), "rank": self.rank, "host": self.host, **fields}

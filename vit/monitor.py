@@ -16,6 +16,8 @@ import time
 
 import psutil
 
+from vit.jsonl import open_append
+
 BACKENDS = ("auto", "nvml", "gputil", "none")
 
 
@@ -160,7 +162,7 @@ class Monitor:
                 self._note(f"no GPU data, recording CPU and memory only ({type(e).__name__}: {e})")
                 self._gpu, self.backend = None, "none"
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        self._file = open(self.path, "a")
+        self._file = open_append(self.path)
         self._process, self._cpu_since = psutil.Process(), time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"monitor-rank{self.rank}", daemon=True)
         self._thread.start()
