@@ -22,10 +22,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from PIL import Image  # noqa: E402  (installed with matplotlib)
 
+from vit import jsonl  # noqa: E402  (the one reader of our logs)
+
 # Step phases of the train records in stacking order; then pipe_*_s, other_s, and the unaccounted rest.
 PHASES = ("data_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s")
 COLUMNS = ("run", "engine", "chunks (micro-batches = grad_accum)", "batch size (global)",
-           "memory per GPU (peak_mem_gib)", "images/s", "training time (train_s)")
+           "memory per GPU (peak_mem_gib)", "images/s", "training time (train_s)", "status")
+MEASURES = COLUMNS[4:7]  # the numbers compare.png charts
 DPI = 80
 
 
@@ -34,22 +37,14 @@ class LogError(Exception):
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Records of a JSON-lines file; a truncated last line (a run killed mid-write) is dropped."""
-    lines = path.read_text().splitlines()
-    records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                print(f"plot_logs.py: note: {path}: ignoring a truncated last line", file=sys.stderr)
-                continue
-            raise LogError(f"{path}:{i + 1}: not a JSON line") from None
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+    """Records of a JSON-lines file (vit.jsonl's rule); a truncated last line (a run killed mid-write) is dropped."""
+    def note(p):
+        print(f"plot_logs.py: note: {p}: ignoring a truncated last line", file=sys.stderr)
+
+    try:
+        return jsonl.read_jsonl(path, on_torn_tail=note)
+    except jsonl.JsonlError as e:
+        raise LogError(str(e)) from None
 
 
 def read_json(path: Path) -> dict:
@@ -108,7 +103,12 @@ class Run:
             ips = sum(values) / len(values) if values else None
         return dict(zip(COLUMNS, (self.name, engine, s.get("grad_accum", ds.get("gradient_accumulation_steps")),
                                   s.get("global_batch", self.config.get("global_batch")), s.get("peak_mem_gib"),
-                                  ips, s.get("train_s"))))
+                                  ips, s.get("train_s"), self.status)))
+
+    @property
+    def status(self) -> str:
+        """A run writes summary.json last: without it, the run was killed, failed or is still going."""
+        return "complete" if self.summary else "incomplete (no summary.json)"
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -120,7 +120,7 @@ def fmt(value, digits: int = 3) -> str:
 
 
 def table(runs: list[Run]) -> tuple[str, list[list[str]]]:
-    rows = [[fmt(v, d) for v, d in zip(run.row().values(), (0, 0, 0, 0, 3, 1, 2))] for run in runs]
+    rows = [[fmt(v, d) for v, d in zip(run.row().values(), (0, 0, 0, 0, 3, 1, 2, 0))] for run in runs]
     md = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     md += ["| " + " | ".join(c or "–" for c in row) + " |" for row in rows]
     return "\n".join(md) + "\n", rows
@@ -266,7 +266,7 @@ def plot_compare(runs: list[Run], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(12, 4))
     labels = [r["run"] if r["engine"] in (None, r["run"]) else f"{r['run']}\n{r['engine']}" for r in rows]
     titles = ("peak memory per GPU (GiB; RSS on CPU)", "images/s", "training time (s)")
-    for ax, col, title in zip(axes, COLUMNS[4:], titles):
+    for ax, col, title in zip(axes, MEASURES, titles):
         values = [r[col] if isinstance(r[col], (int, float)) else 0.0 for r in rows]
         ax.bar(range(len(rows)), values, color=[f"C{i % 10}" for i in range(len(rows))])
         ax.set_xticks(range(len(rows)), labels, fontsize=7)

@@ -70,8 +70,9 @@ if [ -f setup/cluster.env ]; then
   . setup/cluster.env
 fi
 read -r -a mpi_args <<<"${MPIRUN_ARGS:-}"
-mpi_args+=(--oversubscribe)
-[ -z "$HOSTFILE" ] || mpi_args+=(--hostfile "$HOSTFILE")
+# More ranks than cores on one machine needs --oversubscribe; with a hostfile the slots decide, and Open MPI 5's
+# --oversubscribe would put every rank on the first host.
+if [ -n "$HOSTFILE" ]; then mpi_args+=(--hostfile "$HOSTFILE"); else mpi_args+=(--oversubscribe); fi
 for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME; do
   [ -z "${!var:-}" ] || mpi_args+=(-x "$var")
 done

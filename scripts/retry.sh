@@ -40,13 +40,13 @@ retries=${RETRIES:-3}
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
-    -n) [ $# -ge 2 ] || usage_error "-n needs a number"; retries=$2; shift 2 ;;
+    -n) [ $# -ge 2 ] && [[ "$2" != -* ]] || usage_error "-n needs a number"; retries=$2; shift 2 ;;
     --) shift; break ;;
     *) unknown_option "$1" "the command goes after --" ;;
   esac
 done
-[ $# -gt 0 ] || usage_error "no command given"
 case "$retries" in ''|*[!0-9]*) usage_error "-n must be a whole number, got '$retries'" ;; esac
+[ $# -gt 0 ] || usage_error "no command given"
 
 save_dir=""
 log_dir=""

@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-Usage: setup/doctor.sh [--help] [NP]
+Usage: setup/doctor.sh [--help] [--link] [NP]
 
 Checks, for a run of NP ranks (default: all slots) over the hostfile:
   - the hostfile: "HOST slots=N" lines (as Open MPI and the DeepSpeed launcher read them), NP
@@ -18,12 +18,19 @@ Checks, for a run of NP ranks (default: all slots) over the hostfile:
     its ssh port answers from every host within 3 s.
 Exits 1 after listing every problem.
 
+--link also measures each host's link: one TCP stream of LINK_MB MB (default 100) from this machine
+to every other host (setup/link_speed.py, the transfer the simulated-cluster tests measure with),
+then prints the Mbit/s per host and the engine that README's "Which engine on which network"
+table gives for the slowest link.
+
 Environment: HOSTFILE (default setup/hosts.txt), NP, MASTER_ADDR, IFACE (see setup/cluster.env),
-SSH_TIMEOUT, HOST_TIMEOUT.
+SSH_TIMEOUT, HOST_TIMEOUT, LINK_MB.
 USAGE
 }
 # shellcheck source=setup/common.sh
 . "$(dirname "$0")/common.sh"
+measure_link=0
+if [ "${1:-}" = --link ]; then measure_link=1; shift; fi
 opening "$@"
 [ $# -le 1 ] || usage_error "one NP at most, got $# arguments"
 [ $# -eq 0 ] || NP=$1
@@ -88,3 +95,33 @@ if [ "${#problems[@]}" -gt 0 ]; then
 fi
 echo "$PROG: ok: $NP rank(s) over ${#HOSTS[@]} host(s) ($total_slots slots), same versions everywhere," \
   "network ${IFACE:-auto}, MASTER_ADDR $master reachable from every host"
+[ "$measure_link" = 1 ] || exit 0
+
+# link_mbit HOST PORT: Mbit/s of one stream of LINK_MB MB from here to HOST (empty when it failed).
+link_mbit() {
+  local host=$1 port=$2 out="$tmp/link.$1" waited=0
+  timeout 120 ssh "${SSH_OPTS[@]}" "$host" python3 "$ROOT/setup/link_speed.py" recv 0.0.0.0 "$port" >"$out" 2>&1 &
+  until grep -q '^listening' "$out" 2>/dev/null; do
+    sleep 0.2; waited=$((waited + 1))
+    [ "$waited" -lt 50 ] || return 0
+  done
+  python3 "$ROOT/setup/link_speed.py" send "$host" "$port" $((${LINK_MB:-100} * 1000000)) || return 0
+  wait
+  awk '$1 ~ /^[0-9]+$/ && $3 > $2 { printf "%.0f", $1 * 8 / ($3 - $2) / 1e6 }' "$out"
+}
+
+slowest=""
+for host in "${HOSTS[@]}"; do
+  [ "$host" != "$(hostname)" ] || continue
+  mbit=$(link_mbit "$host" 5201)
+  [ -n "$mbit" ] || die "link to $host: the transfer failed ($(tail -n 1 "$tmp/link.$host"))"
+  echo "$PROG: link from $(hostname) to $host: $mbit Mbit/s"
+  [ -n "$slowest" ] && [ "$slowest" -le "$mbit" ] || slowest=$mbit
+done
+[ -n "$slowest" ] || die "--link: no host other than this one ($(hostname)) to measure"
+# The thresholds of README's table "Which engine on which network" (docs/benchmarks.md, "Which engine wins").
+if [ "$slowest" -lt 2000 ]; then
+  echo "$PROG: slowest link $slowest Mbit/s (1 GbE or slower): RECOMMEND_SLOW"
+else
+  echo "$PROG: slowest link $slowest Mbit/s (faster than 1 GbE): RECOMMEND_FAST"
+fi

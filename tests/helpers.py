@@ -115,6 +115,22 @@ def last_step(log_dir, rank: int) -> int:
     return max(steps, default=0)
 
 
+def mpi_rank_process(marker, rank: int):
+    """The running `vit.train` process whose command line holds `marker` (a log dir) and whose Open MPI rank is
+    `rank`, as a psutil.Process; None when there is none."""
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmdline = " ".join(p.info["cmdline"] or [])
+            if "vit.train" in cmdline and str(marker) in cmdline and \
+                    p.environ().get("OMPI_COMM_WORLD_RANK") == str(rank):
+                return p
+        except psutil.Error:  # gone, or not ours to read
+            continue
+    return None
+
+
 def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.CompletedProcess:
     """Run a command in its own process group; kill the whole group on timeout."""
     require_ranks_mark()

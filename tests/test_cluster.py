@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import pwd
+import re
 import shlex
 import shutil
 import signal
@@ -21,6 +22,7 @@ from helpers import last_step, read_jsonl, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SIM = str(ROOT / "scripts" / "sim_cluster.sh")
+LINK_SPEED = str(ROOT / "setup" / "link_speed.py")  # the transfer setup/doctor.sh --link makes
 SUBNET = "10.250.77"  # sim_cluster.sh's default: the only addresses these tests send to
 HOSTS = [f"cn{i}" for i in range(5)]
 LINK, LINK_MBIT = "1gbit", 1000
@@ -266,6 +268,15 @@ def test_links_are_shaped_to_the_rate_in_both_directions(cluster):
 
 
 @pytest.mark.timeout(120, method="signal")
+def test_doctor_measures_every_link_and_recommends_for_the_slowest(cluster):
+    r = cluster.on(0, 'setup/doctor.sh --link', timeout=90, HOSTFILE=str(cluster.hostfile), LINK_MB="60")
+    rates = {m[0]: int(m[1]) for m in re.findall(r"link from cn0 to (cn\d): (\d+) Mbit/s", r.output)}
+    assert sorted(rates) == HOSTS[1:], r
+    assert all(0.9 * LINK_MBIT <= mbit <= 1.01 * LINK_MBIT for mbit in rates.values()), rates
+    assert f"slowest link {min(rates.values())} Mbit/s (1 GbE or slower): use" in r.output, r
+
+
+@pytest.mark.timeout(120, method="signal")
 def test_link_rate_can_be_changed_and_a_bad_rate_is_one_line(cluster):
     try:
         for bad in ("fast", "1gbyte", "0mbit", "-5mbit"):
@@ -322,6 +333,17 @@ def test_training_runs_one_rank_per_host(cluster, tmp_path, engine_args):
     assert last_step(log_dir, 0) == STEPS
 
 
+@pytest.mark.timeout(300, method="signal")
+def test_compare_puts_one_rank_on_each_host_of_the_hostfile(cluster, tmp_path):
+    # Open MPI 5's --oversubscribe with a hostfile put every rank on the first host: compare.sh must not pass it.
+    out = tmp_path / "compare"
+    r = cluster.on(0, f'RUNS=ddp STEPS=2 NP={len(HOSTS)} OUT={out} scripts/compare.sh --hostfile "$SIM_DIR/hostfile"',
+                   timeout=240, IFACE="eth0")
+    assert (out / "plots" / "comparison.md").is_file(), r
+    for rank, host in enumerate(HOSTS):
+        assert {rec["host"] for rec in read_jsonl(out / "ddp" / f"metrics_rank{rank}.jsonl")} == {host}, r
+
+
 @pytest.mark.timeout(600, method="signal")
 def test_killed_rank_on_one_host_ends_every_rank_and_retry_finishes_the_run(cluster, tmp_path):
     log_dir, victim_host = tmp_path / "run", 3
@@ -362,24 +384,6 @@ def alive(p: psutil.Process) -> bool:
         return False
 
 
-TRANSFER = """
-import socket, sys, time
-role, addr, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-if role == "recv":
-    server = socket.create_server((addr, port))
-    print("listening", flush=True)
-    conn, _ = server.accept()
-    got, first = 0, None
-    while chunk := conn.recv(1 << 20):
-        first = first or time.time()
-        got += len(chunk)
-    print(got, first, time.time(), flush=True)
-else:
-    conn = socket.create_connection((addr, port), timeout=30)
-    conn.sendall(bytes(n))
-    conn.shutdown(socket.SHUT_WR)
-    conn.recv(1)
-"""
 
 
 def transfer_mbit(cluster: Cluster, pairs: list[tuple[int, int]], nbytes: int) -> float:
@@ -388,12 +392,12 @@ def transfer_mbit(cluster: Cluster, pairs: list[tuple[int, int]], nbytes: int) -
     receivers, senders = [], []
     try:
         for k, (_, b) in enumerate(pairs):
-            p = subprocess.Popen([SIM, "exec", str(b), "--", sys.executable, "-c", TRANSFER, "recv",
-                                  f"{SUBNET}.{10 + b}", str(5201 + k), "0"], env=cluster.env, stdout=subprocess.PIPE,
+            p = subprocess.Popen([SIM, "exec", str(b), "--", sys.executable, LINK_SPEED, "recv",
+                                  f"{SUBNET}.{10 + b}", str(5201 + k)], env=cluster.env, stdout=subprocess.PIPE,
                                  text=True)
             receivers.append(p)
             assert p.stdout.readline().strip() == "listening"
-        senders = [subprocess.Popen([SIM, "exec", str(a), "--", sys.executable, "-c", TRANSFER, "send",
+        senders = [subprocess.Popen([SIM, "exec", str(a), "--", sys.executable, LINK_SPEED, "send",
                                      f"{SUBNET}.{10 + b}", str(5201 + k), str(nbytes)], env=cluster.env)
                    for k, (a, b) in enumerate(pairs)]
         for p in senders:

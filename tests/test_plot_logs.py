@@ -121,6 +121,27 @@ def test_run_killed_mid_write(runs, tmp_path):
     assert row["training time (train_s)"] == ""
 
 
+@pytest.mark.timeout(TIMEOUT)
+def test_run_killed_mid_write_then_resumed(tmp_path):
+    # A run that dies at step 4 with half a record at the end of every log, then resumed from its step-2
+    # checkpoint: the resumed run's records start on a line of their own, and the run plots whole.
+    run, out = tmp_path / "run", tmp_path / "plots"
+    args = ["--steps", 8, "--log-interval", 1, "--save-interval", 2, "--log-dir", run]
+    r = launch(args, env={"VIT_TEST_CRASH_IN_SAVE": "step4"}, timeout=400)
+    assert 3 in r.returncodes, r
+    for log in run.glob("*_rank*.jsonl"):
+        log.write_text(log.read_text()[:-15])
+    r = plot(run, "--out", out)
+    assert r.returncode == 0 and "truncated last line" in r.stderr, r.stdout + r.stderr
+    assert next(csv.DictReader(open(out / "comparison.csv")))["status"] == "incomplete (no summary.json)"
+    r = launch([*args, "--resume"], timeout=400)
+    assert r.ok, r
+    r = plot(run, "--out", out)
+    assert r.returncode == 0 and "truncated" not in r.stderr, r.stdout + r.stderr
+    assert next(csv.DictReader(open(out / "comparison.csv")))["status"] == "complete"
+    assert max(rec["step"] for rec in plot_logs.Run(run).records("train")) == 8
+
+
 def write_jsonl(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -151,7 +172,8 @@ def test_step_time_breakdown_with_unknown_fields(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     for name in CHARTS:
         assert_png(run / "plots" / f"{name}.png")
-    assert "| pipe-x | – | – | – | – | 500.0 | – |" in (run / "plots" / "comparison.md").read_text()
+    table = (run / "plots" / "comparison.md").read_text()
+    assert "| pipe-x | – | – | – | – | 500.0 | – | incomplete (no summary.json) |" in table
 
 
 @pytest.mark.timeout(60)

@@ -2,15 +2,17 @@
 damaged ones are caught, a full disk keeps the previous checkpoint, bad configs are refused."""
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import psutil
 import pytest
-from helpers import MPIRUN, ROOT, Ranks, base_env, last_step, launch, run_cmd, train_losses, wait_for
+from helpers import MPIRUN, ROOT, Ranks, base_env, last_step, launch, mpi_rank_process, run_cmd, train_losses, wait_for
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
@@ -37,6 +39,45 @@ def test_sigkill_of_rank1_ends_every_rank_within_60s(tmp_path):
     assert elapsed < 60, f"rank 0 took {elapsed:.0f} s to stop"
     assert r.returncodes[0] != 0 and r.returncodes[1] == -signal.SIGKILL
     assert "rank 0 (" in r.outputs[0] and ("failed at step" in r.outputs[0] or "stops" in r.outputs[0]), r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_stopped_rank_ends_every_rank_naming_it(tmp_path, stopped):
+    """A rank that stops without dying (SIGSTOP: a driver stall, swap, an NFS hang). Rank 0 holds the job's store,
+    so when it stops, every store call of the others hangs too."""
+    run = tmp_path / "run"
+    cmd = [*MPIRUN, "-np", "2", "./entry_cn.sh", "--steps", "100000", "--log-interval", "1", "--no-save",
+           "--dist-timeout", "20", "--log-dir", str(run)]
+    out = open(tmp_path / "mpirun.log", "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    victim = None
+    try:
+        wait_for(lambda: last_step(run, 0) >= 3 and last_step(run, 1) >= 3, 200, "both ranks to train 3 steps")
+        ranks = [mpi_rank_process(run, r) for r in (0, 1)]
+        victim = ranks[stopped]
+        victim.suspend()
+        stopped_at = time.monotonic()
+        returncode = proc.wait(timeout=90)
+        elapsed = time.monotonic() - stopped_at
+        psutil.wait_procs(ranks, timeout=5)
+        assert not [p.pid for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if victim is not None:
+            for action in (victim.resume, victim.kill):
+                try:
+                    action()
+                except psutil.Error:
+                    pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out.seek(0)
+    log = out.read()
+    assert returncode != 0 and elapsed < 30, f"mpirun ended {elapsed:.0f} s after the stop, exit {returncode}\n{log}"
+    print(f"rank {stopped} stopped: mpirun ended {elapsed:.1f} s later, exit {returncode}")  # shown with -rP
+    host = socket.gethostname()
+    assert re.search(rf"rank {1 - stopped} \({host}\) stops at step \d+: rank {stopped} \({host}\) made no "
+                     rf"progress for \d+ s \(last step \d+\)", log), log[-3000:]
 
 
 @pytest.mark.timeout(300)
@@ -82,6 +123,24 @@ def test_damaged_shard_is_caught_and_previous_checkpoint_used(zero_run, tmp_path
     want, got = train_losses(zero_run), train_losses(run)
     for step in range(5, 9):
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("key", ["files", "zero_stage"])
+def test_manifest_without_a_key_is_a_damaged_checkpoint(zero_run, tmp_path, key):
+    run = tmp_path / "run"
+    shutil.copytree(zero_run, run)
+    step8 = run / "checkpoints" / "step8"
+    manifest = json.loads((step8 / "manifest.json").read_text())
+    del manifest[key]
+    (step8 / "manifest.json").write_text(json.dumps(manifest))
+    r = launch([*CHECKPOINTED, "--resume", "--log-dir", run], timeout=200)
+    assert r.ok, r
+    assert f"checkpoint {step8} is damaged (its manifest lacks {key})" in r.outputs[0], r
+    assert "resumed from step4" in r.outputs[0]
+    # The damaged folder is kept aside, never overwritten; step8 is the resumed run's.
+    assert json.loads((run / "checkpoints" / "step8.damaged" / "manifest.json").read_text()) == manifest
+    assert key in json.loads((step8 / "manifest.json").read_text())
 
 
 def one_process(args, env=None) -> subprocess.CompletedProcess:
@@ -134,8 +193,10 @@ def ds_config(tmp_path, **cfg) -> str:
     ({"bf16": True}, "bf16 must be an object, got True"),
     ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu must be a positive integer, got 0"),
     ({"optimizer": {"type": "Adam"}}, "remove 'optimizer'"),
+    ({"bf16": {"enabled": "false"}}, "bf16.enabled must be true or false, got 'false'"),
+    ({"gradient_clipping": -1}, "gradient_clipping must be >= 0, got -1"),
 ], ids=["top-level typo", "zero typo", "fp16 typo", "type", "zero stage", "auto", "section type", "batch",
-        "optimizer"])
+        "optimizer", "string boolean", "range"])
 def test_each_bad_config_has_its_own_message(tmp_path, cfg, message):
     r = one_process(["--ds-config", ds_config(tmp_path, **cfg), "--log-dir", tmp_path / "run"])
     last = r.stderr.strip().splitlines()[-1]
@@ -192,10 +253,7 @@ def test_retry_wrapper_relaunches_from_last_checkpoint(tmp_path):
     try:
         wait_for(lambda: (tmp_path / "checkpoints" / "step5" / "manifest.json").is_file() and
                  last_step(tmp_path, 1) >= 7, 240, "a checkpoint at step 5 and rank 1 past step 7")
-        victim = next(p for p in psutil.process_iter(["cmdline"])
-                      if "vit.train" in (cmdline := " ".join(p.info["cmdline"] or [])) and str(tmp_path) in cmdline
-                      and p.environ().get("OMPI_COMM_WORLD_RANK") == "1")
-        victim.kill()
+        mpi_rank_process(tmp_path, 1).kill()
         assert proc.wait(timeout=300) == 0
     finally:
         if proc.poll() is None:

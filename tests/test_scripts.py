@@ -2,6 +2,7 @@
 retried, a relaunch names its checkpoint or says it starts over), and every script's --help and its one line
 for an unknown option."""
 import os
+import re
 
 import pytest
 from helpers import MPIRUN, ROOT, base_env, run_cmd
@@ -67,10 +68,18 @@ def test_retry_starts_over_without_a_complete_checkpoint(tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_retry_n_without_a_value_is_one_line():
-    r, out = retry("-n")
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr == "retry.sh: -n needs a number (see --help)\n"
+@pytest.mark.parametrize("args,message", [
+    (["-n"], "-n needs a number"),
+    (["-n", "--", "true"], "-n needs a number"),  # not "unknown option 'true'"
+    (["-n", "abc"], "-n must be a whole number, got 'abc'"),
+    (["-n", "2x", "--", "true"], "-n must be a whole number, got '2x'"),
+    (["-x", "--", "true"], "unknown option '-x'; the command goes after --"),
+    (["--"], "no command given"),
+], ids=["-n alone", "-n then --", "-n word", "-n 2x", "unknown option", "no command"])
+def test_retry_usage_errors_are_one_line(args, message):
+    r = run_cmd([str(ROOT / "scripts" / "retry.sh"), *args], timeout=20)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr == f"retry.sh: {message} (see --help)\n", r.stderr
 
 
 @pytest.mark.timeout(30)
@@ -93,4 +102,15 @@ def test_help(script):
 def test_doctor_lives_in_setup():
     assert not (ROOT / "scripts" / "doctor.sh").exists()
     r = run_cmd([str(ROOT / "setup" / "doctor.sh"), "--help"], timeout=20)
-    assert r.returncode == 0 and r.stdout.startswith("Usage: setup/doctor.sh [--help] [NP]"), r
+    assert r.returncode == 0 and r.stdout.startswith("Usage: setup/doctor.sh [--help] [--link] [NP]"), r
+
+
+@pytest.mark.timeout(30)
+def test_every_docs_file_named_exists():
+    # setup/hosts.txt once sent users to a docs/cluster.md that did not exist.
+    texts = [p for d in ("setup", "scripts") for p in (ROOT / d).iterdir() if p.is_file()]
+    texts += [ROOT / "README.md", ROOT / "plot_logs.py", ROOT / "entry_cn.sh", *(ROOT / "docs").glob("*.md")]
+    named = {(p.relative_to(ROOT).as_posix(), ref) for p in texts
+             for ref in re.findall(r"docs/[\w./-]*\.md", p.read_text(errors="replace"))}
+    assert ("setup/hosts.txt", "docs/cluster.md") not in named
+    assert not [f"{p} names {ref}" for p, ref in sorted(named) if not (ROOT / ref).is_file()]

@@ -25,6 +25,8 @@ from vit.errors import ConfigError
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
 TAG = re.compile(r"^step(\d+)$")
+# What resuming reads from a manifest; one without any of them is a damaged checkpoint.
+MANIFEST_KEYS = ("step", "files", "engine", "world_size", "data_parallel_size", "pipeline_stages", "zero_stage")
 
 
 class CheckpointError(RuntimeError):
@@ -57,8 +59,22 @@ def locate(path: str) -> tuple[str, list[str]]:
     raise ConfigError(f"--resume {path}: no complete checkpoint there{note}")
 
 
+class DamagedManifest(ValueError):
+    """A manifest that cannot be read, is not JSON, or lacks what loading and checking the checkpoint need."""
+
+
 def read_manifest(save_dir: str, tag: str) -> dict:
-    return json.loads((Path(save_dir) / tag / MANIFEST).read_text())
+    try:
+        manifest = json.loads((Path(save_dir) / tag / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DamagedManifest(f"unreadable manifest: {e}") from None
+    missing = [k for k in MANIFEST_KEYS if k not in manifest] if isinstance(manifest, dict) else ["everything"]
+    if missing:
+        raise DamagedManifest(f"its manifest lacks {', '.join(missing)}")
+    if not isinstance(manifest["files"], dict) or not all(
+            isinstance(m, dict) and {"size", "sha256"} <= m.keys() for m in manifest["files"].values()):
+        raise DamagedManifest("its manifest's files are not a list of sizes and sha256 sums")
+    return manifest
 
 
 def check_layout(saved: dict, current: dict, where: str) -> None:
@@ -90,9 +106,9 @@ def _sha256(path: Path) -> str:
 def verify(folder: Path) -> str | None:
     """None when every file of the manifest is there with its size and sha256, else what is wrong."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        return f"unreadable manifest: {e}"
+        manifest = read_manifest(str(folder.parent), folder.name)
+    except DamagedManifest as e:
+        return str(e)
     for name, meta in manifest["files"].items():
         f = folder / name
         if not f.is_file():
@@ -172,8 +188,10 @@ def _commit(save_dir: str, tmp: Path, tag: str, step: int, meta: dict, seen: lis
         f.flush()
         os.fsync(f.fileno())
     final = Path(save_dir) / tag
-    if final.exists():  # the same step saved again after a resume
-        shutil.rmtree(final)
+    if final.exists():  # a damaged checkpoint the resume fell back past: kept for a look, never overwritten
+        aside = _free_name(final, ".damaged")
+        os.rename(final, aside)
+        print(f"warning: moved the damaged checkpoint {final} aside to {aside.name}", flush=True)
     os.rename(tmp, final)
     latest = Path(save_dir) / "latest"
     with open(f"{latest}.tmp", "w") as f:
@@ -183,6 +201,14 @@ def _commit(save_dir: str, tmp: Path, tag: str, step: int, meta: dict, seen: lis
     os.replace(f"{latest}.tmp", latest)
     for old in complete_tags(save_dir)[keep:]:
         shutil.rmtree(Path(save_dir) / old)
+
+
+def _free_name(folder: Path, suffix: str) -> Path:
+    """step8.damaged, else step8.damaged2, ...: a name beside `folder` that nothing uses yet."""
+    n = 1
+    while (candidate := folder.with_name(f"{folder.name}{suffix}{n if n > 1 else ''}")).exists():
+        n += 1
+    return candidate
 
 
 def load(engine, save_dir: str, tag: str) -> dict:

@@ -2,21 +2,52 @@
 
 DeepSpeed ignores unknown top-level keys, so a typo such as "zero_optimisation" silently trains
 without ZeRO. Here an unknown key is an error that suggests the nearest valid one.
+
+Values are read as written. DeepSpeed reads some keys from the raw dict (fp16.enabled: "false" is a
+true string there) and its pydantic models coerce others ("12" becomes 12), so every value of a section
+DeepSpeed has a pydantic model for is checked against that model's field types and bounds, strictly:
+a boolean is a JSON boolean, a number a JSON number. Top-level scalars have no model: they are typed here.
 """
 import copy
 import difflib
+import enum
+import importlib
+import operator
+import types
+import typing
 from functools import cache
+
+import annotated_types as at
+import pydantic
 
 from vit.errors import ConfigError
 
-# Top-level values DeepSpeed reads without checking their type.
+# Top-level values DeepSpeed reads without checking their type or range (no pydantic model).
 SCALAR_TYPES = {
-    "gradient_clipping": (int, float), "steps_per_print": int, "wall_clock_breakdown": bool,
-    "memory_breakdown": bool, "prescale_gradients": bool, "gradient_predivide_factor": (int, float),
-    "zero_allow_untested_optimizer": bool, "zero_force_ds_cpu_optimizer": bool, "dump_state": bool,
+    "gradient_clipping": typing.Annotated[float, at.Ge(0)], "steps_per_print": typing.Annotated[int, at.Gt(0)],
+    "wall_clock_breakdown": bool, "memory_breakdown": bool, "prescale_gradients": bool,
+    "gradient_predivide_factor": typing.Annotated[float, at.Gt(0)], "zero_allow_untested_optimizer": bool,
+    "zero_force_ds_cpu_optimizer": bool, "dump_state": bool,
 }
-SECTIONS = ("fp16", "bf16", "zero_optimization", "activation_checkpointing", "flops_profiler", "pipeline",
-            "comms_logger", "tensorboard", "wandb", "csv_monitor", "compile")
+# Each section and DeepSpeed's pydantic model of it (None: DeepSpeed has none; only "an object" is checked).
+SECTIONS = {
+    "fp16": "deepspeed.runtime.precision_config:DeepSpeedFP16Config",
+    "bf16": "deepspeed.runtime.precision_config:DeepSpeedBF16Config",
+    "zero_optimization": "deepspeed.runtime.zero.config:DeepSpeedZeroConfig",
+    "comms_logger": "deepspeed.comm.config:CommsLoggerConfig",
+    "tensorboard": "deepspeed.monitor.config:TensorBoardConfig", "wandb": "deepspeed.monitor.config:WandbConfig",
+    "csv_monitor": "deepspeed.monitor.config:CSVConfig", "compile": "deepspeed.compile.config:CompileConfig",
+    "activation_checkpointing": None, "flops_profiler": None, "pipeline": None,
+}
+# DeepSpeed's own monitors, and the --report-to tracker that replaces each.
+MONITORS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv_monitor": "csv", "comet": None}
+# Bounds DeepSpeed's models leave out, where a value outside them breaks training (a zero bucket, a loss
+# scale window of 0, a negative scale power).
+EXTRA_BOUNDS = {
+    "fp16.loss_scale": at.Ge(0), "fp16.initial_scale_power": at.Ge(0), "fp16.loss_scale_window": at.Gt(0),
+    "fp16.hysteresis": at.Gt(0), "fp16.min_loss_scale": at.Gt(0), "zero_optimization.allgather_bucket_size": at.Gt(0),
+    "zero_optimization.stage3_prefetch_bucket_size": at.Gt(0), "zero_optimization.sub_group_size": at.Gt(0),
+}
 
 
 @cache
@@ -73,16 +104,91 @@ def _nearest(key: str, valid) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _model(section: str):
+    where = SECTIONS.get(section)
+    if where is None:
+        return None
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _fields(model) -> dict:
+    """A pydantic model's fields by every name a JSON file may use (name and alias)."""
+    return {**model.model_fields, **{f.alias: f for f in model.model_fields.values() if f.alias}}
+
+
 def _section_keys(section: str) -> set[str]:
     """The keys DeepSpeed's pydantic model of a section accepts (empty for sections without one)."""
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    model = _model(section)
+    return set(_fields(model)) if model else set()
 
-    models = {"zero_optimization": DeepSpeedZeroConfig, "fp16": DeepSpeedFP16Config, "bf16": DeepSpeedBF16Config}
-    model = models.get(section)
-    if model is None:
-        return set()
-    return set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+
+def _kind(annotation, value) -> str | None:
+    """What `value` should be but is not, for a field of this type; None when it fits (or the type is one
+    DeepSpeed's own parser checks well: strings, lists, literals)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None:
+            return None
+        wants = [_kind(a, value) for a in options]
+        return None if None in wants else wants[0]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if annotation is int:  # 5e8 is how people write bucket sizes; JSON reads it as a float
+        return None if number and float(value).is_integer() else "an integer"
+    if annotation is float:
+        return None if number else "a number"
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        allowed = [e.value for e in annotation]
+        ok = any(value == a and type(value) is type(a) for a in allowed)
+        return None if ok else " or ".join(", ".join(map(repr, allowed)).rsplit(", ", 1))
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return None if isinstance(value, dict) else "an object"
+    return None
+
+
+def _bounds(annotation, field_metadata) -> list:
+    extra = list(typing.get_args(annotation)[1:]) if typing.get_origin(annotation) is typing.Annotated else []
+    return [m for m in [*field_metadata, *extra] if isinstance(m, (at.Gt, at.Ge, at.Lt, at.Le))]
+
+
+def _outside(value, bound) -> str | None:
+    for kind, attr, sign, ok in ((at.Gt, "gt", ">", operator.gt), (at.Ge, "ge", ">=", operator.ge),
+                                 (at.Lt, "lt", "<", operator.lt), (at.Le, "le", "<=", operator.le)):
+        if isinstance(bound, kind):
+            limit = getattr(bound, attr)
+            return None if ok(value, limit) else f"must be {sign} {limit}"
+    return None
+
+
+def check_value(path: str, annotation, value, metadata=()) -> None:
+    """Raise ValueError("<path> must be ..., got ...") unless value fits the type and its bounds."""
+    want = _kind(annotation, value)
+    if want is not None:
+        raise ValueError(f"{path} must be {want}, got {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        extra = [EXTRA_BOUNDS[path]] if path in EXTRA_BOUNDS else []
+        for bound in [*_bounds(annotation, metadata), *extra]:
+            problem = _outside(value, bound)
+            if problem:
+                raise ValueError(f"{path} {problem}, got {value!r}")
+
+
+def check_section(path: str, model, section: dict) -> None:
+    """Every value of a section against DeepSpeed's pydantic model of it, nested models included."""
+    fields = _fields(model)
+    for key, value in section.items():
+        field = fields.get(key)
+        if field is None:
+            continue  # unknown keys: DeepSpeed's parser names them, with a suggestion (deepspeed_parses)
+        check_value(f"{path}.{key}", field.annotation, value, field.metadata)
+        inner = [a for a in (field.annotation, *typing.get_args(field.annotation))
+                 if isinstance(a, type) and issubclass(a, pydantic.BaseModel)]
+        if inner and isinstance(value, dict):
+            check_section(f"{path}.{key}", inner[0], value)
 
 
 def validate(cfg: dict, name: str) -> None:
@@ -94,22 +200,27 @@ def validate(cfg: dict, name: str) -> None:
     for key in cfg:
         if key not in valid:
             raise ConfigError(f"DeepSpeed config {name}: unknown key '{key}'{_nearest(key, valid)}")
-    for key, types in SCALAR_TYPES.items():
-        if key in cfg and not _is(cfg[key], types):
-            raise ConfigError(f"DeepSpeed config {name}: {key} must be {_type_name(types)}, got {cfg[key]!r}")
-    for key in SECTIONS:
-        if key in cfg and not isinstance(cfg[key], dict):
-            raise ConfigError(f"DeepSpeed config {name}: {key} must be an object, got {cfg[key]!r}")
+    refuse_monitors(cfg, name)
+    try:
+        for key, annotation in SCALAR_TYPES.items():
+            if key in cfg:
+                check_value(key, annotation, cfg[key])
+        for key in SECTIONS:
+            if key in cfg and not isinstance(cfg[key], dict):
+                raise ValueError(f"{key} must be an object, got {cfg[key]!r}")
+            if key in cfg and _model(key) is not None:
+                check_section(key, _model(key), cfg[key])
+    except ValueError as e:
+        raise ConfigError(f"DeepSpeed config {name}: {e}") from None
 
 
-def _is(value, types) -> bool:
-    types = types if isinstance(types, tuple) else (types,)
-    return isinstance(value, types) and (bool in types or not isinstance(value, bool))
-
-
-def _type_name(types) -> str:
-    types = types if isinstance(types, tuple) else (types,)
-    return "a number" if float in types else {int: "an integer", bool: "true or false"}[types[0]]
+def refuse_monitors(cfg: dict, name: str) -> None:
+    """DeepSpeed's own monitor would start a second tracker, on every rank; --report-to is rank 0's."""
+    for key, tracker in MONITORS.items():
+        if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") is True:  # "true" as a string: the schema says so
+            use = f"--report-to {tracker}" if tracker else f"--report-to ({', '.join(filter(None, MONITORS.values()))})"
+            raise ConfigError(f"DeepSpeed config {name}: \"{key}\" is DeepSpeed's own monitor; remove it and use "
+                              f"{use} instead")
 
 
 def deepspeed_parses(cfg: dict, name: str) -> None:

@@ -1,41 +1,80 @@
-"""Ending the whole job, quickly, when one rank fails.
+"""Ending the whole job, quickly, when one rank fails or stops, and naming that rank.
 
 A failing rank publishes "rank R (host) failed at step S: why" in the process group's key-value store
-and exits non-zero. Every rank runs a watchdog thread that exits its process when that key appears,
-when the store (rank 0) is gone, or when, after the first step, no step, evaluation batch or save
-finished for --dist-timeout seconds (a dead or hung peer). Collectives also time out after
---dist-timeout, so no rank waits longer than that.
+and exits non-zero. Every rank runs a watchdog thread that publishes its last step (a heartbeat key per
+rank), reads everyone else's, and exits its process with os._exit, whatever its main thread is waiting
+in, when a failure is announced, when the store is gone, when the store does not answer for
+--dist-timeout seconds, or when, after the first step, no step, evaluation batch or save finished here
+for --dist-timeout seconds. It names the rank that stopped: the one whose heartbeat stopped changing.
+
+The store lives in rank 0's process. When rank 0 stops (SIGSTOP, a driver stall, swap, an NFS hang) a
+store call from any other rank never returns and no timeout applies, not even to a new connection; so
+every store call here runs on a helper thread and is waited for with a deadline.
 """
+import json
 import os
 import socket
 import sys
 import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 ABORT_KEY = "vit/abort"
+BEAT_KEY = "vit/beat/{}"
+ANSWER_S = 3.0  # how long the main thread's own store calls may take before they are given up
 
 
 def _store():
     return dist.distributed_c10d._get_default_store()
 
 
-def announce_failure(message: str) -> None:
-    """Tell every rank why this one stops (best effort: the store may be gone too)."""
+def _in_thread(fn, *args) -> Future:
+    """fn(*args) on a daemon thread: a call that never returns costs that thread, not its caller."""
+    future = Future()
+
+    def call():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to the caller
+            future.set_exception(e)
+
+    threading.Thread(target=call, name="vit-store-call", daemon=True).start()
+    return future
+
+
+def _answer(fn, *args, timeout_s: float = ANSWER_S):
+    """fn(*args) on the store, or None when it fails or does not answer within timeout_s."""
     try:
-        _store().set(ABORT_KEY, message)
+        return _in_thread(fn, *args).result(timeout=timeout_s)
     except Exception:
-        pass
+        return None
+
+
+def _get_abort(store) -> str | None:
+    return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
+
+
+def announce_failure(message: str) -> None:
+    """Tell every rank why this one stops (best effort: the store may be gone or stopped too)."""
+    _answer(lambda: _store().set(ABORT_KEY, message))
 
 
 def failure_elsewhere() -> str | None:
-    """The failure another rank announced, if any."""
-    try:
-        store = _store()
-        return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
-    except Exception:
-        return None
+    """The failure another rank announced, if any (None too when the store does not answer)."""
+    return _answer(lambda: _get_abort(_store()))
+
+
+@dataclass
+class Peer:
+    """A rank as this one saw it through its heartbeats; times are this rank's time.monotonic()."""
+    host: str
+    step: int
+    seq: int
+    beat_seen_at: float  # when its heartbeat last changed: its watchdog was running then
+    step_seen_at: float  # when its step last changed
 
 
 class Watchdog(threading.Thread):
@@ -43,7 +82,10 @@ class Watchdog(threading.Thread):
         super().__init__(name="vit-watchdog", daemon=True)
         self.rank, self.host, self.timeout_s, self.poll_s = rank, socket.gethostname(), timeout_s, poll_s
         self.step, self.last_beat = 0, None  # armed by the first beat: start-up (JIT builds) can be slow
+        self.peers: dict[int, Peer] = {}
         self._stop_event = threading.Event()
+        # A heartbeat that has not changed for this long means that rank's process is stopped or gone.
+        self.frozen_s = max(5.0, 5 * poll_s)
 
     def beat(self, step: int | None = None) -> None:
         """Progress: a finished step, or (without one) a sign of life inside a long evaluation or save."""
@@ -56,17 +98,68 @@ class Watchdog(threading.Thread):
         print(f"rank {self.rank} ({self.host}) stops at step {self.step}: {why}", file=sys.stderr, flush=True)
         os._exit(1)
 
+    def _exchange(self, store, world_size: int, seq: int) -> tuple[str | None, dict]:
+        """One round with the store: publish this rank's heartbeat, read the abort key and every heartbeat."""
+        store.set(BEAT_KEY.format(self.rank), json.dumps({"host": self.host, "step": self.step, "seq": seq}))
+        keys = {r: BEAT_KEY.format(r) for r in range(world_size)}
+        beats = {r: json.loads(store.get(k)) for r, k in keys.items() if store.check([k])}
+        return _get_abort(store), beats
+
+    def _seen(self, beats: dict, now: float) -> None:
+        for r, b in beats.items():
+            p = self.peers.get(r)
+            if p is None:
+                self.peers[r] = Peer(b["host"], b["step"], b["seq"], now, now)
+                continue
+            if b["seq"] != p.seq:
+                p.seq, p.beat_seen_at = b["seq"], now
+            if b["step"] != p.step:
+                p.step, p.step_seen_at = b["step"], now
+
+    def _stopped(self, rank: int, now: float) -> str:
+        p = self.peers.get(rank)
+        if p is None:
+            return f"rank {rank} made no progress (it never published a step)"
+        return f"rank {rank} ({p.host}) made no progress for {now - p.step_seen_at:.0f} s (last step {p.step})"
+
+    def _culprit(self, now: float) -> int:
+        """The rank to blame when this one made no progress: the one whose heartbeat stopped first, else the one
+        furthest behind, else this one (every watchdog runs, so the hang is inside a collective)."""
+        others = [r for r in self.peers if r != self.rank]
+        frozen = [r for r in others if now - self.peers[r].beat_seen_at > self.frozen_s]
+        if frozen:
+            return min(frozen, key=lambda r: self.peers[r].beat_seen_at)
+        behind = [r for r in others if self.peers[r].step < self.step]
+        return min(behind, key=lambda r: self.peers[r].step) if behind else self.rank
+
     def run(self) -> None:
-        store = _store()
+        store, world_size = _store(), dist.get_world_size()
+        pending, asked_at, seq = None, time.monotonic(), 0
         while not self._stop_event.wait(self.poll_s):
-            try:
-                if store.check([ABORT_KEY]):
-                    self._die(store.get(ABORT_KEY).decode())
-            except Exception as e:
-                if not self._stop_event.is_set():
-                    self._die(f"lost the job's store on rank 0 ({type(e).__name__}: {e})")
-            idle = 0 if self.last_beat is None else time.monotonic() - self.last_beat
+            now = time.monotonic()
+            if pending is None or pending.done():
+                if pending is not None:
+                    self._take(pending)
+                seq += 1
+                pending, asked_at = _in_thread(self._exchange, store, world_size, seq), now
+            elif now - asked_at > self.timeout_s:
+                self._die(f"{self._stopped(0, now)}: the job's store, in its process, has not answered for "
+                          f"{now - asked_at:.0f} s (--dist-timeout {self.timeout_s:g})")
+            idle = 0 if self.last_beat is None else now - self.last_beat
             if idle > self.timeout_s:
-                message = f"rank {self.rank} ({self.host}): no progress for {idle:.0f} s after step {self.step}"
-                announce_failure(message)
+                culprit = self._culprit(now)
+                message = (self._stopped(culprit, now) if culprit != self.rank else
+                           f"rank {self.rank} ({self.host}) made no progress for {idle:.0f} s (last step {self.step})")
+                announce_failure(f"{message} (--dist-timeout {self.timeout_s:g})")
                 self._die(f"{message} (a rank died or hangs; --dist-timeout {self.timeout_s:g})")
+
+    def _take(self, done: Future) -> None:
+        try:
+            abort, beats = done.result()
+        except Exception as e:
+            if not self._stop_event.is_set():
+                self._die(f"lost the job's store on rank 0 ({type(e).__name__}: {e})")
+            return
+        if abort is not None:
+            self._die(abort)
+        self._seen(beats, time.monotonic())

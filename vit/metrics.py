@@ -2,7 +2,8 @@
 
 Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore unknown fields):
   {"kind": "train", "step", "time", "rank", "host", "loss", "lr", "images_per_s" (the whole job's),
-   "rank_images_per_s" (this rank's data-parallel share), "step_time_s", "mem_gib", "skipped_steps",
+   "rank_images_per_s" (this rank's data-parallel share), "step_time_s", "mem_gib", "skipped_steps", "loss_scale"
+   (fp16's loss scale, else null),
    and the step-time breakdown in seconds per step: "data_s", "forward_s", "backward_s", "optimizer_s",
    for the pipeline also "pipe_send_s", "pipe_recv_s", "allreduce_s"}
   {"kind": "eval",  "step", "time", "rank", "host", "eval_loss", "top1"}
@@ -16,6 +17,8 @@ import sys
 import time
 
 import torch
+
+from vit.jsonl import open_append
 
 
 def write_json(path: str, obj) -> None:
@@ -38,7 +41,7 @@ class MetricsLog:
     def __init__(self, log_dir: str, rank: int):
         os.makedirs(log_dir, exist_ok=True)
         self.rank, self.host = rank, socket.gethostname()
-        self.file = open(os.path.join(log_dir, f"metrics_rank{rank}.jsonl"), "a")
+        self.file = open_append(os.path.join(log_dir, f"metrics_rank{rank}.jsonl"))
 
     def write(self, kind: str, step: int, **fields) -> None:
         record = {"kind": kind, "step": step, "time": time.time(), "rank": self.rank, "host": self.host, **fields}

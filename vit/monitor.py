@@ -16,6 +16,8 @@ import time
 
 import psutil
 
+from vit.jsonl import open_append
+
 BACKENDS = ("auto", "nvml", "gputil", "none")
 
 
@@ -122,9 +124,11 @@ def open_backend(name: str):
 
 class Monitor:
     """mon = Monitor(log_dir, rank, interval_s, backend, gpu_indices); mon.start(); each step mon.step = step;
-    mon.stop() (joins the thread, flushes); mon.summary(). interval_s <= 0: off, no thread and no file."""
+    mon.stop() (joins the thread, flushes); mon.summary(); mon.last: the latest sample. interval_s <= 0: off, no
+    thread and no file. `say` gets the one note a monitor may have (print by default)."""
 
-    def __init__(self, log_dir: str, rank: int, interval_s: float = 1.0, backend: str = "auto", gpu_indices=None):
+    def __init__(self, log_dir: str, rank: int, interval_s: float = 1.0, backend: str = "auto", gpu_indices=None,
+                 say=None):
         if backend not in BACKENDS:
             raise ValueError(f"monitor backend must be one of {', '.join(BACKENDS)}, got '{backend}'")
         self.path = os.path.join(log_dir, f"monitor_rank{rank}.jsonl")
@@ -136,10 +140,12 @@ class Monitor:
         self._samples = self._cpu_sum = self._cpu_count = self._rss_max = self._util_sum = self._util_count = 0
         self._mem_max = None
         self._warned = False
+        self.say = say or (lambda message: print(message, flush=True))
+        self.last = None
 
     def _note(self, message: str) -> None:
         if not self._warned:
-            print(f"monitor rank {self.rank}: {message}", flush=True)
+            self.say(f"monitor rank {self.rank}: {message}")
             self._warned = True
 
     def start(self) -> None:
@@ -156,7 +162,7 @@ class Monitor:
                 self._note(f"no GPU data, recording CPU and memory only ({type(e).__name__}: {e})")
                 self._gpu, self.backend = None, "none"
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        self._file = open(self.path, "a")
+        self._file = open_append(self.path)
         self._process, self._cpu_since = psutil.Process(), time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"monitor-rank{self.rank}", daemon=True)
         self._thread.start()
@@ -196,6 +202,7 @@ class Monitor:
                   "rss_mib": self._process.memory_info().rss / 2**20, "gpus": gpus}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        self.last = record
         self._samples += 1
         if cpu is not None:
             self._cpu_sum += cpu

@@ -5,6 +5,7 @@ check, the parser generated from them, and every value validated before any proc
 `settings.data`, ...), never an argparse Namespace.
 """
 import argparse
+import importlib.util
 import math
 import typing
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -18,6 +19,7 @@ DEFAULT_DS_CONFIG = {"zero": "zero2.json", "pipeline": "pipeline.json", "ddp": "
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
+TRACKERS = ("tensorboard", "wandb", "csv")
 
 
 def option(default, help: str, check: str | None = None, **cli):
@@ -108,6 +110,11 @@ class LogSettings:
     monitor_interval: float = option(1.0, "seconds between GPU/CPU monitor samples (0: off)", "non_negative")
     monitor_backend: str = option("auto", "GPU monitor: NVML in-process, GPUtil (nvidia-smi), or none (CPU and "
                                   "memory only)", choices=("auto", "nvml", "gputil", "none"))
+    report_to: str = option("none", "rank 0 also sends the metrics to these trackers, comma-separated: none, "
+                            "tensorboard (<log-dir>/tensorboard), wandb (WANDB_MODE=offline: no network), csv "
+                            "(<log-dir>/tracking.csv)", metavar="LIST")
+    verbose: bool = option(False, "print the libraries' notes and warnings (DeepSpeed, torch, timm) and every rank's "
+                           "notes instead of keeping them in <log-dir>/warnings_rank<R>.log")
 
 
 @dataclass(frozen=True)
@@ -260,9 +267,26 @@ def validate(s: Settings) -> Settings:
         raise ConfigError(f"--hostfile {s.cluster.hostfile}: no such file")
     if s.checkpoint.resume == "auto" and not (s.checkpoint.save_dir or s.log.log_dir):
         raise ConfigError("--resume needs the run's --log-dir (or --save-dir), or --resume PATH")
+    report_to = report_trackers(s.log.report_to)
     ds_config = par.ds_config or str(ROOT / "deepspeed_configs" / DEFAULT_DS_CONFIG[par.engine])
     epochs = DEFAULT_EPOCHS if s.train.epochs is None and s.train.steps is None else s.train.epochs
-    return replace(s, parallel=replace(par, ds_config=ds_config), train=replace(s.train, epochs=epochs))
+    return replace(s, parallel=replace(par, ds_config=ds_config), train=replace(s.train, epochs=epochs),
+                   log=replace(s.log, report_to=",".join(report_to) or "none"))
+
+
+def report_trackers(value: str) -> tuple[str, ...]:
+    """--report-to as the trackers it names, in order ('none' alone: none)."""
+    names = [n.strip() for n in value.split(",")]
+    if names == ["none"]:
+        return ()
+    for n in names:
+        if n == "none":
+            raise ConfigError(f"--report-to {value}: 'none' cannot be combined with trackers")
+        if n not in TRACKERS:
+            raise ConfigError(f"--report-to: unknown tracker '{n}'; choose none or from {', '.join(TRACKERS)}")
+        if importlib.util.find_spec(n) is None:
+            raise ConfigError(f"--report-to {n}: the {n} package is not installed (scripts/bootstrap.sh installs it)")
+    return tuple(dict.fromkeys(names))
 
 
 def parse(argv=None) -> Settings:

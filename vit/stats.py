@@ -127,7 +127,7 @@ class StepStats:
             self.phase_totals[phase] = self.phase_totals.get(phase, 0.0) + seconds * self.window_steps
         self.metrics.write("train", step, loss=self.last_loss, lr=self.lr, images_per_s=images_per_s,
                            step_time_s=step_time, mem_gib=mem, rank_images_per_s=self.rank_images / step_time,
-                           skipped_steps=self.engine.skipped_steps, **phases)
+                           skipped_steps=self.engine.skipped_steps, loss_scale=self.engine.loss_scale, **phases)
         if self.is_main:
             if sys.stderr.isatty():
                 sys.stderr.write("\r")

@@ -15,7 +15,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from vit import checkpoint, hetero, preflight, slowdown
+from vit import checkpoint, console, hetero, preflight, slowdown, tracking
 from vit.checkpoint import Checkpointer
 from vit.data import TrainBatches, make_loader
 from vit.dist_env import device, discover, init_process_group, rank0_decides
@@ -130,10 +130,12 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
         for layer in layers:
             slowdown.attach(layer, factor, dev)
     locks = lock_run_dirs(log_dir, save_dir, s.checkpoint.no_save)
+    hidden_to = console.to_file(log_dir, job.rank)
     ds_config = with_precision(plan.ds_config, adapted.precision, adapted.scale_power)
-    engine = build(s.parallel.engine, EngineContext(
-        layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision, s.parallel.pipeline_stages,
-        s.parallel.partition, adapted.parts, adapted.loss_weight))
+    with console.library_prints():
+        engine = build(s.parallel.engine, EngineContext(
+            layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision, s.parallel.pipeline_stages,
+            s.parallel.partition, adapted.parts, adapted.loss_weight))
     if plan.resume:
         start = checkpoint.load(engine, plan.resume.save_dir, resumed_from)["step"]
     if job.is_main:
@@ -143,6 +145,8 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
                   "config) than this run", flush=True)
         start_record(log_dir, plan, ds_config=ds_config, precision=adapted.precision, cluster=adapted.record,
                      start_step=start, resumed_from=resumed_from)
+        if console.where(hidden_to):
+            print(console.where(hidden_to), flush=True)
     return session(plan, engine, watchdog, log_dir, save_dir, start, adapted, ds_config, locks)
 
 
@@ -170,11 +174,13 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
             adapted: hetero.Adapted, ds_config: dict, locks: list[RunLock]) -> Session:
     s, job, batch, data = plan.settings, plan.job, plan.batch, plan.data
     pin = engine.device.type == "cuda"
-    metrics = MetricsLog(log_dir, job.rank)
     # The driver (NVML, nvidia-smi) numbers GPUs unlike CUDA does; the UUID names this rank's GPU in both.
     gpus = [str(torch.cuda.get_device_properties(engine.device).uuid)] if engine.device.type == "cuda" else None
-    monitor = Monitor(log_dir, job.rank, s.log.monitor_interval, s.log.monitor_backend, gpu_indices=gpus)
+    monitor = Monitor(log_dir, job.rank, s.log.monitor_interval, s.log.monitor_backend, gpu_indices=gpus,
+                      say=None if job.is_main or s.log.verbose else console.CAPTURE.add)
     monitor.start()
+    metrics = tracking.metrics_log(log_dir, job.rank, s.log.report_to, monitor, start_step=start,
+                                   verbose=s.log.verbose)
     my_micro = adapted.split[engine.dp_rank] if adapted.split else batch.micro_batch
     stats = StepStats(engine, metrics, global_batch=batch.global_size, rank_images=my_micro * batch.grad_accum,
                       total_steps=plan.total_steps, log_interval=s.log.log_interval, precision=adapted.precision,
@@ -253,7 +259,9 @@ def main(argv=None) -> int:
     prepare_environment()
     start_time = psutil.Process().create_time()  # wall time includes the imports
     try:
-        plan = make_plan(parse(argv), discover())
+        settings = parse(argv)
+        console.capture(settings.log.verbose)  # before DeepSpeed is imported
+        plan = make_plan(settings, discover())
     except NothingToDo as e:
         print(f"entry_cn.sh: {e}", flush=True)
         return 0

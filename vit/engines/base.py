@@ -66,6 +66,11 @@ class Engine(ABC):
         """fp16 steps skipped because the gradients overflowed."""
         return 0
 
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the loss scale of the next step (read on logging steps); None without a loss scaler."""
+        return None
+
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean loss over the global batch (a collective; called on logging steps only)."""
         return mean_over_ranks(loss)

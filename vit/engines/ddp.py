@@ -44,6 +44,10 @@ class DDPEngine(Engine):
     def skipped_steps(self) -> int:
         return self._skipped_steps
 
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.get_scale() if self.scaler else None
+
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
 

@@ -21,6 +21,10 @@ class DeepSpeedEngine(Engine):
         return self.ds_engine.skipped_steps
 
     @property
+    def loss_scale(self) -> float | None:
+        return float(self.ds_engine.optimizer.loss_scale) if self.ds_engine.fp16_enabled() else None
+
+    @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
