@@ -233,7 +233,10 @@ def run(plan: Plan, start_time: float) -> int:
             print(f"entry_cn.sh: {e}", flush=True)
     except Exception as e:
         if isinstance(e, torch.cuda.OutOfMemoryError):
-            e = out_of_memory(plan, device(plan.job), watchdog.step, e)
+            try:
+                e = out_of_memory(plan, device(plan.job), watchdog.step, e)
+            except Exception:  # the estimate failed too: the error as torch said it
+                pass
         where = f"rank {plan.job.rank} ({socket.gethostname()})"
         elsewhere = failure_elsewhere()
         if isinstance(e, ConfigError):  # a collective finding (preflight, census, lock): the same on every rank
