@@ -199,8 +199,10 @@ def test_explicit_precision_a_rank_lacks_is_refused_naming_it(tmp_path):
     assert "precision bf16 is not supported by rank 1 (" in r.outputs[0] and "GTX 1080)" in r.outputs[0]
     assert "rank 0 (" not in r.outputs[0].split("not supported by")[1].split(";")[0]
     assert not (tmp_path / "run").exists()
-    # fp16 on CPU ranks: every rank is named.
-    r = launch(["--precision", "fp16", *COMMON, "--log-dir", tmp_path / "run"], timeout=180)
+    # fp16 that no rank has: every rank is named. (DeepSpeed's CPU accelerator says fp16 on CPUs with AVX-512 FP16
+    # or AMX, and not on others: the reports are pinned so that the test does not depend on this machine's CPU.)
+    no_fp16 = {rank: {"VIT_CENSUS_OVERRIDE": json.dumps({"fp16": False})} for rank in (0, 1)}
+    r = launch(["--precision", "fp16", *COMMON, "--log-dir", tmp_path / "run"], timeout=180, rank_env=no_fp16)
     assert not r.ok and "precision fp16 is not supported by rank 0 (" in r.outputs[0] and ", rank 1 (" in r.outputs[0]
     assert not (tmp_path / "run").exists()
 
@@ -208,7 +210,8 @@ def test_explicit_precision_a_rank_lacks_is_refused_naming_it(tmp_path):
 @pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_auto_precision_settles_on_what_every_rank_can_run(tmp_path):
-    no_bf16 = {1: {"VIT_CENSUS_OVERRIDE": json.dumps({"bf16": False})}}
+    no_bf16 = {0: {"VIT_CENSUS_OVERRIDE": json.dumps({"bf16": True, "fp16": False})},  # this CPU's fp16 pinned
+               1: {"VIT_CENSUS_OVERRIDE": json.dumps({"bf16": False, "fp16": False})}}
     r = launch(["--precision", "auto", "--steps", 2, "--no-save", "--monitor-interval", 0, "--log-dir", tmp_path],
                timeout=180, rank_env=no_bf16)
     assert r.ok, r
