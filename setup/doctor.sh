@@ -119,9 +119,14 @@ for host in "${HOSTS[@]}"; do
   [ -n "$slowest" ] && [ "$slowest" -le "$mbit" ] || slowest=$mbit
 done
 [ -n "$slowest" ] || die "--link: no host other than this one ($(hostname)) to measure"
-# The thresholds of README's table "Which engine on which network" (docs/benchmarks.md, "Which engine wins").
+# The rows of README's table "Which engine on which network" (docs/benchmarks.md, "Which engine wins on Ethernet").
 if [ "$slowest" -lt 2000 ]; then
-  echo "$PROG: slowest link $slowest Mbit/s (1 GbE or slower): RECOMMEND_SLOW"
+  echo "$PROG: slowest link $slowest Mbit/s (1 GbE or slower): use --engine pipeline --pipeline-stages ${#HOSTS[@]}" \
+    "for ViT-B/16-like models; DDP and ZeRO send every gradient through each link (README: Which engine on which network)"
+elif [ "$slowest" -lt 8000 ]; then
+  echo "$PROG: slowest link $slowest Mbit/s (2.5 to 5 GbE): not measured; compare the two with" \
+    "RUNS=\"ddp pipeline\" scripts/compare.sh (README: Which engine on which network)"
 else
-  echo "$PROG: slowest link $slowest Mbit/s (faster than 1 GbE): RECOMMEND_FAST"
+  echo "$PROG: slowest link $slowest Mbit/s (10 GbE or faster): use --engine ddp, or --engine zero with zero0.json;" \
+    "zero2.json or the pipeline when the model does not fit (README: Which engine on which network)"
 fi
