@@ -124,7 +124,9 @@ def inconsistent_batch(tmp_path) -> str:
 BAD_INPUT = {
     "missing config": (lambda t: ["--ds-config", str(t / "nope.json")], {}, "nope.json: no such file"),
     "invalid json": (lambda t: ["--ds-config", bad_json(t)], {}, "invalid JSON"),
-    "unknown model": (lambda t: ["--model", "vit_huge"], {}, "unknown model 'vit_huge'"),
+    "unknown model": (lambda t: ["--model", "vit_smal_patch16_224"], {},
+                      "unknown model 'vit_smal_patch16_224'; nearest: vit_small_patch16_224"),
+    "not a ViT": (lambda t: ["--model", "resnet50"], {}, "is a timm resnet model, not a VisionTransformer; supported"),
     "unknown dataset": (lambda t: ["--dataset", "mnist"], {}, "argument --dataset: invalid choice: 'mnist'"),
     "image size vs patch": (lambda t: ["--model", "vit_tiny_cifar", "--dataset", "synthetic", "--img-size", "30"], {},
                             "image size 30 is not divisible by the patch size 4"),

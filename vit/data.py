@@ -28,6 +28,8 @@ class DataSplit:
     num_classes: int
     in_chans: int
     img_size: int
+    mean: tuple = (0.485, 0.456, 0.406)  # the normalisation the images got, for --export's config
+    std: tuple = (0.229, 0.224, 0.225)
 
 
 def _normalize(x: np.ndarray, mean, std) -> torch.Tensor:
@@ -49,7 +51,8 @@ def load_digits() -> DataSplit:
     def tensors(x, y):
         return TensorDataset(_normalize(x, [mean], [std]), torch.from_numpy(y).long())
 
-    return DataSplit(tensors(x_tr, y_tr), tensors(x_te, y_te), num_classes=10, in_chans=1, img_size=8)
+    return DataSplit(tensors(x_tr, y_tr), tensors(x_te, y_te), num_classes=10, in_chans=1, img_size=8,
+                     mean=(mean,), std=(std,))
 
 
 class _UInt8Images(Dataset):
@@ -101,7 +104,7 @@ def load_cifar(name: str, data_path: str, download: bool) -> DataSplit:
 
     (x_tr, y_tr), (x_te, y_te) = read(train_files), read([test_file])
     return DataSplit(_UInt8Images(x_tr, y_tr, mean, std), _UInt8Images(x_te, y_te, mean, std),
-                     num_classes=100 if name == "cifar100" else 10, in_chans=3, img_size=32)
+                     num_classes=100 if name == "cifar100" else 10, in_chans=3, img_size=32, mean=mean, std=std)
 
 
 def load_imagefolder(data_path: str, img_size: int) -> DataSplit:
@@ -181,7 +184,7 @@ def load_dataset(name: str, data_path: str | None, img_size: int, download: bool
         return load_imagefolder(data_path, img_size)
     if name == "synthetic":
         return DataSplit(_Synthetic(synthetic_size, img_size, 10, seed), _Synthetic(256, img_size, 10, seed + 1),
-                         num_classes=10, in_chans=3, img_size=img_size)
+                         num_classes=10, in_chans=3, img_size=img_size, mean=(0.0,) * 3, std=(1.0,) * 3)
     raise ConfigError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
 
 

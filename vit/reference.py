@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from vit.data import TrainBatches, load_dataset, make_loader
-from vit.model import PRESETS, build_layers, loss_fn
+from vit.model import build_layers, loss_fn, model_shape
 from vit.optim import make_optimizer, make_scheduler
 from vit.settings import Settings
 
@@ -33,10 +33,11 @@ def train_step(model: nn.Module, optimizer, scheduler, x, y, clip: float = 0.0, 
 
 def reference_losses(s: Settings, global_batch: int, steps: int, clip: float = 0.0) -> list[float]:
     """Per-step mean loss over each global batch, for settings `s` (model, data, seed, optimizer)."""
-    img_size = s.model.img_size or PRESETS[s.model.model].img_size
+    img_size = s.model.img_size or model_shape(s.model.model).img_size
     data = load_dataset(s.data.dataset or "digits", s.data.data_path, img_size, seed=s.train.seed,
                         synthetic_size=s.data.synthetic_size)
-    model = nn.Sequential(*build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed))
+    model = nn.Sequential(*build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
+                                        s.model.drop_path, s.model.pretrained_path))
     opt = make_optimizer(model, s.optim)
     sched = make_scheduler(opt, s.optim, steps)
     sampler = TrainBatches(len(data.train), global_batch, 1, 0, 1, s.train.seed, 0, steps)

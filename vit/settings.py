@@ -30,6 +30,15 @@ def option(default, help: str, check: str | None = None, **cli):
 class ModelSettings:
     model: str = option("vit_digits", "model preset (see vit/model.py)")
     img_size: int | None = option(None, "image side for imagefolder/synthetic (default: the model's)", "positive")
+    pretrained: bool = option(False, "start from timm's hub weights for --model (needs network; offline, use "
+                              "--pretrained-path)")
+    pretrained_path: str | None = option(None, "start from these weights: .safetensors, .pth or .bin (timm, Hugging "
+                                         "Face), an --export or a checkpoint folder of this project; the head is "
+                                         "reset for another class count, the position embedding resampled for "
+                                         "another image size", metavar="PATH")
+    drop_path: float = option(0.0, "stochastic depth rate (timm's drop_path_rate)", "non_negative")
+    export: str | None = option(None, "write the final weights (the EMA's with --model-ema) as a timm-loadable "
+                                ".safetensors, with its pretrained config beside it as PATH.json", metavar="PATH")
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,38 @@ class OptimSettings:
     weight_decay: float = option(0.05, "AdamW weight decay (not on biases, norms and embeddings)", "non_negative")
     warmup_steps: int | None = option(None, "linear warm-up steps (default 5%% of the steps)", "non_negative")
     fused_adam: bool = option(False, "torch's fused AdamW kernel (one kernel for all parameters)")
+    layer_decay: float | None = option(None, "layer-wise LR decay: layer i of the list gets lr x decay^(last - i) "
+                                       "(timm's param_groups_layer_decay)", "positive")
+    clip_grad: float | None = option(None, "clip the gradient norm to this (overrides the JSON's gradient_clipping)",
+                                     "non_negative")
+
+
+@dataclass(frozen=True)
+class RecipeSettings:
+    """timm train.py's augmentation and regularisation options, under their names there."""
+    smoothing: float = option(0.0, "label smoothing", "non_negative")
+    mixup: float = option(0.0, "mixup alpha (on when > 0)", "non_negative")
+    cutmix: float = option(0.0, "cutmix alpha (on when > 0)", "non_negative")
+    mixup_prob: float = option(1.0, "probability of mixup or cutmix per batch", "non_negative")
+    mixup_switch_prob: float = option(0.5, "probability of cutmix instead of mixup when both are on",
+                                      "non_negative")
+    aa: str | None = option(None, "AutoAugment policy, e.g. rand-m9-mstd0.5-inc1 or original (timm's auto_augment)")
+    reprob: float = option(0.0, "random erasing probability", "non_negative")
+    color_jitter: float = option(0.0, "colour jitter factor", "non_negative")
+    hflip: float = option(0.0, "horizontal flip probability", "non_negative")
+    scale: tuple | None = option(None, "random-resized-crop scale range (off when not given)", nargs=2,
+                                 type=float, metavar=("MIN", "MAX"))
+    model_ema: bool = option(False, "keep an exponential moving average of the weights (timm's ModelEmaV3), "
+                             "evaluated beside the model")
+    model_ema_decay: float = option(0.9998, "EMA decay", "positive")
+
+    @property
+    def augments(self) -> bool:
+        return bool(self.aa or self.reprob or self.color_jitter or self.hflip or self.scale)
+
+    @property
+    def mixes(self) -> bool:
+        return self.mixup > 0 or self.cutmix > 0
 
 
 @dataclass(frozen=True)
@@ -117,6 +158,7 @@ class ClusterSettings:
 GROUPS = {  # attribute of Settings -> (class, --help section title)
     "model": (ModelSettings, "model"), "data": (DataSettings, "data"),
     "parallel": (ParallelSettings, "engine, parallelism and precision"), "optim": (OptimSettings, "optimizer"),
+    "recipe": (RecipeSettings, "augmentation and regularisation (timm train.py's names)"),
     "train": (TrainSettings, "training length and evaluation"), "checkpoint": (CheckpointSettings, "checkpoints"),
     "log": (LogSettings, "logs and monitoring"), "cluster": (ClusterSettings, "cluster"),
 }
@@ -128,6 +170,7 @@ class Settings:
     data: DataSettings = field(default_factory=DataSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
+    recipe: RecipeSettings = field(default_factory=RecipeSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     log: LogSettings = field(default_factory=LogSettings)

@@ -2,6 +2,7 @@
 
 Run through ./entry_cn.sh (under mpirun, srun, torchrun or directly); `--help` lists the options.
 """
+import copy
 import logging
 import os
 import socket
@@ -15,11 +16,12 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from vit import checkpoint, hetero, preflight, slowdown
+from vit import checkpoint, hetero, preflight, slowdown, weights
 from vit.checkpoint import Checkpointer
 from vit.data import TrainBatches, make_loader
 from vit.dist_env import device, discover, init_process_group, rank0_decides
 from vit.ds_config import with_precision
+from vit.ema import Ema
 from vit.engines import Engine, EngineContext, build
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo
 from vit.evaluate import Evaluator
@@ -71,6 +73,8 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
         loss = run.engine.train_step(run.batches)
         watchdog.beat(step)
         run.monitor.step = step
+        if run.engine.ema is not None:
+            run.engine.ema.update(step)
         run.stats.record(step, loss, lr)
         if run.stats.should_log(step):
             run.stats.log(step)
@@ -117,7 +121,9 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
         resumed_from = rank0_decides(lambda: choose_resume(plan))
         start = checkpoint.read_manifest(plan.resume.save_dir, resumed_from)["step"]
     data = plan.data
-    layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
+    layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
+                          s.model.drop_path, s.model.pretrained_path)
+    ema_layers = copy.deepcopy(layers) if s.recipe.model_ema else None  # before ZeRO-3 partitions them
     adapted = adapt(plan, dev, layers, start)
     factor = plan.slowdowns.get(job.rank, 1.0)
     if factor != 1:
@@ -127,7 +133,9 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     ds_config = with_precision(plan.ds_config, adapted.precision, adapted.scale_power)
     engine = build(s.parallel.engine, EngineContext(
         layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision, s.parallel.pipeline_stages,
-        s.parallel.partition, adapted.parts, adapted.loss_weight))
+        s.parallel.partition, adapted.parts, adapted.loss_weight, s.recipe.smoothing))
+    if ema_layers:
+        engine.ema = Ema(ema_layers, engine, s.recipe.model_ema_decay)
     if plan.resume:
         start = checkpoint.load(engine, plan.resume.save_dir, resumed_from)["step"]
     if job.is_main:
@@ -190,6 +198,8 @@ def finish(plan: Plan, run: Session, start_time: float) -> None:
     """The final evaluation and checkpoint, the monitors' summaries, and summary.json."""
     evaluation = run.evaluator.run(plan.total_steps)
     run.checkpointer.save(plan.total_steps, last_step=True)
+    if plan.settings.model.export:
+        export(plan, run.engine.export_state())
     peak = torch.tensor([peak_mem_gib(run.engine.device)], device=run.engine.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     run.monitor.stop()
@@ -201,6 +211,15 @@ def finish(plan: Plan, run: Session, start_time: float) -> None:
                       start_time=start_time)
     run.metrics.close()
     dist.barrier()
+
+
+def export(plan: Plan, state: dict | None) -> None:
+    """--export, on rank 0 (the only rank that holds the gathered state)."""
+    if state is not None:
+        s, data = plan.settings, plan.data
+        weights.export(s.model.export, state, model_name=s.model.model, num_classes=data.num_classes,
+                       in_chans=data.in_chans, img_size=data.img_size, mean=data.mean, std=data.std)
+        print(f"exported {s.model.export} and {s.model.export}.json", flush=True)
 
 
 def run(plan: Plan, start_time: float) -> int:
