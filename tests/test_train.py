@@ -16,13 +16,13 @@ STEPS = 6
 CONFIGS = ROOT / "deepspeed_configs"
 
 
-def reference(global_batch: int, steps: int = STEPS) -> list[float]:
-    return reference_losses(defaults(), global_batch, steps, clip=1.0)
+def reference(global_batch: int, steps: int = STEPS, **recipe) -> list[float]:
+    return reference_losses(defaults().with_(**recipe), global_batch, steps, clip=1.0)
 
 
-def assert_matches_reference(log_dir, global_batch: int, rel: float = 2e-4):
+def assert_matches_reference(log_dir, global_batch: int, rel: float = 2e-4, **recipe):
     got = train_losses(log_dir)
-    want = reference(global_batch)
+    want = reference(global_batch, **recipe)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, loss in got.items():
         assert loss == pytest.approx(want[step - 1], rel=rel), (step, got, want)
@@ -47,6 +47,31 @@ def test_two_ranks_match_single_process_reference(tmp_path, engine, config):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["engine"] == engine and summary["world_size"] == 2 and summary["steps"] == STEPS
     assert 0.0 <= summary["top1"] <= 1.0 and summary["images_per_s"] > 0 and summary["wall_s"] > 0
+
+
+# timm's augmentation (random-resized-crop, flip, RandAugment, random erasing), Mixup/CutMix with label smoothing
+# into soft targets, and layer-wise LR decay: the engines take each augmented, mixed global batch apart
+# (data-parallel ranks, micro-steps, pipeline stages) and must still train as the single-process loop does on the
+# whole global batches.
+RECIPE = dict(scale=(0.6, 1.0), hflip=0.5, aa="rand-m9-mstd0.5", reprob=0.25, mixup=0.8, cutmix=1.0,
+              smoothing=0.1, layer_decay=0.8)
+RECIPE_ARGS = ["--scale", 0.6, 1.0, "--hflip", 0.5, "--aa", "rand-m9-mstd0.5", "--reprob", 0.25, "--mixup", 0.8,
+               "--cutmix", 1.0, "--smoothing", 0.1, "--layer-decay", 0.8]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine,config", [
+    ("zero", "zero0.json"), ("zero", "zero1.json"), ("zero", "zero2.json"), ("zero", "zero3.json"),
+    ("pipeline", "pipeline.json"), ("ddp", "zero0.json"),
+])
+def test_two_ranks_match_reference_with_augmentation_and_mixup(tmp_path, engine, config):
+    batch = [] if engine == "pipeline" else ["--micro-batch-size", 16, "--grad-accum", 2]  # micro-steps too
+    r = launch(["--engine", engine, "--ds-config", CONFIGS / config, *batch, "--steps", STEPS, "--log-interval", 1,
+                "--no-save", "--log-dir", tmp_path, *RECIPE_ARGS], nprocs=2, timeout=240)
+    assert r.ok, r
+    assert json.loads((tmp_path / "config.json").read_text())["global_batch"] == 64
+    assert_matches_reference(tmp_path, 64, **RECIPE)
+    assert reference(64, **RECIPE) != pytest.approx(reference(64), rel=1e-2)  # the recipe is in effect
 
 
 @pytest.mark.timeout(420)

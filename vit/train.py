@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from vit import checkpoint, hetero, preflight, slowdown, weights
+from vit.augment import train_batches
 from vit.checkpoint import Checkpointer
 from vit.data import TrainBatches, make_loader
 from vit.dist_env import device, discover, init_process_group, rank0_decides
@@ -187,9 +188,10 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
     checkpointer = Checkpointer(engine, save_dir, interval=s.checkpoint.save_interval,
                                 enabled=not s.checkpoint.no_save, keep=s.checkpoint.keep_checkpoints,
                                 meta={**plan.layout, "config_hash": plan.settings_hash()}, on_progress=watchdog.beat)
-    sampler = TrainBatches(len(data.train), batch.micro_batch, batch.grad_accum, engine.dp_rank, engine.dp_size,
-                           s.train.seed, start, plan.total_steps, adapted.split)
-    batches = iter(make_loader(data.train, sampler, s.data.workers, pin)) if engine.reads_data else None
+    batches = train_batches(data, s.recipe, s.train.seed, workers=s.data.workers, pin_memory=pin,
+                            micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, dp_rank=engine.dp_rank,
+                            dp_size=engine.dp_size, start_step=start, end_step=plan.total_steps,
+                            sizes=adapted.split) if engine.reads_data else None
     return Session(engine, log_dir, start, adapted.precision, ds_config, batches, stats, evaluator, checkpointer,
                    metrics, monitor, locks)
 
