@@ -88,7 +88,8 @@ def test_pipe_x_data_four_ranks(tmp_path):
 @pytest.mark.parametrize("engine", ["zero", "ddp"])
 def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["--engine", engine, "--steps", 8, "--log-interval", 1]
+    # The EMA is saved with the checkpoint: the resumed run's average ends where the uninterrupted one's does.
+    common = ["--engine", engine, "--steps", 8, "--log-interval", 1, "--model-ema", "--model-ema-decay", 0.9]
     r = launch([*common, "--save-interval", 4, "--log-dir", full], timeout=200)
     assert r.ok, r
     assert (full / "checkpoints" / "latest").read_text().strip() == "step8"
@@ -98,6 +99,9 @@ def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7), (step, got, want)
+    ema = [[r for r in read_jsonl(d / "metrics_rank0.jsonl") if r["kind"] == "eval"][-1] for d in (full, resumed)]
+    assert ema[0]["ema_eval_loss"] == pytest.approx(ema[1]["ema_eval_loss"], rel=1e-6)
+    assert ema[0]["ema_eval_loss"] != pytest.approx(ema[0]["eval_loss"], rel=1e-3)
     # --resume without a path: the newest checkpoint of the run in --log-dir.
     r = launch([*common[:2], "--steps", 10, "--log-interval", 1, "--resume", "--log-dir", full], timeout=200)
     assert r.ok, r
