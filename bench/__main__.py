@@ -3,11 +3,11 @@ import argparse
 import sys
 
 import bench
-from bench import allreduce, hetero, monitor, peak, recipe, train
+from bench import allreduce, finetune, hetero, monitor, peak, recipe, train
 from vit.settings import HelpFormatter
 from vit.train import prepare_environment
 
-MODULES = (train, allreduce, peak, hetero, monitor, recipe)
+MODULES = (train, allreduce, peak, hetero, monitor, recipe, finetune)
 
 
 def main(argv=None) -> int:

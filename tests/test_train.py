@@ -71,7 +71,8 @@ def test_two_ranks_match_reference_with_augmentation_and_mixup(tmp_path, engine,
     assert r.ok, r
     assert json.loads((tmp_path / "config.json").read_text())["global_batch"] == 64
     assert_matches_reference(tmp_path, 64, **RECIPE)
-    assert reference(64, **RECIPE) != pytest.approx(reference(64), rel=1e-2)  # the recipe is in effect
+    # The recipe is in effect: from step 2 on (step 1 is the initial model's loss) it trains differently.
+    assert all(abs(a - b) > 1e-4 for a, b in zip(reference(64, **RECIPE)[1:], reference(64)[1:]))
 
 
 @pytest.mark.timeout(420)

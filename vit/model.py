@@ -192,12 +192,14 @@ def layer_state_dict(timm_state: dict, depth: int) -> dict:
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
     """The training loss in fp32: soft targets (mixup, cutmix) with timm's SoftTargetCrossEntropy, hard labels with
-    --smoothing through timm's LabelSmoothingCrossEntropy, else cross-entropy."""
+    --smoothing through timm's LabelSmoothingCrossEntropy, else cross-entropy. Label -100 marks evaluation padding
+    (the pipeline's eval_batch computes a loss too) and counts nowhere."""
     if labels.ndim == 2:
         return SoftTargetCrossEntropy()(logits.float(), labels)
     if smoothing:
-        return LabelSmoothingCrossEntropy(smoothing)(logits.float(), labels)
-    return F.cross_entropy(logits.float(), labels)
+        real = labels != -100
+        return LabelSmoothingCrossEntropy(smoothing)(logits.float()[real], labels[real])
+    return F.cross_entropy(logits.float(), labels, ignore_index=-100)
 
 
 class Loss:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from timm.layers import resample_abs_pos_embed
+from timm.models import adapt_input_conv
 from torch import nn
 
 from vit.errors import ConfigError
@@ -88,6 +89,9 @@ def adapt(state: dict, model: nn.Module) -> tuple[dict, list[str]]:
             prefix = 0 if model.no_embed_class else model.num_prefix_tokens
             out[k] = resample_abs_pos_embed(v, new_size=list(model.patch_embed.grid_size), num_prefix_tokens=prefix)
             notes.append(f"pos_embed resampled {tuple(v.shape)} -> {tuple(out[k].shape)}")
+        elif k == "patch_embed.proj.weight" and v.shape[:1] + v.shape[2:] == want[k].shape[:1] + want[k].shape[2:]:
+            out[k] = adapt_input_conv(want[k].shape[1], v)  # grey to RGB and back, as timm does
+            notes.append(f"{k} adapted from {v.shape[1]} to {want[k].shape[1]} input channels")
         elif k.startswith("head."):
             notes.append(f"{k} reset: {tuple(v.shape)} in the file, {tuple(want[k].shape)} for this run's classes")
         else:
