@@ -151,11 +151,23 @@ def inconsistent_batch(tmp_path) -> str:
     return str(p)
 
 
+def one_class_folder(tmp_path) -> str:
+    from PIL import Image
+
+    for split in ("train", "val"):
+        (tmp_path / "one" / split / "only").mkdir(parents=True)
+        Image.new("RGB", (32, 32)).save(tmp_path / "one" / split / "only" / "a.png")
+    return str(tmp_path / "one")
+
+
 BAD_INPUT = {
     "missing config": (lambda t: ["--ds-config", str(t / "nope.json")], {}, "nope.json: no such file"),
     "invalid json": (lambda t: ["--ds-config", bad_json(t)], {}, "invalid JSON"),
     "unknown model": (lambda t: ["--model", "vit_smal_patch16_224"], {},
                       "unknown model 'vit_smal_patch16_224'; nearest: vit_small_patch16_224"),
+    "mixup with one class": (lambda t: ["--dataset", "imagefolder", "--data-path", one_class_folder(t), "--model",
+                                        "vit_tiny_cifar", "--mixup", "0.8"], {},
+                             "--mixup/--cutmix need at least two classes; imagefolder has 1"),
     "not a ViT": (lambda t: ["--model", "resnet50"], {}, "is a timm resnet model, not a VisionTransformer; supported"),
     "unknown dataset": (lambda t: ["--dataset", "mnist"], {}, "argument --dataset: invalid choice: 'mnist'"),
     "image size vs patch": (lambda t: ["--model", "vit_tiny_cifar", "--dataset", "synthetic", "--img-size", "30"], {},
