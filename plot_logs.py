@@ -27,7 +27,7 @@ from vit import jsonl  # noqa: E402  (the one reader of our logs)
 # Step phases of the train records in stacking order; then pipe_*_s, other_s, and the unaccounted rest.
 PHASES = ("data_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s")
 COLUMNS = ("run", "engine", "chunks (micro-batches = grad_accum)", "batch size (global)",
-           "memory per GPU (peak_mem_gib)", "images/s", "training time (train_s)", "status")
+           "memory per GPU (peak_mem_gib)", "images/s", "training time (train_s)", "top-1 %", "top-5 %", "status")
 MEASURES = COLUMNS[4:7]  # the numbers compare.png charts
 DPI = 80
 
@@ -103,12 +103,17 @@ class Run:
             ips = sum(values) / len(values) if values else None
         return dict(zip(COLUMNS, (self.name, engine, s.get("grad_accum", ds.get("gradient_accumulation_steps")),
                                   s.get("global_batch", self.config.get("global_batch")), s.get("peak_mem_gib"),
-                                  ips, s.get("train_s"), self.status)))
+                                  ips, s.get("train_s"), percent(s.get("top1")), percent(s.get("top5")),
+                                  self.status)))
 
     @property
     def status(self) -> str:
         """A run writes summary.json last: without it, the run was killed, failed or is still going."""
         return "complete" if self.summary else "incomplete (no summary.json)"
+
+
+def percent(fraction):
+    return 100 * fraction if isinstance(fraction, (int, float)) else None
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -120,7 +125,7 @@ def fmt(value, digits: int = 3) -> str:
 
 
 def table(runs: list[Run]) -> tuple[str, list[list[str]]]:
-    rows = [[fmt(v, d) for v, d in zip(run.row().values(), (0, 0, 0, 0, 3, 1, 2, 0))] for run in runs]
+    rows = [[fmt(v, d) for v, d in zip(run.row().values(), (0, 0, 0, 0, 3, 1, 2, 2, 2, 0))] for run in runs]
     md = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     md += ["| " + " | ".join(c or "–" for c in row) + " |" for row in rows]
     return "\n".join(md) + "\n", rows
@@ -152,10 +157,12 @@ def plot_loss(runs: list[Run], path: Path) -> None:
         evals = run.records("eval")
         ev = [r for r in evals if isinstance(r.get("eval_loss"), (int, float))]
         ax_loss.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o--", color=color)
-        top = [r for r in evals if isinstance(r.get("top1"), (int, float))]
-        ax_top1.plot([r["step"] for r in top], [100 * r["top1"] for r in top], "o-", color=color, label=run.name)
+        for key, style in (("top1", "o-"), ("top5", "x:")):
+            top = [r for r in evals if isinstance(r.get(key), (int, float))]
+            ax_top1.plot([r["step"] for r in top], [100 * r[key] for r in top], style, color=color,
+                         label=run.name if key == "top1" else None)
     ax_loss.set(title="loss (line: train, dots: eval)", xlabel="step", ylabel="cross-entropy")
-    ax_top1.set(title="eval top-1", xlabel="step", ylabel="%", ylim=(0, 100))
+    ax_top1.set(title="eval top-1 (o) and top-5 (x)", xlabel="step", ylabel="%", ylim=(0, 100))
     if not any(len(line.get_xdata()) for line in ax_loss.lines):
         empty(ax_loss, "no train records")
     if not any(len(line.get_xdata()) for line in ax_top1.lines):
@@ -290,7 +297,7 @@ def report(out: Path, runs: list[Run], charts: list[Path], rows: list[list[str]]
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="plot_logs.py", description="Charts (PNG), a comparison table (markdown and CSV) and report.html "
-        "from one or more run folders of vit.train. Charts: loss.png (train/eval loss, eval top-1), "
+        "from one or more run folders of vit.train. Charts: loss.png (train/eval loss, eval top-1 and top-5), "
         "throughput.png (images/s), resources.png (GPU utilisation and memory per host and GPU; host CPU %% and "
         "process RSS), breakdown.png (step-time phases per rank, stacked) and, for several runs, compare.png.")
     p.add_argument("runs", nargs="+", help="run folders (logs/<run>)")

@@ -6,6 +6,8 @@
     python -m bench mixed       balanced stages and proportional batches with slowed ranks
     python -m bench lossscale   fp16 skipped steps: DeepSpeed's default loss scale against --loss-scale auto
     python -m bench monitor     what one monitor sample costs
+    python -m bench recipe      the default job with each recipe option on and off (top-1, wall time)
+    python -m bench finetune    fine-tuning from a model this project pretrained, against from scratch
 
 `python -m bench COMMAND --help` for each.
 """

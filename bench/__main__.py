@@ -3,11 +3,11 @@ import argparse
 import sys
 
 import bench
-from bench import allreduce, hetero, monitor, peak, train
-from vit.settings import HelpFormatter
+from bench import allreduce, finetune, hetero, monitor, peak, recipe, train
+from vit.cli import HelpFormatter
 from vit.train import prepare_environment
 
-MODULES = (train, allreduce, peak, hetero, monitor)
+MODULES = (train, allreduce, peak, hetero, monitor, recipe, finetune)
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,7 @@ from torch import nn
 
 from bench.common import failure_tail, median_step_s, mpirun_train, positive_int, publish
 from vit import slowdown
-from vit.settings import defaults
+from vit.cli import defaults
 
 MIXED_RUNS = [  # (row name, vit.train options)
     ("pipeline, --partition uniform", ["--engine", "pipeline", "--partition", "uniform"]),
@@ -93,13 +93,13 @@ def grad_max_per_step(a) -> tuple[list[float], float]:
     parameters and the layer outputs; and the --loss-scale auto probe's value at step 0."""
     from vit.data import TrainBatches, load_dataset, make_loader
     from vit.hetero.loss_scale import GradPeak, probe_grad_max
-    from vit.model import PRESETS, build_layers
+    from vit.model import build_layers, model_shape
     from vit.optim import make_optimizer, make_scheduler
     from vit.reference import train_step
 
     s = defaults().with_(model=a.model, dataset=a.dataset)
     seed = s.train.seed
-    data = load_dataset(a.dataset, None, PRESETS[a.model].img_size, seed=seed)
+    data = load_dataset(a.dataset, None, model_shape(a.model).img_size, seed=seed)
     layers = build_layers(a.model, data.num_classes, data.in_chans, data.img_size, seed)
     n = len(data.train)
     probe = probe_grad_max(layers, make_loader(data.train, TrainBatches(n, a.global_batch, 1, 0, 1, seed, 0, 2),

@@ -26,17 +26,18 @@ from bench.common import (
     total_peak_tflops,
 )
 from bench.runs import CONFIGS, RUNS, engine_options
+from vit.cli import defaults
+from vit.errors import ConfigError
 from vit.metrics import peak_mem_gib
-from vit.model import PRESETS, build_layers
+from vit.model import PRESETS, build_layers, check_model, model_shape
 from vit.optim import make_optimizer, make_scheduler
 from vit.reference import train_step
-from vit.settings import defaults
 
 
 def run_reference(a, dev: torch.device) -> dict:
     """The plain loop: nn.Sequential of the same layers, the trainer's AdamW and schedule, data in memory."""
     s = defaults().with_(model=a.model, fused_adam=a.fused_adam)  # the trainer's lr, weight decay, seed, AdamW
-    img = PRESETS[a.model].img_size
+    img = model_shape(a.model).img_size
     model = nn.Sequential(*build_layers(a.model, 10, 3, img, s.train.seed)).to(dev)
     opt = make_optimizer(model, s.optim)
     sched = make_scheduler(opt, s.optim, a.warmup + a.steps)
@@ -150,8 +151,10 @@ def train_table(result: dict) -> str:
 
 
 def run(a) -> int:
-    if a.model not in PRESETS:
-        sys.exit(f"bench train: unknown model '{a.model}'; choose one of: {', '.join(PRESETS)}")
+    try:
+        check_model(a.model)
+    except ConfigError as e:
+        sys.exit(f"bench train: {e}")
     engines = [e for e in a.engines.split(",") if e]
     unknown = [e for e in engines if e not in RUNS]
     if unknown:
@@ -166,7 +169,7 @@ def run(a) -> int:
         print(f"bench train: no peak FLOP/s for '{name}' in PEAK_TFLOPS ({a.precision}); MFU left out. Measure "
               "one with `python -m bench peak` and pass --peak-tflops", file=sys.stderr)
     before = load_avg()
-    img = PRESETS[a.model].img_size
+    img = model_shape(a.model).img_size
     flops = flops_per_image(nn.Sequential(*build_layers(a.model, 10, 3, img)), img)
     runs = []  # reference, engines, reference, engines, ...: --repeat rounds
     with tempfile.TemporaryDirectory() as tmp:
@@ -200,7 +203,7 @@ def run(a) -> int:
 
 
 def add_arguments(t) -> None:
-    t.add_argument("--model", default="vit_tiny_cifar", help="one of: " + ", ".join(PRESETS))
+    t.add_argument("--model", default="vit_tiny_cifar", help="a preset (" + ", ".join(PRESETS) + ") or a timm ViT name")
     t.add_argument("--global-batch", type=positive_int, default=64, help="images per optimizer step, for every "
                    "engine")
     t.add_argument("--ranks", type=positive_int, default=2, help="processes per engine run (mpirun -np)")

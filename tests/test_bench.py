@@ -73,3 +73,22 @@ def test_peaks_are_exact_names_and_mixed_gpus_add_their_own():
     assert total_peak_tflops(mixed, "fp32") == pytest.approx(35.6 + 2 * 20.3)
     assert total_peak_tflops([*mixed, "NVIDIA GeForce GTX 1080"], "fp32") is None
     assert total_peak_tflops(mixed, "fp32", per_device=10.0) == 30.0
+
+
+@pytest.mark.timeout(400)
+def test_recipe_table_has_a_row_per_variant_with_the_median_of_its_seeds(tmp_path):
+    cmd = [sys.executable, "-m", "bench", "recipe", "--variants", "baseline,model-ema", "--seeds", "0,1", "--base",
+           "--steps 6 --micro-batch-size 8", "--timeout", 150, "--out", tmp_path]
+    r = run_cmd([str(c) for c in cmd], timeout=380)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "recipe.json").read_text())
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert list(rows) == ["baseline", "model-ema"] and result["seeds"] == [0, 1]
+    for row in rows.values():
+        summaries = [json.loads((tmp_path / "logs" / f"{row['variant']}.seed{s}" / "summary.json").read_text())
+                     for s in (0, 1)]
+        assert row["all_top1"] == [s["top1"] for s in summaries] and summaries[0]["steps"] == 6
+        assert row["top1"] == pytest.approx(sum(row["all_top1"]) / 2)  # the median of two
+    assert rows["baseline"]["ema_top1"] is None and rows["model-ema"]["ema_top1"] is not None
+    table = (tmp_path / "recipe.md").read_text()
+    assert table in r.stdout and "| model-ema | `--model-ema --model-ema-decay 0.99` |" in table

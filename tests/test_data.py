@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import base_env, run_cmd
 
-from vit.data import PAD_LABEL, TrainBatches, eval_batches, load_dataset
+from vit.data import PAD_LABEL, TrainBatches, eval_batches, load_dataset, make_loader
 from vit.errors import ConfigError
 
 
@@ -100,3 +100,33 @@ def test_eval_batches_pad_every_rank_to_the_same_count():
     real = sorted(i for rank in lists for b in rank for i in b if i >= 0)
     assert real == list(range(11))
     assert PAD_LABEL == -100
+
+
+RECIPE = dict(scale=(0.6, 1.0), hflip=0.5, aa="rand-m9-mstd0.5", color_jitter=0.3, reprob=0.25, mixup=0.8,
+              cutmix=1.0, smoothing=0.1)
+
+
+@pytest.mark.ranks  # DataLoader workers are processes
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dp,ga,workers", [(2, 2, 0), (4, 1, 2)])
+def test_augmented_mixed_global_batch_is_the_same_for_any_width_and_workers(dp, ga, workers):
+    from vit.augment import train_batches
+    from vit.cli import defaults
+    from vit.data import load_digits
+
+    data, r, steps, g = load_digits(), defaults().with_(**RECIPE).recipe, 3, 32
+    whole = list(train_batches(data, r, 3, partners=False, micro_batch=g, grad_accum=1, dp_rank=0, dp_size=1,
+                               start_step=0, end_step=steps))
+    ranks = [list(train_batches(data, r, 3, micro_batch=g // dp // ga, grad_accum=ga, dp_rank=k, dp_size=dp,
+                                start_step=0, end_step=steps, workers=workers)) for k in range(dp)]
+    for step in range(steps):
+        parts = [ranks[k][step * ga + j] for j in range(ga) for k in range(dp)]
+        assert torch.equal(torch.cat([x for x, _ in parts]), whole[step][0])
+        assert torch.equal(torch.cat([y for _, y in parts]), whole[step][1])
+        assert whole[step][1].shape == (g, 10)  # soft targets
+    plain = next(iter(make_loader(data.train, TrainBatches(len(data.train), g, 1, 0, 1, 3, 0, 1), 0, False)))
+    assert not torch.allclose(whole[0][0], plain[0])  # it did augment and mix
+    # Resuming at step 2 gives step 2's augmented batch again.
+    again = list(train_batches(data, r, 3, partners=False, micro_batch=g, grad_accum=1, dp_rank=0, dp_size=1,
+                               start_step=2, end_step=3))
+    assert torch.equal(again[0][0], whole[2][0]) and torch.equal(again[0][1], whole[2][1])

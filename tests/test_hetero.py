@@ -10,11 +10,11 @@ import torch
 from helpers import base_env, launch, run_cmd, train_losses
 
 from vit import slowdown
+from vit.cli import defaults
 from vit.data import TrainBatches
 from vit.errors import ConfigError
 from vit.hetero import batch_split, census, loss_scale, stages
 from vit.reference import reference_losses
-from vit.settings import defaults
 
 
 def brute_force_split(cost, static, act, speed, capacity, inflight) -> stages.StagePlan | None:

@@ -7,9 +7,9 @@ import torch
 from helpers import launch
 
 from vit import memory
+from vit.cli import parse
 from vit.dist_env import Job
 from vit.plan import make_plan
-from vit.settings import parse
 
 
 def test_the_estimate_leaves_headroom_for_the_model_and_its_state():

@@ -10,7 +10,7 @@ import pytest
 from helpers import ROOT, base_env, launch, run_cmd
 
 import plot_logs
-from vit.settings import parser
+from vit.cli import parser
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
@@ -64,6 +64,8 @@ def test_charts_table_and_report_from_real_runs(runs, tmp_path):
         assert float(row["memory per GPU (peak_mem_gib)"]) == pytest.approx(s["peak_mem_gib"], abs=1e-3)
         assert float(row["images/s"]) == pytest.approx(s["images_per_s"], abs=0.1)
         assert float(row["training time (train_s)"]) == pytest.approx(s["train_s"], abs=0.01)
+        assert float(row["top-1 %"]) == pytest.approx(100 * s["top1"], abs=0.01)
+        assert float(row["top-5 %"]) == pytest.approx(100 * s["top5"], abs=0.01) and s["top5"] >= s["top1"]
     md = (out / "comparison.md").read_text().splitlines()
     assert len(md) == 4 and md[2].startswith("| zero2 | zero2 | 1 | 64 |") and md[3].startswith("| pipeline |")
     html = (out / "report.html").read_text()

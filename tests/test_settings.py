@@ -2,9 +2,10 @@
 checks between options, and --data-path never ignored."""
 import pytest
 
+from vit.cli import defaults, parse, parser
 from vit.data import dataset_for
 from vit.errors import ConfigError
-from vit.settings import DataSettings, Settings, defaults, parse, parser
+from vit.settings import DataSettings, Settings
 
 
 def test_defaults_need_no_command_line():

@@ -11,8 +11,8 @@ import pytest
 from helpers import MPIRUN, ROOT, launch, read_jsonl, run_cmd
 
 from vit import ds_schema
+from vit.cli import parse
 from vit.errors import ConfigError
-from vit.settings import parse
 
 FAKE_BIN = ROOT / "tests" / "fake_bin"
 TRAIN = ["--log-interval", 5, "--eval-interval", 10, "--monitor-interval", 0.1, "--report-to", "tensorboard,wandb,csv",

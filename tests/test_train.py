@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from helpers import MPIRUN, ROOT, base_env, free_port, launch, read_jsonl, run_cmd, train_losses
 
+from vit.cli import defaults
 from vit.reference import reference_losses
-from vit.settings import defaults
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
@@ -16,13 +16,13 @@ STEPS = 6
 CONFIGS = ROOT / "deepspeed_configs"
 
 
-def reference(global_batch: int, steps: int = STEPS) -> list[float]:
-    return reference_losses(defaults(), global_batch, steps, clip=1.0)
+def reference(global_batch: int, steps: int = STEPS, **recipe) -> list[float]:
+    return reference_losses(defaults().with_(**recipe), global_batch, steps, clip=1.0)
 
 
-def assert_matches_reference(log_dir, global_batch: int, rel: float = 2e-4):
+def assert_matches_reference(log_dir, global_batch: int, rel: float = 2e-4, **recipe):
     got = train_losses(log_dir)
-    want = reference(global_batch)
+    want = reference(global_batch, **recipe)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, loss in got.items():
         assert loss == pytest.approx(want[step - 1], rel=rel), (step, got, want)
@@ -49,6 +49,32 @@ def test_two_ranks_match_single_process_reference(tmp_path, engine, config):
     assert 0.0 <= summary["top1"] <= 1.0 and summary["images_per_s"] > 0 and summary["wall_s"] > 0
 
 
+# timm's augmentation (random-resized-crop, flip, RandAugment, random erasing), Mixup/CutMix with label smoothing
+# into soft targets, and layer-wise LR decay: the engines take each augmented, mixed global batch apart
+# (data-parallel ranks, micro-steps, pipeline stages) and must still train as the single-process loop does on the
+# whole global batches.
+RECIPE = dict(scale=(0.6, 1.0), hflip=0.5, aa="rand-m9-mstd0.5", reprob=0.25, mixup=0.8, cutmix=1.0,
+              smoothing=0.1, layer_decay=0.8)
+RECIPE_ARGS = ["--scale", 0.6, 1.0, "--hflip", 0.5, "--aa", "rand-m9-mstd0.5", "--reprob", 0.25, "--mixup", 0.8,
+               "--cutmix", 1.0, "--smoothing", 0.1, "--layer-decay", 0.8]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine,config", [
+    ("zero", "zero0.json"), ("zero", "zero1.json"), ("zero", "zero2.json"), ("zero", "zero3.json"),
+    ("pipeline", "pipeline.json"), ("ddp", "zero0.json"),
+])
+def test_two_ranks_match_reference_with_augmentation_and_mixup(tmp_path, engine, config):
+    batch = [] if engine == "pipeline" else ["--micro-batch-size", 16, "--grad-accum", 2]  # micro-steps too
+    r = launch(["--engine", engine, "--ds-config", CONFIGS / config, *batch, "--steps", STEPS, "--log-interval", 1,
+                "--no-save", "--log-dir", tmp_path, *RECIPE_ARGS], nprocs=2, timeout=240)
+    assert r.ok, r
+    assert json.loads((tmp_path / "config.json").read_text())["global_batch"] == 64
+    assert_matches_reference(tmp_path, 64, **RECIPE)
+    # The recipe is in effect: from step 2 on (step 1 is the initial model's loss) it trains differently.
+    assert all(abs(a - b) > 1e-4 for a, b in zip(reference(64, **RECIPE)[1:], reference(64)[1:]))
+
+
 @pytest.mark.timeout(420)
 def test_pipe_x_data_four_ranks(tmp_path):
     # 2 stages x 2 data-parallel copies: global batch = 16 x 4 micro-batches x 2.
@@ -63,7 +89,8 @@ def test_pipe_x_data_four_ranks(tmp_path):
 @pytest.mark.parametrize("engine", ["zero", "ddp"])
 def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["--engine", engine, "--steps", 8, "--log-interval", 1]
+    # The EMA is saved with the checkpoint: the resumed run's average ends where the uninterrupted one's does.
+    common = ["--engine", engine, "--steps", 8, "--log-interval", 1, "--model-ema", "--model-ema-decay", 0.9]
     r = launch([*common, "--save-interval", 4, "--log-dir", full], timeout=200)
     assert r.ok, r
     assert (full / "checkpoints" / "latest").read_text().strip() == "step8"
@@ -73,6 +100,9 @@ def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7), (step, got, want)
+    ema = [[r for r in read_jsonl(d / "metrics_rank0.jsonl") if r["kind"] == "eval"][-1] for d in (full, resumed)]
+    assert ema[0]["ema_eval_loss"] == pytest.approx(ema[1]["ema_eval_loss"], rel=1e-6)
+    assert ema[0]["ema_eval_loss"] != pytest.approx(ema[0]["eval_loss"], rel=1e-3)
     # --resume without a path: the newest checkpoint of the run in --log-dir.
     r = launch([*common[:2], "--steps", 10, "--log-interval", 1, "--resume", "--log-dir", full], timeout=200)
     assert r.ok, r
@@ -121,10 +151,24 @@ def inconsistent_batch(tmp_path) -> str:
     return str(p)
 
 
+def one_class_folder(tmp_path) -> str:
+    from PIL import Image
+
+    for split in ("train", "val"):
+        (tmp_path / "one" / split / "only").mkdir(parents=True)
+        Image.new("RGB", (32, 32)).save(tmp_path / "one" / split / "only" / "a.png")
+    return str(tmp_path / "one")
+
+
 BAD_INPUT = {
     "missing config": (lambda t: ["--ds-config", str(t / "nope.json")], {}, "nope.json: no such file"),
     "invalid json": (lambda t: ["--ds-config", bad_json(t)], {}, "invalid JSON"),
-    "unknown model": (lambda t: ["--model", "vit_huge"], {}, "unknown model 'vit_huge'"),
+    "unknown model": (lambda t: ["--model", "vit_smal_patch16_224"], {},
+                      "unknown model 'vit_smal_patch16_224'; nearest: vit_small_patch16_224"),
+    "mixup with one class": (lambda t: ["--dataset", "imagefolder", "--data-path", one_class_folder(t), "--model",
+                                        "vit_tiny_cifar", "--mixup", "0.8"], {},
+                             "--mixup/--cutmix need at least two classes; imagefolder has 1"),
+    "not a ViT": (lambda t: ["--model", "resnet50"], {}, "is a timm resnet model, not a VisionTransformer; supported"),
     "unknown dataset": (lambda t: ["--dataset", "mnist"], {}, "argument --dataset: invalid choice: 'mnist'"),
     "image size vs patch": (lambda t: ["--model", "vit_tiny_cifar", "--dataset", "synthetic", "--img-size", "30"], {},
                             "image size 30 is not divisible by the patch size 4"),

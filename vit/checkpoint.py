@@ -160,6 +160,8 @@ def save(engine, save_dir: str, step: int, client_state: dict, meta: dict, keep:
         dist.barrier()
         engine.save(save_dir, tmp.name, client_state)
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        if engine.ema is not None:  # --model-ema: each rank's average of the layers it holds
+            torch.save(engine.ema.state_dict(), tmp / f"ema_rank{rank}.pt")
         if os.environ.get("VIT_TEST_CRASH_IN_SAVE") == tag:  # tests: die between the files and the manifest
             os._exit(3)
         seen = [None] * dist.get_world_size()
@@ -217,6 +219,11 @@ def load(engine, save_dir: str, tag: str) -> dict:
     rng = Path(save_dir) / tag / f"rng_rank{dist.get_rank()}.pt"
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))
+    ema = Path(save_dir) / tag / f"ema_rank{dist.get_rank()}.pt"
+    if engine.ema is not None:
+        if not ema.is_file():
+            raise CheckpointError(f"{ema.parent} holds no EMA weights (written without --model-ema)")
+        engine.ema.load_state_dict(torch.load(ema, map_location=engine.device, weights_only=True))
     return client_state
 
 

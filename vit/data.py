@@ -28,6 +28,9 @@ class DataSplit:
     num_classes: int
     in_chans: int
     img_size: int
+    mean: tuple = (0.485, 0.456, 0.406)  # the normalisation the images got, for --export's config
+    std: tuple = (0.229, 0.224, 0.225)
+    raw_train: Dataset | None = None  # the training images as PIL images, for timm's augmentation (vit.augment)
 
 
 def _normalize(x: np.ndarray, mean, std) -> torch.Tensor:
@@ -41,6 +44,8 @@ def load_digits() -> DataSplit:
     from sklearn.datasets import load_digits as sk_digits
     from sklearn.model_selection import train_test_split
 
+    from vit.augment import PILImages
+
     d = sk_digits()
     x = d.images.astype(np.float32)[:, None] / 16.0
     x_tr, x_te, y_tr, y_te = train_test_split(x, d.target, test_size=0.2, random_state=0, stratify=d.target)
@@ -49,7 +54,9 @@ def load_digits() -> DataSplit:
     def tensors(x, y):
         return TensorDataset(_normalize(x, [mean], [std]), torch.from_numpy(y).long())
 
-    return DataSplit(tensors(x_tr, y_tr), tensors(x_te, y_te), num_classes=10, in_chans=1, img_size=8)
+    raw = PILImages(np.round(x_tr * 255).astype(np.uint8), y_tr)
+    return DataSplit(tensors(x_tr, y_tr), tensors(x_te, y_te), num_classes=10, in_chans=1, img_size=8,
+                     mean=(mean,), std=(std,), raw_train=raw)
 
 
 class _UInt8Images(Dataset):
@@ -99,9 +106,12 @@ def load_cifar(name: str, data_path: str, download: bool) -> DataSplit:
             ys.append(np.asarray(batch[label_key], dtype=np.int64))
         return np.concatenate(xs), np.concatenate(ys)
 
+    from vit.augment import PILImages
+
     (x_tr, y_tr), (x_te, y_te) = read(train_files), read([test_file])
     return DataSplit(_UInt8Images(x_tr, y_tr, mean, std), _UInt8Images(x_te, y_te, mean, std),
-                     num_classes=100 if name == "cifar100" else 10, in_chans=3, img_size=32)
+                     num_classes=100 if name == "cifar100" else 10, in_chans=3, img_size=32, mean=mean, std=std,
+                     raw_train=PILImages(x_tr, y_tr))
 
 
 def load_imagefolder(data_path: str, img_size: int) -> DataSplit:
@@ -123,7 +133,8 @@ def load_imagefolder(data_path: str, img_size: int) -> DataSplit:
         raise ConfigError(f"imagefolder: {str(e).splitlines()[0]} (expected DATA/<split>/<class>/*.jpg, .png, ...)")
     if train.classes != test.classes:
         raise ConfigError(f"imagefolder: the class folders of {splits[0]} and {splits[1]} differ")
-    return DataSplit(train, test, num_classes=len(train.classes), in_chans=3, img_size=img_size)
+    return DataSplit(train, test, num_classes=len(train.classes), in_chans=3, img_size=img_size,
+                     raw_train=datasets.ImageFolder(str(splits[0])))
 
 
 class _Synthetic(Dataset):
@@ -181,7 +192,7 @@ def load_dataset(name: str, data_path: str | None, img_size: int, download: bool
         return load_imagefolder(data_path, img_size)
     if name == "synthetic":
         return DataSplit(_Synthetic(synthetic_size, img_size, 10, seed), _Synthetic(256, img_size, 10, seed + 1),
-                         num_classes=10, in_chans=3, img_size=img_size)
+                         num_classes=10, in_chans=3, img_size=img_size, mean=(0.0,) * 3, std=(1.0,) * 3)
     raise ConfigError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
 
 
@@ -194,11 +205,14 @@ class TrainBatches(Sampler):
 
     Global batch k is cut into grad_accum chunks, one per micro-step; data-parallel rank r takes its
     micro-batch out of each chunk, after those of ranks 0..r-1. `sizes` gives every rank's micro-batch
-    when they differ (--batch-split proportional); by default all are `micro_batch`.
+    when they differ (--batch-split proportional); by default all are `micro_batch`. keyed: sample i of step k
+    is asked for as k x N + i (vit.augment.Augmented); partners: each micro-batch is followed by its mixup
+    partners (vit.augment.Mixed).
     """
 
     def __init__(self, num_samples: int, micro_batch: int, grad_accum: int, dp_rank: int, dp_size: int,
-                 seed: int, start_step: int, end_step: int, sizes: list[int] | None = None):
+                 seed: int, start_step: int, end_step: int, sizes: list[int] | None = None, keyed: bool = False,
+                 partners: bool = False):
         self.sizes = sizes or [micro_batch] * dp_size
         self.global_batch = sum(self.sizes) * grad_accum
         self.per_epoch = steps_per_epoch(num_samples, self.global_batch)
@@ -206,6 +220,7 @@ class TrainBatches(Sampler):
             raise ConfigError(f"global batch {self.global_batch} is larger than the {num_samples} training samples")
         self.n, self.grad_accum, self.r = num_samples, grad_accum, dp_rank
         self.seed, self.start, self.end = seed, start_step, end_step
+        self.keyed, self.partners = keyed, partners
 
     def _perm(self, epoch: int) -> torch.Tensor:
         return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
@@ -220,7 +235,10 @@ class TrainBatches(Sampler):
             chunk, mine = sum(self.sizes), self.sizes[self.r]
             for j in range(self.grad_accum):
                 first = j * chunk + sum(self.sizes[:self.r])
-                yield batch[first:first + mine].tolist()
+                idx = batch[first:first + mine]
+                if self.partners:  # then mixup's partners (global positions G-1-p), in reverse: see vit.augment
+                    idx = torch.cat([idx, batch.flip(0)[first:first + mine].flip(0)])
+                yield (idx + step * self.n if self.keyed else idx).tolist()
 
     def __len__(self):
         return (self.end - self.start) * self.grad_accum

@@ -23,17 +23,24 @@ class Evaluator:
         if self.interval and step % self.interval == 0 and step != self.total_steps:
             self.run(step)
 
-    def run(self, step: int) -> tuple[float, float]:
+    def _once(self, step: int, label: str) -> dict:
         engine = self.engine
         lists = eval_batches(len(self.data.test), self.micro_batch, engine.dp_rank, engine.dp_size)
         if engine.reads_data:
             batches = make_loader(self.data.test, lists, self.workers, self.pin_memory)
         else:
             batches = [(None, None)] * len(lists)
-        loss_sum, correct, count = engine.evaluate(alive(batches, self.watchdog))
-        eval_loss, top1 = loss_sum / count, correct / count
-        self.metrics.write("eval", step, eval_loss=eval_loss, top1=top1)
+        loss_sum, correct, correct5, count = engine.evaluate(alive(batches, self.watchdog))
         if self.is_main:
-            print(f"eval at step {step}: loss {eval_loss:.4f} | top-1 {100 * top1:.2f}% ({correct}/{count})",
-                  flush=True)
-        return eval_loss, top1
+            print(f"eval{label} at step {step}: loss {loss_sum / count:.4f} | top-1 {100 * correct / count:.2f}% "
+                  f"({correct}/{count}) | top-5 {100 * correct5 / count:.2f}%", flush=True)
+        return {"eval_loss": loss_sum / count, "top1": correct / count, "top5": correct5 / count}
+
+    def run(self, step: int) -> dict:
+        """The held-out loss, top-1 and top-5; with --model-ema also the average's, as ema_eval_loss, ema_top1, ..."""
+        result = self._once(step, "")
+        if self.engine.ema is not None:
+            with self.engine.ema.swapped_in():
+                result.update({f"ema_{k}": v for k, v in self._once(step, " (EMA)").items()})
+        self.metrics.write("eval", step, **result)
+        return result

@@ -6,7 +6,8 @@ Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore u
    (fp16's loss scale, else null),
    and the step-time breakdown in seconds per step: "data_s", "forward_s", "backward_s", "optimizer_s",
    for the pipeline also "pipe_send_s", "pipe_recv_s", "allreduce_s"}
-  {"kind": "eval",  "step", "time", "rank", "host", "eval_loss", "top1"}
+  {"kind": "eval",  "step", "time", "rank", "host", "eval_loss", "top1", "top5"[, "ema_eval_loss", "ema_top1",
+   "ema_top5"]}
   {"kind": "skip",  "step", "time", "rank", "host", "skipped_steps", "in_a_row"}: an fp16 step skipped on overflow
 """
 import json

@@ -7,12 +7,12 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from vit import checkpoint, slowdown
+from vit import checkpoint, slowdown, weights
 from vit.data import DataSplit, dataset_for, load_dataset, steps_per_epoch
 from vit.dist_env import Job, resolve_master
 from vit.ds_config import Batch, precision_of, resolve, zero_stage
 from vit.errors import ConfigError, NothingToDo
-from vit.model import PRESETS, check_img_size
+from vit.model import check_img_size, model_shape
 from vit.rundir import check_writable
 from vit.settings import ROOT, Settings
 
@@ -56,20 +56,19 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     check_writable(s.log.log_dir or str(ROOT / "logs"), "--log-dir")
     if s.checkpoint.save_dir and not ckpt.no_save:
         check_writable(s.checkpoint.save_dir, "--save-dir")
-    ds_config, batch = resolve(par, job.world_size)
+    ds_config, batch = resolve_ds_config(s, par, job.world_size)
     requested = par.precision or precision_of(ds_config)  # every rank's say: hetero.adapt
     if par.precision is None and not any(ds_config.get(k, {}).get("enabled") for k in ("fp16", "bf16")):
         requested = "default"  # none given: auto on GPUs, fp32 on CPUs (vit.hetero.census.negotiate)
     slowdowns = slowdown.parse(par.simulate_slowdown, job.world_size)
-    if s.model.model not in PRESETS:
-        raise ConfigError(f"unknown model '{s.model.model}'; choose one of: {', '.join(PRESETS)}")
-    preset = PRESETS[s.model.model]
+    preset = model_shape(s.model.model)
     data = load_dataset(dataset, s.data.data_path, s.model.img_size or preset.img_size, s.data.download,
                         s.data.synthetic_size, s.train.seed)
     if s.model.img_size and s.model.img_size != data.img_size:
         raise ConfigError(f"--img-size {s.model.img_size} does not match the {data.img_size}x{data.img_size} images "
                           f"of {dataset}")
     check_img_size(s.model.model, data.img_size)
+    s, notes = check_recipe(s, data, [note] if note else [])
     if par.engine == "pipeline" and par.pipeline_stages > preset.depth + 2:
         raise ConfigError(f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} layers of "
                           f"{s.model.model} (embedding, {preset.depth} blocks, head)")
@@ -81,7 +80,38 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     resume = find_resume(s, save_dir, layout, batch) if ckpt.resume else None
     resolve_master(job)
     return Plan(s, job, ds_config, batch, requested, data, per_epoch, total_steps, save_dir, resume, layout,
-                slowdowns, [note] if note else [])
+                slowdowns, notes)
+
+
+def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settings, list[str]]:
+    """The starting weights (fetched for --pretrained, shapes checked), --export's folder, mixup's classes."""
+    m, r = s.model, s.recipe
+    if m.pretrained and m.pretrained_path:
+        raise ConfigError("--pretrained and --pretrained-path: choose one")
+    if m.pretrained:
+        s = s.with_(pretrained_path=weights.hub_weights(m.model))
+    if s.model.pretrained_path:
+        notes = notes + weights.check(s.model.pretrained_path, m.model, data.num_classes, data.in_chans,
+                                      data.img_size)
+    if m.export:
+        check_writable(os.path.dirname(os.path.abspath(m.export)), "--export")
+    if r.mixes and data.num_classes < 2:
+        raise ConfigError(f"--mixup/--cutmix need at least two classes; {s.data.dataset} has {data.num_classes}")
+    for name, p in (("--mixup-prob", r.mixup_prob), ("--mixup-switch-prob", r.mixup_switch_prob),
+                    ("--reprob", r.reprob), ("--hflip", r.hflip), ("--smoothing", r.smoothing)):
+        if p > 1:
+            raise ConfigError(f"{name} is a probability, got {p}")
+    if r.scale and not 0 < r.scale[0] <= r.scale[1] <= 1:
+        raise ConfigError(f"--scale {r.scale[0]} {r.scale[1]}: want 0 < MIN <= MAX <= 1")
+    return s, notes
+
+
+def resolve_ds_config(s: Settings, par, world_size: int) -> tuple[dict, Batch]:
+    """The DeepSpeed JSON with the command line's overrides, and its batch arithmetic."""
+    ds_config, batch = resolve(par, world_size)
+    if s.optim.clip_grad is not None:  # --clip-grad over the JSON's gradient_clipping, for DDP too
+        ds_config = {**ds_config, "gradient_clipping": s.optim.clip_grad}
+    return ds_config, batch
 
 
 def run_length(s: Settings, data: DataSplit, batch: Batch) -> tuple[int, int]:
@@ -96,7 +126,7 @@ def run_length(s: Settings, data: DataSplit, batch: Batch) -> tuple[int, int]:
 def with_micro_batch(plan: Plan, micro_batch: int, split: list[int] | None, search: dict) -> Plan:
     """The plan once --micro-batch-size auto has measured: its DeepSpeed JSON, batch and length."""
     par = replace(plan.settings.parallel, micro_batch_size=micro_batch)
-    ds_config, batch = resolve(par, plan.job.world_size)
+    ds_config, batch = resolve_ds_config(plan.settings, par, plan.job.world_size)
     per_epoch, total_steps = run_length(plan.settings, plan.data, batch)
     return replace(plan, ds_config=ds_config, batch=batch, steps_per_epoch=per_epoch, total_steps=total_steps,
                    layout={**plan.layout, "global_batch": batch.global_size}, micro_split=split, micro_search=search)

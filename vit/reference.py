@@ -9,17 +9,18 @@ import contextlib
 import torch
 from torch import nn
 
-from vit.data import TrainBatches, load_dataset, make_loader
-from vit.model import PRESETS, build_layers, loss_fn
+from vit.augment import train_batches
+from vit.data import load_dataset
+from vit.model import build_layers, loss_fn, model_shape
 from vit.optim import make_optimizer, make_scheduler
 from vit.settings import Settings
 
 
 def train_step(model: nn.Module, optimizer, scheduler, x, y, clip: float = 0.0, autocast=None,
-               after_backward=None) -> torch.Tensor:
+               after_backward=None, smoothing: float = 0.0) -> torch.Tensor:
     """One optimizer step on one batch; `after_backward()` runs between the backward pass and the update."""
     with autocast or contextlib.nullcontext():
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(model(x), y, smoothing)
     loss.backward()
     if after_backward:
         after_backward()
@@ -33,11 +34,14 @@ def train_step(model: nn.Module, optimizer, scheduler, x, y, clip: float = 0.0, 
 
 def reference_losses(s: Settings, global_batch: int, steps: int, clip: float = 0.0) -> list[float]:
     """Per-step mean loss over each global batch, for settings `s` (model, data, seed, optimizer)."""
-    img_size = s.model.img_size or PRESETS[s.model.model].img_size
+    img_size = s.model.img_size or model_shape(s.model.model).img_size
     data = load_dataset(s.data.dataset or "digits", s.data.data_path, img_size, seed=s.train.seed,
                         synthetic_size=s.data.synthetic_size)
-    model = nn.Sequential(*build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed))
-    opt = make_optimizer(model, s.optim)
+    model = nn.Sequential(*build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
+                                        s.model.drop_path, s.model.pretrained_path))
+    opt = make_optimizer(model, s.optim, num_layers=len(model))
     sched = make_scheduler(opt, s.optim, steps)
-    sampler = TrainBatches(len(data.train), global_batch, 1, 0, 1, s.train.seed, 0, steps)
-    return [train_step(model, opt, sched, x, y, clip).item() for x, y in make_loader(data.train, sampler, 0, False)]
+    # Whole global batches, augmented and mixed as they are (the engines take them apart: vit.augment).
+    batches = train_batches(data, s.recipe, s.train.seed, partners=False, micro_batch=global_batch, grad_accum=1,
+                            dp_rank=0, dp_size=1, start_step=0, end_step=steps)
+    return [train_step(model, opt, sched, x, y, clip, smoothing=s.recipe.smoothing).item() for x, y in batches]

@@ -1,17 +1,12 @@
 """The command line as typed settings: one dataclass per concern, each field declared once with its help and its
-check, the parser generated from them, and every value validated before any process group starts.
+check; vit/cli.py generates the parser from them and validates every value before any process group starts.
 
-`Settings()` is the defaults; `parse(argv)` the command line. Code reads the group it needs (`settings.optim`,
+`Settings()` is the defaults; `vit.cli.parse(argv)` the command line. Code reads the group it needs (`settings.optim`,
 `settings.data`, ...), never an argparse Namespace.
 """
 import argparse
-import importlib.util
-import math
-import typing
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-
-from vit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("zero", "pipeline", "ddp")
@@ -20,6 +15,16 @@ PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
 TRACKERS = ("tensorboard", "wandb", "csv")
+
+
+def _positive_int(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {v!r}")
+    return n
 
 
 def option(default, help: str, check: str | None = None, **cli):
@@ -32,6 +37,15 @@ def option(default, help: str, check: str | None = None, **cli):
 class ModelSettings:
     model: str = option("vit_digits", "model preset (see vit/model.py)")
     img_size: int | None = option(None, "image side for imagefolder/synthetic (default: the model's)", "positive")
+    pretrained: bool = option(False, "start from timm's hub weights for --model (needs network; offline, use "
+                              "--pretrained-path)")
+    pretrained_path: str | None = option(None, "start from these weights: .safetensors, .pth or .bin (timm, Hugging "
+                                         "Face), an --export or a checkpoint folder of this project; the head is "
+                                         "reset for another class count, the position embedding resampled for "
+                                         "another image size", metavar="PATH")
+    drop_path: float = option(0.0, "stochastic depth rate (timm's drop_path_rate)", "non_negative")
+    export: str | None = option(None, "write the final weights (the EMA's with --model-ema) as a timm-loadable "
+                                ".safetensors, with its pretrained config beside it as PATH.json", metavar="PATH")
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,39 @@ class OptimSettings:
     weight_decay: float = option(0.05, "AdamW weight decay (not on biases, norms and embeddings)", "non_negative")
     warmup_steps: int | None = option(None, "linear warm-up steps (default 5%% of the steps)", "non_negative")
     fused_adam: bool = option(False, "torch's fused AdamW kernel (one kernel for all parameters)")
+    layer_decay: float | None = option(None, "layer-wise LR decay: layer i of the list gets lr x decay^(last - i) "
+                                       "(timm's param_groups_layer_decay)", "positive")
+    clip_grad: float | None = option(None, "clip the gradient norm to this (overrides the JSON's gradient_clipping)",
+                                     "non_negative")
+
+
+@dataclass(frozen=True)
+class RecipeSettings:
+    """timm train.py's augmentation and regularisation options, under their names there."""
+    smoothing: float = option(0.1, "label smoothing (timm train.py's default; on the digits it raised top-1 on "
+                              "every seed: docs/benchmarks.md)", "non_negative")
+    mixup: float = option(0.0, "mixup alpha (on when > 0)", "non_negative")
+    cutmix: float = option(0.0, "cutmix alpha (on when > 0)", "non_negative")
+    mixup_prob: float = option(1.0, "probability of mixup or cutmix per batch", "non_negative")
+    mixup_switch_prob: float = option(0.5, "probability of cutmix instead of mixup when both are on",
+                                      "non_negative")
+    aa: str | None = option(None, "AutoAugment policy, e.g. rand-m9-mstd0.5-inc1 or original (timm's auto_augment)")
+    reprob: float = option(0.0, "random erasing probability", "non_negative")
+    color_jitter: float = option(0.0, "colour jitter factor", "non_negative")
+    hflip: float = option(0.0, "horizontal flip probability", "non_negative")
+    scale: tuple | None = option(None, "random-resized-crop scale range (off when not given)", nargs=2,
+                                 type=float, metavar=("MIN", "MAX"))
+    model_ema: bool = option(False, "keep an exponential moving average of the weights (timm's ModelEmaV3), "
+                             "evaluated beside the model")
+    model_ema_decay: float = option(0.9998, "EMA decay", "positive")
+
+    @property
+    def augments(self) -> bool:
+        return bool(self.aa or self.reprob or self.color_jitter or self.hflip or self.scale)
+
+    @property
+    def mixes(self) -> bool:
+        return self.mixup > 0 or self.cutmix > 0
 
 
 @dataclass(frozen=True)
@@ -133,6 +180,7 @@ class ClusterSettings:
 GROUPS = {  # attribute of Settings -> (class, --help section title)
     "model": (ModelSettings, "model"), "data": (DataSettings, "data"),
     "parallel": (ParallelSettings, "engine, parallelism and precision"), "optim": (OptimSettings, "optimizer"),
+    "recipe": (RecipeSettings, "augmentation and regularisation (timm train.py's names)"),
     "train": (TrainSettings, "training length and evaluation"), "checkpoint": (CheckpointSettings, "checkpoints"),
     "log": (LogSettings, "logs and monitoring"), "cluster": (ClusterSettings, "cluster"),
 }
@@ -144,6 +192,7 @@ class Settings:
     data: DataSettings = field(default_factory=DataSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
+    recipe: RecipeSettings = field(default_factory=RecipeSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     log: LogSettings = field(default_factory=LogSettings)
@@ -164,136 +213,4 @@ class Settings:
         if unknown:
             raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
         return replace(self, **groups)
-
-
-def flag(f) -> tuple[str, ...]:
-    given = f.metadata["cli"].get("flag")
-    if given:
-        return given if isinstance(given, tuple) else (given,)
-    return ("--" + f.name.replace("_", "-"),)
-
-
-def _base_type(f):
-    args = [t for t in typing.get_args(f.type) if t is not type(None)]
-    return args[0] if args else f.type
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults in the help, except where there is none to show."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of usage + error
-        raise ConfigError(message)
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="entry_cn.sh", description="Train a Vision Transformer with DeepSpeed ZeRO, a DeepSpeed "
-                "pipeline, or plain PyTorch DDP. With no options: the tiny ViT on the embedded digits data set.",
-                formatter_class=HelpFormatter)
-    for cls, title in GROUPS.values():
-        group, exclusive = p.add_argument_group(title), {}
-        for f in fields(cls):
-            cli = {k: v for k, v in f.metadata["cli"].items() if k not in ("flag", "exclusive")}
-            if "exclusive" in f.metadata["cli"]:
-                name = f.metadata["cli"]["exclusive"]
-                if name not in exclusive:
-                    exclusive[name] = group.add_mutually_exclusive_group()
-                target = exclusive[name]
-            else:
-                target = group
-            if f.type is bool:
-                cli.setdefault("action", "store_true")
-            elif "const" not in cli:
-                cli.setdefault("type", _base_type(f))
-            target.add_argument(*flag(f), dest=f.name, default=f.default, help=f.metadata["help"], **cli)
-    return p
-
-
-def _check(f, value) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    name = flag(f)[0]
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value}")
-    check = f.metadata["check"]
-    if check == "positive" and value <= 0:
-        raise ConfigError(f"{name} must be positive, got {value}")
-    if check == "non_negative" and value < 0:
-        raise ConfigError(f"{name} must not be negative, got {value}")
-
-
-def from_namespace(ns: argparse.Namespace) -> Settings:
-    groups = {}
-    for name, (cls, _) in GROUPS.items():
-        values = {f.name: getattr(ns, f.name) for f in fields(cls)}
-        for f in fields(cls):
-            _check(f, values[f.name])
-        groups[name] = cls(**values)
-    return Settings(**groups)
-
-
-def _positive_int(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {v!r}")
-    return n
-
-
-def validate(s: Settings) -> Settings:
-    """Checks between options, and the defaults that depend on others filled in."""
-    par, opt = s.parallel, s.optim
-    if opt.min_lr > opt.lr:
-        raise ConfigError(f"--min-lr {opt.min_lr:g} is above --lr {opt.lr:g}")
-    if par.partition not in ("uniform", "parameters", "balanced") and not par.partition.startswith("type:"):
-        raise ConfigError(f"--partition must be uniform, parameters, balanced or type:REGEX, got '{par.partition}'")
-    if par.micro_batch_size == "auto" and (par.engine == "pipeline" or s.checkpoint.resume):
-        raise ConfigError("--micro-batch-size auto applies to --engine zero or ddp, and not to --resume (pass the "
-                          "micro-batch the run chose: its config.json says)")
-    if par.partition == "balanced" and par.engine != "pipeline":
-        raise ConfigError("--partition balanced applies to --engine pipeline")
-    if par.batch_split == "proportional" and par.engine == "pipeline":
-        raise ConfigError("--batch-split proportional applies to --engine zero or ddp (a pipeline balances its "
-                          "stages with --partition balanced)")
-    if s.cluster.hostfile and not Path(s.cluster.hostfile).is_file():
-        raise ConfigError(f"--hostfile {s.cluster.hostfile}: no such file")
-    if s.checkpoint.resume == "auto" and not (s.checkpoint.save_dir or s.log.log_dir):
-        raise ConfigError("--resume needs the run's --log-dir (or --save-dir), or --resume PATH")
-    report_to = report_trackers(s.log.report_to)
-    ds_config = par.ds_config or str(ROOT / "deepspeed_configs" / DEFAULT_DS_CONFIG[par.engine])
-    epochs = DEFAULT_EPOCHS if s.train.epochs is None and s.train.steps is None else s.train.epochs
-    return replace(s, parallel=replace(par, ds_config=ds_config), train=replace(s.train, epochs=epochs),
-                   log=replace(s.log, report_to=",".join(report_to) or "none"))
-
-
-def report_trackers(value: str) -> tuple[str, ...]:
-    """--report-to as the trackers it names, in order ('none' alone: none)."""
-    names = [n.strip() for n in value.split(",")]
-    if names == ["none"]:
-        return ()
-    for n in names:
-        if n == "none":
-            raise ConfigError(f"--report-to {value}: 'none' cannot be combined with trackers")
-        if n not in TRACKERS:
-            raise ConfigError(f"--report-to: unknown tracker '{n}'; choose none or from {', '.join(TRACKERS)}")
-        if importlib.util.find_spec(n) is None:
-            raise ConfigError(f"--report-to {n}: the {n} package is not installed (scripts/bootstrap.sh installs it)")
-    return tuple(dict.fromkeys(names))
-
-
-def parse(argv=None) -> Settings:
-    return validate(from_namespace(parser().parse_args(argv)))
-
-
-def defaults() -> Settings:
-    """The settings of a run with no options (its defaults filled in), for tools and tests."""
-    return validate(Settings())
 

@@ -27,7 +27,7 @@ def start_record(log_dir: str, plan, *, ds_config: dict, precision: str, cluster
 
 
 def write_summary(log_dir: str, plan, *, precision: str, ds_config: dict, start_step: int, totals: dict,
-                  evaluation: tuple[float, float], peak_mem_gib: float, monitors: list[dict],
+                  evaluation: dict, peak_mem_gib: float, monitors: list[dict],
                   start_time: float) -> dict:
     """Rank 0: summary.json, what plot_logs.py's tables read."""
     s, batch, total = plan.settings, plan.batch, plan.total_steps
@@ -38,12 +38,13 @@ def write_summary(log_dir: str, plan, *, precision: str, ds_config: dict, start_
         "pipeline_stages": s.parallel.pipeline_stages if engine == "pipeline" else None,
         "world_size": plan.job.world_size, "data_parallel_size": batch.dp_size, "micro_batch": batch.micro_batch,
         "grad_accum": batch.grad_accum, "global_batch": batch.global_size, "steps": total,
-        "steps_this_run": total - start_step, "final_loss": totals["final_loss"], "eval_loss": evaluation[0],
-        "top1": evaluation[1], "images_per_s": totals["images_per_s"], "train_s": totals["train_s"],
+        "steps_this_run": total - start_step, "final_loss": totals["final_loss"], **evaluation,
+        "images_per_s": totals["images_per_s"], "train_s": totals["train_s"],
         "wall_s": time.time() - start_time, "peak_mem_gib": peak_mem_gib, "breakdown": totals["breakdown"],
         "monitor": monitors, "gpu_util_mean_per_host": gpu_util_mean_per_host(monitors),
     }
     write_json(os.path.join(log_dir, "summary.json"), summary)
-    print(f"done: {total} steps in {summary['wall_s']:.1f} s, top-1 {100 * evaluation[1]:.2f}%, logs in {log_dir}",
-          flush=True)
+    ema = f" (EMA {100 * evaluation['ema_top1']:.2f}%)" if "ema_top1" in evaluation else ""
+    print(f"done: {total} steps in {summary['wall_s']:.1f} s, top-1 {100 * evaluation['top1']:.2f}%{ema}, top-5 "
+          f"{100 * evaluation['top5']:.2f}%, logs in {log_dir}", flush=True)
     return summary

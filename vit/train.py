@@ -2,6 +2,7 @@
 
 Run through ./entry_cn.sh (under mpirun, srun, torchrun or directly); `--help` lists the options.
 """
+import copy
 import logging
 import os
 import socket
@@ -15,11 +16,14 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from vit import checkpoint, console, hetero, preflight, slowdown, tracking
+from vit import checkpoint, console, hetero, preflight, slowdown, tracking, weights
+from vit.augment import train_batches
 from vit.checkpoint import Checkpointer
+from vit.cli import parse
 from vit.data import TrainBatches, make_loader
 from vit.dist_env import device, discover, init_process_group, rank0_decides
 from vit.ds_config import with_precision
+from vit.ema import Ema
 from vit.engines import Engine, EngineContext, build
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
@@ -31,7 +35,7 @@ from vit.model import build_layers
 from vit.monitor import Monitor
 from vit.plan import Plan, choose_resume, make_plan
 from vit.rundir import RunLock
-from vit.settings import ROOT, parse
+from vit.settings import ROOT
 from vit.stats import StepStats
 from vit.summary import start_record, write_summary
 
@@ -73,6 +77,8 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
         loss = run.engine.train_step(run.batches)
         watchdog.beat(step)
         run.monitor.step = step
+        if run.engine.ema is not None:
+            run.engine.ema.update(step)
         run.stats.record(step, loss, lr)
         if run.stats.should_log(step):
             run.stats.log(step)
@@ -120,7 +126,9 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
         resumed_from = rank0_decides(lambda: choose_resume(plan))
         start = checkpoint.read_manifest(plan.resume.save_dir, resumed_from)["step"]
     data = plan.data
-    layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
+    layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
+                          s.model.drop_path, s.model.pretrained_path)
+    ema_layers = copy.deepcopy(layers) if s.recipe.model_ema else None  # before ZeRO-3 partitions them
     adapted = adapt(plan, dev, layers, start)
     tf32 = set_tf32(dev, s.parallel.tf32 == "on")
     if tf32 and job.is_main:
@@ -135,7 +143,9 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     with console.library_prints():
         engine = build(s.parallel.engine, EngineContext(
             layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision, s.parallel.pipeline_stages,
-            s.parallel.partition, adapted.parts, adapted.loss_weight))
+            s.parallel.partition, adapted.parts, adapted.loss_weight, s.recipe.smoothing))
+    if ema_layers:
+        engine.ema = Ema(ema_layers, engine, s.recipe.model_ema_decay)
     if plan.resume:
         start = checkpoint.load(engine, plan.resume.save_dir, resumed_from)["step"]
     if job.is_main:
@@ -191,9 +201,10 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
     checkpointer = Checkpointer(engine, save_dir, interval=s.checkpoint.save_interval,
                                 enabled=not s.checkpoint.no_save, keep=s.checkpoint.keep_checkpoints,
                                 meta={**plan.layout, "config_hash": plan.settings_hash()}, on_progress=watchdog.beat)
-    sampler = TrainBatches(len(data.train), batch.micro_batch, batch.grad_accum, engine.dp_rank, engine.dp_size,
-                           s.train.seed, start, plan.total_steps, adapted.split)
-    batches = iter(make_loader(data.train, sampler, s.data.workers, pin)) if engine.reads_data else None
+    batches = train_batches(data, s.recipe, s.train.seed, workers=s.data.workers, pin_memory=pin,
+                            micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, dp_rank=engine.dp_rank,
+                            dp_size=engine.dp_size, start_step=start, end_step=plan.total_steps,
+                            sizes=adapted.split) if engine.reads_data else None
     return Session(engine, log_dir, start, adapted.precision, ds_config, batches, stats, evaluator, checkpointer,
                    metrics, monitor, locks)
 
@@ -202,6 +213,8 @@ def finish(plan: Plan, run: Session, start_time: float) -> None:
     """The final evaluation and checkpoint, the monitors' summaries, and summary.json."""
     evaluation = run.evaluator.run(plan.total_steps)
     run.checkpointer.save(plan.total_steps, last_step=True)
+    if plan.settings.model.export:
+        export(plan, run.engine.export_state())
     peak = torch.tensor([peak_mem_gib(run.engine.device)], device=run.engine.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     run.monitor.stop()
@@ -213,6 +226,15 @@ def finish(plan: Plan, run: Session, start_time: float) -> None:
                       start_time=start_time)
     run.metrics.close()
     dist.barrier()
+
+
+def export(plan: Plan, state: dict | None) -> None:
+    """--export, on rank 0 (the only rank that holds the gathered state)."""
+    if state is not None:
+        s, data = plan.settings, plan.data
+        weights.export(s.model.export, state, model_name=s.model.model, num_classes=data.num_classes,
+                       in_chans=data.in_chans, img_size=data.img_size, mean=data.mean, std=data.std)
+        print(f"exported {s.model.export} and {s.model.export}.json", flush=True)
 
 
 def run(plan: Plan, start_time: float) -> int:

@@ -1,5 +1,6 @@
 """The engine contract: what the training loop sees of ZeRO, the pipeline or DDP (in the manner of Lightning's
 Strategy), with evaluation written once for all of them."""
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class EngineContext:
     partition: str = "parameters"  # pipeline: DeepSpeed's partition_method, or "balanced" with `parts`
     parts: list[int] | None = None  # pipeline stage boundaries for --partition balanced
     loss_weight: float = 1.0  # this rank's micro-batch x data-parallel size / the micro-step's samples
+    smoothing: float = 0.0  # --smoothing, for hard labels (mixup's soft targets carry their own)
 
 
 class Engine(ABC):
@@ -39,6 +41,25 @@ class Engine(ABC):
     dp_size: int
     timer: PhaseTimer
     reads_data: bool = True  # False on ranks that take no batches (a pipeline's middle stages)
+    ema = None  # a vit.ema.Ema when --model-ema is on
+
+    @abstractmethod
+    def live_module(self) -> nn.Module:
+        """The module this rank trains, its state dict keyed '<layer index>.<name>' (the layers it holds)."""
+
+    def gathered(self, modifier_rank: int | None = None):
+        """A context in which live_module()'s parameters are whole (ZeRO-3 gathers them; elsewhere they are)."""
+        return contextlib.nullcontext()
+
+    def layer_state(self) -> dict | None:
+        """Collective: the whole network's state dict (layer keys) on rank 0, None elsewhere."""
+        return self.live_module().state_dict() if dist.get_rank() == 0 else None
+
+    def export_state(self) -> dict | None:
+        """Collective: what --export writes (the EMA's weights when there is one), on rank 0."""
+        if self.ema is None:
+            return self.layer_state()
+        return self.ema.state_dict() if dist.get_rank() == 0 else None
 
     @abstractmethod
     def train_step(self, batches: Iterator) -> torch.Tensor:
@@ -83,9 +104,9 @@ class Engine(ABC):
         return self.timer.read(steps)
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterator) -> tuple[float, int, int]:
-        """(loss sum, correct, count) over every rank's batches; padding counts nowhere."""
-        totals = torch.zeros(3, device=self.device)
+    def evaluate(self, batches: Iterator) -> tuple[float, int, int, int]:
+        """(loss sum, top-1 correct, top-5 correct, count) over every rank's batches; padding counts nowhere."""
+        totals = torch.zeros(4, device=self.device)
         self.train_mode(False)
         with self.timer.paused():  # evaluation is no part of the training steps' breakdown
             for x, y in batches:
@@ -94,8 +115,8 @@ class Engine(ABC):
                     totals += eval_totals(logits, y)
         self.train_mode(True)
         dist.all_reduce(totals)
-        loss_sum, correct, count = totals.tolist()
-        return loss_sum, int(correct), int(count)
+        loss_sum, correct, correct5, count = totals.tolist()
+        return loss_sum, int(correct), int(correct5), int(count)
 
 
 def mean_over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:
@@ -106,9 +127,10 @@ def mean_over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def eval_totals(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[loss sum, correct, count] of one micro-batch; padding (PAD_LABEL) counts nowhere."""
+    """[loss sum, top-1 correct, top-5 correct, count] of one micro-batch; padding (PAD_LABEL) counts nowhere."""
     labels = labels.to(logits.device)
     real = labels != PAD_LABEL
     loss_sum = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=PAD_LABEL, reduction="sum")
-    correct = ((logits.argmax(-1) == labels) & real).sum()
-    return torch.stack([loss_sum, correct.float(), real.sum().float()])
+    top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices == labels[:, None]
+    correct, correct5 = (top[:, 0] & real).sum(), (top.any(-1) & real).sum()
+    return torch.stack([loss_sum, correct.float(), correct5.float(), real.sum().float()])

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vit.engines.base import Engine, EngineContext
-from vit.model import loss_fn
+from vit.model import Loss
 from vit.optim import make_optimizer, make_scheduler
 from vit.stats import PhaseTimer
 
@@ -24,7 +24,8 @@ class DDPEngine(Engine):
         self.device = ctx.device
         model = nn.Sequential(*ctx.layers).to(self.device)
         self.model = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None)
-        self.optimizer = make_optimizer(model, ctx.optim)
+        self.optimizer = make_optimizer(model, ctx.optim, num_layers=len(ctx.layers))
+        self.loss = Loss(ctx.smoothing)
         self.scheduler = make_scheduler(self.optimizer, ctx.optim, ctx.total_steps)
         self.dtype = DTYPES.get(ctx.precision)
         fp16 = ctx.ds_config.get("fp16", {})
@@ -38,7 +39,7 @@ class DDPEngine(Engine):
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return max(g["lr"] for g in self.optimizer.param_groups)  # the head's, under --layer-decay
 
     @property
     def skipped_steps(self) -> int:
@@ -62,7 +63,7 @@ class DDPEngine(Engine):
                 t.lap("data_s")
                 with self._autocast():
                     logits = self.model(x)
-                loss = loss_fn(logits, y) * self.loss_weight  # DDP averages over ranks: see vit.engines.zero
+                loss = self.loss(logits, y) * self.loss_weight  # DDP averages over ranks: see vit.engines.zero
                 t.lap("forward_s")
                 scaled = loss / self.grad_accum
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
@@ -90,6 +91,9 @@ class DDPEngine(Engine):
 
     def train_mode(self, training):
         self.model.train(training)
+
+    def live_module(self):
+        return self.model.module
 
     def _state(self):
         return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),

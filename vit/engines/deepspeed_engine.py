@@ -26,7 +26,7 @@ class DeepSpeedEngine(Engine):
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return max(g["lr"] for g in self.optimizer.param_groups)  # the head's, under --layer-decay
 
     def save(self, save_dir, tag, client_state):
         # No 'latest' from DeepSpeed: vit.checkpoint points at a checkpoint once it is complete.

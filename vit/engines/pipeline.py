@@ -1,12 +1,13 @@
 """DeepSpeed pipeline parallelism: the layer list cut into --pipeline-stages stages, and data
 parallelism across the copies of the pipeline when the world size is a multiple of the stages."""
 import deepspeed
+import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 
 from vit.engines.base import EngineContext
 from vit.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_comm
-from vit.model import loss_fn
+from vit.model import Loss
 from vit.optim import make_optimizer, make_scheduler
 from vit.stats import PhaseTimer
 
@@ -52,9 +53,10 @@ class PlannedPipeline(PipelineModule):
 class PipelineEngine(DeepSpeedEngine):
     def __init__(self, ctx: EngineContext):
         deepspeed_comm()
-        module = PlannedPipeline(ctx.parts, layers=ctx.layers, num_stages=ctx.pipeline_stages, loss_fn=loss_fn,
+        module = PlannedPipeline(ctx.parts, layers=ctx.layers, num_stages=ctx.pipeline_stages,
+                                 loss_fn=Loss(ctx.smoothing),
                                  partition_method=ctx.partition)
-        opt = make_optimizer(module, ctx.optim)
+        opt = make_optimizer(module, ctx.optim, num_layers=len(ctx.layers))
         sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
         self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)
@@ -73,11 +75,27 @@ class PipelineEngine(DeepSpeedEngine):
     def mean_loss(self, loss):
         return loss
 
+    def live_module(self):
+        return self.ds_engine.module
+
+    def layer_state(self):
+        return merged_on_rank0(self.live_module().state_dict())
+
+    def export_state(self):
+        return merged_on_rank0(self.ema.state_dict()) if self.ema else self.layer_state()
+
     def eval_logits(self, x, y):
         # eval_batch keeps only the last micro-batch's logits, so it runs one micro-batch per call.
         _, logits = self.ds_engine.eval_batch(iter([(x, y)]) if self.reads_data else None, return_logits=True,
                                               bcast_loss=False, num_micro_batches=1)
         return logits if self.ds_engine.is_last_stage() else None
+
+
+def merged_on_rank0(local: dict) -> dict | None:
+    """Every stage's layers' tensors, merged on rank 0 (a collective)."""
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object({k: v.detach().cpu() for k, v in local.items()}, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts else None
 
 
 def build(ctx: EngineContext):

@@ -5,7 +5,7 @@ from torch import nn
 
 from vit.engines.base import EngineContext
 from vit.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_comm
-from vit.model import loss_fn
+from vit.model import Loss
 from vit.optim import make_optimizer, make_scheduler
 from vit.stats import PhaseTimer
 
@@ -15,7 +15,7 @@ class ZeroEngine(DeepSpeedEngine):
         deepspeed_comm()
         model = nn.Sequential(*ctx.layers)
         offload = ctx.ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-        opt = make_optimizer(model, ctx.optim, cpu_offload=offload == "cpu")
+        opt = make_optimizer(model, ctx.optim, cpu_offload=offload == "cpu", num_layers=len(ctx.layers))
         sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
         self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)
@@ -23,6 +23,7 @@ class ZeroEngine(DeepSpeedEngine):
         self.grad_accum, self.loss_weight = ctx.batch.grad_accum, ctx.loss_weight
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.timer = PhaseTimer(self.device)
+        self.loss = Loss(ctx.smoothing)
 
     def train_step(self, batches):
         total, t = 0.0, self.timer
@@ -32,7 +33,7 @@ class ZeroEngine(DeepSpeedEngine):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             t.lap("data_s")
             # Weighted by this rank's share, so the average over ranks is the global batch's mean loss.
-            loss = loss_fn(self.ds_engine(x), y) * self.loss_weight
+            loss = self.loss(self.ds_engine(x), y) * self.loss_weight
             t.lap("forward_s")
             self.ds_engine.backward(loss)
             t.lap("backward_s")
@@ -46,6 +47,19 @@ class ZeroEngine(DeepSpeedEngine):
 
     def train_mode(self, training):
         self.ds_engine.train(training)
+
+    def live_module(self):
+        return self.ds_engine.module
+
+    def gathered(self, modifier_rank=None):
+        if not self.ds_engine.zero_optimization_partition_weights():
+            return super().gathered(modifier_rank)
+        return deepspeed.zero.GatheredParameters(list(self.live_module().parameters()), modifier_rank=modifier_rank)
+
+    def layer_state(self):
+        if self.ds_engine.zero_optimization_partition_weights():  # ZeRO-3: gathered onto rank 0 layer by layer
+            return self.ds_engine._zero3_consolidated_16bit_state_dict()
+        return super().layer_state()
 
 
 def build(ctx: EngineContext):

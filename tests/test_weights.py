@@ -1,0 +1,91 @@
+"""Pretrained weights in (--pretrained-path, adapted), final weights out (--export), offline, with real ranks."""
+import json
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from helpers import base_env, launch, run_cmd
+from safetensors.torch import save_file
+from torch import nn
+
+from vit.data import load_dataset
+from vit.model import build_layers, timm_state_dict
+
+NAME = "vit_tiny_patch16_224"
+
+
+@pytest.fixture(scope="module")
+def timm_file(tmp_path_factory):
+    """A timm model's weights as timm writes them: 32x32 images (2x2 patches), 5 classes."""
+    torch.manual_seed(11)
+    vit = timm.create_model(NAME, pretrained=False, img_size=32, num_classes=5)
+    path = tmp_path_factory.mktemp("w") / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in vit.state_dict().items()}, str(path))
+    return path, vit.state_dict()
+
+
+def test_pretrained_path_adapts_pos_embed_and_head_and_keeps_the_rest(timm_file):
+    path, want = timm_file
+    layers = build_layers(NAME, num_classes=10, in_chans=3, img_size=48, seed=0, pretrained_path=str(path))
+    got = timm_state_dict(nn.Sequential(*layers).state_dict(), depth=12)
+    fresh = timm_state_dict(nn.Sequential(*build_layers(NAME, 10, 3, 48, seed=0)).state_dict(), depth=12)
+    assert got.keys() == want.keys()
+    assert got["pos_embed"].shape == (1, 1 + 9, 192) and want["pos_embed"].shape == (1, 1 + 4, 192)
+    # The class token's entry is kept, the 2x2 grid resampled to 3x3 (timm's resample_abs_pos_embed).
+    assert torch.equal(got["pos_embed"][:, :1], want["pos_embed"][:, :1])
+    assert not torch.allclose(got["pos_embed"][:, 1:].mean(), fresh["pos_embed"][:, 1:].mean())
+    assert got["head.weight"].shape == (10, 192) and torch.equal(got["head.weight"], fresh["head.weight"])
+    for k in want:
+        if k not in ("pos_embed", "head.weight", "head.bias"):
+            assert torch.equal(got[k], want[k]), k
+
+
+def eval_loss(model: nn.Module, img_size: int) -> float:
+    test = load_dataset("synthetic", None, img_size, seed=0).test
+    x = torch.stack([test[i][0] for i in range(len(test))])
+    y = torch.tensor([test[i][1] for i in range(len(test))])
+    with torch.no_grad():
+        return F.cross_entropy(model.eval()(x), y).item()
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("config,ema", [("zero2.json", False), ("zero3.json", True)])
+def test_fine_tune_then_export_loads_into_timm(tmp_path, timm_file, config, ema):
+    path, _ = timm_file
+    out = tmp_path / "export" / "tuned.safetensors"
+    r = launch(["--model", NAME, "--dataset", "synthetic", "--img-size", 48, "--pretrained-path", path, "--steps", 3,
+                "--ds-config", f"deepspeed_configs/{config}", "--no-save", "--log-dir", tmp_path / "run",
+                "--export", out, *(["--model-ema", "--model-ema-decay", 0.5] if ema else [])], timeout=360)
+    assert r.ok, r
+    assert "pos_embed resampled (1, 5, 192) -> (1, 10, 192)" in r.outputs[0]
+    assert "head.weight reset: (5, 192) in the file, (10, 192) for this run's classes" in r.outputs[0]
+    cfg = json.loads((out.parent / "tuned.safetensors.json").read_text())
+    assert cfg["architecture"] == NAME and cfg["num_classes"] == 10 and cfg["pretrained_cfg"]["input_size"] == [3, 48,
+                                                                                                                48]
+    model = timm.create_model(NAME, pretrained=True, num_classes=10, img_size=48,
+                              pretrained_cfg_overlay=dict(cfg["pretrained_cfg"], file=str(out)))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # The exported weights give the run's own final held-out loss (the EMA's when EMA is on).
+    assert eval_loss(model, 48) == pytest.approx(summary["ema_eval_loss" if ema else "eval_loss"], rel=1e-4)
+    if ema:
+        assert summary["ema_eval_loss"] != pytest.approx(summary["eval_loss"], rel=1e-4)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_misfit_and_offline_pretrained_are_one_line(tmp_path, timm_file):
+    path, want = timm_file
+    bad = tmp_path / "bad.pth"
+    torch.save({"state_dict": {**want, "blocks.0.mlp.fc1.weight": torch.zeros(3, 3)}}, bad)
+    cases = [(["--pretrained-path", str(bad)], "1 tensor(s) do not fit the model: blocks.0.mlp.fc1.weight (3, 3) "
+                                              "(model (768, 192))"),
+             (["--pretrained"], "--pretrained: cannot fetch timm/vit_tiny_patch16_224")]
+    for args, message in cases:
+        r = run_cmd([".venv/bin/python", "-m", "vit.train", "--model", NAME, "--dataset", "synthetic", "--img-size",
+                     "32", *args, "--log-dir", str(tmp_path / "run")], env=base_env(HF_HUB_OFFLINE="1"), timeout=100)
+        assert r.returncode == 2, r.stdout + r.stderr
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("entry_cn.sh: error: ") and message in last and "--pretrained-path" in last, last
+        assert not (tmp_path / "run").exists()

@@ -1,0 +1,171 @@
+"""Pretrained weights in, final weights out.
+
+In: --pretrained (timm's hub weights, fetched into the Hugging Face cache before any process group) or
+--pretrained-path (a .safetensors, .pth or .bin from timm or Hugging Face, an --export of this project, or one of
+its checkpoint folders), adapted the way timm adapts its own: the head is left at its fresh initialisation when
+the class count differs, the position embedding is resampled (timm's resample_abs_pos_embed) when the image size
+differs; any other tensor whose shape does not fit is an error that lists them all.
+
+Out: --export writes timm-keyed weights as .safetensors and PATH.json, a timm / Hugging Face config.json
+(architecture, num_classes, model_args, pretrained_cfg with input size, class count and mean/std), so that
+timm.create_model(arch, pretrained=True, num_classes=N, img_size=S,
+pretrained_cfg_overlay=dict(cfg["pretrained_cfg"], file=PATH)) loads it. The overlay must carry num_classes:
+timm drops a file's head whose class count differs from its pretrained config's (1000 for ImageNet names).
+"""
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from timm.layers import resample_abs_pos_embed
+from timm.models import adapt_input_conv
+from torch import nn
+
+from vit.errors import ConfigError
+from vit.model import PRESETS, check_model, layer_state_dict, timm_state_dict
+
+LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")  # a DeepSpeed pipeline checkpoint's per-layer files
+
+
+def _torch_load(path: Path) -> dict:
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    for key in ("state_dict", "model", "module", "model_state"):  # the usual wrappers of a training checkpoint
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    return state
+
+
+def _checkpoint_folder(d: Path) -> dict:
+    """This project's checkpoint: ddp.pt, ZeRO 0-2's mp_rank_00_model_states.pt, or a pipeline's layer files."""
+    if (d / "ddp.pt").is_file():
+        return _torch_load(d / "ddp.pt")
+    layers = sorted(p for p in d.iterdir() if LAYER_FILE.match(p.name))
+    if layers:
+        return {f"{int(LAYER_FILE.match(p.name).group(1))}.{k}": v for p in layers for k, v in _torch_load(p).items()}
+    states = d / "mp_rank_00_model_states.pt"
+    if states.is_file():
+        state = _torch_load(states)
+        if any(v.numel() == 0 for v in state.values() if torch.is_tensor(v)):
+            raise ConfigError(f"--pretrained-path {d}: a ZeRO-3 checkpoint holds its weights partitioned; pass the "
+                              "run's --export file instead")
+        return state
+    raise ConfigError(f"--pretrained-path {d}: a folder without ddp.pt, mp_rank_00_model_states.pt or layer files")
+
+
+def read_state(path: str) -> dict:
+    """The tensors of a weights file or checkpoint folder, under timm's names."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"--pretrained-path {path}: no such file")
+    try:
+        if p.is_dir():
+            state = _checkpoint_folder(p)
+        elif p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(p))
+        else:
+            state = _torch_load(p)
+    except (OSError, RuntimeError, ValueError, EOFError) as e:
+        raise ConfigError(f"--pretrained-path {path}: not a readable weights file ({str(e).splitlines()[0]})")
+    state = {k.removeprefix("module."): v for k, v in state.items() if torch.is_tensor(v)}
+    if not state:
+        raise ConfigError(f"--pretrained-path {path}: holds no tensors")
+    if all(re.match(r"^\d+\.", k) for k in state):  # a layer list's keys: this project's checkpoint
+        depth = max(int(k.split(".")[0]) for k in state) - 1
+        state = timm_state_dict(state, depth)
+    return state
+
+
+def adapt(state: dict, model: nn.Module) -> tuple[dict, list[str]]:
+    """`state` made to fit `model` (a timm VisionTransformer): (the tensors to load, notes on what changed)."""
+    want = model.state_dict()
+    out, notes, misfit = {}, [], []
+    for k, v in state.items():
+        if k not in want or v.shape == want[k].shape:
+            out[k] = v
+        elif k == "pos_embed":
+            prefix = 0 if model.no_embed_class else model.num_prefix_tokens
+            out[k] = resample_abs_pos_embed(v, new_size=list(model.patch_embed.grid_size), num_prefix_tokens=prefix)
+            notes.append(f"pos_embed resampled {tuple(v.shape)} -> {tuple(out[k].shape)}")
+        elif k == "patch_embed.proj.weight" and v.shape[:1] + v.shape[2:] == want[k].shape[:1] + want[k].shape[2:]:
+            out[k] = adapt_input_conv(want[k].shape[1], v)  # grey to RGB and back, as timm does
+            notes.append(f"{k} adapted from {v.shape[1]} to {want[k].shape[1]} input channels")
+        elif k.startswith("head."):
+            notes.append(f"{k} reset: {tuple(v.shape)} in the file, {tuple(want[k].shape)} for this run's classes")
+        else:
+            misfit.append(f"{k} {tuple(v.shape)} (model {tuple(want[k].shape)})")
+    if misfit:
+        raise ConfigError(f"--pretrained-path: {len(misfit)} tensor(s) do not fit the model: {', '.join(misfit)}")
+    missing = sorted(k for k in want if k not in out and not k.startswith("head."))
+    unexpected = sorted(k for k in out if k not in want)
+    if missing:
+        notes.append(f"missing (left at initialisation): {', '.join(missing)}")
+    if unexpected:
+        notes.append(f"unexpected (ignored): {', '.join(unexpected)}")
+    return {k: v for k, v in out.items() if k in want}, notes
+
+
+def load_pretrained(model: nn.Module, path: str) -> list[str]:
+    """Load `path` into the timm model; the notes say what was adapted."""
+    state, notes = adapt(read_state(path), model)
+    model.load_state_dict(state, strict=False)
+    return notes
+
+
+def check(path: str, model_name: str, num_classes: int, in_chans: int, img_size: int) -> list[str]:
+    """Before any process group: does `path` fit the model (shapes only, on the meta device)? Its notes."""
+    from vit.model import create_vit
+
+    with torch.device("meta"):
+        vit = create_vit(model_name, num_classes, in_chans, img_size)
+    notes = adapt(read_state(path), vit)[1]
+    return [f"--pretrained-path {path}: " + "; ".join(notes or ["every tensor fits"])]
+
+
+def hub_weights(name: str) -> str:
+    """--pretrained: the hub file of timm's pretrained config for `name`, fetched into the local cache."""
+    import timm
+    from huggingface_hub import hf_hub_download
+
+    if check_model(name) in PRESETS:
+        raise ConfigError(f"--pretrained: {name} is this project's preset, with no hub weights; use --pretrained-path")
+    cfg = timm.models.get_pretrained_cfg(name)
+    if cfg is None or not cfg.hf_hub_id:
+        raise ConfigError(f"--pretrained: timm has no hub weights for {name}; use --pretrained-path")
+    try:
+        return hf_hub_download(cfg.hf_hub_id, cfg.hf_hub_filename or "model.safetensors")
+    except Exception as e:  # no network, no such repo, ...: the user's way out is a local file
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--pretrained: cannot fetch {cfg.hf_hub_id} from the Hugging Face hub ({reason}); fetch "
+                          "it where there is network and pass --pretrained-path FILE")
+
+
+def export(path: str, layer_state: dict, *, model_name: str, num_classes: int, in_chans: int, img_size: int,
+           mean, std) -> None:
+    """Rank 0: the layer list's final weights as timm's, and the config timm and Hugging Face read."""
+    from safetensors.torch import save_file
+
+    depth = max(int(k.split(".")[0]) for k in layer_state) - 1
+    state = {k: v.detach().float().cpu().contiguous() for k, v in timm_state_dict(layer_state, depth).items()}
+    arch = check_model(model_name)
+    args = {"img_size": img_size, "in_chans": in_chans}
+    if arch in PRESETS:  # not a timm name: timm builds it as vit_base_patch16_224 with these arguments
+        p = PRESETS[arch]
+        args.update(patch_size=p.patch_size, embed_dim=p.embed_dim, depth=p.depth, num_heads=p.num_heads,
+                    mlp_ratio=p.mlp_ratio)
+        arch = "vit_base_patch16_224"
+    cfg = {"architecture": arch, "num_classes": num_classes, "model_args": args, "trained_as": model_name,
+           "pretrained_cfg": {"input_size": [in_chans, img_size, img_size], "num_classes": num_classes,
+                              "mean": list(mean), "std": list(std), "interpolation": "bicubic", "crop_pct": 1.0,
+                              "classifier": "head", "first_conv": "patch_embed.proj"}}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(state, path + ".tmp", metadata={"format": "pt"})
+    os.replace(path + ".tmp", path)
+    Path(path + ".json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def layer_state(model: nn.Module) -> dict:
+    """The layer list's state (keys '<layer index>.<timm name>') of a timm model: what read_state gives back."""
+    return layer_state_dict(model.state_dict(), len(model.blocks))
