@@ -41,6 +41,21 @@ def test_pretrained_path_adapts_pos_embed_and_head_and_keeps_the_rest(timm_file)
             assert torch.equal(got[k], want[k]), k
 
 
+def test_grey_weights_fine_tune_on_rgb_and_embed_a_grey_image_alike(tmp_path):
+    # timm's adapt_input_conv leaves a 1-channel filter as it is; loading it into a 3-channel model failed in
+    # load_state_dict (found by bench finetune: digits pretrained in grey, fine-tuned on RGB).
+    torch.manual_seed(3)
+    grey = timm.create_model(NAME, pretrained=False, img_size=32, num_classes=5, in_chans=1)
+    path = tmp_path / "grey.safetensors"
+    save_file({k: v.contiguous() for k, v in grey.state_dict().items()}, str(path))
+    layers = build_layers(NAME, num_classes=5, in_chans=3, img_size=32, seed=0, pretrained_path=str(path))
+    image = torch.rand(2, 1, 32, 32)
+    rgb = timm_state_dict(nn.Sequential(*layers).state_dict(), depth=12)["patch_embed.proj.weight"]
+    assert rgb.shape == (192, 3, 16, 16)
+    assert torch.allclose(F.conv2d(image.expand(-1, 3, -1, -1), rgb, stride=16),
+                          F.conv2d(image, grey.state_dict()["patch_embed.proj.weight"], stride=16), atol=1e-5)
+
+
 def eval_loss(model: nn.Module, img_size: int) -> float:
     test = load_dataset("synthetic", None, img_size, seed=0).test
     x = torch.stack([test[i][0] for i in range(len(test))])

@@ -78,6 +78,21 @@ def read_state(path: str) -> dict:
     return state
 
 
+def fits_input_conv(weight: torch.Tensor, want: torch.Tensor) -> bool:
+    """Can input_conv turn weight into want's shape (same filters and kernel; channels 1 -> C, or 3 -> C)?"""
+    same_filters = weight.shape[:1] + weight.shape[2:] == want.shape[:1] + want.shape[2:]
+    return same_filters and (weight.shape[1] in (1, 3) or want.shape[1] == 1)
+
+
+def input_conv(weight: torch.Tensor, in_chans: int) -> torch.Tensor:
+    """The patch embedding for in_chans input channels. From RGB, timm's adapt_input_conv; from grey (which that
+    leaves as it is), the filter repeated over the channels and divided by their number, so that a grey image
+    given as C equal channels gives the same embedding."""
+    if weight.shape[1] == 1:
+        return weight.repeat(1, in_chans, 1, 1) / in_chans
+    return adapt_input_conv(in_chans, weight)
+
+
 def adapt(state: dict, model: nn.Module) -> tuple[dict, list[str]]:
     """`state` made to fit `model` (a timm VisionTransformer): (the tensors to load, notes on what changed)."""
     want = model.state_dict()
@@ -89,8 +104,8 @@ def adapt(state: dict, model: nn.Module) -> tuple[dict, list[str]]:
             prefix = 0 if model.no_embed_class else model.num_prefix_tokens
             out[k] = resample_abs_pos_embed(v, new_size=list(model.patch_embed.grid_size), num_prefix_tokens=prefix)
             notes.append(f"pos_embed resampled {tuple(v.shape)} -> {tuple(out[k].shape)}")
-        elif k == "patch_embed.proj.weight" and v.shape[:1] + v.shape[2:] == want[k].shape[:1] + want[k].shape[2:]:
-            out[k] = adapt_input_conv(want[k].shape[1], v)  # grey to RGB and back, as timm does
+        elif k == "patch_embed.proj.weight" and fits_input_conv(v, want[k]):
+            out[k] = input_conv(v, want[k].shape[1])
             notes.append(f"{k} adapted from {v.shape[1]} to {want[k].shape[1]} input channels")
         elif k.startswith("head."):
             notes.append(f"{k} reset: {tuple(v.shape)} in the file, {tuple(want[k].shape)} for this run's classes")
