@@ -54,7 +54,7 @@ class PipelineEngine(DeepSpeedEngine):
         deepspeed_comm()
         module = PlannedPipeline(ctx.parts, layers=ctx.layers, num_stages=ctx.pipeline_stages, loss_fn=loss_fn,
                                  partition_method=ctx.partition)
-        opt = make_optimizer(module, ctx.optim)
+        opt = make_optimizer(module, ctx.optim, device=ctx.device)
         sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
         self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)
