@@ -112,6 +112,22 @@ def test_uneven_micro_batches_make_up_the_global_batch():
         assert sorted(i for r in range(3) for b in mine[r] for i in b) == sorted(single[step])
 
 
+def test_census_times_only_after_the_clocks_ramped_up():
+    """A card that runs slowly for its first 190 ms (clocks ramping): the census warms up for 200 ms at least, so
+    it times the ramped-up speed, and takes the fastest of TIMED_REPS runs."""
+    import time
+
+    calls, start = [], time.perf_counter()
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.02 if time.perf_counter() - start < 0.19 else 0.001)
+
+    got = census._timed(fn, slowdown.Clock(1.0, torch.device("cpu")))
+    assert census.WARMUP_S >= 0.2 and census.TIMED_REPS >= 20
+    assert got < 0.01 and len(calls) >= 9 + census.TIMED_REPS
+
+
 def test_precision_negotiation():
     def rep(fp16, bf16):
         return {"host": "h", "device": "GPU", "fp16": fp16, "bf16": bf16}
