@@ -102,6 +102,28 @@ def test_proportional_split_follows_speed_within_memory():
         batch_split.split_batches(PROFILE, census_of(free_gib=(0.05, 0.05)), micro_batch=32, precision="fp32")
 
 
+def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
+    from pathlib import Path
+
+    from vit.hetero import profile
+
+    zero2 = json.loads((Path(__file__).parent.parent / "deepspeed_configs" / "zero2.json").read_text())
+    z = zero2["zero_optimization"]
+    buckets = (2 if z.get("overlap_comm") else 1) * z["reduce_bucket_size"] + z["allgather_bucket_size"]
+    fixed = profile.NCCL_BYTES + profile.CUBLAS_BYTES
+    assert fixed >= 256 * 2**20
+    assert profile.gpu_reserved_bytes(zero2, "bf16") == fixed + 2 * buckets  # buckets in the run's precision
+    assert profile.gpu_reserved_bytes(zero2, "fp32") == fixed + 4 * buckets
+    assert profile.gpu_reserved_bytes({"zero_optimization": {"stage": 0}}, "fp16") == fixed  # no ZeRO buckets
+    # Two equally fast ranks with the same free memory; rank 1 keeps 0.3 GiB for NCCL, buckets and cuBLAS.
+    even = census_of(free_gib=(0.5, 0.5), block_ms=(10.0, 10.0))
+    assert batch_split.split_batches(PROFILE, even, micro_batch=150, precision="fp32") == [150, 150]
+    even[1]["mem_reserved_gib"] = 0.3
+    split = batch_split.split_batches(PROFILE, even, micro_batch=150, precision="fp32")
+    assert sum(split) == 300 and split[1] == int((profile.plan_bytes(even[1]) - 16 * sum(
+        p["params"] for p in PROFILE)) // sum(p["act_bytes"] for p in PROFILE)) < 60
+
+
 def test_uneven_micro_batches_make_up_the_global_batch():
     sizes, ga = [5, 2, 1], 2
     single = list(TrainBatches(100, 16, 1, 0, 1, seed=3, start_step=0, end_step=5))

@@ -25,7 +25,8 @@ from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure, failure_elsewhere
 from vit.gpu import set_tf32
-from vit.memory import fit_micro_batch, inject_oom_for_tests, out_of_memory
+from vit.hetero.profile import gpu_reserved_bytes
+from vit.memory import fit_micro_batch, inject_oom_for_tests, likely_precision, out_of_memory
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
@@ -167,7 +168,8 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
         balanced_stages=par.pipeline_stages if par.engine == "pipeline" and par.partition == "balanced" else None,
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
-        slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split)
+        slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
+        reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan.requested_precision, dev)))
 
 
 def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,

@@ -34,13 +34,16 @@ class Adapted:
 
 def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str, micro_batch: int,
           grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
-          probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None) -> Adapted:
+          probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
+          reserved_bytes: float = 0.0) -> Adapted:
     """Collective. `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to
     be balanced; `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`:
-    the proportional micro-batches when --micro-batch-size auto measured them."""
+    the proportional micro-batches when --micro-batch-size auto measured them; `reserved_bytes`: a GPU's headroom
+    for NCCL, ZeRO's buckets and cuBLAS (vit.hetero.profile.gpu_reserved_bytes), which memory plans keep free."""
     from deepspeed.runtime import utils as ds_utils
 
-    caps = gather(capabilities(device, job.local_world_size))
+    reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
+    caps = gather({**capabilities(device, job.local_world_size), "mem_reserved_gib": reserved_gib})
     precision, why = negotiate(requested_precision, caps)
     with torch.no_grad(), torch.random.fork_rng():
         block_input = (micro_batch, *layers[0](sample).shape[1:])

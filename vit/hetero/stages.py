@@ -4,7 +4,7 @@ import itertools
 from dataclasses import dataclass
 
 from vit.errors import ConfigError
-from vit.hetero.profile import BYTES_PER_PARAM, USABLE_MEMORY, activation_factor
+from vit.hetero.profile import BYTES_PER_PARAM, activation_factor, plan_bytes
 
 
 @dataclass
@@ -65,7 +65,7 @@ def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_bat
     cost = [p["flops"] for p in profile]
     static = [p["params"] * BYTES_PER_PARAM for p in profile]
     act = [p["act_bytes"] * micro_batch * activation_factor(precision) for p in profile]
-    capacity = [USABLE_MEMORY * min(r["mem_free_gib"] for r in g) * 2**30 for g in groups]
+    capacity = [min(plan_bytes(r) for r in g) for g in groups]
     plan = balanced_split(cost, static, act, speed, capacity, pipeline_inflight(stages, grad_accum))
     if plan is None:
         need = (sum(static) + sum(act)) / stages / 2**30
