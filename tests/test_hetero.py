@@ -301,6 +301,42 @@ def test_probe_finds_the_largest_gradient_of_parameters_and_layer_outputs(tmp_pa
     assert all(p.grad is None for lay in layers for p in lay.parameters())  # the probe leaves no gradients
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("on_cpu", [False, True])
+def test_probe_trains_a_copy_and_lets_it_go(tmp_path, monkeypatch, on_cpu):
+    """--loss-scale auto: the probe's fp32 model is a copy that nothing references afterwards (so its GPU memory is
+    freed), and the run's layers are not moved, trained or given gradients."""
+    import copy
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    copies, deepcopy = [], copy.deepcopy
+
+    def spy(obj, *args):
+        made = deepcopy(obj, *args)
+        if isinstance(made, torch.nn.Module):
+            copies.append(weakref.ref(made))
+        return made
+
+    monkeypatch.setattr(copy, "deepcopy", spy)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)]
+    before = [p.detach().clone() for lay in layers for p in lay.parameters()]
+    batches = [(torch.randn(5, 6), torch.randint(0, 3, (5,))) for _ in range(2)]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert loss_scale.probe_grad_max(layers, batches, torch.device("cpu"), 1, on_cpu=on_cpu) > 0
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert len(copies) == 1 and copies[0]() is None  # the probed copy is gone
+    after = [p for lay in layers for p in lay.parameters()]
+    assert all(p.grad is None and p.device.type == "cpu" for p in after)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_lossscale_benchmark_emulates_deepspeeds_scaler(tmp_path):

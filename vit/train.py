@@ -19,7 +19,7 @@ from vit import checkpoint, console, hetero, preflight, slowdown, tracking
 from vit.checkpoint import Checkpointer
 from vit.data import TrainBatches, make_loader
 from vit.dist_env import device, discover, init_process_group, rank0_decides
-from vit.ds_config import with_precision
+from vit.ds_config import with_precision, zero_stage
 from vit.engines import Engine, EngineContext, build
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
@@ -169,7 +169,8 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
-        reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan.requested_precision, dev)))
+        reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan.requested_precision, dev)),
+        probe_on_cpu=par.engine == "pipeline" or zero_stage(plan.ds_config) == 3)
 
 
 def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,

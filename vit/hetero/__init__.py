@@ -35,11 +35,12 @@ class Adapted:
 def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str, micro_batch: int,
           grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
           probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
-          reserved_bytes: float = 0.0) -> Adapted:
+          reserved_bytes: float = 0.0, probe_on_cpu: bool = False) -> Adapted:
     """Collective. `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to
     be balanced; `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`:
     the proportional micro-batches when --micro-batch-size auto measured them; `reserved_bytes`: a GPU's headroom
-    for NCCL, ZeRO's buckets and cuBLAS (vit.hetero.profile.gpu_reserved_bytes), which memory plans keep free."""
+    for NCCL, ZeRO's buckets and cuBLAS (vit.hetero.profile.gpu_reserved_bytes), which memory plans keep free;
+    `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model)."""
     from deepspeed.runtime import utils as ds_utils
 
     reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
@@ -76,7 +77,7 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
         say.append(f"batch split ({how}): micro-batches {split} (sum {sum(split)} = {micro_batch} x {len(split)} "
                    "ranks)")
     if probe_batches is not None and precision == "fp16":
-        grad_max = probe_grad_max(layers, probe_batches(), device, grad_accum)
+        grad_max = probe_grad_max(layers, probe_batches(), device, grad_accum, on_cpu=probe_on_cpu)
         decided["scale_power"] = power = scale_power(grad_max)
         record["loss_scale"] = {"probe_grad_max": grad_max, "initial_scale_power": power}
         say.append(f"fp16 loss scale: largest gradient of a {2 * grad_accum}-micro-batch fp32 probe {grad_max:.3g} "
