@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from vit import checkpoint, console, hetero, preflight, slowdown, tracking
 from vit.checkpoint import Checkpointer
-from vit.data import TrainBatches, make_loader
-from vit.dist_env import device, discover, init_process_group, rank0_decides
+from vit.data import TrainBatches, loader_workers, make_loader
+from vit.dist_env import device, discover, init_process_group, rank0_decides, rank_cores
 from vit.ds_config import with_precision, zero_stage
 from vit.engines import Engine, EngineContext, build
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
@@ -188,7 +188,8 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
     stats = StepStats(engine, metrics, global_batch=batch.global_size, rank_images=my_micro * batch.grad_accum,
                       total_steps=plan.total_steps, log_interval=s.log.log_interval, precision=adapted.precision,
                       max_skipped_steps=s.train.max_skipped_steps, is_main=job.is_main)
-    evaluator = Evaluator(engine, data, micro_batch=batch.micro_batch, workers=s.data.workers, pin_memory=pin,
+    workers = loader_workers(s.data.workers, engine.device.type, rank_cores(job.local_world_size))
+    evaluator = Evaluator(engine, data, micro_batch=batch.micro_batch, workers=workers, pin_memory=pin,
                           metrics=metrics, watchdog=watchdog, interval=s.train.eval_interval,
                           total_steps=plan.total_steps, is_main=job.is_main)
     checkpointer = Checkpointer(engine, save_dir, interval=s.checkpoint.save_interval,
@@ -196,7 +197,7 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
                                 meta={**plan.layout, "config_hash": plan.settings_hash()}, on_progress=watchdog.beat)
     sampler = TrainBatches(len(data.train), batch.micro_batch, batch.grad_accum, engine.dp_rank, engine.dp_size,
                            s.train.seed, start, plan.total_steps, adapted.split)
-    batches = iter(make_loader(data.train, sampler, s.data.workers, pin)) if engine.reads_data else None
+    batches = iter(make_loader(data.train, sampler, workers, pin)) if engine.reads_data else None
     return Session(engine, log_dir, start, adapted.precision, ds_config, batches, stats, evaluator, checkpointer,
                    metrics, monitor, locks)
 
