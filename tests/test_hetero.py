@@ -82,12 +82,12 @@ PROFILE += [{"name": "Head", "flops": 1e5, "act_bytes": 1e3, "params": 1e3}]
 
 
 def test_stage_plan_uses_census_speed_and_says_when_nothing_fits():
-    plan = stages.plan_stages(PROFILE, census_of(), stages=2, micro_batch=16, grad_accum=4, precision="fp32")
+    plan = stages.plan_stages(PROFILE, census_of(), stages=2, micro_batch=16, grad_accum=4)
     assert plan.parts == [0, 9, 14]  # rank 1 is twice as slow: 8 blocks + embedding against 4 blocks + head
     text = stages.stage_plan_text(plan, PROFILE, census_of(), {"uniform": [0, 7, 14]})
     assert "stage 1 on rank 1 (cn1): layers 9-13 (Block x4, Head x1)" in text and "--partition uniform" in text
     with pytest.raises(ConfigError, match="no split of the 14 layers into 2 stages fits"):
-        stages.plan_stages(PROFILE, census_of(free_gib=(0.05, 0.05)), 2, 16, 4, "fp32")
+        stages.plan_stages(PROFILE, census_of(free_gib=(0.05, 0.05)), 2, 16, 4)
 
 
 def test_proportional_split_follows_speed_within_memory():
@@ -99,7 +99,7 @@ def test_proportional_split_follows_speed_within_memory():
     with pytest.raises(ValueError):
         batch_split.proportional_split(64, [1.0, 1.0], [30, 30])
     with pytest.raises(ConfigError, match="free memory holds"):
-        batch_split.split_batches(PROFILE, census_of(free_gib=(0.05, 0.05)), micro_batch=32, precision="fp32")
+        batch_split.split_batches(PROFILE, census_of(free_gib=(0.05, 0.05)), micro_batch=32)
 
 
 def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
@@ -117,11 +117,26 @@ def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
     assert profile.gpu_reserved_bytes({"zero_optimization": {"stage": 0}}, "fp16") == fixed  # no ZeRO buckets
     # Two equally fast ranks with the same free memory; rank 1 keeps 0.3 GiB for NCCL, buckets and cuBLAS.
     even = census_of(free_gib=(0.5, 0.5), block_ms=(10.0, 10.0))
-    assert batch_split.split_batches(PROFILE, even, micro_batch=150, precision="fp32") == [150, 150]
+    assert batch_split.split_batches(PROFILE, even, micro_batch=150) == [150, 150]
     even[1]["mem_reserved_gib"] = 0.3
-    split = batch_split.split_batches(PROFILE, even, micro_batch=150, precision="fp32")
+    split = batch_split.split_batches(PROFILE, even, micro_batch=150)
     assert sum(split) == 300 and split[1] == int((profile.plan_bytes(even[1]) - 16 * sum(
         p["params"] for p in PROFILE)) // sum(p["act_bytes"] for p in PROFILE)) < 60
+
+
+def test_activations_are_profiled_in_the_runs_precision():
+    from vit.hetero import profile
+    from vit.model import build_layers
+
+    layers = build_layers("vit_digits", 10, 1, None, 0)
+    sample = torch.randn(1, 1, 8, 8)
+    fp32 = profile.profile_layers(layers, sample)
+    bf16 = profile.profile_layers(layers, sample, "bf16")
+    assert [p["flops"] for p in bf16] == [p["flops"] for p in fp32]
+    for half, full in zip(bf16, fp32):  # measured, not scaled: not exactly half (the loss' fp32 cast, indices)
+        assert 0.45 * full["act_bytes"] <= half["act_bytes"] <= 0.55 * full["act_bytes"]
+    assert sum(p["act_bytes"] for p in bf16) != sum(p["act_bytes"] for p in fp32) / 2
+    assert all(p.dtype == torch.float32 for lay in layers for p in lay.parameters())  # measured on a copy
 
 
 def test_uneven_micro_batches_make_up_the_global_batch():

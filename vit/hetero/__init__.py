@@ -58,10 +58,10 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     decided = {}
 
     if balanced_stages or proportional:
-        profile = profile_layers(layers, sample)
+        profile = profile_layers(layers, sample, precision)
         record["layers"] = profile
     if balanced_stages:
-        plan = plan_stages(profile, reports, balanced_stages, micro_batch, grad_accum, precision)
+        plan = plan_stages(profile, reports, balanced_stages, micro_batch, grad_accum)
         compare = {"parameters": ds_utils.partition_balanced([p["params"] for p in profile], balanced_stages),
                    "uniform": ds_utils.partition_uniform(len(profile), balanced_stages)}
         compare = {k: [int(i) for i in v] for k, v in compare.items()}
@@ -71,7 +71,7 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
         say.append(stage_plan_text(plan, profile, reports, compare))
     if proportional:
         how = "each rank's largest (--micro-batch-size auto)" if split else "proportional to block speed"
-        split = split or split_batches(profile, reports, micro_batch, precision)
+        split = split or split_batches(profile, reports, micro_batch)
         decided.update(split=split, loss_weight=split[job.rank] * len(split) / sum(split))
         record["batch_split"] = split
         say.append(f"batch split ({how}): micro-batches {split} (sum {sum(split)} = {micro_batch} x {len(split)} "

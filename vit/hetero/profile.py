@@ -1,5 +1,7 @@
 """Per-layer cost of the network: forward FLOPs, activation bytes kept for backward, parameters; and the memory
 rules the planners share."""
+import copy
+
 import torch
 from torch import nn
 
@@ -32,16 +34,18 @@ def plan_bytes(report: dict) -> float:
     return (USABLE_MEMORY * report["mem_free_gib"] - report.get("mem_reserved_gib", 0.0)) * 2**30
 
 
-def activation_factor(precision: str) -> float:
-    """Activations are profiled in fp32; half precision keeps half the bytes."""
-    return 0.5 if precision in ("fp16", "bf16") else 1.0
-
-
-def profile_layers(layers: list[nn.Module], sample: torch.Tensor) -> list[dict]:
-    """Per layer and per sample: forward FLOPs, bytes kept for backward (activations), parameter count."""
+def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str = "fp32") -> list[dict]:
+    """Per layer and per sample: forward FLOPs, bytes kept for backward (activations), parameter count. In half
+    precision the activations are measured on a copy of the layers in that dtype, as DeepSpeed runs them (what
+    stays in fp32 there, stays in fp32 here)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
+    from vit.hetero.census import DTYPES
+
+    if precision != "fp32":
+        layers = [copy.deepcopy(layer).to(DTYPES[precision]) for layer in layers]
+        sample = sample.to(DTYPES[precision])
     out, x = [], sample
     with torch.random.fork_rng():
         for layer in layers:
