@@ -42,8 +42,7 @@ class DataSettings:
     download: bool = option(False, "download CIFAR into --data-path if missing")
     synthetic_size: int = option(2048, "synthetic: number of training samples", "positive")
     workers: int | None = option(None, "DataLoader worker processes (default: 0 on CPU; on GPU up to 4 per rank, "
-                                 "from the cores the rank may run on, leaving one to the training loop)",
-                                 "non_negative")
+                                 "one core left to the training loop)", "non_negative")
 
 
 @dataclass(frozen=True)
