@@ -138,7 +138,8 @@ class StepStats:
         if self.is_main:
             if sys.stderr.isatty():
                 sys.stderr.write("\r")
-            print(log_line(step, self.total_steps, self.last_loss, self.lr, images_per_s, step_time, mem), flush=True)
+            line = log_line(step, self.total_steps, self.last_loss, float(self.lr), images_per_s, step_time, mem)
+            print(line, flush=True)
         self.window_steps, self.window_start, self.window_excluded = 0, time.perf_counter(), 0.0
 
     @contextlib.contextmanager
