@@ -28,7 +28,8 @@ class Evaluator:
         engine = self.engine
         lists = eval_batches(len(self.data.test), self.micro_batch, engine.dp_rank, engine.dp_size)
         if engine.reads_data:
-            self.loader = self.loader or make_loader(self.data.test, lists, self.workers, self.pin_memory)
+            if self.loader is None:
+                self.loader = make_loader(self.data.test, lists, self.workers, self.pin_memory)
             batches = self.loader
         else:
             batches = [(None, None)] * len(lists)
