@@ -199,3 +199,27 @@ def test_ranks_that_disagree_about_cuda_stop_before_the_process_group(tmp_path, 
     assert not (tmp_path / "run").exists()
     r = launch([*COMMON, "--device", "cuda", "--log-dir", tmp_path / "run"], timeout=120)
     assert r.returncodes == [2, 2] and "--device cuda, but no CUDA on " in r.outputs[1], r
+
+
+def test_torch_threads_follow_the_cpu_affinity(monkeypatch):
+    """Open MPI binds each rank to one core when np <= 2: the rank gets that core's one thread, not a share of
+    the host. Unbound (every core allowed), the host's cores are split between its ranks."""
+    monkeypatch.setattr(dist_env.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(dist_env.os, "sched_getaffinity", lambda pid: {3})
+    assert dist_env.rank_cores(local_world_size=2) == 1
+    monkeypatch.setattr(dist_env.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})  # --map-by ...:pe=4
+    assert dist_env.rank_cores(local_world_size=4) == 4
+    monkeypatch.setattr(dist_env.os, "sched_getaffinity", lambda pid: set(range(16)))  # --bind-to none
+    assert dist_env.rank_cores(local_world_size=4) == 4 and dist_env.rank_cores(local_world_size=32) == 1
+
+
+def test_gpu_ranks_load_data_with_persistent_workers_and_cpu_ranks_stay_as_they_were():
+    from vit.data import MAX_GPU_WORKERS, loader_workers, make_loader
+
+    assert loader_workers(None, "cpu", cores=16) == 0  # the CPU default is unchanged
+    assert loader_workers(None, "cuda", cores=16) == MAX_GPU_WORKERS == 4
+    assert loader_workers(None, "cuda", cores=3) == 2 and loader_workers(None, "cuda", cores=1) == 1
+    assert loader_workers(0, "cuda", cores=16) == 0 and loader_workers(2, "cpu", cores=16) == 2  # --workers wins
+    data = torch.utils.data.TensorDataset(torch.arange(8.0), torch.arange(8))
+    assert make_loader(data, [[0, 1], [2, 3]], 2, False).persistent_workers
+    assert not make_loader(data, [[0, 1], [2, 3]], 0, False).persistent_workers

@@ -82,12 +82,12 @@ PROFILE += [{"name": "Head", "flops": 1e5, "act_bytes": 1e3, "params": 1e3}]
 
 
 def test_stage_plan_uses_census_speed_and_says_when_nothing_fits():
-    plan = stages.plan_stages(PROFILE, census_of(), stages=2, micro_batch=16, grad_accum=4, precision="fp32")
+    plan = stages.plan_stages(PROFILE, census_of(), stages=2, micro_batch=16, grad_accum=4)
     assert plan.parts == [0, 9, 14]  # rank 1 is twice as slow: 8 blocks + embedding against 4 blocks + head
     text = stages.stage_plan_text(plan, PROFILE, census_of(), {"uniform": [0, 7, 14]})
     assert "stage 1 on rank 1 (cn1): layers 9-13 (Block x4, Head x1)" in text and "--partition uniform" in text
     with pytest.raises(ConfigError, match="no split of the 14 layers into 2 stages fits"):
-        stages.plan_stages(PROFILE, census_of(free_gib=(0.05, 0.05)), 2, 16, 4, "fp32")
+        stages.plan_stages(PROFILE, census_of(free_gib=(0.05, 0.05)), 2, 16, 4)
 
 
 def test_proportional_split_follows_speed_within_memory():
@@ -99,7 +99,44 @@ def test_proportional_split_follows_speed_within_memory():
     with pytest.raises(ValueError):
         batch_split.proportional_split(64, [1.0, 1.0], [30, 30])
     with pytest.raises(ConfigError, match="free memory holds"):
-        batch_split.split_batches(PROFILE, census_of(free_gib=(0.05, 0.05)), micro_batch=32, precision="fp32")
+        batch_split.split_batches(PROFILE, census_of(free_gib=(0.05, 0.05)), micro_batch=32)
+
+
+def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
+    from pathlib import Path
+
+    from vit.hetero import profile
+
+    zero2 = json.loads((Path(__file__).parent.parent / "deepspeed_configs" / "zero2.json").read_text())
+    z = zero2["zero_optimization"]
+    buckets = (2 if z.get("overlap_comm") else 1) * z["reduce_bucket_size"] + z["allgather_bucket_size"]
+    fixed = profile.NCCL_BYTES + profile.CUBLAS_BYTES
+    assert fixed >= 256 * 2**20
+    assert profile.gpu_reserved_bytes(zero2, "bf16") == fixed + 2 * buckets  # buckets in the run's precision
+    assert profile.gpu_reserved_bytes(zero2, "fp32") == fixed + 4 * buckets
+    assert profile.gpu_reserved_bytes({"zero_optimization": {"stage": 0}}, "fp16") == fixed  # no ZeRO buckets
+    # Two equally fast ranks with the same free memory; rank 1 keeps 0.3 GiB for NCCL, buckets and cuBLAS.
+    even = census_of(free_gib=(0.5, 0.5), block_ms=(10.0, 10.0))
+    assert batch_split.split_batches(PROFILE, even, micro_batch=150) == [150, 150]
+    even[1]["mem_reserved_gib"] = 0.3
+    split = batch_split.split_batches(PROFILE, even, micro_batch=150)
+    assert sum(split) == 300 and split[1] == int((profile.plan_bytes(even[1]) - 16 * sum(
+        p["params"] for p in PROFILE)) // sum(p["act_bytes"] for p in PROFILE)) < 60
+
+
+def test_activations_are_profiled_in_the_runs_precision():
+    from vit.hetero import profile
+    from vit.model import build_layers
+
+    layers = build_layers("vit_digits", 10, 1, None, 0)
+    sample = torch.randn(1, 1, 8, 8)
+    fp32 = profile.profile_layers(layers, sample)
+    bf16 = profile.profile_layers(layers, sample, "bf16")
+    assert [p["flops"] for p in bf16] == [p["flops"] for p in fp32]
+    for half, full in zip(bf16, fp32):  # measured, not scaled: not exactly half (the loss' fp32 cast, indices)
+        assert 0.45 * full["act_bytes"] <= half["act_bytes"] <= 0.55 * full["act_bytes"]
+    assert sum(p["act_bytes"] for p in bf16) != sum(p["act_bytes"] for p in fp32) / 2
+    assert all(p.dtype == torch.float32 for lay in layers for p in lay.parameters())  # measured on a copy
 
 
 def test_uneven_micro_batches_make_up_the_global_batch():
@@ -110,6 +147,22 @@ def test_uneven_micro_batches_make_up_the_global_batch():
         mine = [per_rank[r][step * ga:(step + 1) * ga] for r in range(3)]
         assert [len(b) for r in range(3) for b in mine[r]] == [5, 5, 2, 2, 1, 1]
         assert sorted(i for r in range(3) for b in mine[r] for i in b) == sorted(single[step])
+
+
+def test_census_times_only_after_the_clocks_ramped_up():
+    """A card that runs slowly for its first 190 ms (clocks ramping): the census warms up for 200 ms at least, so
+    it times the ramped-up speed, and takes the fastest of TIMED_REPS runs."""
+    import time
+
+    calls, start = [], time.perf_counter()
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.02 if time.perf_counter() - start < 0.19 else 0.001)
+
+    got = census._timed(fn, slowdown.Clock(1.0, torch.device("cpu")))
+    assert census.WARMUP_S >= 0.2 and census.TIMED_REPS >= 20
+    assert got < 0.01 and len(calls) >= 9 + census.TIMED_REPS
 
 
 def test_precision_negotiation():
@@ -261,6 +314,42 @@ def test_probe_finds_the_largest_gradient_of_parameters_and_layer_outputs(tmp_pa
         dist.destroy_process_group()
     assert got == pytest.approx(want, rel=1e-6)
     assert all(p.grad is None for lay in layers for p in lay.parameters())  # the probe leaves no gradients
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("on_cpu", [False, True])
+def test_probe_trains_a_copy_and_lets_it_go(tmp_path, monkeypatch, on_cpu):
+    """--loss-scale auto: the probe's fp32 model is a copy that nothing references afterwards (so its GPU memory is
+    freed), and the run's layers are not moved, trained or given gradients."""
+    import copy
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    copies, deepcopy = [], copy.deepcopy
+
+    def spy(obj, *args):
+        made = deepcopy(obj, *args)
+        if isinstance(made, torch.nn.Module):
+            copies.append(weakref.ref(made))
+        return made
+
+    monkeypatch.setattr(copy, "deepcopy", spy)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)]
+    before = [p.detach().clone() for lay in layers for p in lay.parameters()]
+    batches = [(torch.randn(5, 6), torch.randint(0, 3, (5,))) for _ in range(2)]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert loss_scale.probe_grad_max(layers, batches, torch.device("cpu"), 1, on_cpu=on_cpu) > 0
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert len(copies) == 1 and copies[0]() is None  # the probed copy is gone
+    after = [p for lay in layers for p in lay.parameters()]
+    assert all(p.grad is None and p.device.type == "cpu" for p in after)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 @pytest.mark.ranks

@@ -272,6 +272,18 @@ def eval_batches(num_samples: int, micro_batch: int, dp_rank: int, dp_size: int)
 
 
 def make_loader(ds: Dataset, batches, workers: int, pin_memory: bool) -> DataLoader:
-    """A DataLoader over precomputed index lists (a Sampler or a list of lists)."""
+    """A DataLoader over precomputed index lists (a Sampler or a list of lists); its workers, if any, persist
+    from one pass to the next (the evaluation loader is reused)."""
     return DataLoader(_Padded(ds), batch_sampler=batches, num_workers=workers, pin_memory=pin_memory,
-                      persistent_workers=False)
+                      persistent_workers=workers > 0)
+
+
+MAX_GPU_WORKERS = 4
+
+
+def loader_workers(requested: int | None, device_type: str, cores: int) -> int:
+    """--workers, or by default: none on a CPU (its cores train the model, and CPU runs stay as they were); on a
+    GPU up to MAX_GPU_WORKERS, leaving one of the rank's cores (`cores`: vit.dist_env.rank_cores) to the loop."""
+    if requested is not None:
+        return requested
+    return min(MAX_GPU_WORKERS, max(1, cores - 1)) if device_type == "cuda" else 0

@@ -170,6 +170,16 @@ def resolve_master(job: Job, environ=None) -> Job:
     return job
 
 
+def rank_cores(local_world_size: int) -> int:
+    """The cores this rank's torch threads use: the process's CPU affinity, which a launcher that binds (Open MPI
+    binds each rank to one core when np <= 2, to a socket otherwise) has already made this rank's share; unbound
+    (every core allowed), the host's cores split between the ranks that share it."""
+    allowed = len(os.sched_getaffinity(0))
+    if allowed < (os.cpu_count() or allowed):
+        return allowed
+    return max(1, allowed // local_world_size)
+
+
 def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto") -> str:
     """Start torch.distributed on the backend every rank can run (nccl on GPUs, gloo on CPUs), decided from
     every rank's device report before any collective (vit.gpu); export the torchrun variables DeepSpeed reads."""
@@ -182,8 +192,8 @@ def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto") 
     reports = gpu.exchange(store, job.world_size, gpu.local_report(wanted_device, job.rank, job.local_rank),
                            timeout_s)
     job.device_type = gpu.decide(reports, wanted_device)
-    if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a host share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_world_size))
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(rank_cores(job.local_world_size))
     device_id = None
     if job.device_type == "cuda":
         device_id = device(job)

@@ -18,6 +18,7 @@ class Evaluator:
         self.engine, self.data, self.metrics, self.watchdog = engine, data, metrics, watchdog
         self.micro_batch, self.workers, self.pin_memory = micro_batch, workers, pin_memory
         self.interval, self.total_steps, self.is_main = interval, total_steps, is_main
+        self.loader = None  # built once: the same batches every evaluation, and its workers persist
 
     def maybe(self, step: int) -> None:
         if self.interval and step % self.interval == 0 and step != self.total_steps:
@@ -27,7 +28,9 @@ class Evaluator:
         engine = self.engine
         lists = eval_batches(len(self.data.test), self.micro_batch, engine.dp_rank, engine.dp_size)
         if engine.reads_data:
-            batches = make_loader(self.data.test, lists, self.workers, self.pin_memory)
+            if self.loader is None:
+                self.loader = make_loader(self.data.test, lists, self.workers, self.pin_memory)
+            batches = self.loader
         else:
             batches = [(None, None)] * len(lists)
         loss_sum, correct, correct5, count = engine.evaluate(alive(batches, self.watchdog))

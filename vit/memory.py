@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.errors import ConfigError, OutOfMemory
-from vit.hetero.profile import BYTES_PER_PARAM, USABLE_MEMORY, activation_factor
+from vit.hetero.profile import BYTES_PER_PARAM, USABLE_MEMORY, gpu_reserved_bytes
 from vit.model import build_layers
 
 # What an engine holds per parameter beyond the weights and gradients a forward and backward already hold:
@@ -44,11 +44,15 @@ def _layers(plan) -> list:
     return build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
 
 
-def estimate_fit(total_bytes: float, params: int, act_bytes_per_sample: float, precision: str) -> int:
-    """Samples per micro-batch that fit: parameters, gradients and AdamW state, and activations in the run's
-    precision, within USABLE_MEMORY of the device (a plan; negative when the model alone does not fit)."""
-    per_sample = act_bytes_per_sample * activation_factor(precision)
-    return int((USABLE_MEMORY * total_bytes - params * BYTES_PER_PARAM) // per_sample)
+def estimate_fit(total_bytes: float, params: int, act_bytes_per_sample: float, reserved: float = 0.0) -> int:
+    """Samples per micro-batch that fit: parameters, gradients and AdamW state, and activations (profiled in the
+    run's precision), within USABLE_MEMORY of the device less `reserved` (a GPU's headroom for NCCL, ZeRO's
+    buckets and cuBLAS; a plan; negative when the model alone does not fit)."""
+    return int((USABLE_MEMORY * total_bytes - reserved - params * BYTES_PER_PARAM) // act_bytes_per_sample)
+
+
+def reserved_on(dev: torch.device, plan, precision: str) -> float:
+    return gpu_reserved_bytes(plan.ds_config, precision) if dev.type == "cuda" else 0.0
 
 
 def out_of_memory(plan, dev: torch.device, step: int, error: Exception) -> OutOfMemory:
@@ -57,9 +61,9 @@ def out_of_memory(plan, dev: torch.device, step: int, error: Exception) -> OutOf
 
     name, _, total = device_memory(dev, plan.job.local_world_size)
     precision = likely_precision(plan.requested_precision, dev)
-    profile = profile_layers(_layers(plan), plan.data.train[0][0][None])  # on the CPU: the GPU is full
+    profile = profile_layers(_layers(plan), plan.data.train[0][0][None], precision)  # on the CPU: the GPU is full
     params, act = sum(p["params"] for p in profile), sum(p["act_bytes"] for p in profile)
-    fit = estimate_fit(total, params, act, precision)
+    fit = estimate_fit(total, params, act, reserved_on(dev, plan, precision))
     micro, accum = plan.batch.micro_batch, plan.batch.grad_accum
     hints = []
     if 1 <= fit < micro:
@@ -75,7 +79,7 @@ def out_of_memory(plan, dev: torch.device, step: int, error: Exception) -> OutOf
         f"out of memory during step {step + 1} on {dev} ({name}, {total / 2**30:.1f} GiB) at micro-batch {micro} "
         f"({precision}): {first}. Estimated to fit: {max(fit, 0)} samples per micro-batch (parameters, gradients "
         f"and AdamW state {params * BYTES_PER_PARAM / 2**30:.2f} GiB + activations "
-        f"{act * activation_factor(precision) / 2**20:.2f} MiB per sample, in {USABLE_MEMORY:.0%} of "
+        f"{act / 2**20:.2f} MiB per sample, in {USABLE_MEMORY:.0%} of "
         f"{total / 2**30:.1f} GiB). Try " + ", or ".join(hints))
 
 
@@ -178,7 +182,7 @@ def fit_micro_batch(plan):
     with torch.random.fork_rng():
         model = nn.Sequential(*_layers(plan)).to(dev, DTYPES[precision])
     params = sum(p.numel() for p in model.parameters())
-    budget = USABLE_MEMORY * free - params * OPTIMIZER_BYTES_PER_PARAM
+    budget = USABLE_MEMORY * free - reserved_on(dev, plan, precision) - params * OPTIMIZER_BYTES_PER_PARAM
     upper = len(plan.data.train) // (batch.dp_size * batch.grad_accum)
     mine = largest_fitting(lambda n: forward_backward_bytes(model, plan.data.train[0][0], n), budget, upper)
     model = None

@@ -31,14 +31,23 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float = 0.0, layer_d
     return [groups[k] for k in sorted(groups, key=lambda k: (k[0], not k[1]))]
 
 
-def make_optimizer(model: nn.Module, opt: OptimSettings, cpu_offload: bool = False,
-                   num_layers: int = 0) -> torch.optim.Optimizer:
+def use_fused(opt: OptimSettings, device: torch.device | str) -> bool:
+    """Fused AdamW on CUDA by default: one kernel for all parameters, and under a GradScaler it skips an overflowed
+    step on the device instead of reading found_inf on the host. On CPU only with --fused-adam (the CPU default
+    stays torch's for-loop AdamW, so CPU runs are unchanged)."""
+    return opt.fused_adam or torch.device(device).type == "cuda"
+
+
+def make_optimizer(model: nn.Module, opt: OptimSettings, cpu_offload: bool = False, num_layers: int = 0,
+                   device: torch.device | str | None = None) -> torch.optim.Optimizer:
+    """device: where the parameters will train (default: where they are now)."""
     groups = param_groups(model, opt.weight_decay, opt.lr, opt.layer_decay, num_layers)
     if cpu_offload:  # DeepSpeed wants its own CPU Adam next to ZeRO-Offload
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=opt.lr, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=opt.lr, fused=True if opt.fused_adam else None)
+    device = device if device is not None else next(model.parameters()).device
+    return torch.optim.AdamW(groups, lr=opt.lr, fused=True if use_fused(opt, device) else None)
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -56,3 +65,39 @@ def warmup_steps(opt: OptimSettings, total_steps: int) -> int:
 def make_scheduler(optimizer: torch.optim.Optimizer, opt: OptimSettings, total_steps: int):
     warmup, min_ratio = warmup_steps(opt, total_steps), opt.min_lr / opt.lr
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup, min_ratio))
+
+
+class SkipAwareSchedule:
+    """The same warm-up/cosine LR, advanced only by the steps the GradScaler applied (DeepSpeed's schedule also holds
+    still on an overflow-skipped step). The LR and the count of applied steps stay on the device, so fp16 needs no
+    host sync per step to know whether a step was skipped; the optimizer reads the LR as a tensor."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, opt: OptimSettings, total_steps: int):
+        device = optimizer.param_groups[0]["params"][0].device
+        self.total, self.warmup, self.min_ratio = total_steps, warmup_steps(opt, total_steps), opt.min_lr / opt.lr
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.applied = torch.zeros((), dtype=torch.float64, device=device)  # optimizer steps taken, skips excluded
+        for group in optimizer.param_groups:
+            group["lr"] = torch.zeros((), dtype=torch.float32, device=device)
+        self.optimizer = optimizer
+        self._set_lr()
+
+    def _set_lr(self) -> None:
+        step, warmup = self.applied, self.warmup
+        progress = ((step - warmup) / max(1, self.total - warmup)).clamp(max=1.0)
+        cosine = self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + torch.cos(math.pi * progress))
+        factor = torch.where(step < warmup, (step + 1) / warmup, cosine)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"].copy_(factor * base)
+
+    def step(self, applied: torch.Tensor) -> None:
+        """applied: a 0-d bool tensor, False when the GradScaler skipped this step."""
+        self.applied += applied
+        self._set_lr()
+
+    def state_dict(self) -> dict:
+        return {"applied": self.applied.item()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.applied.fill_(state["applied"])
+        self._set_lr()

@@ -55,7 +55,8 @@ class DataSettings:
     data_path: str | None = option(None, "folder of cifar10/cifar100 batches or of an imagefolder tree")
     download: bool = option(False, "download CIFAR into --data-path if missing")
     synthetic_size: int = option(2048, "synthetic: number of training samples", "positive")
-    workers: int = option(0, "DataLoader worker processes", "non_negative")
+    workers: int | None = option(None, "DataLoader worker processes (default: 0 on CPU; on GPU up to 4 per rank, "
+                                 "one core left to the training loop)", "non_negative")
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ class StepStats:
         if self.check_finite:
             bad = (self.first_bad_step == 0) & ~torch.isfinite(loss.to(self.first_bad_step.device))
             self.first_bad_step.masked_fill_(bad, step)
-        else:
+        elif not self.engine.counts_skips_on_device:
             self._count_skips(step)
         if self.is_main:
             progress(step, self.total_steps)
@@ -99,13 +99,18 @@ class StepStats:
     def _count_skips(self, step: int) -> None:
         skipped = self.engine.skipped_steps
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped > self.skipped_before else 0
-        self.skipped_before = skipped
-        if self.skipped_in_a_row:  # every skip, as it happens
-            self.metrics.write("skip", step, skipped_steps=skipped, in_a_row=self.skipped_in_a_row)
+        self._report_skips(step, skipped, self.skipped_in_a_row, self.skipped_in_a_row)
+
+    def _report_skips(self, step: int, skipped: int, in_a_row: int, longest: int) -> None:
+        """A skip record when steps were skipped since the last call: every step for an engine that counts skips on
+        the host (DeepSpeed), on logging steps for one that counts them on the device (DDP)."""
+        if skipped > self.skipped_before:
+            self.metrics.write("skip", step, skipped_steps=skipped, in_a_row=in_a_row)
             if self.is_main:
                 print(f"step {step}: fp16 gradients overflowed, step skipped ({skipped} so far)", flush=True)
-        if self.skipped_in_a_row > self.max_skipped:
-            raise NonFiniteLoss(f"fp16: {self.skipped_in_a_row} overflow-skipped steps in a row up to step {step}; "
+        self.skipped_before = skipped
+        if longest > self.max_skipped:
+            raise NonFiniteLoss(f"fp16: {longest} overflow-skipped steps in a row up to step {step}; "
                                 "lower initial_scale_power in the DeepSpeed config or use bf16")
 
     def should_log(self, step: int) -> bool:
@@ -115,6 +120,8 @@ class StepStats:
         """The step-time window since the last log: one metrics record, and rank 0's line."""
         # The only host sync and the only collective of our own per step, on logging steps only.
         self.last_loss = self.engine.mean_loss(self.loss).item()
+        if not self.check_finite and self.engine.counts_skips_on_device:
+            self._report_skips(step, *self.engine.device_skip_counts())
         if self.check_finite and self.first_bad_step.item():
             raise NonFiniteLoss(f"the loss became non-finite at step {self.first_bad_step.item()} (now "
                                 f"{self.last_loss}); lower --lr, or resume from an earlier checkpoint")
@@ -125,13 +132,14 @@ class StepStats:
         phases = self.engine.breakdown(self.window_steps)
         for phase, seconds in phases.items():
             self.phase_totals[phase] = self.phase_totals.get(phase, 0.0) + seconds * self.window_steps
-        self.metrics.write("train", step, loss=self.last_loss, lr=self.lr, images_per_s=images_per_s,
+        self.metrics.write("train", step, loss=self.last_loss, lr=float(self.lr), images_per_s=images_per_s,
                            step_time_s=step_time, mem_gib=mem, rank_images_per_s=self.rank_images / step_time,
                            skipped_steps=self.engine.skipped_steps, loss_scale=self.engine.loss_scale, **phases)
         if self.is_main:
             if sys.stderr.isatty():
                 sys.stderr.write("\r")
-            print(log_line(step, self.total_steps, self.last_loss, self.lr, images_per_s, step_time, mem), flush=True)
+            line = log_line(step, self.total_steps, self.last_loss, float(self.lr), images_per_s, step_time, mem)
+            print(line, flush=True)
         self.window_steps, self.window_start, self.window_excluded = 0, time.perf_counter(), 0.0
 
     @contextlib.contextmanager

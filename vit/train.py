@@ -20,16 +20,17 @@ from vit import checkpoint, console, hetero, preflight, slowdown, tracking, weig
 from vit.augment import train_batches
 from vit.checkpoint import Checkpointer
 from vit.cli import parse
-from vit.data import TrainBatches, make_loader
-from vit.dist_env import device, discover, init_process_group, rank0_decides
-from vit.ds_config import with_precision
+from vit.data import TrainBatches, loader_workers, make_loader
+from vit.dist_env import device, discover, init_process_group, rank0_decides, rank_cores
+from vit.ds_config import with_precision, zero_stage
 from vit.ema import Ema
 from vit.engines import Engine, EngineContext, build
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure, failure_elsewhere
 from vit.gpu import set_tf32
-from vit.memory import fit_micro_batch, inject_oom_for_tests, out_of_memory
+from vit.hetero.profile import gpu_reserved_bytes
+from vit.memory import fit_micro_batch, inject_oom_for_tests, likely_precision, out_of_memory
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
@@ -177,7 +178,9 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
         balanced_stages=par.pipeline_stages if par.engine == "pipeline" and par.partition == "balanced" else None,
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
-        slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split)
+        slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
+        reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan.requested_precision, dev)),
+        probe_on_cpu=par.engine == "pipeline" or zero_stage(plan.ds_config) == 3)
 
 
 def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,
@@ -195,13 +198,14 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
     stats = StepStats(engine, metrics, global_batch=batch.global_size, rank_images=my_micro * batch.grad_accum,
                       total_steps=plan.total_steps, log_interval=s.log.log_interval, precision=adapted.precision,
                       max_skipped_steps=s.train.max_skipped_steps, is_main=job.is_main)
-    evaluator = Evaluator(engine, data, micro_batch=batch.micro_batch, workers=s.data.workers, pin_memory=pin,
+    workers = loader_workers(s.data.workers, engine.device.type, rank_cores(job.local_world_size))
+    evaluator = Evaluator(engine, data, micro_batch=batch.micro_batch, workers=workers, pin_memory=pin,
                           metrics=metrics, watchdog=watchdog, interval=s.train.eval_interval,
                           total_steps=plan.total_steps, is_main=job.is_main)
     checkpointer = Checkpointer(engine, save_dir, interval=s.checkpoint.save_interval,
                                 enabled=not s.checkpoint.no_save, keep=s.checkpoint.keep_checkpoints,
                                 meta={**plan.layout, "config_hash": plan.settings_hash()}, on_progress=watchdog.beat)
-    batches = train_batches(data, s.recipe, s.train.seed, workers=s.data.workers, pin_memory=pin,
+    batches = train_batches(data, s.recipe, s.train.seed, workers=workers, pin_memory=pin,
                             micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, dp_rank=engine.dp_rank,
                             dp_size=engine.dp_size, start_step=start, end_step=plan.total_steps,
                             sizes=adapted.split) if engine.reads_data else None
@@ -213,8 +217,8 @@ def finish(plan: Plan, run: Session, start_time: float) -> None:
     """The final evaluation and checkpoint, the monitors' summaries, and summary.json."""
     evaluation = run.evaluator.run(plan.total_steps)
     run.checkpointer.save(plan.total_steps, last_step=True)
-    if plan.settings.model.export:
-        export(plan, run.engine.export_state())
+    if plan.settings.model.export and (state := run.engine.export_state()) is not None:  # rank 0 holds the state
+        weights.export(plan.settings.model.export, state, plan.settings.model.model, plan.data)
     peak = torch.tensor([peak_mem_gib(run.engine.device)], device=run.engine.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     run.monitor.stop()
@@ -226,15 +230,6 @@ def finish(plan: Plan, run: Session, start_time: float) -> None:
                       start_time=start_time)
     run.metrics.close()
     dist.barrier()
-
-
-def export(plan: Plan, state: dict | None) -> None:
-    """--export, on rank 0 (the only rank that holds the gathered state)."""
-    if state is not None:
-        s, data = plan.settings, plan.data
-        weights.export(s.model.export, state, model_name=s.model.model, num_classes=data.num_classes,
-                       in_chans=data.in_chans, img_size=data.img_size, mean=data.mean, std=data.std)
-        print(f"exported {s.model.export} and {s.model.export}.json", flush=True)
 
 
 def run(plan: Plan, start_time: float) -> int:

@@ -157,10 +157,12 @@ def hub_weights(name: str) -> str:
                           "it where there is network and pass --pretrained-path FILE")
 
 
-def export(path: str, layer_state: dict, *, model_name: str, num_classes: int, in_chans: int, img_size: int,
-           mean, std) -> None:
-    """Rank 0: the layer list's final weights as timm's, and the config timm and Hugging Face read."""
+def export(path: str, layer_state: dict, model_name: str, data) -> None:
+    """Rank 0: the layer list's final weights as timm's, and the config timm and Hugging Face read (data: the run's
+    vit.data.DataSplit, for the classes, channels, image size and normalisation)."""
     from safetensors.torch import save_file
+
+    num_classes, in_chans, img_size, mean, std = data.num_classes, data.in_chans, data.img_size, data.mean, data.std
 
     depth = max(int(k.split(".")[0]) for k in layer_state) - 1
     state = {k: v.detach().float().cpu().contiguous() for k, v in timm_state_dict(layer_state, depth).items()}
@@ -179,6 +181,7 @@ def export(path: str, layer_state: dict, *, model_name: str, num_classes: int, i
     save_file(state, path + ".tmp", metadata={"format": "pt"})
     os.replace(path + ".tmp", path)
     Path(path + ".json").write_text(json.dumps(cfg, indent=2) + "\n")
+    print(f"exported {path} and {path}.json", flush=True)
 
 
 def layer_state(model: nn.Module) -> dict:

@@ -87,6 +87,13 @@ class Engine(ABC):
         """fp16 steps skipped because the gradients overflowed."""
         return 0
 
+    counts_skips_on_device = False  # True: StepStats reads device_skip_counts() on logging steps only
+
+    def device_skip_counts(self) -> tuple[int, int, int]:
+        """fp16 steps skipped so far, skipped in a row now, and the longest run of skips since the last call, for an
+        engine that counts them on the device to add no host sync per step."""
+        raise NotImplementedError
+
     @property
     def loss_scale(self) -> float | None:
         """fp16: the loss scale of the next step (read on logging steps); None without a loss scaler."""

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vit.engines.base import Engine, EngineContext
 from vit.model import Loss
-from vit.optim import make_optimizer, make_scheduler
+from vit.optim import SkipAwareSchedule, make_optimizer, make_scheduler
 from vit.stats import PhaseTimer
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -26,28 +26,41 @@ class DDPEngine(Engine):
         self.model = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None)
         self.optimizer = make_optimizer(model, ctx.optim, num_layers=len(ctx.layers))
         self.loss = Loss(ctx.smoothing)
-        self.scheduler = make_scheduler(self.optimizer, ctx.optim, ctx.total_steps)
         self.dtype = DTYPES.get(ctx.precision)
         fp16 = ctx.ds_config.get("fp16", {})
-        self.scaler = (torch.amp.GradScaler("cuda", init_scale=2.0 ** fp16.get("initial_scale_power", 16))
+        self.scaler = (torch.amp.GradScaler(self.device.type, init_scale=2.0 ** fp16.get("initial_scale_power", 16))
                        if ctx.precision == "fp16" else None)
+        self.scheduler = (SkipAwareSchedule(self.optimizer, ctx.optim, ctx.total_steps) if self.scaler
+                          else make_scheduler(self.optimizer, ctx.optim, ctx.total_steps))
         self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
         self.grad_accum, self.loss_weight = ctx.batch.grad_accum, ctx.loss_weight
-        self._skipped_steps = 0  # fp16 steps the GradScaler skipped on inf/nan gradients
+        # fp16 steps the GradScaler skipped on inf/nan gradients: so far, in a row now, the longest run since the
+        # last read. Kept on the device and read on logging steps only (see device_skip_counts).
+        self._skips = torch.zeros(3, dtype=torch.long, device=self.device)
         self.timer = PhaseTimer(self.device)
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
 
+    counts_skips_on_device = True
+
     @property
-    def lr(self) -> float:
-        return max(g["lr"] for g in self.optimizer.param_groups)  # the head's, under --layer-decay
+    def lr(self) -> float | torch.Tensor:
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        if isinstance(lrs[0], torch.Tensor):  # fp16: device tensors, updated in place; read on logging steps
+            return torch.stack(lrs).max()
+        return max(lrs)  # the head's, under --layer-decay
 
     @property
     def skipped_steps(self) -> int:
-        return self._skipped_steps
+        return int(self._skips[0])
+
+    def device_skip_counts(self) -> tuple[int, int, int]:
+        skipped, in_a_row, longest = self._skips.tolist()
+        self._skips[2] = self._skips[1]
+        return skipped, in_a_row, longest
 
     @property
     def loss_scale(self) -> float | None:
-        return self.scaler.get_scale() if self.scaler else None
+        return self.scaler.get_scale() if self.scaler else None  # a host sync: read on logging steps only
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
@@ -74,16 +87,25 @@ class DDPEngine(Engine):
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         if self.scaler:
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skips the step on inf/nan gradients
-            self.scaler.update()
-            self._skipped_steps += self.scaler.get_scale() < scale
+            self._scaler_step()
         else:
             self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         t.lap("optimizer_s")
         return total / self.grad_accum
+
+    def _scaler_step(self):
+        """The GradScaler skips the step on inf/nan gradients (the fused AdamW on the device, without a host sync)
+        and then halves the scale; a scale that went down is a skipped step, compared on the device."""
+        scale = self.scaler._get_scale_async().clone()  # noqa: SLF001 (get_scale() would sync)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        skipped = self.scaler._get_scale_async() < scale  # noqa: SLF001
+        self.scheduler.step(~skipped)
+        in_a_row = (self._skips[1] + 1) * skipped
+        self._skips += torch.stack([skipped.long(), in_a_row - self._skips[1],
+                                    torch.clamp(in_a_row - self._skips[2], min=0)])
 
     def eval_logits(self, x, y):
         with self._autocast():

@@ -56,7 +56,7 @@ class PipelineEngine(DeepSpeedEngine):
         module = PlannedPipeline(ctx.parts, layers=ctx.layers, num_stages=ctx.pipeline_stages,
                                  loss_fn=Loss(ctx.smoothing),
                                  partition_method=ctx.partition)
-        opt = make_optimizer(module, ctx.optim, num_layers=len(ctx.layers))
+        opt = make_optimizer(module, ctx.optim, num_layers=len(ctx.layers), device=ctx.device)
         sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
         self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)

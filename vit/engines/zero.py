@@ -15,7 +15,8 @@ class ZeroEngine(DeepSpeedEngine):
         deepspeed_comm()
         model = nn.Sequential(*ctx.layers)
         offload = ctx.ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-        opt = make_optimizer(model, ctx.optim, cpu_offload=offload == "cpu", num_layers=len(ctx.layers))
+        opt = make_optimizer(model, ctx.optim, cpu_offload=offload == "cpu", num_layers=len(ctx.layers),
+                             device=ctx.device)
         sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
         self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)

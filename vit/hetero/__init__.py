@@ -34,13 +34,17 @@ class Adapted:
 
 def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str, micro_batch: int,
           grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
-          probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None) -> Adapted:
+          probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
+          reserved_bytes: float = 0.0, probe_on_cpu: bool = False) -> Adapted:
     """Collective. `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to
     be balanced; `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`:
-    the proportional micro-batches when --micro-batch-size auto measured them."""
+    the proportional micro-batches when --micro-batch-size auto measured them; `reserved_bytes`: a GPU's headroom
+    for NCCL, ZeRO's buckets and cuBLAS (vit.hetero.profile.gpu_reserved_bytes), which memory plans keep free;
+    `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model)."""
     from deepspeed.runtime import utils as ds_utils
 
-    caps = gather(capabilities(device, job.local_world_size))
+    reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
+    caps = gather({**capabilities(device, job.local_world_size), "mem_reserved_gib": reserved_gib})
     precision, why = negotiate(requested_precision, caps)
     with torch.no_grad(), torch.random.fork_rng():
         block_input = (micro_batch, *layers[0](sample).shape[1:])
@@ -54,10 +58,10 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     decided = {}
 
     if balanced_stages or proportional:
-        profile = profile_layers(layers, sample)
+        profile = profile_layers(layers, sample, precision)
         record["layers"] = profile
     if balanced_stages:
-        plan = plan_stages(profile, reports, balanced_stages, micro_batch, grad_accum, precision)
+        plan = plan_stages(profile, reports, balanced_stages, micro_batch, grad_accum)
         compare = {"parameters": ds_utils.partition_balanced([p["params"] for p in profile], balanced_stages),
                    "uniform": ds_utils.partition_uniform(len(profile), balanced_stages)}
         compare = {k: [int(i) for i in v] for k, v in compare.items()}
@@ -67,13 +71,13 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
         say.append(stage_plan_text(plan, profile, reports, compare))
     if proportional:
         how = "each rank's largest (--micro-batch-size auto)" if split else "proportional to block speed"
-        split = split or split_batches(profile, reports, micro_batch, precision)
+        split = split or split_batches(profile, reports, micro_batch)
         decided.update(split=split, loss_weight=split[job.rank] * len(split) / sum(split))
         record["batch_split"] = split
         say.append(f"batch split ({how}): micro-batches {split} (sum {sum(split)} = {micro_batch} x {len(split)} "
                    "ranks)")
     if probe_batches is not None and precision == "fp16":
-        grad_max = probe_grad_max(layers, probe_batches(), device, grad_accum)
+        grad_max = probe_grad_max(layers, probe_batches(), device, grad_accum, on_cpu=probe_on_cpu)
         decided["scale_power"] = power = scale_power(grad_max)
         record["loss_scale"] = {"probe_grad_max": grad_max, "initial_scale_power": power}
         say.append(f"fp16 loss scale: largest gradient of a {2 * grad_accum}-micro-batch fp32 probe {grad_max:.3g} "

@@ -3,7 +3,7 @@ import math
 
 from vit.errors import ConfigError
 from vit.hetero.census import who
-from vit.hetero.profile import BYTES_PER_PARAM, USABLE_MEMORY, activation_factor
+from vit.hetero.profile import BYTES_PER_PARAM, plan_bytes
 
 
 def proportional_split(total: int, speed: list[float], cap: list[int]) -> list[int]:
@@ -33,12 +33,12 @@ def proportional_split(total: int, speed: list[float], cap: list[int]) -> list[i
     return [sizes[r] for r in range(n)]
 
 
-def split_batches(profile: list[dict], reports: list[dict], micro_batch: int, precision: str) -> list[int]:
+def split_batches(profile: list[dict], reports: list[dict], micro_batch: int) -> list[int]:
     """Per-rank micro-batch for --batch-split proportional: the data-parallel total micro x ranks shared in
     proportion to the measured block speed, within each rank's free memory."""
     static = sum(p["params"] for p in profile) * BYTES_PER_PARAM
-    per_sample = sum(p["act_bytes"] for p in profile) * activation_factor(precision)
-    caps = [int((USABLE_MEMORY * r["mem_free_gib"] * 2**30 - static) // per_sample) for r in reports]
+    per_sample = sum(p["act_bytes"] for p in profile)  # profiled in the run's precision
+    caps = [int((plan_bytes(r) - static) // per_sample) for r in reports]
     total = micro_batch * len(reports)
     if sum(caps) < total or min(caps) < 1:
         worst = min(range(len(reports)), key=lambda r: caps[r])

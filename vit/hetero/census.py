@@ -90,10 +90,17 @@ def _negotiate(requested: str, reports: list[dict]) -> tuple[str, str]:
     return "fp32", "; ".join(why)
 
 
-def _timed(fn, clock: Clock, reps: int = 5) -> float:
-    """Fastest of `reps` runs of fn() after one warm-up, slowed like the rank's layers (in seconds; the
-    fastest, because a busy host only ever slows a run down)."""
+WARMUP_S = 0.2  # consumer GPUs ramp their clocks up over the first few hundred ms of load: time only after that
+TIMED_REPS = 20
+
+
+def _timed(fn, clock: Clock, reps: int = TIMED_REPS, warmup_s: float = WARMUP_S) -> float:
+    """Fastest of `reps` runs of fn() after running it for at least warmup_s, slowed like the rank's layers (in
+    seconds; the fastest, because a busy host only ever slows a run down)."""
+    start = clock.now()
     fn()
+    while clock.now() - start < warmup_s:
+        fn()
     times = []
     for _ in range(reps):
         start = clock.now()

@@ -1,4 +1,6 @@
 """The fp16 initial loss scale from a short fp32 probe of the gradients (--loss-scale auto)."""
+import copy
+import gc
 import math
 
 import torch
@@ -38,19 +40,30 @@ class GradPeak:
             h.remove()
 
 
-def probe_grad_max(layers: list[nn.Module], batches, dev: torch.device, grad_accum: int) -> float:
+def probe_grad_max(layers: list[nn.Module], batches, dev: torch.device, grad_accum: int,
+                   on_cpu: bool = False) -> float:
     """The largest |gradient| of fp32 forward and backward passes of (loss / grad_accum), over the parameters
-    and every layer's output, on this rank's real batches; the maximum over all ranks."""
-    model = nn.Sequential(*layers).to(dev)
-    peak = GradPeak(layers, dev)
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+    and every layer's output, on this rank's real batches; the maximum over all ranks.
+
+    It trains a copy, on the rank's device or with on_cpu (the pipeline and ZeRO-3, where a GPU is not meant to
+    hold the whole fp32 model) on the CPU; the copy is dropped and its memory released before returning, and
+    `layers` are left as they were (where they were, without gradients)."""
+    probe_dev = torch.device("cpu") if on_cpu else dev
+    model = copy.deepcopy(nn.Sequential(*layers)).to(probe_dev)
+    peak = GradPeak(list(model), probe_dev)
+    with torch.random.fork_rng(devices=[probe_dev] if probe_dev.type == "cuda" else []):
         for x, y in batches:
-            (loss_fn(model(x.to(dev)), y.to(dev)) / grad_accum).backward()
+            (loss_fn(model(x.to(probe_dev)), y.to(probe_dev)) / grad_accum).backward()
             peak.read(model)
             model.zero_grad(set_to_none=True)
     peak.remove()
-    dist.all_reduce(peak.value, op=dist.ReduceOp.MAX)
-    return peak.value.item()
+    del model
+    gc.collect()
+    if probe_dev.type == "cuda":
+        torch.cuda.empty_cache()
+    value = peak.value.to(dev)  # all-reduced on the rank's own device: NCCL takes no CPU tensors
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
 
 
 def scale_power(grad_max: float) -> int:

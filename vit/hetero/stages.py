@@ -4,7 +4,7 @@ import itertools
 from dataclasses import dataclass
 
 from vit.errors import ConfigError
-from vit.hetero.profile import BYTES_PER_PARAM, USABLE_MEMORY, activation_factor
+from vit.hetero.profile import BYTES_PER_PARAM, plan_bytes
 
 
 @dataclass
@@ -53,8 +53,8 @@ def pipeline_inflight(stages: int, grad_accum: int) -> list[int]:
     return [max(1, min(stages - s, grad_accum)) for s in range(stages)]
 
 
-def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int,
-                precision: str) -> StagePlan:
+def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int
+                ) -> StagePlan:
     """Stage s runs on ranks s*dp .. s*dp+dp-1 (DeepSpeed's pipe-major rank order): its speed is their slowest,
     its capacity their smallest free memory. Costs are FLOPs; a rank's speed is one block's FLOPs over its
     measured block time."""
@@ -64,8 +64,8 @@ def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_bat
     speed = [block_flops / max(r["block_ms"] / 1e3 for r in g) for g in groups]  # FLOP/s at this micro-batch
     cost = [p["flops"] for p in profile]
     static = [p["params"] * BYTES_PER_PARAM for p in profile]
-    act = [p["act_bytes"] * micro_batch * activation_factor(precision) for p in profile]
-    capacity = [USABLE_MEMORY * min(r["mem_free_gib"] for r in g) * 2**30 for g in groups]
+    act = [p["act_bytes"] * micro_batch for p in profile]  # profiled in the run's precision
+    capacity = [min(plan_bytes(r) for r in g) for g in groups]
     plan = balanced_split(cost, static, act, speed, capacity, pipeline_inflight(stages, grad_accum))
     if plan is None:
         need = (sum(static) + sum(act)) / stages / 2**30
