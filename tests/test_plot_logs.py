@@ -175,7 +175,7 @@ def test_step_time_breakdown_with_unknown_fields(tmp_path):
     for name in CHARTS:
         assert_png(run / "plots" / f"{name}.png")
     table = (run / "plots" / "comparison.md").read_text()
-    assert "| pipe-x | – | – | – | – | 500.0 | – | incomplete (no summary.json) |" in table
+    assert "| pipe-x | – | – | – | – | 500.0 | – | – | – | incomplete (no summary.json) |" in table
 
 
 @pytest.mark.timeout(60)
