@@ -42,10 +42,11 @@ def test_out_of_memory_message_names_the_card_and_what_fits(monkeypatch, tmp_pat
 
 
 @pytest.mark.ranks
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_out_of_memory_on_rank_1_ends_every_rank_with_one_message(tmp_path):
+    # 35 s alone; it failed twice in whole-file runs at load 15 on 2 cores, probably at the former 200 s limit
     r = launch(["--steps", 6, "--no-save", "--monitor-interval", 0, "--log-interval", 1, "--log-dir", tmp_path],
-               timeout=200, rank_env={1: {"VIT_TEST_OOM_AT": "1:3"}})
+               timeout=300, rank_env={1: {"VIT_TEST_OOM_AT": "1:3"}})
     assert all(rc != 0 for rc in r.returncodes), r
     said = "out of memory during step 3 on cpu ("
     mine = [line for line in r.outputs[1].splitlines() if said in line]
