@@ -346,9 +346,10 @@ def test_compare_puts_one_rank_on_each_host_of_the_hostfile(cluster, tmp_path):
 
 @pytest.mark.timeout(600, method="signal")
 def test_killed_rank_on_one_host_ends_every_rank_and_retry_finishes_the_run(cluster, tmp_path):
-    log_dir, victim_host = tmp_path / "run", 3
+    # 60 steps of about 0.1 s: the kill must land mid-run (with 12, the run had ended by the time it came).
+    log_dir, victim_host, steps = tmp_path / "run", 3, 60
     cmd = (f"{MPIRUN.replace('exec ', 'exec scripts/retry.sh -n 1 -- ')} -np {len(HOSTS)} --hostfile "
-           f"\"$SIM_DIR/hostfile\" ./entry_cn.sh {TRAIN} --steps {STEPS} --save-interval 4 --log-dir {log_dir}")
+           f"\"$SIM_DIR/hostfile\" ./entry_cn.sh {TRAIN} --steps {steps} --save-interval 4 --log-dir {log_dir}")
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen([SIM, "exec", "0", "--", "bash", "-c", cmd], cwd=ROOT,
                                 env={**cluster.env, "IFACE": "eth0"}, stdin=subprocess.DEVNULL, stdout=out,
@@ -373,8 +374,8 @@ def test_killed_rank_on_one_host_ends_every_rank_and_retry_finishes_the_run(clus
         out.seek(0)
         log = out.read()
     assert "attempt 2 of 2" in log and "--resume" in log and "resumed from step" in log, log[-4000:]
-    assert json.loads((log_dir / "summary.json").read_text())["steps"] == STEPS
-    assert last_step(log_dir, victim_host) == STEPS
+    assert json.loads((log_dir / "summary.json").read_text())["steps"] == steps
+    assert last_step(log_dir, victim_host) == steps
 
 
 def alive(p: psutil.Process) -> bool:
@@ -382,8 +383,6 @@ def alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
 
 
 def transfer_mbit(cluster: Cluster, pairs: list[tuple[int, int]], nbytes: int) -> float:
