@@ -184,6 +184,8 @@ BAD_INPUT = {
     "resume from empty folder": (lambda t: ["--resume", str(t)], {}, "no complete checkpoint there"),
     "negative steps": (lambda t: ["--steps", "-3"], {}, "--steps must be positive"),
     "missing hostfile": (lambda t: ["--hostfile", str(t / "hosts.txt")], {}, "hosts.txt: no such file"),
+    "EMA decay of 1 or more": (lambda t: ["--model-ema", "--model-ema-decay", "1.5"], {},
+                               "--model-ema-decay must be below 1, got 1.5"),
 }
 
 

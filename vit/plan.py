@@ -101,6 +101,8 @@ def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settin
                     ("--reprob", r.reprob), ("--hflip", r.hflip), ("--smoothing", r.smoothing)):
         if p > 1:
             raise ConfigError(f"{name} is a probability, got {p}")
+    if r.model_ema_decay >= 1:  # at 1 the EMA never moves from its start
+        raise ConfigError(f"--model-ema-decay must be below 1, got {r.model_ema_decay}")
     if r.scale and not 0 < r.scale[0] <= r.scale[1] <= 1:
         raise ConfigError(f"--scale {r.scale[0]} {r.scale[1]}: want 0 < MIN <= MAX <= 1")
     return s, notes
