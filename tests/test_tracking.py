@@ -44,6 +44,14 @@ def tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
     return out
 
 
+def tensorboard_images(folder) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={IMAGES: 0})
+    acc.Reload()
+    return acc.Tags()["images"]
+
+
 def wandb_records(path) -> list:
     """The records of an offline run's .wandb file: W&B's LevelDB-style log (32 KiB blocks, each chunk behind a
     7-byte header: crc32c, length, type), each record one wandb_internal_pb2.Record."""
@@ -107,11 +115,16 @@ def test_trackers_hold_what_the_metrics_log_holds(tmp_path):
     assert set(tb[f"monitor/{host}/gpu1/mem_used_mib"].values()) == {1024.0}
     assert f"monitor/{host}/cpu_percent" in tb
 
+    charts = {"loss", "throughput", "resources", "breakdown"}  # plot_logs.py's charts of one run, kept by both
+    assert {f"plots/{c}" for c in charts} <= set(tensorboard_images(log_dir / "tensorboard")), "charts in TensorBoard"
+
     [run_file] = wandb_runs(log_dir)
     records = wandb_records(run_file)
     history = wandb_history(records)
     for name, steps in want.items():
         assert history[name] == steps, name
+    [artifact] = [rec.artifact for rec in records if rec.WhichOneof("record_type") == "artifact"]
+    assert artifact.type == "plots" and {e.path for e in artifact.manifest.contents} >= {f"{c}.png" for c in charts}
     assert history[f"monitor/{host}/gpu0/util_pct"] == tb[f"monitor/{host}/gpu0/util_pct"]
     [run] = [rec.run for rec in records if rec.WhichOneof("record_type") == "run"]
     assert run.display_name == "run-a" and run.run_id == (log_dir / "wandb_run_id").read_text().strip()

@@ -5,12 +5,16 @@ import csv
 import json
 import os
 import secrets
+import subprocess
+import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
 from vit.dist_env import rank0_decides
 from vit.errors import ConfigError
 from vit.metrics import MetricsLog
+from vit.settings import ROOT
 
 RENAMES = {"eval_loss": "loss"}  # eval/loss beside train/loss
 
@@ -53,9 +57,14 @@ class TensorBoardSink:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()  # a crashed run keeps its curves (logging steps only)
 
-    def close(self, summary: dict | None = None) -> None:
+    def close(self, summary: dict | None = None, charts: list[Path] = ()) -> None:
+        from matplotlib.image import imread
+
+        step = (summary or {}).get("steps", 0)
         if summary:
-            self.writer.add_text("summary", _fenced(summary), summary.get("steps", 0))
+            self.writer.add_text("summary", _fenced(summary), step)
+        for chart in charts:
+            self.writer.add_image(f"plots/{chart.stem}", imread(chart), step, dataformats="HWC")
         self.writer.close()
 
 
@@ -97,9 +106,16 @@ class WandbSink:
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self, summary: dict | None = None) -> None:
+    def close(self, summary: dict | None = None, charts: list[Path] = ()) -> None:
+        import wandb
+
         if summary:
             self.run.summary.update({k: v for k, v in summary.items() if k != "monitor"})
+        if charts:
+            artifact = wandb.Artifact(f"plots-{self.run.id}", type="plots")
+            for chart in charts:
+                artifact.add_file(str(chart))
+            self.run.log_artifact(artifact)
         self.run.finish()
 
 
@@ -118,7 +134,7 @@ class CsvSink:
         self.writer.writerows([step, name, value] for name, value in metrics.items())
         self.file.flush()
 
-    def close(self, summary: dict | None = None) -> None:
+    def close(self, summary: dict | None = None, charts: list[Path] = ()) -> None:
         self.file.close()
 
 
@@ -144,8 +160,21 @@ class TrackedMetrics(MetricsLog):
     def close(self) -> None:
         super().close()
         summary = _read_json(os.path.join(self.log_dir, "summary.json")) if self.sinks else None
+        charts = plot(self.log_dir) if summary and any(not isinstance(s, CsvSink) for s in self.sinks) else []
         for sink in self.sinks:
-            sink.close(summary)
+            sink.close(summary, charts)
+
+
+def plot(log_dir: str) -> list[Path]:
+    """The run's charts (plot_logs.py into <log-dir>/plots), for the trackers to keep beside the curves."""
+    out = Path(log_dir) / "plots"
+    r = subprocess.run([sys.executable, str(ROOT / "plot_logs.py"), log_dir, "--out", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode:
+        print(f"warning: no charts for the trackers: {(r.stderr.strip().splitlines() or ['plot_logs.py failed'])[-1]}",
+              file=sys.stderr, flush=True)
+        return []
+    return sorted(out.glob("*.png"))
 
 
 def _read_json(path: str):
