@@ -15,11 +15,14 @@ packages of requirement.txt, with torch and torchvision in the build this host c
   - a driver from 525.60.13 on, or a GPU older than Turing: cu126 from download.pytorch.org;
   - no nvidia-smi: the PyPI wheel, which runs on the CPU too;
   - a driver or GPU that no build runs: one line saying why, exit 2, nothing installed.
+On a GPU host whose CUDA toolkit (CUDA_HOME, else nvcc on PATH, else /usr/local/cuda) matches the
+chosen build's CUDA version, DeepSpeed is installed with its CPU Adam op prebuilt
+(DS_BUILD_CPU_ADAM=1) for ZeRO-Offload; without one, it says which toolkit to install for that.
 The builds, their minimum drivers and GPUs are the table BUILDS in this script (see README.md,
 "GPU hosts"). Does nothing when .venv already matches requirement.txt and the chosen build; a
 different choice replaces torch and torchvision.
 
-  --print-torch  print the choice and why, and install nothing (no .venv is made)
+  --print-torch  print the choice and why (torch build, CPU Adam), and install nothing (no .venv is made)
 
 Environment: TORCH_CUDA (cu126, cu130, cu132, cpu, ...: this build instead of the choice; cpu is
 the smaller CPU-only build), PYTHON (interpreter for a new venv), VENV (folder, default .venv).
@@ -115,7 +118,50 @@ choose_torch() {
   fail "no torch $TABLE_TORCH build runs on this host ($seen)$refused: $fix"
 }
 
+# The CUDA toolkit torch's extension builder would use: CUDA_HOME, CUDA_PATH, the nvcc on PATH, /usr/local/cuda.
+cuda_home() {
+  local nvcc
+  if [ -n "${CUDA_HOME:-${CUDA_PATH:-}}" ]; then echo "${CUDA_HOME:-$CUDA_PATH}"
+  elif nvcc=$(command -v nvcc); then dirname "$(dirname "$nvcc")"
+  elif [ -d /usr/local/cuda ]; then echo /usr/local/cuda
+  fi
+}
+
+# choose_cpu_adam: sets adam_home (a toolkit to prebuild DeepSpeed's CPU Adam with, or empty) and
+# adam_reason. On GPUs DeepSpeed builds that op (ZeRO-Offload's optimizer) against CUDA, and only with a
+# toolkit of torch's CUDA version: the same major.minor, or two 12.x (DeepSpeed's cuda_minor_mismatch_ok).
+choose_cpu_adam() {
+  local want home release
+  adam_home=""
+  if [[ "$build" != cu* ]] || ! command -v nvidia-smi >/dev/null 2>&1; then
+    adam_reason="not prebuilt: no GPU build of torch on a GPU host (on the CPU DeepSpeed builds it on first use)"
+    return
+  fi
+  want=${build#cu}
+  want=${want%?}.${want: -1}  # cu130 -> 13.0, cu126 -> 12.6
+  home=$(cuda_home)
+  release=""
+  if [ -n "$home" ]; then
+    release=$("$home/bin/nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p') || true
+  fi
+  if [ -n "$release" ] && { [ "$release" = "$want" ] || [[ "$release" == 12.* && "$want" == 12.* ]]; }; then
+    adam_home=$home
+    adam_reason="prebuilt (DS_BUILD_CPU_ADAM=1) with the CUDA $release toolkit at $home"
+    return
+  fi
+  if [ -z "$home" ]; then adam_reason="not prebuilt: no CUDA toolkit found"
+  elif [ -z "$release" ]; then adam_reason="not prebuilt: $home has no working bin/nvcc"
+  elif [ "${release%%.*}" = "${want%%.*}" ]; then
+    # torch's JIT build takes any minor version of the same major: ZeRO-Offload works, after a first build.
+    adam_reason="not prebuilt: $home has CUDA $release, and DeepSpeed's installer wants $want (the op builds on first use)"
+    return
+  else adam_reason="not prebuilt: $home has CUDA $release"
+  fi
+  adam_reason+="; for ZeRO-Offload install NVIDIA's cuda-toolkit-${want/./-} and set CUDA_HOME to it, then rerun this script"
+}
+
 choose_torch
+choose_cpu_adam
 torch_pins=("$(pin torch)" "$(pin torchvision)")
 if [ "$where" = pypi ]; then
   from=() source_name="PyPI"
@@ -125,17 +171,19 @@ fi
 if [ "$print_only" = 1 ]; then
   echo "$build: $reason"
   echo "pip install ${torch_pins[*]} from $source_name"
+  echo "DeepSpeed's CPU Adam: $adam_reason"
   exit 0
 fi
 
-# The stamp: "<sha256 of requirement.txt> torch=<build>". One without a build predates the choice:
-# that venv has the PyPI wheel.
+# The stamp: "<sha256 of requirement.txt> torch=<build> cpu_adam=<toolkit or ->". One without a build
+# predates the choice: that venv has the PyPI wheel.
 stamp="$VENV/.requirement.sha256"
 want_hash=$(sha256sum requirement.txt | cut -d' ' -f1)
-read -r have_hash installed 2>/dev/null <"$stamp" || true
+read -r have_hash installed have_adam 2>/dev/null <"$stamp" || true
 installed=${installed:-${have_hash:+torch=cu130}}
 installed=${installed#torch=}
-if [ "${have_hash:-}" = "$want_hash" ] && [ "$installed" = "$build" ]; then
+want_adam=cpu_adam=${adam_home:--}
+if [ "${have_hash:-}" = "$want_hash" ] && [ "$installed" = "$build" ] && [ "${have_adam:-cpu_adam=-}" = "$want_adam" ]; then
   exit 0
 fi
 echo "$PROG: torch $build: $reason"
@@ -152,5 +200,10 @@ pip=("$VENV/bin/python" -m pip install --disable-pip-version-check --quiet)
 "${pip[@]}" "${from[@]}" "${torch_pins[@]}"
 "${pip[@]}" "$(pin numpy)"
 "${pip[@]}" --no-build-isolation -r requirement.txt
-echo "$want_hash torch=$build" > "$stamp"
+if [ -n "$adam_home" ]; then
+  echo "$PROG: DeepSpeed's CPU Adam: $adam_reason (a few minutes)"
+  DS_BUILD_CPU_ADAM=1 CUDA_HOME=$adam_home "${pip[@]}" --no-build-isolation --no-deps --force-reinstall \
+    --no-cache-dir "$(pin deepspeed)"
+fi
+echo "$want_hash torch=$build $want_adam" > "$stamp"
 echo "$PROG: $VENV is ready ($("$VENV/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null))"

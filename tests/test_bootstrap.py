@@ -17,6 +17,7 @@ CU126 = "pip install torch==2.14.1 torchvision==0.29.1 from https://download.pyt
 # The commands bootstrap.sh runs for --print-torch, and nothing else: PATH holds only these (and, in a test
 # that wants one, the fake nvidia-smi), so that a real nvidia-smi on a GPU machine cannot answer instead.
 TOOLS = ["bash", "dirname", "basename", "awk", "sed", "grep", "sort", "head", "paste", "cut"]
+NO_GPU_ADAM = "DeepSpeed's CPU Adam: not prebuilt: no GPU build of torch on a GPU host"
 
 FAKE_SMI = """#!/bin/sh
 # nvidia-smi of a host with driver $FAKE_DRIVER and one GPU per compute capability in $FAKE_CAPS; other
@@ -47,8 +48,19 @@ def fake_smi(tmp_path, path):
     return f"{smi_dir}:{path}"
 
 
+def fake_nvcc(folder, release):
+    """A CUDA toolkit at `folder` whose bin/nvcc prints what the real one prints for `release`."""
+    (folder / "bin").mkdir(parents=True)
+    nvcc = folder / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
+                    f"echo 'Cuda compilation tools, release {release}, V{release}.88'\n")
+    nvcc.chmod(0o755)
+    return folder
+
+
 def print_torch(tmp_path, path, **env):
-    env = {k: v for k, v in base_env().items() if k != "TORCH_CUDA"} | dict(PATH=path, VENV=str(tmp_path / "venv"),
+    hidden = ("TORCH_CUDA", "CUDA_HOME", "CUDA_PATH")
+    env = {k: v for k, v in base_env().items() if k not in hidden} | dict(PATH=path, VENV=str(tmp_path / "venv"),
                                                                             **env)
     r = run_cmd([BOOTSTRAP, "--print-torch"], timeout=30, env=env)
     assert not (tmp_path / "venv").exists(), "--print-torch made a venv"
@@ -68,9 +80,10 @@ def test_print_torch_follows_the_driver_and_gpus(tmp_path, path, driver, caps, b
     unless a GPU is older than Turing."""
     r = print_torch(tmp_path, fake_smi(tmp_path, path), FAKE_DRIVER=driver, FAKE_CAPS=caps)
     assert r.returncode == 0 and r.stderr == "", r
-    first, second = r.stdout.splitlines()
+    first, second, adam = r.stdout.splitlines()
     assert first.startswith(f"{build}: {why}"), r.stdout
     assert second == pip
+    assert adam.startswith("DeepSpeed's CPU Adam: "), r.stdout
 
 
 @pytest.mark.parametrize("driver, caps, why", [
@@ -87,11 +100,38 @@ def test_print_torch_refuses_a_host_no_build_runs_on(tmp_path, path, driver, cap
 
 
 def test_print_torch_without_nvidia_smi_takes_the_pypi_wheel(tmp_path, path):
-    r = print_torch(tmp_path, path)
+    r = print_torch(tmp_path, path, CUDA_HOME=str(fake_nvcc(tmp_path / "cuda", "13.0")))
     assert r.returncode == 0 and r.stderr == "", r
-    first, second = r.stdout.splitlines()
+    first, second, adam = r.stdout.splitlines()
     assert first.startswith("cu130: no nvidia-smi here") and "runs on the CPU" in first, r.stdout
     assert second == PYPI
+    assert adam.startswith(NO_GPU_ADAM), r.stdout  # a toolkit without a GPU prebuilds nothing
+
+
+@pytest.mark.parametrize("driver, toolkit, where, adam", [
+    ("580.65.06", "13.0", "CUDA_HOME", "prebuilt (DS_BUILD_CPU_ADAM=1) with the CUDA 13.0 toolkit at {home}"),
+    ("580.65.06", "13.0", "PATH", "prebuilt (DS_BUILD_CPU_ADAM=1) with the CUDA 13.0 toolkit at {home}"),
+    ("550.54.15", "12.4", "CUDA_HOME", "prebuilt (DS_BUILD_CPU_ADAM=1) with the CUDA 12.4 toolkit at {home}"),
+    ("580.65.06", "12.4", "CUDA_HOME", "not prebuilt: {home} has CUDA 12.4; for ZeRO-Offload install NVIDIA's "
+     "cuda-toolkit-13-0 and set CUDA_HOME to it, then rerun this script"),
+    ("580.65.06", "13.2", "CUDA_HOME", "not prebuilt: {home} has CUDA 13.2, and DeepSpeed's installer wants 13.0 "
+     "(the op builds on first use)"),
+    ("580.65.06", None, "CUDA_HOME", "not prebuilt: {home} has no working bin/nvcc; for ZeRO-Offload install "
+     "NVIDIA's cuda-toolkit-13-0 and set CUDA_HOME to it, then rerun this script"),
+])
+def test_cpu_adam_is_prebuilt_only_with_a_toolkit_of_torchs_cuda(tmp_path, path, driver, toolkit, where, adam):
+    """ZeRO-Offload's CPU Adam builds against CUDA on GPU hosts. DeepSpeed's installer (DS_BUILD_CPU_ADAM=1)
+    accepts a toolkit of torch's CUDA version (13.x: the same minor; 12.x: any 12.x, its cuda_minor_mismatch_ok);
+    torch's JIT build on first use accepts the same major (vit.preflight checks that). The toolkit is found where torch looks: CUDA_HOME, then nvcc on
+    PATH (its folder's parent)."""
+    home = tmp_path / "cuda"
+    fake_nvcc(home, toolkit) if toolkit else home.mkdir()
+    path = fake_smi(tmp_path, path)
+    env = dict(CUDA_HOME=str(home)) if where == "CUDA_HOME" else {}
+    path = f"{home}/bin:{path}" if where == "PATH" else path
+    r = print_torch(tmp_path, path, FAKE_DRIVER=driver, FAKE_CAPS="8.6", **env)
+    assert r.returncode == 0 and r.stderr == "", r
+    assert r.stdout.splitlines()[2] == "DeepSpeed's CPU Adam: " + adam.format(home=home), r.stdout
 
 
 @pytest.mark.parametrize("torch_cuda, pip", [
@@ -102,7 +142,7 @@ def test_print_torch_without_nvidia_smi_takes_the_pypi_wheel(tmp_path, path):
 def test_torch_cuda_overrides_the_choice(tmp_path, path, torch_cuda, pip):
     r = print_torch(tmp_path, fake_smi(tmp_path, path), FAKE_DRIVER="580.65.06", FAKE_CAPS="8.6",
                     TORCH_CUDA=torch_cuda)
-    assert r.returncode == 0 and r.stdout == f"{torch_cuda}: set by TORCH_CUDA\n{pip}\n", r
+    assert r.returncode == 0 and r.stdout.startswith(f"{torch_cuda}: set by TORCH_CUDA\n{pip}\n"), r
 
 
 def test_torch_cuda_must_name_a_build(tmp_path, path):
