@@ -122,8 +122,8 @@ def test_print_torch_without_nvidia_smi_takes_the_pypi_wheel(tmp_path, path):
 def test_cpu_adam_is_prebuilt_only_with_a_toolkit_of_torchs_cuda(tmp_path, path, driver, toolkit, where, adam):
     """ZeRO-Offload's CPU Adam builds against CUDA on GPU hosts. DeepSpeed's installer (DS_BUILD_CPU_ADAM=1)
     accepts a toolkit of torch's CUDA version (13.x: the same minor; 12.x: any 12.x, its cuda_minor_mismatch_ok);
-    torch's JIT build on first use accepts the same major (vit.preflight checks that). The toolkit is found where torch looks: CUDA_HOME, then nvcc on
-    PATH (its folder's parent)."""
+    torch's JIT build on first use accepts the same major (vit.preflight checks that). The toolkit is found where
+    torch looks: CUDA_HOME, then nvcc on PATH (its folder's parent)."""
     home = tmp_path / "cuda"
     fake_nvcc(home, toolkit) if toolkit else home.mkdir()
     path = fake_smi(tmp_path, path)
