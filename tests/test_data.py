@@ -60,6 +60,13 @@ def test_imagefolder(tmp_path):
     assert (len(d.train), len(d.test), d.num_classes) == (6, 4, 2)
     x, y = d.test[3]
     assert x.shape == (3, 16, 16) and y == 1
+    red = 200 / 255
+    assert float(x[0, 0, 0]) == pytest.approx((30 / 255 - 0.485) / 0.229, abs=1e-5)  # ImageNet's statistics
+    pre = load_dataset("imagefolder", str(tmp_path), 16, norm=((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)))
+    assert (pre.mean, pre.std) == ((0.5,) * 3, (0.5,) * 3)  # what --export records
+    assert float(pre.train[0][0][0, 0, 0]) == pytest.approx((red - 0.5) / 0.5, abs=1e-5)
+    grey = load_dataset("imagefolder", str(tmp_path), 16, norm=((0.2,), (0.4,)))  # a grey model's, per channel
+    assert float(grey.test[3][0][2, 0, 0]) == pytest.approx((red - 0.2) / 0.4, abs=1e-5)
     (tmp_path / "val" / "dog").rename(tmp_path / "val" / "bird")
     with pytest.raises(ConfigError, match="class folders"):
         load_dataset("imagefolder", str(tmp_path), 16)

@@ -25,6 +25,33 @@ def timm_file(tmp_path_factory):
     return path, vit.state_dict()
 
 
+def test_normalisation_comes_from_the_pretrained_config(tmp_path):
+    """Pretrained weights are fine-tuned on images normalised as in their pretraining: the config beside the file
+    (an --export's PATH.json, a Hugging Face folder's config.json), else timm's config of the model's tag."""
+    from vit.errors import ConfigError
+    from vit.weights import pretrained_norm
+
+    weights = tmp_path / "export.safetensors"
+    weights.write_bytes(b"")
+    (tmp_path / "export.safetensors.json").write_text(json.dumps({"pretrained_cfg": {"mean": [0.3], "std": [0.2]}}))
+    assert pretrained_norm("vit_digits", False, str(weights)) == ((0.3,), (0.2,))
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "model.safetensors").write_bytes(b"")
+    (hub / "config.json").write_text(json.dumps({"pretrained_cfg": {"mean": [0.5] * 3, "std": [0.5] * 3}}))
+    assert pretrained_norm(NAME, False, str(hub / "model.safetensors")) == ((0.5,) * 3, (0.5,) * 3)
+    bare = tmp_path / "bare.pth"
+    bare.write_bytes(b"")
+    augreg = "vit_small_patch16_224.augreg_in21k"
+    assert pretrained_norm(augreg, False, str(bare)) == ((0.5,) * 3, (0.5,) * 3)  # timm's config for the tag
+    assert pretrained_norm("deit_small_patch16_224", True, None) == ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    assert pretrained_norm(augreg, False, None) is None  # from scratch: the data set's own
+    assert pretrained_norm("vit_digits", False, str(bare)) is None  # a preset without a config beside it
+    (hub / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json is not a JSON config"):
+        pretrained_norm(NAME, False, str(hub / "model.safetensors"))
+
+
 def test_pretrained_path_adapts_pos_embed_and_head_and_keeps_the_rest(timm_file):
     path, want = timm_file
     layers = build_layers(NAME, num_classes=10, in_chans=3, img_size=48, seed=0, pretrained_path=str(path))

@@ -82,9 +82,11 @@ CIFAR = {  # folder inside --data-path, training files, test file, label key, me
 }
 
 
-def load_cifar(name: str, data_path: str, download: bool) -> DataSplit:
-    """CIFAR in the standard python pickle batch format (as published, and as torchvision saves it)."""
+def load_cifar(name: str, data_path: str, download: bool, norm: tuple | None = None) -> DataSplit:
+    """CIFAR in the standard python pickle batch format (as published, and as torchvision saves it), normalised
+    with `norm` (mean, std) when given, else with CIFAR's own statistics."""
     folder, train_files, test_file, label_key, mean, std = CIFAR[name]
+    mean, std = norm or (mean, std)
     root = Path(data_path)
     if root.name != folder:
         root = root / folder
@@ -114,10 +116,12 @@ def load_cifar(name: str, data_path: str, download: bool) -> DataSplit:
                      raw_train=PILImages(x_tr, y_tr))
 
 
-def load_imagefolder(data_path: str, img_size: int) -> DataSplit:
-    """ImageNet-style tree: DATA/train/<class>/*.jpg and DATA/val/<class>/*.jpg."""
+def load_imagefolder(data_path: str, img_size: int, norm: tuple | None = None) -> DataSplit:
+    """ImageNet-style tree: DATA/train/<class>/*.jpg and DATA/val/<class>/*.jpg, normalised with `norm` (mean, std)
+    when given, else with ImageNet's statistics."""
     from torchvision import datasets, transforms
 
+    mean, std = norm or (DataSplit.mean, DataSplit.std)
     root = Path(data_path)
     splits = [root / "train", root / "val"]
     for s in splits:
@@ -125,7 +129,7 @@ def load_imagefolder(data_path: str, img_size: int) -> DataSplit:
             raise ConfigError(f"imagefolder: {s} is not a folder (expected DATA/train/<class>/ and DATA/val/<class>/)")
     tf = transforms.Compose([
         transforms.Resize(int(img_size * 1.14)), transforms.CenterCrop(img_size), transforms.ToTensor(),
-        transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        transforms.Normalize(mean, std),
     ])
     try:
         train, test = (datasets.ImageFolder(str(s), transform=tf) for s in splits)
@@ -133,7 +137,7 @@ def load_imagefolder(data_path: str, img_size: int) -> DataSplit:
         raise ConfigError(f"imagefolder: {str(e).splitlines()[0]} (expected DATA/<split>/<class>/*.jpg, .png, ...)")
     if train.classes != test.classes:
         raise ConfigError(f"imagefolder: the class folders of {splits[0]} and {splits[1]} differ")
-    return DataSplit(train, test, num_classes=len(train.classes), in_chans=3, img_size=img_size,
+    return DataSplit(train, test, num_classes=len(train.classes), in_chans=3, img_size=img_size, mean=mean, std=std,
                      raw_train=datasets.ImageFolder(str(splits[0])))
 
 
@@ -181,15 +185,19 @@ def dataset_for(data: DataSettings) -> tuple[str, str | None]:
 
 
 def load_dataset(name: str, data_path: str | None, img_size: int, download: bool = False,
-                 synthetic_size: int = 2048, seed: int = 0) -> DataSplit:
+                 synthetic_size: int = 2048, seed: int = 0, norm: tuple | None = None) -> DataSplit:
+    """`norm`: the (mean, std) of pretrained weights (vit.weights.pretrained_norm), for the RGB data sets; digits
+    and synthetic keep their own."""
+    if norm is not None:
+        norm = tuple(tuple(v) * 3 if len(v) == 1 else tuple(v) for v in norm)  # a grey model's, on RGB images
     if name == "digits":
         return load_digits()
     if name in CIFAR:
-        return load_cifar(name, data_path or os.path.join("data", name), download)
+        return load_cifar(name, data_path or os.path.join("data", name), download, norm)
     if name == "imagefolder":
         if not data_path:
             raise ConfigError("imagefolder needs --data-path DATA (with DATA/train and DATA/val)")
-        return load_imagefolder(data_path, img_size)
+        return load_imagefolder(data_path, img_size, norm)
     if name == "synthetic":
         return DataSplit(_Synthetic(synthetic_size, img_size, 10, seed), _Synthetic(256, img_size, 10, seed + 1),
                          num_classes=10, in_chans=3, img_size=img_size, mean=(0.0,) * 3, std=(1.0,) * 3)

@@ -62,8 +62,9 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         requested = "default"  # none given: auto on GPUs, fp32 on CPUs (vit.hetero.census.negotiate)
     slowdowns = slowdown.parse(par.simulate_slowdown, job.world_size)
     preset = model_shape(s.model.model)
+    norm = weights.pretrained_norm(s.model.model, s.model.pretrained, s.model.pretrained_path)
     data = load_dataset(dataset, s.data.data_path, s.model.img_size or preset.img_size, s.data.download,
-                        s.data.synthetic_size, s.train.seed)
+                        s.data.synthetic_size, s.train.seed, norm)
     if s.model.img_size and s.model.img_size != data.img_size:
         raise ConfigError(f"--img-size {s.model.img_size} does not match the {data.img_size}x{data.img_size} images "
                           f"of {dataset}")

@@ -14,6 +14,7 @@ from vit.data import load_dataset
 from vit.model import build_layers, loss_fn, model_shape
 from vit.optim import make_optimizer, make_scheduler
 from vit.settings import Settings
+from vit.weights import pretrained_norm
 
 
 def train_step(model: nn.Module, optimizer, scheduler, x, y, clip: float = 0.0, autocast=None,
@@ -35,8 +36,9 @@ def train_step(model: nn.Module, optimizer, scheduler, x, y, clip: float = 0.0, 
 def reference_losses(s: Settings, global_batch: int, steps: int, clip: float = 0.0) -> list[float]:
     """Per-step mean loss over each global batch, for settings `s` (model, data, seed, optimizer)."""
     img_size = s.model.img_size or model_shape(s.model.model).img_size
+    norm = pretrained_norm(s.model.model, s.model.pretrained, s.model.pretrained_path)
     data = load_dataset(s.data.dataset or "digits", s.data.data_path, img_size, seed=s.train.seed,
-                        synthetic_size=s.data.synthetic_size)
+                        synthetic_size=s.data.synthetic_size, norm=norm)
     model = nn.Sequential(*build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
                                         s.model.drop_path, s.model.pretrained_path))
     opt = make_optimizer(model, s.optim, num_layers=len(model))

@@ -139,6 +139,29 @@ def check(path: str, model_name: str, num_classes: int, in_chans: int, img_size:
     return [f"--pretrained-path {path}: " + "; ".join(notes or ["every tensor fits"])]
 
 
+def pretrained_norm(model: str, pretrained: bool, path: str | None) -> tuple[tuple, tuple] | None:
+    """The (mean, std) that the pretrained weights were trained on, or None (from scratch, or not known): the
+    pretrained config beside --pretrained-path (an --export's PATH.json, or a Hugging Face folder's config.json),
+    else timm's pretrained config of --model's tag (vit_small_patch16_224.augreg_in21k: 0.5, 0.5)."""
+    import timm
+
+    if path:
+        p = Path(path)
+        for cfg_file in (Path(f"{p}.json"), (p if p.is_dir() else p.parent) / "config.json"):
+            if cfg_file.is_file():
+                try:
+                    cfg = json.loads(cfg_file.read_text()).get("pretrained_cfg") or {}
+                except (ValueError, AttributeError) as e:
+                    raise ConfigError(f"--pretrained-path {path}: {cfg_file} is not a JSON config ({e})")
+                if "mean" in cfg and "std" in cfg:
+                    return tuple(cfg["mean"]), tuple(cfg["std"])
+    if (pretrained or path) and check_model(model) not in PRESETS:
+        cfg = timm.models.get_pretrained_cfg(model)
+        if cfg is not None:
+            return tuple(cfg.mean), tuple(cfg.std)
+    return None
+
+
 def hub_weights(name: str) -> str:
     """--pretrained: the hub file of timm's pretrained config for `name`, fetched into the local cache."""
     import timm
