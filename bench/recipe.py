@@ -15,6 +15,7 @@ from bench.common import OthersCpu, device_name, failure_tail, load_avg, mpirun_
 # name -> extra vit.train options. 'baseline' is the default job as it ships.
 VARIANTS = {
     "baseline": "",
+    "no-aug": "--no-aug",
     "smoothing": "--smoothing 0.1",
     "mixup": "--mixup 0.2",
     "cutmix": "--cutmix 0.5",

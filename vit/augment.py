@@ -13,6 +13,7 @@ would not train the same network. So:
   under the same lam, and keeps the first half.
 """
 import random
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -80,6 +81,16 @@ def train_transform(r: RecipeSettings, in_chans: int, img_size: int, mean, std):
         std=tuple(std), re_prob=r.reprob, re_mode="pixel", re_count=1)
 
 
+def data_recipe(r: RecipeSettings, data) -> RecipeSettings:
+    """The recipe as it applies to `data`: the data set's default crop where --scale is not given, and no
+    augmentation at all with --no-aug."""
+    if r.no_aug:
+        return replace(r, scale=None, aa=None, reprob=0.0, color_jitter=0.0, hflip=0.0)
+    if r.scale is None and data.default_scale:
+        return replace(r, scale=tuple(data.default_scale))
+    return r
+
+
 def train_dataset(data, r: RecipeSettings, seed: int) -> tuple[Dataset, bool]:
     """(the training set, whether it is keyed by step): augmented when any augmentation option is on."""
     if not r.augments:
@@ -132,6 +143,7 @@ def train_batches(data, r: RecipeSettings, seed: int, *, partners: bool = True, 
     batches."""
     from vit.data import TrainBatches, make_loader
 
+    r = data_recipe(r, data)
     dataset, keyed = train_dataset(data, r, seed)
     mixup = make_mixup(r, data.num_classes)
     order = TrainBatches(num_samples=len(data.train), seed=seed, keyed=keyed, partners=partners and bool(mixup),

@@ -31,6 +31,7 @@ class DataSplit:
     mean: tuple = (0.485, 0.456, 0.406)  # the normalisation the images got, for --export's config
     std: tuple = (0.229, 0.224, 0.225)
     raw_train: Dataset | None = None  # the training images as PIL images, for timm's augmentation (vit.augment)
+    default_scale: tuple | None = None  # the random-resized-crop scale when --scale is not given (vit.augment)
 
 
 def _normalize(x: np.ndarray, mean, std) -> torch.Tensor:
@@ -55,8 +56,9 @@ def load_digits() -> DataSplit:
         return TensorDataset(_normalize(x, [mean], [std]), torch.from_numpy(y).long())
 
     raw = PILImages(np.round(x_tr * 255).astype(np.uint8), y_tr)
+    # A crop of 90-100% of the area, resized back: +1.7 points of top-1 on the default job (docs/benchmarks.md).
     return DataSplit(tensors(x_tr, y_tr), tensors(x_te, y_te), num_classes=10, in_chans=1, img_size=8,
-                     mean=(mean,), std=(std,), raw_train=raw)
+                     mean=(mean,), std=(std,), raw_train=raw, default_scale=(0.9, 1.0))
 
 
 class _UInt8Images(Dataset):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vit import checkpoint, slowdown, weights
+from vit.augment import data_recipe
 from vit.data import DataSplit, dataset_for, load_dataset, steps_per_epoch
 from vit.dist_env import Job, resolve_master
 from vit.ds_config import Batch, precision_of, resolve, zero_stage
@@ -85,7 +86,9 @@ def make_plan(settings: Settings, job: Job) -> Plan:
 
 
 def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settings, list[str]]:
-    """The starting weights (fetched for --pretrained, shapes checked), --export's folder, mixup's classes."""
+    """The starting weights (fetched for --pretrained, shapes checked), --export's folder, mixup's classes; the
+    recipe as it applies to the data (vit.augment.data_recipe), so that config.json records it."""
+    s = replace(s, recipe=data_recipe(s.recipe, data))
     m, r = s.model, s.recipe
     if m.pretrained and m.pretrained_path:
         raise ConfigError("--pretrained and --pretrained-path: choose one")
