@@ -58,3 +58,18 @@ def test_data_path_is_read_or_refused_never_ignored(tmp_path):
         dataset_for(DataSettings(dataset="digits", data_path=str(tmp_path / "imgs")))
     with pytest.raises(ConfigError, match="not a CIFAR folder .* nor an image folder"):
         dataset_for(DataSettings(data_path=str(tmp_path)))
+
+
+def test_digits_crop_by_default_and_no_aug_turns_every_augmentation_off():
+    """The digits' default crop applies where --scale is not given; --no-aug (timm's) wins over every transform
+    option and the default, and leaves mixup; other data sets have no default augmentation."""
+    from vit.augment import data_recipe, train_dataset
+    from vit.data import load_dataset
+
+    digits, synthetic = load_dataset("digits", None, 8), load_dataset("synthetic", None, 32, synthetic_size=64)
+    assert data_recipe(defaults().recipe, digits).scale == (0.9, 1.0)
+    assert tuple(data_recipe(parse(["--scale", "0.5", "1"]).recipe, digits).scale) == (0.5, 1.0)
+    off = data_recipe(parse(["--no-aug", "--scale", "0.5", "1", "--hflip", "0.5", "--mixup", "0.2"]).recipe, digits)
+    assert (off.scale, off.hflip, off.augments, off.mixup) == (None, 0.0, False, 0.2)
+    assert train_dataset(digits, off, 0) == (digits.train, False)  # the plain tensors, not re-drawn per step
+    assert data_recipe(defaults().recipe, synthetic) == defaults().recipe
