@@ -67,7 +67,7 @@ def test_digits_crop_by_default_and_no_aug_turns_every_augmentation_off():
     from vit.data import load_dataset
 
     digits, synthetic = load_dataset("digits", None, 8), load_dataset("synthetic", None, 32, synthetic_size=64)
-    assert data_recipe(defaults().recipe, digits).scale == (0.9, 1.0)
+    assert data_recipe(defaults().recipe, digits).scale == (0.95, 1.0)
     assert tuple(data_recipe(parse(["--scale", "0.5", "1"]).recipe, digits).scale) == (0.5, 1.0)
     off = data_recipe(parse(["--no-aug", "--scale", "0.5", "1", "--hflip", "0.5", "--mixup", "0.2"]).recipe, digits)
     assert (off.scale, off.hflip, off.augments, off.mixup) == (None, 0.0, False, 0.2)
