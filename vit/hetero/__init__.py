@@ -2,8 +2,8 @@
 how fast it is), settles the precision, and where asked plans balanced pipeline stages, proportional batches and
 the fp16 loss scale. Rank 0 prints each decision; `record` goes to cluster.json.
 
-census: the measuring, collective part; profile: per-layer costs; stages, batch_split: the planners (pure, tested
-against brute force); loss_scale: the fp16 probe.
+census: the measuring, collective part; profile: per-layer costs and times; stages, batch_split: the planners (pure,
+tested against brute force); loss_scale: the fp16 probe.
 """
 import copy
 from collections.abc import Callable, Iterable
@@ -17,8 +17,8 @@ from vit.dist_env import Job
 from vit.hetero.batch_split import split_batches
 from vit.hetero.census import capabilities, census_table, gather, measure_speed, negotiate
 from vit.hetero.loss_scale import FP16_MAX, SCALE_MARGIN, probe_grad_max, scale_power
-from vit.hetero.profile import profile_layers
-from vit.hetero.stages import plan_stages, stage_plan_text
+from vit.hetero.profile import profile_layers, time_layers
+from vit.hetero.stages import plan_stages, slowest_stage_s, stage_plan_text
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     for turn in range(job.world_size):  # one rank at a time: ranks that share a host's cores would slow each other
         if turn == job.rank:
             speed = measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown)
+            if balanced_stages:
+                speed["layer_ms"] = time_layers(layers, sample, micro_batch, precision, device, slowdown)
         dist.barrier()
     reports = gather({**caps[job.rank], **speed, "slowdown": slowdown})
     record = {"census": reports, "precision": precision, "precision_why": why}
@@ -67,7 +69,8 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
         compare = {k: [int(i) for i in v] for k, v in compare.items()}
         decided["parts"] = plan.parts
         record["stages"] = {"parts": plan.parts, "predicted_s": plan.times, "predicted_bytes": plan.mems,
-                            "compare": compare}
+                            "compare": compare, "compare_slowest_s": {k: slowest_stage_s(plan, v)
+                                                                      for k, v in compare.items()}}
         say.append(stage_plan_text(plan, profile, reports, compare))
     if proportional:
         how = "each rank's largest (--micro-batch-size auto)" if split else "proportional to block speed"

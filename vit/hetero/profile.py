@@ -67,3 +67,33 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str
                         "act_bytes": sum(saved.values()), "params": sum(p.numel() for p in layer.parameters())})
             x = y.detach().requires_grad_()
     return out
+
+
+def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int, precision: str,
+                dev: torch.device, slowdown: float = 1.0) -> list[list[float]]:
+    """[forward ms, backward ms] of each layer at the run's micro-batch on this rank, after a warm-up, slowed like
+    the rank's layers (vit.hetero.census._timed). Measured on a copy of one layer at a time, so that a device
+    too small for the whole model can time it; the fixed costs of tiny layers (kernel launches, the embedding's
+    reshapes) count, which FLOPs do not see."""
+    from vit.hetero.census import DTYPES, _timed
+    from vit.slowdown import Clock
+
+    dtype, clock, out = DTYPES[precision], Clock(slowdown, dev), []
+    x = sample.to(dev, dtype).expand(micro_batch, *sample.shape[1:]).contiguous()
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        for i, layer in enumerate(layers):
+            layer = copy.deepcopy(layer).to(dev, dtype)
+            x = x.detach().requires_grad_(i > 0)  # the images need no gradient; a later stage's input does
+            with torch.no_grad():
+                grad = torch.randn_like(layer(x))
+
+            def forward():
+                return (layer(x),)
+
+            def backward(y):
+                y.backward(grad)
+
+            out.append([1e3 * _timed(forward, clock), 1e3 * _timed(backward, clock, prepare=forward)])
+            with torch.no_grad():
+                x = layer(x)
+    return out
