@@ -127,6 +127,12 @@ def test_frozen_prefix_costs_its_forward_only_and_keeps_no_activations():
         stages.plan_layers(even, [gib] * 6, [gib] * 6, [3 * gib] * 2, stages=2, grad_accum=1, frozen=0)
     plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [3 * gib] * 2, stages=2, grad_accum=1, frozen=5)
     assert plan.parts == [0, 4, 6] and plan.times == [4.0, 4.0]  # fits once 5 layers keep only their weights
+    # From the census, re-planned at half the measured micro-batch: the times halve; 4 frozen layers at 0.5 ms.
+    reports = census_of(layer_ms=[[[1.0, 2.0]] * 14] * 2)
+    for r in reports:
+        r["layer_ms_micro_batch"] = 16
+    plan = stages.plan_stages(PROFILE, reports, stages=2, micro_batch=8, grad_accum=1, frozen=4)
+    assert plan.parts == [0, 8, 14] and plan.times == pytest.approx([0.008, 0.009])
 
 
 def test_proportional_split_follows_speed_within_memory():

@@ -35,12 +35,15 @@ class Adapted:
 def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str, micro_batch: int,
           grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
           probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
-          reserved_bytes: float = 0.0, probe_on_cpu: bool = False) -> Adapted:
+          reserved_bytes: float = 0.0, probe_on_cpu: bool = False, layer_times: bool = False) -> Adapted:
     """Collective. `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to
     be balanced; `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`:
     the proportional micro-batches when --micro-batch-size auto measured them; `reserved_bytes`: a GPU's headroom
     for NCCL, ZeRO's buckets and cuBLAS (vit.hetero.profile.gpu_reserved_bytes), which memory plans keep free;
-    `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model)."""
+    `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model);
+    `layer_times`: measure every layer's forward and backward time and profile the layers even without balanced
+    stages (record["census"][rank]["layer_ms"], record["layers"]), for stages.plan_stages(..., frozen=k) at a
+    freeze point."""
     from deepspeed.runtime import utils as ds_utils
 
     reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
@@ -51,15 +54,16 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     for turn in range(job.world_size):  # one rank at a time: ranks that share a host's cores would slow each other
         if turn == job.rank:
             speed = measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown)
-            if balanced_stages:
+            if balanced_stages or layer_times:
                 speed["layer_ms"] = time_layers(layers, sample, micro_batch, precision, device, slowdown)
+                speed["layer_ms_micro_batch"] = micro_batch
         dist.barrier()
     reports = gather({**caps[job.rank], **speed, "slowdown": slowdown})
     record = {"census": reports, "precision": precision, "precision_why": why}
     say = [census_table(reports, precision), f"precision {precision}: {why}"]
     decided = {}
 
-    if balanced_stages or proportional:
+    if balanced_stages or proportional or layer_times:
         profile = profile_layers(layers, sample, precision)
         record["layers"] = profile
     if balanced_stages:

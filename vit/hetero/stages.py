@@ -81,14 +81,17 @@ def plan_layers(layer_s: list[list[tuple[float, float]]], static_bytes: list[flo
     return plan
 
 
-def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int
-                ) -> StagePlan:
-    """plan_layers from the census: each rank's measured layer times (layer_ms) and free memory, the profile's
-    parameters and activations."""
-    return plan_layers([[(f / 1e3, b / 1e3) for f, b in r["layer_ms"]] for r in reports],
-                       [p["params"] * BYTES_PER_PARAM for p in profile],
+def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int,
+                frozen: int = 0) -> StagePlan:
+    """plan_layers from the census: each rank's measured layer times (layer_ms, at layer_ms_micro_batch) and free
+    memory, the profile's parameters and activations. A re-plan at another micro-batch (more data-parallel
+    copies after a freeze) scales the times in proportion, which keeps the fixed costs' share as measured."""
+    layer_s = [[(f / 1e3 * micro_batch / r.get("layer_ms_micro_batch", micro_batch),
+                 b / 1e3 * micro_batch / r.get("layer_ms_micro_batch", micro_batch)) for f, b in r["layer_ms"]]
+               for r in reports]
+    return plan_layers(layer_s, [p["params"] * BYTES_PER_PARAM for p in profile],
                        [p["act_bytes"] * micro_batch for p in profile],  # profiled in the run's precision
-                       [plan_bytes(r) for r in reports], stages, grad_accum)
+                       [plan_bytes(r) for r in reports], stages, grad_accum, frozen)
 
 
 def slowest_stage_s(plan: StagePlan, parts: list[int]) -> float:
