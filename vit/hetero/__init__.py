@@ -17,7 +17,7 @@ from vit.dist_env import Job
 from vit.hetero.batch_split import split_batches
 from vit.hetero.census import capabilities, census_table, gather, measure_speed, negotiate
 from vit.hetero.loss_scale import FP16_MAX, SCALE_MARGIN, probe_grad_max, scale_power
-from vit.hetero.profile import profile_layers, time_layers
+from vit.hetero.profile import LAYER_TURNS, profile_layers, time_layers
 from vit.hetero.stages import plan_stages, slowest_stage_s, stage_plan_text
 
 
@@ -51,11 +51,17 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     precision, why = negotiate(requested_precision, caps)
     with torch.no_grad(), torch.random.fork_rng():
         block_input = (micro_batch, *layers[0](sample).shape[1:])
-    for turn in range(job.world_size):  # one rank at a time: ranks that share a host's cores would slow each other
-        if turn == job.rank:
-            speed = measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown)
-            if balanced_stages or layer_times:
-                speed["layer_ms"] = time_layers(layers, sample, micro_batch, precision, device, slowdown)
+    timing = bool(balanced_stages or layer_times)
+    # One rank at a time: ranks that share a host's cores would slow each other. Layer times take LAYER_TURNS
+    # alternations, so that every rank samples a shared host's load over the same span.
+    for turn in range(job.world_size * (LAYER_TURNS if timing else 1)):
+        if turn % job.world_size == job.rank:
+            if turn < job.world_size:
+                speed = measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown)
+            if timing:
+                now = time_layers(layers, sample, micro_batch, precision, device, slowdown)
+                speed["layer_ms"] = [[min(a, b) for a, b in zip(old, new)] for old, new in
+                                     zip(speed.get("layer_ms", now), now)]
                 speed["layer_ms_micro_batch"] = micro_batch
         dist.barrier()
     reports = gather({**caps[job.rank], **speed, "slowdown": slowdown})

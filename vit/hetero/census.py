@@ -94,19 +94,18 @@ WARMUP_S = 0.2  # consumer GPUs ramp their clocks up over the first few hundred 
 TIMED_REPS = 20
 
 
-def _timed(fn, clock: Clock, reps: int = TIMED_REPS, warmup_s: float = WARMUP_S, prepare=tuple) -> float:
-    """Fastest of `reps` runs of fn(*prepare()) after running it for at least warmup_s, slowed like the rank's
-    layers (in seconds; the fastest, because a busy host only ever slows a run down). prepare() runs untimed."""
+def _timed(fn, clock: Clock, reps: int = TIMED_REPS, warmup_s: float = WARMUP_S) -> float:
+    """Fastest of `reps` runs of fn() after running it for at least warmup_s, slowed like the rank's layers (in
+    seconds; the fastest, because a busy host only ever slows a run down)."""
     start = clock.now()
-    fn(*prepare())
+    fn()
     while clock.now() - start < warmup_s:
-        fn(*prepare())
+        fn()
     times = []
     for _ in range(reps):
-        args = prepare()
         start = clock.now()
         clock.start()
-        fn(*args)
+        fn()
         clock.stop()
         times.append(clock.now() - start)
     return min(times)
