@@ -184,6 +184,19 @@ def test_activations_are_profiled_in_the_runs_precision():
     assert all(p.dtype == torch.float32 for lay in layers for p in lay.parameters())  # measured on a copy
 
 
+def test_layer_times_pool_identical_blocks_and_leave_the_layers_alone():
+    from vit.hetero import profile
+    from vit.model import build_layers
+
+    layers = build_layers("vit_digits", 10, 1, None, 0)
+    before = [p.detach().clone() for lay in layers for p in lay.parameters()]
+    times = profile.time_layers(layers, torch.randn(1, 1, 8, 8), 4, "fp32", torch.device("cpu"), rounds=2)
+    assert len(times) == 6 and all(t > 0 for pair in times for t in pair)
+    assert times[1] == times[2] == times[3] == times[4]  # the 4 blocks: one cost, their fastest
+    after = [p for lay in layers for p in lay.parameters()]
+    assert all(p.grad is None for p in after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 def test_uneven_micro_batches_make_up_the_global_batch():
     sizes, ga = [5, 2, 1], 2
     single = list(TrainBatches(100, 16, 1, 0, 1, seed=3, start_step=0, end_step=5))
