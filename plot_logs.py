@@ -281,6 +281,69 @@ def plot_compare(runs: list[Run], path: Path) -> None:
     finish(fig, axes, path)
 
 
+def freeze_phases(run: Run) -> list[dict]:
+    """Training phases between the freeze records ({"kind": "freeze", "step", "frozen", "stages", "dp", "cache"}:
+    from that step on, `frozen` layers are frozen on a stages x dp layout): steps (first, last], the record's
+    fields and the mean images/s of the train records logged in the phase. [] for a run without freeze records."""
+    marks = run.records("freeze")
+    if not marks:
+        return []
+    train = [r for r in run.records("train") if isinstance(r.get("images_per_s"), (int, float))]
+    last = max([r["step"] for r in train] + [m["step"] for m in marks])
+    if marks[0]["step"] > 0:  # before the first freeze: nothing frozen, the layout the run started with
+        marks = [{"step": 0, "frozen": 0}, *marks]
+    phases = []
+    for k, mark in enumerate(marks):
+        end = marks[k + 1]["step"] if k + 1 < len(marks) else last
+        ips = [r["images_per_s"] for r in train if mark["step"] < r["step"] <= end]
+        phases.append({"first": mark["step"], "last": end, "frozen": mark.get("frozen"), "stages": mark.get("stages"),
+                       "dp": mark.get("dp"), "cache": mark.get("cache"),
+                       "images_per_s": sum(ips) / len(ips) if ips else None})
+    return phases
+
+
+def layout_and_cache(p: dict) -> tuple[str, str]:
+    layout = f"{fmt(p['stages'])} x {fmt(p['dp'])}" if p["stages"] is not None else "as started"
+    return layout, {True: "on", False: "off"}.get(p["cache"], fmt(p["cache"])) or "–"
+
+
+def phase_table(runs: list[Run]) -> str:
+    """Markdown: throughput per freeze phase, for the runs that froze layers ('' when none did)."""
+    rows = [(run.name, p) for run in runs for p in freeze_phases(run)]
+    if not rows:
+        return ""
+    md = ["", "throughput per freeze phase (layout: pipeline stages x data-parallel copies)", "",
+          "| run | steps | frozen layers | layout | cache | images/s |", "|---|---|---|---|---|---|"]
+    for name, p in rows:
+        layout, cache = layout_and_cache(p)
+        md.append(f"| {name} | {p['first']}-{p['last']} | {fmt(p['frozen'])} | {layout} | {cache} | "
+                  f"{fmt(p['images_per_s'], 1) or '–'} |")
+    return "\n".join(md) + "\n"
+
+
+def plot_freeze(runs: list[Run], path: Path) -> None:
+    """Frozen layers over the steps (a step line per run) and each phase's images/s (a bar per phase)."""
+    fig, (ax_frozen, ax_ips) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bars = []
+    for i, run in enumerate(runs):
+        phases = freeze_phases(run)
+        if not phases:
+            continue
+        steps = [p["first"] for p in phases] + [phases[-1]["last"]]
+        frozen = [p["frozen"] for p in phases]
+        ax_frozen.step(steps, frozen + frozen[-1:], where="post", color=f"C{i % 10}", label=run.name)
+        for p in phases:
+            layout, cache = layout_and_cache(p)
+            bars.append((f"{run.name}\nsteps {p['first']}-{p['last']}\n{p['frozen']} frozen\n{layout}, cache {cache}",
+                         p["images_per_s"] or 0.0, i))
+    ax_frozen.set(title="frozen layers", xlabel="step", ylabel="layers frozen (prefix)")
+    ax_frozen.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax_ips.bar(range(len(bars)), [b[1] for b in bars], color=[f"C{b[2] % 10}" for b in bars])
+    ax_ips.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=6)
+    ax_ips.set(title="throughput per freeze phase (mean of the logged windows)", ylabel="images/s")
+    finish(fig, (ax_frozen, ax_ips), path)
+
+
 def report(out: Path, runs: list[Run], charts: list[Path], rows: list[list[str]]) -> None:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
@@ -299,7 +362,9 @@ def main(argv=None) -> int:
         prog="plot_logs.py", description="Charts (PNG), a comparison table (markdown and CSV) and report.html "
         "from one or more run folders of vit.train. Charts: loss.png (train/eval loss, eval top-1 and top-5), "
         "throughput.png (images/s), resources.png (GPU utilisation and memory per host and GPU; host CPU %% and "
-        "process RSS), breakdown.png (step-time phases per rank, stacked) and, for several runs, compare.png.")
+        "process RSS), breakdown.png (step-time phases per rank, stacked), for several runs compare.png, and for runs "
+        "that froze layers (--freeze) freeze.png (frozen layers over the steps, images/s per phase) and a table of "
+        "the phases in comparison.md.")
     p.add_argument("runs", nargs="+", help="run folders (logs/<run>)")
     p.add_argument("--out", help="output folder (default: <run>/plots for one run, <common parent of the runs>/plots "
                                  "for several)")
@@ -326,7 +391,11 @@ def main(argv=None) -> int:
         if len(runs) > 1:
             charts.append(out / "compare.png")
             plot_compare(runs, charts[-1])
+        if any(run.records("freeze") for run in runs):
+            charts.append(out / "freeze.png")
+            plot_freeze(runs, charts[-1])
         md, rows = table(runs)
+        md += phase_table(runs)
         (out / "comparison.md").write_text(md)
         with open(out / "comparison.csv", "w", newline="") as f:
             csv.writer(f).writerows([COLUMNS, *rows])

@@ -51,11 +51,12 @@ def mixed(a) -> int:
     common = ["--model", a.model, "--dataset", "synthetic", "--steps", a.warmup + a.steps, "--log-interval", a.warmup,
               "--no-save", "--monitor-interval", 0, "--simulate-slowdown", a.slowdown,
               "--micro-batch-size", a.global_batch // a.ranks, "--grad-accum", 1]
+    chosen = [(name, opts) for name, opts in MIXED_RUNS if a.runs == "all" or name.startswith(a.runs)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(a.out or tmp) / "logs"
         for rep in range(a.repeat):
-            for name, opts in MIXED_RUNS:
+            for name, opts in chosen:
                 if "pipeline" in name:  # the whole global batch per pipeline, in 4 micro-batches
                     extra = ["--pipeline-stages", a.ranks, "--micro-batch-size", a.global_batch // 4, "--grad-accum", 4]
                 else:
@@ -65,7 +66,7 @@ def mixed(a) -> int:
                 rows.append({"name": name, "images_per_s": a.global_batch / run["step_time_s"], **run})
                 print(f"{name}: {rows[-1]['images_per_s']:.1f} images/s", flush=True)
     best = {name: max((r for r in rows if r["name"] == name), key=lambda r: r["images_per_s"])
-            for name, _ in MIXED_RUNS}
+            for name, _ in chosen}
     lines = [f"{a.model}, synthetic data, global batch {a.global_batch}, {a.ranks} ranks, --simulate-slowdown "
              f"{a.slowdown}; images/s from the median step time of {a.steps} steps after {a.warmup} warm-up, best of "
              f"{a.repeat}. ideal: the speed-up of perfectly balanced work over an equal share, sum of the ranks' "
@@ -74,8 +75,8 @@ def mixed(a) -> int:
              "| run | images/s | vs equal share | ideal | census | plan |", "| --- | ---: | ---: | ---: | ---: | --- |"]
     factors = slowdown.parse(a.slowdown, a.ranks)
     ideal = ideal_ratio([1 / factors.get(r, 1.0) for r in range(a.ranks)])
-    for name, _ in MIXED_RUNS:
-        r, base = best[name], best[MIXED_RUNS[0 if "pipeline" in name else 3][0]]
+    for name, _ in chosen:  # each engine's first row (uniform, equal) is its equal share
+        r, base = best[name], best[next(n for n, _ in chosen if n.split(",")[0] == name.split(",")[0])]
         c = r["cluster"]
         plan = (f"layers {c['stages']['parts']}" if "stages" in c else
                 f"micro-batches {c['batch_split']}" if "batch_split" in c else "")
@@ -163,6 +164,7 @@ def add_mixed_arguments(p) -> None:
     p.add_argument("--model", default="vit_tiny_cifar")
     p.add_argument("--ranks", type=positive_int, default=2)
     p.add_argument("--slowdown", default="1=2", help="--simulate-slowdown of every run")
+    p.add_argument("--runs", choices=("all", "pipeline", "zero"), default="all", help="which engine's rows")
     p.add_argument("--global-batch", type=positive_int, default=64)
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps")
     p.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first; also the metrics window")

@@ -178,6 +178,54 @@ def test_step_time_breakdown_with_unknown_fields(tmp_path):
     assert "| pipe-x | – | – | – | – | 500.0 | – | – | – | incomplete (no summary.json) |" in table
 
 
+def freeze_run(folder, freezes):
+    """A run's metrics as --freeze writes them: train windows of 2 steps whose images/s rise at each freeze."""
+    folder.mkdir()
+    speed = {2: 100.0, 4: 100.0, 6: 130.0, 8: 150.0, 10: 150.0, 12: 170.0, 14: 250.0, 16: 250.0, 18: 250.0}
+    for rank in (0, 1):
+        train = [{"kind": "train", "step": s, "time": 1.0 * s, "rank": rank, "host": "cn0", "loss": 2.0 - s / 10,
+                  "images_per_s": ips, "step_time_s": 64 / ips} for s, ips in speed.items()]
+        marks = [{"kind": "freeze", "time": 1.0 * f["step"], "rank": rank, "host": "cn0", **f} for f in freezes]
+        write_jsonl(folder / f"metrics_rank{rank}.jsonl", sorted(train + marks, key=lambda r: r["time"]))
+    return folder
+
+
+@pytest.mark.timeout(60)
+def test_frozen_layers_and_throughput_per_freeze_phase(tmp_path):
+    freezes = [{"step": 6, "frozen": 2, "stages": 2, "dp": 1, "cache": False},
+               {"step": 12, "frozen": 4, "stages": 1, "dp": 2, "cache": True}]
+    run = freeze_run(tmp_path / "autofreeze", freezes)
+    phases = plot_logs.freeze_phases(plot_logs.Run(run))
+    assert [(p["first"], p["last"], p["frozen"], p["stages"], p["dp"], p["cache"]) for p in phases] == [
+        (0, 6, 0, None, None, None), (6, 12, 2, 2, 1, False), (12, 18, 4, 1, 2, True)]
+    assert [p["images_per_s"] for p in phases] == pytest.approx([110.0, 470 / 3, 250.0])
+    plain = tmp_path / "plain"  # the same run without its freeze records
+    plain.mkdir()
+    for log in run.glob("metrics_rank*.jsonl"):
+        (plain / log.name).write_text("".join(line + "\n" for line in log.read_text().splitlines()
+                                              if '"freeze"' not in line))
+    r = plot(run, plain, "--out", tmp_path / "out")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in (*CHARTS, "compare", "freeze"):
+        assert_png(tmp_path / "out" / f"{name}.png")
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert md.split("throughput per freeze phase")[1].splitlines()[4:] == [
+        "| autofreeze | 0-6 | 0 | as started | – | 110.0 |", "| autofreeze | 6-12 | 2 | 2 x 1 | off | 156.7 |",
+        "| autofreeze | 12-18 | 4 | 1 x 2 | on | 250.0 |"]
+    assert "wrote 6 charts" in r.stdout and "| autofreeze | 12-18 |" in r.stdout
+    assert (tmp_path / "out" / "report.html").read_text().count("src='data:image/png;base64,") == 6
+    # A run that never froze: the charts and table it had before, no freeze.png.
+    r = plot(plain, "--out", tmp_path / "plain-out")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in (tmp_path / "plain-out").iterdir()) == sorted(
+        [f"{c}.png" for c in CHARTS] + ["comparison.csv", "comparison.md", "report.html"])
+    assert "freeze" not in (tmp_path / "plain-out" / "comparison.md").read_text()
+    # A freeze at step 0 starts the first phase itself.
+    run0 = freeze_run(tmp_path / "from-start", [{"step": 0, "frozen": 1, "stages": 2, "dp": 1, "cache": False}])
+    assert [(p["first"], p["last"], p["frozen"]) for p in plot_logs.freeze_phases(plot_logs.Run(run0))] == [
+        (0, 18, 1)]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["empty folder", "missing folder", "corrupt middle line"])
 def test_bad_folder_is_one_line_error(tmp_path, case):

@@ -2,8 +2,8 @@
 how fast it is), settles the precision, and where asked plans balanced pipeline stages, proportional batches and
 the fp16 loss scale. Rank 0 prints each decision; `record` goes to cluster.json.
 
-census: the measuring, collective part; profile: per-layer costs; stages, batch_split: the planners (pure, tested
-against brute force); loss_scale: the fp16 probe.
+census: the measuring, collective part; profile: per-layer costs and times; stages, batch_split: the planners (pure,
+tested against brute force); loss_scale: the fp16 probe.
 """
 import copy
 from collections.abc import Callable, Iterable
@@ -17,8 +17,8 @@ from vit.dist_env import Job
 from vit.hetero.batch_split import split_batches
 from vit.hetero.census import capabilities, census_table, gather, measure_speed, negotiate
 from vit.hetero.loss_scale import FP16_MAX, SCALE_MARGIN, probe_grad_max, scale_power
-from vit.hetero.profile import profile_layers
-from vit.hetero.stages import plan_stages, stage_plan_text
+from vit.hetero.profile import LAYER_TURNS, profile_layers, time_layers
+from vit.hetero.stages import plan_stages, slowest_stage_s, stage_plan_text
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,15 @@ class Adapted:
 def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str, micro_batch: int,
           grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
           probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
-          reserved_bytes: float = 0.0, probe_on_cpu: bool = False) -> Adapted:
+          reserved_bytes: float = 0.0, probe_on_cpu: bool = False, layer_times: bool = False) -> Adapted:
     """Collective. `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to
     be balanced; `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`:
     the proportional micro-batches when --micro-batch-size auto measured them; `reserved_bytes`: a GPU's headroom
     for NCCL, ZeRO's buckets and cuBLAS (vit.hetero.profile.gpu_reserved_bytes), which memory plans keep free;
-    `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model)."""
+    `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model);
+    `layer_times`: measure every layer's forward and backward time and profile the layers even without balanced
+    stages (record["census"][rank]["layer_ms"], record["layers"]), for stages.plan_stages(..., frozen=k) at a
+    freeze point."""
     from deepspeed.runtime import utils as ds_utils
 
     reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
@@ -48,16 +51,25 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     precision, why = negotiate(requested_precision, caps)
     with torch.no_grad(), torch.random.fork_rng():
         block_input = (micro_batch, *layers[0](sample).shape[1:])
-    for turn in range(job.world_size):  # one rank at a time: ranks that share a host's cores would slow each other
-        if turn == job.rank:
-            speed = measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown)
+    timing = bool(balanced_stages or layer_times)
+    # One rank at a time: ranks that share a host's cores would slow each other. Layer times take LAYER_TURNS
+    # alternations, so that every rank samples a shared host's load over the same span.
+    for turn in range(job.world_size * (LAYER_TURNS if timing else 1)):
+        if turn % job.world_size == job.rank:
+            if turn < job.world_size:
+                speed = measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown)
+            if timing:
+                now = time_layers(layers, sample, micro_batch, precision, device, slowdown)
+                speed["layer_ms"] = [[min(a, b) for a, b in zip(old, new)] for old, new in
+                                     zip(speed.get("layer_ms", now), now)]
+                speed["layer_ms_micro_batch"] = micro_batch
         dist.barrier()
     reports = gather({**caps[job.rank], **speed, "slowdown": slowdown})
     record = {"census": reports, "precision": precision, "precision_why": why}
     say = [census_table(reports, precision), f"precision {precision}: {why}"]
     decided = {}
 
-    if balanced_stages or proportional:
+    if balanced_stages or proportional or layer_times:
         profile = profile_layers(layers, sample, precision)
         record["layers"] = profile
     if balanced_stages:
@@ -67,7 +79,8 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
         compare = {k: [int(i) for i in v] for k, v in compare.items()}
         decided["parts"] = plan.parts
         record["stages"] = {"parts": plan.parts, "predicted_s": plan.times, "predicted_bytes": plan.mems,
-                            "compare": compare}
+                            "compare": compare, "compare_slowest_s": {k: slowest_stage_s(plan, v)
+                                                                      for k, v in compare.items()}}
         say.append(stage_plan_text(plan, profile, reports, compare))
     if proportional:
         how = "each rank's largest (--micro-batch-size auto)" if split else "proportional to block speed"

@@ -1,6 +1,7 @@
 """Per-layer cost of the network: forward FLOPs, activation bytes kept for backward, parameters; and the memory
 rules the planners share."""
 import copy
+import math
 
 import torch
 from torch import nn
@@ -67,3 +68,59 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str
                         "act_bytes": sum(saved.values()), "params": sum(p.numel() for p in layer.parameters())})
             x = y.detach().requires_grad_()
     return out
+
+
+LAYER_ROUNDS = 10  # rounds per turn of time_layers; adapt() alternates the ranks' turns LAYER_TURNS times
+LAYER_TURNS = 2
+
+
+def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int, precision: str,
+                dev: torch.device, slowdown: float = 1.0, rounds: int = LAYER_ROUNDS) -> list[list[float]]:
+    """[forward ms, backward ms] of each layer at the run's micro-batch on this rank, slowed like the rank's
+    layers: the fastest of `rounds` rounds that each time every layer once, after WARMUP_S of such rounds.
+    Round by round, so that a burst of load on a shared host slows all layers alike, not a few. Identical layers
+    (the blocks) get their group's fastest: they cost the same, and any difference is noise. The fixed costs of
+    tiny layers (kernel launches, the embedding's reshapes) count, which FLOPs do not see. Runs a copy of the
+    layers on `dev`."""
+    from vit.hetero.census import DTYPES, WARMUP_S
+    from vit.slowdown import Clock
+
+    dtype, clock = DTYPES[precision], Clock(slowdown, dev)
+    copies = [copy.deepcopy(layer).to(dev, dtype) for layer in layers]
+    inputs, grads = [], []
+    x = sample.to(dev, dtype).expand(micro_batch, *sample.shape[1:]).contiguous()
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        with torch.no_grad():
+            for i, layer in enumerate(copies):
+                inputs.append(x.requires_grad_(i > 0))  # the images need no gradient; a later stage's input does
+                x = layer(x)
+                grads.append(torch.randn_like(x))
+        best = [[math.inf, math.inf] for _ in copies]
+
+        def one_round(keep: bool) -> None:
+            for i, layer in enumerate(copies):
+                clock.start()
+                y = layer(inputs[i])
+                clock.stop()
+                mid = clock.now()
+                forward_s = mid - clock.t0
+                clock.start()
+                y.backward(grads[i])
+                clock.stop()
+                if keep:
+                    best[i] = [min(best[i][0], forward_s), min(best[i][1], clock.now() - mid)]
+
+        start = clock.now()
+        while clock.now() - start < WARMUP_S:
+            one_round(False)
+        for _ in range(rounds):
+            one_round(True)
+    groups = {}
+    for i, layer in enumerate(layers):
+        shapes = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
+        groups.setdefault((type(layer).__name__, shapes, tuple(inputs[i].shape)), []).append(i)
+    for members in groups.values():
+        pooled = [min(best[i][k] for i in members) for k in (0, 1)]
+        for i in members:
+            best[i] = pooled
+    return [[1e3 * f, 1e3 * b] for f, b in best]

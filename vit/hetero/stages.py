@@ -1,10 +1,15 @@
-"""Pipeline stages balanced by measured speed and free memory: the contiguous split of the layers with the
-fastest slowest stage that fits, by exact dynamic programming (tested against brute force)."""
+"""Pipeline stages balanced by each layer's measured forward and backward time on each rank and by free memory:
+the contiguous split of the layers with the fastest slowest stage that fits, by exact dynamic programming (tested
+against brute force). Frozen prefix layers cost their forward only and keep no activations (re-planning at a
+freeze point)."""
 import itertools
 from dataclasses import dataclass
 
 from vit.errors import ConfigError
 from vit.hetero.profile import BYTES_PER_PARAM, plan_bytes
+
+# A frozen layer keeps its fp32 weights only: no gradients, no optimizer state (4 of BYTES_PER_PARAM bytes).
+FROZEN_STATIC_SHARE = 4 / BYTES_PER_PARAM
 
 
 @dataclass
@@ -12,20 +17,20 @@ class StagePlan:
     parts: list[int]  # stage s holds layers parts[s]:parts[s+1] (PipelineModule's convention)
     times: list[float]  # predicted seconds per micro-batch, forward and backward
     mems: list[float]  # predicted bytes
-    speed: list[float] | None = None  # FLOP/s of each stage (set by plan_stages)
+    layer_s: list[list[list[float]]] | None = None  # the per-stage, per-rank layer seconds it was planned with
 
 
-def stage_cost(s, i, j, cost, static, act, speed, inflight) -> tuple[float, float]:
-    """(seconds, bytes) of layers i..j-1 on stage s."""
-    return sum(cost[i:j]) / speed[s], sum(static[i:j]) + sum(act[i:j]) * inflight[s]
+def stage_cost(s, i, j, time, static, act, inflight) -> tuple[float, float]:
+    """(seconds, bytes) of layers i..j-1 on stage s: its slowest rank's sum of their times (time[s][r][layer])."""
+    return max(sum(row[i:j]) for row in time[s]), sum(static[i:j]) + sum(act[i:j]) * inflight[s]
 
 
-def balanced_split(cost: list[float], static: list[float], act: list[float], speed: list[float],
-                   capacity: list[float], inflight: list[int]) -> StagePlan | None:
-    """The contiguous split of layers into len(speed) non-empty stages that minimises the slowest stage's time
-    (sum of its layers' cost / its speed) with every stage's memory (static + act x inflight) within its
-    capacity; None when no split fits. Exact dynamic programming over the end of each stage."""
-    n, stages = len(cost), len(speed)
+def balanced_split(time: list[list[list[float]]], static: list[float], act: list[float], capacity: list[float],
+                   inflight: list[int]) -> StagePlan | None:
+    """The contiguous split of the layers into len(time) non-empty stages that minimises the slowest stage's time
+    (time[s][r][i]: seconds of layer i on rank r of stage s) with every stage's memory (static + act x inflight)
+    within its capacity; None when no split fits. Exact dynamic programming over the end of each stage."""
+    n, stages = len(static), len(time)
     best = {(0, 0): (0.0, None)}  # (stages used, layers placed) -> (slowest time so far, previous cut)
     for s in range(stages):
         for j in range(s + 1, n - (stages - s - 1) + 1):
@@ -33,7 +38,7 @@ def balanced_split(cost: list[float], static: list[float], act: list[float], spe
             for i in range(s, j):
                 if (s, i) not in best:
                     continue
-                t, m = stage_cost(s, i, j, cost, static, act, speed, inflight)
+                t, m = stage_cost(s, i, j, time, static, act, inflight)
                 if m <= capacity[s]:
                     options.append((max(best[(s, i)][0], t), i))
             if options:
@@ -44,8 +49,8 @@ def balanced_split(cost: list[float], static: list[float], act: list[float], spe
     for s in range(stages, 0, -1):
         parts.append(best[(s, parts[-1])][1])
     parts.reverse()
-    stats = [stage_cost(s, parts[s], parts[s + 1], cost, static, act, speed, inflight) for s in range(stages)]
-    return StagePlan(parts, [t for t, _ in stats], [m for _, m in stats])
+    stats = [stage_cost(s, parts[s], parts[s + 1], time, static, act, inflight) for s in range(stages)]
+    return StagePlan(parts, [t for t, _ in stats], [m for _, m in stats], time)
 
 
 def pipeline_inflight(stages: int, grad_accum: int) -> list[int]:
@@ -53,33 +58,52 @@ def pipeline_inflight(stages: int, grad_accum: int) -> list[int]:
     return [max(1, min(stages - s, grad_accum)) for s in range(stages)]
 
 
-def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int
-                ) -> StagePlan:
-    """Stage s runs on ranks s*dp .. s*dp+dp-1 (DeepSpeed's pipe-major rank order): its speed is their slowest,
-    its capacity their smallest free memory. Costs are FLOPs; a rank's speed is one block's FLOPs over its
-    measured block time."""
-    dp = len(reports) // stages
-    groups = [reports[s * dp:(s + 1) * dp] for s in range(stages)]
-    block_flops = max(p["flops"] for p in profile)
-    speed = [block_flops / max(r["block_ms"] / 1e3 for r in g) for g in groups]  # FLOP/s at this micro-batch
-    cost = [p["flops"] for p in profile]
-    static = [p["params"] * BYTES_PER_PARAM for p in profile]
-    act = [p["act_bytes"] * micro_batch for p in profile]  # profiled in the run's precision
-    capacity = [min(plan_bytes(r) for r in g) for g in groups]
-    plan = balanced_split(cost, static, act, speed, capacity, pipeline_inflight(stages, grad_accum))
+def plan_layers(layer_s: list[list[tuple[float, float]]], static_bytes: list[float], act_bytes: list[float],
+                capacity_bytes: list[float], stages: int, grad_accum: int, frozen: int = 0) -> StagePlan:
+    """The balanced plan from measurements. layer_s[rank][i]: (forward, backward) seconds of layer i at the
+    run's micro-batch on that rank; static_bytes[i]: its weights, gradients and optimizer state when trained;
+    act_bytes[i]: its activations kept for backward per micro-batch; capacity_bytes[rank]: what a plan may fill.
+    The first `frozen` layers cost their forward only, keep no activations and their weights only. Stage s runs
+    on ranks s*dp .. s*dp+dp-1 (DeepSpeed's pipe-major rank order, dp = ranks // stages). ConfigError when no
+    split fits."""
+    n, dp = len(static_bytes), len(layer_s) // stages
+    time = [[[f + (b if i >= frozen else 0.0) for i, (f, b) in enumerate(layer_s[r])]
+             for r in range(s * dp, (s + 1) * dp)] for s in range(stages)]
+    static = [m * (FROZEN_STATIC_SHARE if i < frozen else 1.0) for i, m in enumerate(static_bytes)]
+    act = [0.0 if i < frozen else a for i, a in enumerate(act_bytes)]
+    capacity = [min(capacity_bytes[s * dp:(s + 1) * dp]) for s in range(stages)]
+    plan = balanced_split(time, static, act, capacity, pipeline_inflight(stages, grad_accum))
     if plan is None:
         need = (sum(static) + sum(act)) / stages / 2**30
-        raise ConfigError(f"--partition balanced: no split of the {len(profile)} layers into {stages} stages fits "
-                          f"in the ranks' free memory (at least {need:.2f} GiB per stage on average, smallest "
-                          f"free {min(capacity) / 2**30:.2f} GiB usable); use more stages or a smaller micro-batch")
-    plan.speed = speed
+        raise ConfigError(f"--partition balanced: no split of the {n} layers into {stages} stages fits in the ranks' "
+                          f"free memory (at least {need:.2f} GiB per stage on average, smallest free "
+                          f"{min(capacity) / 2**30:.2f} GiB usable); use more stages or a smaller micro-batch")
     return plan
+
+
+def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int,
+                frozen: int = 0) -> StagePlan:
+    """plan_layers from the census: each rank's measured layer times (layer_ms, at layer_ms_micro_batch) and free
+    memory, the profile's parameters and activations. A re-plan at another micro-batch (more data-parallel
+    copies after a freeze) scales the times in proportion, which keeps the fixed costs' share as measured."""
+    layer_s = [[(f / 1e3 * micro_batch / r.get("layer_ms_micro_batch", micro_batch),
+                 b / 1e3 * micro_batch / r.get("layer_ms_micro_batch", micro_batch)) for f, b in r["layer_ms"]]
+               for r in reports]
+    return plan_layers(layer_s, [p["params"] * BYTES_PER_PARAM for p in profile],
+                       [p["act_bytes"] * micro_batch for p in profile],  # profiled in the run's precision
+                       [plan_bytes(r) for r in reports], stages, grad_accum, frozen)
+
+
+def slowest_stage_s(plan: StagePlan, parts: list[int]) -> float:
+    """The slowest stage of another split of the same layers, predicted from the times `plan` was made with."""
+    return max(max(sum(row[parts[s]:parts[s + 1]]) for row in rows) for s, rows in enumerate(plan.layer_s))
 
 
 def stage_plan_text(plan: StagePlan, profile: list[dict], reports: list[dict], compare: dict[str, list[int]]) -> str:
     stages = len(plan.times)
     dp = len(reports) // stages
-    lines = ["pipeline plan (--partition balanced): layer costs are FLOPs, speeds and free memory from the census"]
+    lines = ["pipeline plan (--partition balanced): each layer's forward and backward time measured on each rank, "
+             "free memory from the census"]
     for s in range(stages):
         i, j = plan.parts[s], plan.parts[s + 1]
         names = ", ".join(f"{n} x{len(list(g))}" for n, g in itertools.groupby(p["name"] for p in profile[i:j]))
@@ -87,7 +111,6 @@ def stage_plan_text(plan: StagePlan, profile: list[dict], reports: list[dict], c
         lines.append(f"  stage {s} on {hosts}: layers {i}-{j - 1} ({names}); predicted "
                      f"{1e3 * plan.times[s]:.2f} ms per micro-batch, {plan.mems[s] / 2**30:.3f} GiB")
     for name, parts in compare.items():
-        slowest = max(sum(p["flops"] for p in profile[parts[s]:parts[s + 1]]) / plan.speed[s] for s in range(stages))
         lines.append(f"  slowest stage {1e3 * max(plan.times):.2f} ms; with --partition {name} (layers "
-                     f"{parts}) it would be {1e3 * slowest:.2f} ms")
+                     f"{parts}) it would be {1e3 * slowest_stage_s(plan, parts):.2f} ms")
     return "\n".join(lines)
