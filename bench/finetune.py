@@ -17,8 +17,9 @@ from PIL import Image
 from bench.common import device_name, failure_tail, load_avg, mpirun_train, positive_int, publish
 
 
-def write_parity_folder(root: Path, per_class: int) -> None:
-    """DATA/train/{even,odd}/*.png (per_class of each digit) and DATA/val/{even,odd}/*.png (every held-out one)."""
+def write_parity_folder(root: Path, per_class: int, task: str = "parity") -> None:
+    """DATA/train/<class>/*.png (per_class of each digit) and DATA/val/<class>/*.png (every held-out one), the
+    classes even and odd (task "parity") or the ten digits (task "digit")."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -27,7 +28,8 @@ def write_parity_folder(root: Path, per_class: int) -> None:
     keep = np.concatenate([np.flatnonzero(y_tr == c)[:per_class] for c in range(10)])
     for split, xs, ys in (("train", x_tr[keep], y_tr[keep]), ("val", x_te, y_te)):
         for i, (img, label) in enumerate(zip(xs, ys)):
-            folder = root / split / ("even" if label % 2 == 0 else "odd")
+            name = f"digit{label}" if task == "digit" else ("even" if label % 2 == 0 else "odd")
+            folder = root / split / name
             folder.mkdir(parents=True, exist_ok=True)
             grey = Image.fromarray(np.round(img * 255 / 16).astype(np.uint8)).resize((16, 16), Image.NEAREST)
             grey.convert("RGB").save(folder / f"{i}.png")
