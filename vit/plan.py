@@ -79,6 +79,10 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     layout = {"engine": par.engine, "world_size": job.world_size, "data_parallel_size": batch.dp_size,
               "pipeline_stages": par.pipeline_stages if par.engine == "pipeline" else 1,
               "zero_stage": zero_stage(ds_config) if par.engine != "ddp" else 0, "global_batch": batch.global_size}
+    if s.freeze.freeze != "none" and par.engine == "zero" and (
+            layout["zero_stage"] == 3 or ds_config.get("zero_optimization", {}).get("offload_optimizer")):
+        raise ConfigError("--freeze works with ZeRO stages 0-2 without optimizer offload (it moves the optimizer "
+                          "state into the rebuilt engine itself); use such a --ds-config or --engine ddp")
     resume = find_resume(s, save_dir, layout, batch) if ckpt.resume else None
     resolve_master(job)
     return Plan(s, job, ds_config, batch, requested, data, per_epoch, total_steps, save_dir, resume, layout,

@@ -77,6 +77,18 @@ class Engine(ABC):
     def load(self, load_dir: str, tag: str) -> dict:
         """Collective: restore from load_dir/tag; returns the client state saved with it."""
 
+    def handover(self) -> dict:
+        """Collective: what an engine rebuilt on the same weights continues from (--freeze): each trainable
+        parameter's optimizer state by name, whole on every rank, the LR schedule's position, the loss scaler."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be rebuilt in place")
+
+    def take_over(self, state: dict) -> None:
+        """Continue from another engine's handover(): the parameters it no longer trains are left out."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be rebuilt in place")
+
+    def close(self) -> None:
+        """Release what the engine holds beyond Python references (DeepSpeed's hooks and buffers)."""
+
     @property
     @abstractmethod
     def lr(self) -> float:

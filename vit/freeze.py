@@ -1,0 +1,166 @@
+"""Freeze training (PipeTransformer's AutoFreeze): when a growing prefix of the layer list stops training, and what
+freezing means (no gradients, no activations kept, no optimizer state, nothing to all-reduce).
+
+The freezable layers are the embedding and the blocks (layer list indices 0 .. L-1); the head, last, never freezes.
+Decisions are taken every --freeze-interval-epochs, at the end of a step, from values every rank holds alike (the
+step, or gradient norms summed over all ranks), so every rank rebuilds its engine at the same step.
+"""
+import math
+import statistics
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vit.settings import FreezeSettings
+
+
+def scheduled(intervals: int, num_freezable: int, alpha: float) -> int:
+    """PipeTransformer's released rule: frozen(e) = ceil(L (1 - (1 - alpha)^e)) after e intervals."""
+    # The epsilon keeps float noise (5 x (1 - 2/3) = 1.6666...7) from rounding a whole number up.
+    return min(num_freezable, math.ceil(num_freezable * (1 - (1 - alpha) ** intervals) - 1e-9))
+
+
+def by_gradient(previous: list[float], now: list[float], frozen: int, alpha: float) -> int:
+    """The paper's criterion: of the active freezable layers, those whose gradient norm changed (relative to the
+    previous interval) less than their median are converged; the converged ones at the front of the active layers
+    freeze, at most alpha of the active layers (at least one) at a time."""
+    change = [abs(n - p) / max(p, 1e-12) for p, n in zip(previous[frozen:], now[frozen:])]
+    if not change:
+        return frozen
+    median, cap = statistics.median(change), max(1, math.floor(alpha * len(change)))
+    count = 0
+    while count < min(cap, len(change)) and change[count] < median:
+        count += 1
+    return frozen + count
+
+
+def _no_grad_forward(forward):
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return forward(*args, **kwargs)
+    return run
+
+
+def freeze_prefix(layers: list[nn.Module], count: int) -> None:
+    """requires_grad False and a forward that records nothing for autograd, for layers[:count] (before an engine
+    is built on them, so that its optimizer, its gradient buckets and DDP's reducer leave them out)."""
+    for layer in layers[:count]:
+        layer.requires_grad_(False)
+        if not getattr(layer, "frozen", False):
+            layer.forward, layer.frozen = _no_grad_forward(layer.forward), True
+
+
+class GradNorms:
+    """Each freezable layer's gradient norm, summed over the steps of an interval and over the ranks. Tensor hooks
+    see each micro-batch's local gradient before any engine reduces or partitions it; the sums stay on the device
+    until a decision reads them."""
+
+    def __init__(self, num_freezable: int, device: torch.device):
+        self.sums = torch.zeros(num_freezable, dtype=torch.float64, device=device)
+
+    def attach(self, module: nn.Module) -> None:
+        for name, p in module.named_parameters():
+            layer = int(name.split(".")[0])
+            if p.requires_grad and layer < len(self.sums):
+                p.register_hook(lambda g, i=layer: self._add(i, g))
+
+    def _add(self, layer: int, grad: torch.Tensor) -> None:
+        self.sums[layer] += grad.detach().double().pow(2).sum()
+
+    def take(self) -> list[float]:
+        """Collective: the interval's norms, the same on every rank; starts the next interval."""
+        total = self.sums.clone()
+        dist.all_reduce(total)
+        self.sums.zero_()
+        return total.sqrt().tolist()
+
+    def state_dict(self) -> list[float]:
+        """Collective: the current interval's sums over all ranks (a checkpoint holds one copy)."""
+        total = self.sums.clone()
+        dist.all_reduce(total)
+        return total.tolist()
+
+    def load_state_dict(self, sums: list[float]) -> None:
+        self.sums.copy_(torch.tensor(sums, dtype=torch.float64)).div_(dist.get_world_size())
+
+
+class Freezer:
+    """Decides its own cadence: after each step, `decide(step)` returns the new number of frozen layers at a freeze
+    point where it grew, else None."""
+
+    def __init__(self, s: FreezeSettings, num_layers: int, steps_per_epoch: int, total_steps: int,
+                 device: torch.device, *, frozen: int = 0, make_layers=None, make_engine=None):
+        """frozen: layers frozen already (a resumed run); make_layers(): a fresh copy of the layer list;
+        make_engine(layers): the run's engine built on them."""
+        self.mode, self.alpha, self.total_steps = s.freeze, s.freeze_alpha, total_steps
+        self.num_freezable = num_layers - 1
+        self.interval_steps = max(1, round(s.freeze_interval_epochs * steps_per_epoch))
+        self.frozen, self.previous = frozen, None
+        self.norms = GradNorms(self.num_freezable, device) if self.mode == "grad" else None
+        self.make_layers, self.make_engine = make_layers, make_engine
+
+    def after_step(self, step: int, engine, metrics) -> "object | None":
+        """Collective: at a freeze point, the engine rebuilt with the longer frozen prefix (else None)."""
+        frozen = self.decide(step)
+        if frozen is None:
+            return None
+        rebuilt = rebuild(engine, frozen, self.make_layers, self.make_engine)
+        self.watch(rebuilt.live_module())
+        metrics.write("freeze", step, frozen=frozen, stages=1, dp=rebuilt.dp_size, cache=False)
+        return rebuilt
+
+    def watch(self, module: nn.Module) -> None:
+        """Measure the gradients of this (newly built) engine's module."""
+        if self.norms is not None:
+            self.norms.attach(module)
+
+    def decide(self, step: int) -> int | None:
+        if self.mode == "none" or step % self.interval_steps or step >= self.total_steps:
+            return None
+        if self.mode == "schedule":
+            frozen = scheduled(step // self.interval_steps, self.num_freezable, self.alpha)
+        else:
+            now = self.norms.take()
+            frozen = self.frozen if self.previous is None else by_gradient(self.previous, now, self.frozen,
+                                                                            self.alpha)
+            self.previous = now
+        if frozen <= self.frozen:
+            return None
+        self.frozen = frozen
+        return frozen
+
+    def checkpoint_state(self) -> dict:
+        """Collective: what a checkpoint records (nothing without --freeze)."""
+        return {"freeze": self.state_dict()} if self.mode != "none" else {}
+
+    def state_dict(self) -> dict:
+        """Collective under --freeze grad."""
+        return {"frozen": self.frozen, "previous": self.previous,
+                "sums": self.norms.state_dict() if self.norms is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.frozen, self.previous = state["frozen"], state["previous"]
+        if self.norms is not None and state["sums"] is not None:
+            self.norms.load_state_dict(state["sums"])
+
+
+def rebuild(engine, frozen: int, make_layers, make_engine):
+    """Collective: a new engine on fresh layers holding the old one's weights, its first `frozen` layers frozen,
+    continuing the old one's optimizer state, LR schedule, loss scaler and EMA. DeepSpeed and DDP fix their
+    parameters, buckets and hooks at construction, so freezing means building them again."""
+    state = engine.handover()
+    weights = {k: v.detach().clone() for k, v in engine.live_module().state_dict().items()}
+    engine.close()
+    # Building layers re-seeds torch's generator; dropout and drop-path must go on drawing as before.
+    with torch.random.fork_rng(devices=[engine.device] if engine.device.type == "cuda" else []):
+        layers = make_layers()
+    with torch.no_grad():
+        nn.Sequential(*layers).load_state_dict(weights)
+    freeze_prefix(layers, frozen)
+    rebuilt = make_engine(layers)
+    rebuilt.take_over(state)
+    rebuilt.ema = engine.ema
+    if rebuilt.ema is not None:
+        rebuilt.ema.engine = rebuilt
+    return rebuilt
