@@ -106,8 +106,9 @@ def validate(s: Settings) -> Settings:
         raise ConfigError("--resume needs the run's --log-dir (or --save-dir), or --resume PATH")
     if s.freeze.freeze_alpha > 1:
         raise ConfigError(f"--freeze-alpha must be at most 1, got {s.freeze.freeze_alpha:g}")
-    if s.freeze.freeze != "none" and par.engine == "pipeline":
-        raise ConfigError("--freeze applies to --engine zero or ddp (the pipeline does not rebuild itself yet)")
+    if s.freeze.freeze != "none" and par.engine == "pipeline" and s.recipe.model_ema:
+        raise ConfigError("--model-ema does not follow a pipeline whose stages --freeze re-plans; use --engine zero "
+                          "or ddp")
     report_to = report_trackers(s.log.report_to)
     ds_config = par.ds_config or str(ROOT / "deepspeed_configs" / DEFAULT_DS_CONFIG[par.engine])
     epochs = DEFAULT_EPOCHS if s.train.epochs is None and s.train.steps is None else s.train.epochs

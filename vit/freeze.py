@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vit.autopipe import Layout, largest_stage, layer_memory, replan
 from vit.settings import FreezeSettings
 
 
@@ -96,18 +97,33 @@ class Freezer:
         self.mode, self.alpha, self.total_steps = s.freeze, s.freeze_alpha, total_steps
         self.num_freezable = num_layers - 1
         self.interval_steps = max(1, round(s.freeze_interval_epochs * steps_per_epoch))
-        self.frozen, self.previous = frozen, None
+        self.frozen, self.previous, self.replan = frozen, None, s.freeze_replan == "on"
         self.norms = GradNorms(self.num_freezable, device) if self.mode == "grad" else None
         self.make_layers, self.make_engine = make_layers, make_engine
+        self.budget = None  # the pipeline's largest stage as it started, in vit.autopipe's units
+        self.layout = None  # the pipeline's layout once a freeze point changed it
 
     def after_step(self, step: int, engine, metrics) -> "object | None":
         """Collective: at a freeze point, the engine rebuilt with the longer frozen prefix (else None)."""
-        frozen = self.decide(step)
+        current = getattr(engine, "layout", None)  # a pipeline's
+        # Without re-planning a pipeline's first stage must keep an active layer (it would have no backward).
+        frozen = self.decide(step, cap=current.parts[1] - 1 if current and not self.replan else None)
         if frozen is None:
             return None
-        rebuilt = rebuild(engine, frozen, self.make_layers, self.make_engine)
+
+        def plan(layers: list) -> Layout | None:
+            if current is None or not self.replan:
+                self.layout = current  # explicit boundaries: DeepSpeed's own methods count trainable layers
+                return current
+            if self.budget is None:
+                self.budget = largest_stage(layer_memory(layers, 0), current.parts)
+            self.layout = replan(layers, frozen, current, self.budget)
+            return self.layout
+
+        rebuilt = rebuild(engine, frozen, self.make_layers, self.make_engine, plan)
         self.watch(rebuilt.live_module())
-        metrics.write("freeze", step, frozen=frozen, stages=1, dp=rebuilt.dp_size, cache=False)
+        stages = rebuilt.layout.stages if current else 1
+        metrics.write("freeze", step, frozen=frozen, stages=stages, dp=rebuilt.dp_size, cache=False)
         return rebuilt
 
     def watch(self, module: nn.Module) -> None:
@@ -115,7 +131,8 @@ class Freezer:
         if self.norms is not None:
             self.norms.attach(module)
 
-    def decide(self, step: int) -> int | None:
+    def decide(self, step: int, cap: int | None = None) -> int | None:
+        """The new number of frozen layers (at most `cap`) at a freeze point where it grew, else None."""
         if self.mode == "none" or step % self.interval_steps or step >= self.total_steps:
             return None
         if self.mode == "schedule":
@@ -125,6 +142,7 @@ class Freezer:
             frozen = self.frozen if self.previous is None else by_gradient(self.previous, now, self.frozen,
                                                                             self.alpha)
             self.previous = now
+        frozen = min(frozen, cap) if cap is not None else frozen
         if frozen <= self.frozen:
             return None
         self.frozen = frozen
@@ -136,21 +154,23 @@ class Freezer:
 
     def state_dict(self) -> dict:
         """Collective under --freeze grad."""
-        return {"frozen": self.frozen, "previous": self.previous,
+        return {"frozen": self.frozen, "previous": self.previous, "budget": self.budget,
+                "layout": self.layout.__dict__ if self.layout else None,
                 "sums": self.norms.state_dict() if self.norms is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
-        self.frozen, self.previous = state["frozen"], state["previous"]
+        self.frozen, self.previous, self.budget = state["frozen"], state["previous"], state.get("budget")
+        self.layout = Layout(**state["layout"]) if state.get("layout") else None
         if self.norms is not None and state["sums"] is not None:
             self.norms.load_state_dict(state["sums"])
 
 
-def rebuild(engine, frozen: int, make_layers, make_engine):
+def rebuild(engine, frozen: int, make_layers, make_engine, plan=lambda layers: None):
     """Collective: a new engine on fresh layers holding the old one's weights, its first `frozen` layers frozen,
-    continuing the old one's optimizer state, LR schedule, loss scaler and EMA. DeepSpeed and DDP fix their
+    continuing the old one's optimizer state, LR schedule, loss scaler and EMA; plan(layers): a pipeline's new
+    vit.autopipe.Layout (None: the engine's layout as it was). DeepSpeed and DDP fix their
     parameters, buckets and hooks at construction, so freezing means building them again."""
-    state = engine.handover()
-    weights = {k: v.detach().clone() for k, v in engine.live_module().state_dict().items()}
+    state, weights = engine.handover(), engine.whole_weights()
     engine.close()
     # Building layers re-seeds torch's generator; dropout and drop-path must go on drawing as before.
     with torch.random.fork_rng(devices=[engine.device] if engine.device.type == "cuda" else []):
@@ -158,7 +178,7 @@ def rebuild(engine, frozen: int, make_layers, make_engine):
     with torch.no_grad():
         nn.Sequential(*layers).load_state_dict(weights)
     freeze_prefix(layers, frozen)
-    rebuilt = make_engine(layers)
+    rebuilt = make_engine(layers, plan(layers))
     rebuilt.take_over(state)
     rebuilt.ema = engine.ema
     if rebuilt.ema is not None:

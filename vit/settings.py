@@ -145,6 +145,9 @@ class FreezeSettings:
     freeze_alpha: float = option(1 / 3, "the schedule's A; grad: at most this share of the active layers freezes "
                                  "at once", "positive")
     freeze_interval_epochs: float = option(1.0, "epochs between freeze decisions (fractions allowed)", "positive")
+    freeze_replan: str = option("on", "pipeline engine: at a freeze point plan the stages again (frozen layers hold "
+                                "weights only) and halve them when the active layers fit, the freed ranks becoming "
+                                "data-parallel copies; off: keep the layout", choices=("on", "off"))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from vit import checkpoint, console, hetero, preflight, slowdown, tracking, weights
 from vit.augment import train_batches
+from vit.autopipe import Layout, with_layout
 from vit.checkpoint import Checkpointer
 from vit.cli import parse
 from vit.data import TrainBatches, loader_workers, make_loader
@@ -69,9 +70,11 @@ class Session:
     monitor: Monitor
     locks: list[RunLock]  # the run's folders, held until the process ends
     freezer: Freezer
+    make_batches: Callable  # (engine, start step) -> this rank's batches from the next step on
 
-    def swap(self, engine: Engine) -> None:  # --freeze rebuilt the engine
+    def swap(self, engine: Engine, step: int) -> None:  # --freeze rebuilt the engine, maybe with another layout
         self.engine = self.stats.engine = self.evaluator.engine = self.checkpointer.engine = engine
+        self.batches, self.evaluator.loader = self.make_batches(engine, step), None  # data-parallel shards
 
 
 def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
@@ -88,7 +91,7 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
             run.stats.log(step)
         with run.stats.paused():
             if (rebuilt := run.freezer.after_step(step, run.engine, run.metrics)) is not None:
-                run.swap(rebuilt)
+                run.swap(rebuilt, step)
             run.evaluator.maybe(step)
             run.checkpointer.save(step)
     finish(plan, run, start_time)
@@ -105,11 +108,12 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     if job.is_main:
         for note in plan.notes:
             print(note, flush=True)
-    start, resumed_from, frozen = 0, None, 0
+    start, resumed_from, frozen, layout = 0, None, 0, None
     if plan.resume:
         resumed_from = rank0_decides(lambda: choose_resume(plan))
         manifest = checkpoint.read_manifest(plan.resume.save_dir, resumed_from)
-        start, frozen = manifest["step"], manifest.get("freeze", {}).get("frozen", 0)
+        start, freeze_state = manifest["step"], manifest.get("freeze") or {"frozen": 0}
+        frozen, layout = freeze_state["frozen"], freeze_state.get("layout")
     data = plan.data
     layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
                           s.model.drop_path, s.model.pretrained_path)
@@ -118,25 +122,25 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     tf32 = set_tf32(dev, s.parallel.tf32 == "on")
     if tf32 and job.is_main:
         print(tf32, flush=True)
-    slow_down(layers, plan.slowdowns.get(job.rank, 1.0), dev)
+    slowdown.attach_all(layers, plan.slowdowns.get(job.rank, 1.0), dev)
     locks = lock_run_dirs(log_dir, save_dir, s.checkpoint.no_save)
     hidden_to = console.to_file(log_dir, job.rank)
     ds_config = with_precision(plan.ds_config, adapted.precision, adapted.scale_power)
 
-    def make_engine(layers: list) -> Engine:
+    def make_engine(layers: list, layout: Layout | None = None) -> Engine:  # layout: --freeze-replan's
+        ctx = EngineContext(layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision,
+                            s.parallel.pipeline_stages, s.parallel.partition, adapted.parts, adapted.loss_weight,
+                            s.recipe.smoothing)
         with console.library_prints():
-            return build(s.parallel.engine, EngineContext(
-                layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision,
-                s.parallel.pipeline_stages, s.parallel.partition, adapted.parts, adapted.loss_weight,
-                s.recipe.smoothing))
+            return build(s.parallel.engine, with_layout(ctx, layout) if layout else ctx)
 
     freezer = Freezer(s.freeze, len(layers), plan.steps_per_epoch, plan.total_steps, dev, frozen=frozen,
-                      make_layers=lambda: slow_down(build_layers(s.model.model, data.num_classes, data.in_chans,
-                                                                 data.img_size, s.train.seed, s.model.drop_path),
-                                                    plan.slowdowns.get(job.rank, 1.0), dev),
+                      make_layers=lambda: slowdown.attach_all(build_layers(
+                          s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
+                          s.model.drop_path), plan.slowdowns.get(job.rank, 1.0), dev),
                       make_engine=make_engine)
     freeze_prefix(layers, frozen)
-    engine = make_engine(layers)
+    engine = make_engine(layers, Layout(**layout) if layout else None)
     freezer.watch(engine.live_module())
     if ema_layers:
         engine.ema = Ema(ema_layers, engine, s.recipe.model_ema_decay)
@@ -155,14 +159,6 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
         if console.where(hidden_to):
             print(console.where(hidden_to), flush=True)
     return session(plan, engine, watchdog, log_dir, save_dir, start, adapted, ds_config, locks, freezer)
-
-
-def slow_down(layers: list, factor: float, dev: torch.device) -> list:
-    """--simulate-slowdown on this rank's layers."""
-    if factor != 1:
-        for layer in layers:
-            slowdown.attach(layer, factor, dev)
-    return layers
 
 
 def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> hetero.Adapted:
@@ -210,12 +206,14 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
                                 enabled=not s.checkpoint.no_save, keep=s.checkpoint.keep_checkpoints,
                                 meta={**plan.layout, "config_hash": plan.settings_hash()}, on_progress=watchdog.beat,
                                 extra_state=freezer.checkpoint_state)
-    batches = train_batches(data, s.recipe, s.train.seed, workers=workers, pin_memory=pin,
-                            micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, dp_rank=engine.dp_rank,
-                            dp_size=engine.dp_size, start_step=start, end_step=plan.total_steps,
-                            sizes=adapted.split) if engine.reads_data else None
-    return Session(engine, log_dir, start, adapted.precision, ds_config, batches, stats, evaluator, checkpointer,
-                   metrics, monitor, locks, freezer)
+
+    def make_batches(engine: Engine, start: int) -> Iterator | None:
+        return train_batches(data, s.recipe, s.train.seed, workers=workers, pin_memory=pin,
+                             micro_batch=batch.micro_batch, grad_accum=engine.grad_accum, dp_rank=engine.dp_rank,
+                             dp_size=engine.dp_size, start_step=start, end_step=plan.total_steps,
+                             sizes=adapted.split) if engine.reads_data else None
+    return Session(engine, log_dir, start, adapted.precision, ds_config, make_batches(engine, start), stats,
+                   evaluator, checkpointer, metrics, monitor, locks, freezer, make_batches)
 
 
 def finish(plan: Plan, run: Session, start_time: float) -> None:

@@ -41,6 +41,7 @@ class Engine(ABC):
     dp_size: int
     timer: PhaseTimer
     reads_data: bool = True  # False on ranks that take no batches (a pipeline's middle stages)
+    grad_accum: int  # micro-batches per step on each data-parallel copy
     ema = None  # a vit.ema.Ema when --model-ema is on
 
     @abstractmethod
@@ -85,6 +86,10 @@ class Engine(ABC):
     def take_over(self, state: dict) -> None:
         """Continue from another engine's handover(): the parameters it no longer trains are left out."""
         raise NotImplementedError(f"{type(self).__name__} cannot be rebuilt in place")
+
+    def whole_weights(self) -> dict:
+        """Collective: the whole network's state dict (layer keys) on every rank, for a rebuilt engine."""
+        return {k: v.detach().clone() for k, v in self.live_module().state_dict().items()}
 
     def close(self) -> None:
         """Release what the engine holds beyond Python references (DeepSpeed's hooks and buffers)."""
