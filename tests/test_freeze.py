@@ -1,9 +1,13 @@
 """Freeze training (--freeze): the rules of vit/freeze.py, and real 2-rank runs whose engines are rebuilt in place
 at each freeze point compared with the single-process loop that freezes the same layers after the same steps."""
+import itertools
+import random
+
 import pytest
 import torch
 from helpers import launch, read_jsonl, train_losses
 
+from vit.autopipe import Layout, balanced, largest_stage, layer_memory, replan
 from vit.cli import defaults, parse
 from vit.errors import ConfigError
 from vit.freeze import Freezer, by_gradient, freeze_prefix, scheduled
@@ -53,7 +57,7 @@ def test_freezer_decides_at_interval_ends_only_when_more_freeze():
 
 @pytest.mark.parametrize("argv,message", [
     (["--freeze-alpha", "1.5"], "--freeze-alpha must be at most 1"),
-    (["--freeze", "schedule", "--engine", "pipeline"], "--freeze applies to --engine zero or ddp"),
+    (["--freeze", "schedule", "--engine", "pipeline", "--model-ema"], "--model-ema does not follow a pipeline"),
     (["--freeze", "sometimes"], "argument --freeze: invalid choice"),
 ])
 def test_bad_freeze_settings(argv, message):
@@ -122,3 +126,69 @@ def test_freeze_by_gradient_decides_alike_everywhere_and_matches_the_loop(tmp_pa
     points = [(x["step"], x["frozen"]) for x in freeze_records(tmp_path)]
     assert points and points == [(x["step"], x["frozen"]) for x in freeze_records(tmp_path, 1)]
     assert_losses(train_losses(tmp_path), reference(8, dict(points)), range(1, 9))
+
+
+def brute_force(costs: list[int], stages: int, first_active: int) -> int:
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        parts = [0, *cuts, n]
+        if parts[1] > first_active:
+            best = min(best, largest_stage(costs, parts))
+    return best
+
+
+def test_balanced_stages_are_optimal_and_keep_an_active_layer_first():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(2, 9)
+        costs, stages, frozen = [rng.randint(1, 20) for _ in range(n)], rng.randint(1, n), rng.randint(0, n - 1)
+        if n - frozen < 1 or stages > n:
+            continue
+        if stages > 1 and frozen + 1 > n - (stages - 1):
+            continue  # no room for the other stages behind an active first one
+        parts = balanced(costs, stages, frozen)
+        assert parts[0] == 0 and parts[-1] == n and len(parts) == stages + 1 and parts[1] > frozen
+        assert largest_stage(costs, parts) == brute_force(costs, stages, frozen)
+
+
+def test_replan_halves_the_pipeline_once_the_active_layers_fit():
+    layers = build_layers("vit_digits", 10, 1, 8)
+    start = Layout(2, [0, 3, 6], 4)
+    budget = largest_stage(layer_memory(layers, 0), start.parts)
+    assert replan(layers, 2, start, budget).stages == 2  # 1 + 3 active blocks: 13 block units > 8
+    assert replan(layers, 3, start, budget) == Layout(2, [0, 4, 6], 4)  # re-balanced, the first stage active
+    assert replan(layers, 4, start, budget) == Layout(1, [0, 6], 2)  # 3 + 4 units fit: 1 stage x 2 copies
+    assert replan(layers, 4, Layout(2, [0, 3, 6], 3), budget).stages == 2  # 3 micro-batches do not split
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(480)
+def test_pipeline_shrinks_to_data_parallel_and_matches_the_loop_and_resumes(tmp_path):
+    full = tmp_path / "full"
+    common = ["--engine", "pipeline", "--steps", 8, "--log-interval", 1, *FREEZE]
+    r = launch([*common, "--save-interval", 3, "--log-dir", full], timeout=240)
+    assert r.ok, r
+    # 2 stages x 1 copy re-planned at steps 2 and 4, then 1 stage x 2 copies (micro-batches 16 x 4 -> 16 x 2 each).
+    points = [(2, 2, 2, 1), (4, 3, 2, 1), (6, 4, 1, 2)]
+    for rank in (0, 1):
+        assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in freeze_records(full, rank)] == points
+    want = reference(8, {2: 2, 4: 3, 6: 4})
+    assert_losses(train_losses(full), want, range(1, 9))
+    for start in (3, 6):  # before the transition (2 stages, re-planned), and just after it (1 stage x 2)
+        resumed = tmp_path / f"from{start}"
+        r = launch([*common, "--resume", full / "checkpoints" / f"step{start}", "--no-save", "--log-dir", resumed],
+                   timeout=200)
+        assert r.ok, r
+        assert_losses(train_losses(resumed), want, range(start + 1, 9))
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_pipeline_without_replan_keeps_its_layout(tmp_path):
+    r = launch(["--engine", "pipeline", "--steps", 6, "--log-interval", 1, "--no-save", "--log-dir", tmp_path,
+                *FREEZE, "--freeze-replan", "off"], timeout=240)
+    assert r.ok, r
+    # DeepSpeed's parameter split puts 3 layers on the first stage; it keeps one of them active.
+    assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in freeze_records(tmp_path)] == [(2, 2, 2, 1)]
+    assert_losses(train_losses(tmp_path), reference(6, {2: 2}), range(1, 7))
