@@ -59,6 +59,7 @@ def test_freezer_decides_at_interval_ends_only_when_more_freeze():
     (["--freeze-alpha", "1.5"], "--freeze-alpha must be at most 1"),
     (["--freeze", "schedule", "--engine", "pipeline", "--model-ema"], "--model-ema does not follow a pipeline"),
     (["--freeze", "sometimes"], "argument --freeze: invalid choice"),
+    (["--freeze", "schedule", "--freeze-cache", "on", "--hflip", "0.5"], "--freeze-cache on needs the same sample"),
 ])
 def test_bad_freeze_settings(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -192,3 +193,25 @@ def test_pipeline_without_replan_keeps_its_layout(tmp_path):
     # DeepSpeed's parameter split puts 3 layers on the first stage; it keeps one of them active.
     assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in freeze_records(tmp_path)] == [(2, 2, 2, 1)]
     assert_losses(train_losses(tmp_path), reference(6, {2: 2}), range(1, 7))
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(420)
+def test_cache_gives_the_same_losses(tmp_path):
+    # 128 samples, 2 steps an epoch; a freeze point every 2 epochs: the cache fills in the epoch after each one
+    # and serves the next. Its memory holds a few samples' outputs; the rest spill into the log dir.
+    common = ["--dataset", "synthetic", "--synthetic-size", 128, "--steps", 10, "--log-interval", 1, "--no-save",
+              "--freeze", "schedule", "--freeze-interval-epochs", 2, "--freeze-cache-gib", 1e-4]
+    losses = {}
+    for cache in ("on", "off"):
+        r = launch([*common, "--freeze-cache", cache, "--log-dir", tmp_path / cache], timeout=200)
+        assert r.ok, r
+        losses[cache] = train_losses(tmp_path / cache)
+        assert [(x["step"], x["frozen"], x["cache"]) for x in freeze_records(tmp_path / cache)] == [
+            (4, 2, cache == "on"), (8, 3, cache == "on")]
+    assert sorted(losses["on"]) == list(range(1, 11))
+    for step, loss in losses["on"].items():
+        assert loss == pytest.approx(losses["off"][step], rel=1e-5), (step, losses)
+    for rank in (0, 1):  # the last phase's outputs, past the memory limit
+        assert len(list((tmp_path / "on" / f"freeze_cache_rank{rank}").glob("*.pt"))) > 20
+    assert not (tmp_path / "off" / "freeze_cache_rank0").exists()

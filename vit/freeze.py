@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vit.autocache import FeatureCache, cached_batches
 from vit.autopipe import Layout, largest_stage, layer_memory, replan
 from vit.settings import FreezeSettings
 
@@ -36,20 +37,24 @@ def by_gradient(previous: list[float], now: list[float], frozen: int, alpha: flo
     return frozen + count
 
 
-def _no_grad_forward(forward):
-    def run(*args, **kwargs):
+def _frozen_forward(layer: nn.Module, forward, cached: bool):
+    def run(x, *args, **kwargs):
+        if cached and layer.training:  # the input is already the frozen prefix's output (vit.autocache)
+            return x
         with torch.no_grad():
-            return forward(*args, **kwargs)
+            return forward(x, *args, **kwargs)
     return run
 
 
-def freeze_prefix(layers: list[nn.Module], count: int) -> None:
+def freeze_prefix(layers: list[nn.Module], count: int, cached: bool = False) -> None:
     """requires_grad False and a forward that records nothing for autograd, for layers[:count] (before an engine
-    is built on them, so that its optimizer, its gradient buckets and DDP's reducer leave them out)."""
+    is built on them, so that its optimizer, its gradient buckets and DDP's reducer leave them out); cached: in
+    training they pass their input through, which --freeze-cache has computed already."""
     for layer in layers[:count]:
         layer.requires_grad_(False)
-        if not getattr(layer, "frozen", False):
-            layer.forward, layer.frozen = _no_grad_forward(layer.forward), True
+        if getattr(layer, "frozen_forward", None) is None:
+            layer.frozen_forward = _frozen_forward(layer, layer.forward, False)
+            layer.forward = _frozen_forward(layer, layer.frozen_forward, cached)
 
 
 class GradNorms:
@@ -91,9 +96,11 @@ class Freezer:
     point where it grew, else None."""
 
     def __init__(self, s: FreezeSettings, num_layers: int, steps_per_epoch: int, total_steps: int,
-                 device: torch.device, *, frozen: int = 0, make_layers=None, make_engine=None):
+                 device: torch.device, *, frozen: int = 0, make_layers=None, make_engine=None,
+                 cache_dir: str | None = None):
         """frozen: layers frozen already (a resumed run); make_layers(): a fresh copy of the layer list;
-        make_engine(layers): the run's engine built on them."""
+        make_engine(layers, layout): the run's engine built on them; cache_dir: --freeze-cache's spill folder
+        (None: no cache)."""
         self.mode, self.alpha, self.total_steps = s.freeze, s.freeze_alpha, total_steps
         self.num_freezable = num_layers - 1
         self.interval_steps = max(1, round(s.freeze_interval_epochs * steps_per_epoch))
@@ -102,6 +109,28 @@ class Freezer:
         self.make_layers, self.make_engine = make_layers, make_engine
         self.budget = None  # the pipeline's largest stage as it started, in vit.autopipe's units
         self.layout = None  # the pipeline's layout once a freeze point changed it
+        self.cache = FeatureCache(s.freeze_cache_gib, cache_dir) if cache_dir else None
+        self.layers = None
+
+    def freeze(self, layers: list[nn.Module], frozen: int) -> None:
+        """Freeze the prefix of the layers an engine is about to be built on."""
+        freeze_prefix(layers, frozen, cached=self.cache is not None)
+        self.layers = layers
+
+    def cached(self, batches, order, engine):
+        """This rank's batches, through the cache when it is on and this rank holds the frozen layers."""
+        holds = any(name.startswith("0.") for name, _ in engine.live_module().named_parameters())
+        if self.cache is None or not self.frozen or not holds:
+            return batches
+        prefix = self.layers[:self.frozen]
+        dtype = next(prefix[0].parameters()).dtype
+
+        def run(x):
+            x = x.to(dtype)
+            for layer in prefix:
+                x = layer.frozen_forward(x)
+            return x
+        return cached_batches(batches, order, run, self.cache, engine.device)
 
     def after_step(self, step: int, engine, metrics) -> "object | None":
         """Collective: at a freeze point, the engine rebuilt with the longer frozen prefix (else None)."""
@@ -120,10 +149,13 @@ class Freezer:
             self.layout = replan(layers, frozen, current, self.budget)
             return self.layout
 
-        rebuilt = rebuild(engine, frozen, self.make_layers, self.make_engine, plan)
+        rebuilt = rebuild(engine, lambda layers: self.freeze(layers, frozen), self.make_layers, self.make_engine,
+                          plan)
         self.watch(rebuilt.live_module())
+        if self.cache is not None:
+            self.cache.clear()  # a new boundary
         stages = rebuilt.layout.stages if current else 1
-        metrics.write("freeze", step, frozen=frozen, stages=stages, dp=rebuilt.dp_size, cache=False)
+        metrics.write("freeze", step, frozen=frozen, stages=stages, dp=rebuilt.dp_size, cache=self.cache is not None)
         return rebuilt
 
     def watch(self, module: nn.Module) -> None:
@@ -165,8 +197,8 @@ class Freezer:
             self.norms.load_state_dict(state["sums"])
 
 
-def rebuild(engine, frozen: int, make_layers, make_engine, plan=lambda layers: None):
-    """Collective: a new engine on fresh layers holding the old one's weights, its first `frozen` layers frozen,
+def rebuild(engine, freeze, make_layers, make_engine, plan=lambda layers: None):
+    """Collective: a new engine on fresh layers holding the old one's weights, freeze(layers) freezing a prefix,
     continuing the old one's optimizer state, LR schedule, loss scaler and EMA; plan(layers): a pipeline's new
     vit.autopipe.Layout (None: the engine's layout as it was). DeepSpeed and DDP fix their
     parameters, buckets and hooks at construction, so freezing means building them again."""
@@ -177,7 +209,7 @@ def rebuild(engine, frozen: int, make_layers, make_engine, plan=lambda layers: N
         layers = make_layers()
     with torch.no_grad():
         nn.Sequential(*layers).load_state_dict(weights)
-    freeze_prefix(layers, frozen)
+    freeze(layers)
     rebuilt = make_engine(layers, plan(layers))
     rebuilt.take_over(state)
     rebuilt.ema = engine.ema

@@ -148,6 +148,11 @@ class FreezeSettings:
     freeze_replan: str = option("on", "pipeline engine: at a freeze point plan the stages again (frozen layers hold "
                                 "weights only) and halve them when the active layers fit, the freed ranks becoming "
                                 "data-parallel copies; off: keep the layout", choices=("on", "off"))
+    freeze_cache: str = option("auto", "keep each training sample's output of the frozen layers and train from it "
+                               "instead of running them; auto: on when the data has no random augmentation or "
+                               "mixup", choices=("auto", "on", "off"))
+    freeze_cache_gib: float = option(4.0, "host memory for --freeze-cache per rank; past it, files in the log dir",
+                                     "positive")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from vit import checkpoint, console, hetero, preflight, slowdown, tracking, weights
+from vit import autocache, checkpoint, console, hetero, preflight, slowdown, tracking, weights
 from vit.augment import train_batches
 from vit.autopipe import Layout, with_layout
 from vit.checkpoint import Checkpointer
@@ -28,7 +28,7 @@ from vit.engines import Engine, EngineContext, build
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure, failure_elsewhere
-from vit.freeze import Freezer, freeze_prefix
+from vit.freeze import Freezer
 from vit.gpu import set_tf32
 from vit.hetero.profile import gpu_reserved_bytes
 from vit.memory import fit_micro_batch, inject_oom_for_tests, likely_precision, out_of_memory
@@ -138,8 +138,8 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
                       make_layers=lambda: slowdown.attach_all(build_layers(
                           s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
                           s.model.drop_path), plan.slowdowns.get(job.rank, 1.0), dev),
-                      make_engine=make_engine)
-    freeze_prefix(layers, frozen)
+                      make_engine=make_engine, cache_dir=autocache.directory(s, log_dir, job.rank))
+    freezer.freeze(layers, frozen)
     engine = make_engine(layers, Layout(**layout) if layout else None)
     freezer.watch(engine.live_module())
     if ema_layers:
@@ -208,10 +208,12 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
                                 extra_state=freezer.checkpoint_state)
 
     def make_batches(engine: Engine, start: int) -> Iterator | None:
-        return train_batches(data, s.recipe, s.train.seed, workers=workers, pin_memory=pin,
-                             micro_batch=batch.micro_batch, grad_accum=engine.grad_accum, dp_rank=engine.dp_rank,
-                             dp_size=engine.dp_size, start_step=start, end_step=plan.total_steps,
-                             sizes=adapted.split) if engine.reads_data else None
+        if not engine.reads_data:
+            return None
+        order = dict(micro_batch=batch.micro_batch, grad_accum=engine.grad_accum, dp_rank=engine.dp_rank,
+                     dp_size=engine.dp_size, start_step=start, end_step=plan.total_steps, sizes=adapted.split)
+        batches = train_batches(data, s.recipe, s.train.seed, workers=workers, pin_memory=pin, **order)
+        return freezer.cached(batches, TrainBatches(len(data.train), seed=s.train.seed, **order), engine)
     return Session(engine, log_dir, start, adapted.precision, ds_config, make_batches(engine, start), stats,
                    evaluator, checkpointer, metrics, monitor, locks, freezer, make_batches)
 
