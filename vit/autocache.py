@@ -41,18 +41,20 @@ class FeatureCache:
 
 
 def cached_batches(batches, order: TrainBatches, prefix, cache: FeatureCache, device: torch.device):
-    """This rank's micro-batches with the images replaced by prefix(images), each sample's looked up in the cache
-    or computed and stored. `order` is the sampler the batches were drawn with, walked in step to name their
-    samples; padding (index -1) is computed and never stored."""
+    """This rank's micro-batches with the images replaced by prefix(images): each sample's looked up in the cache,
+    or computed (the missing ones together) and stored. `order` is the sampler the batches were drawn with, walked
+    in step to name their samples; padding (index -1) is computed and never stored."""
     for (x, y), idx in zip(batches, order):
-        if all(i in cache for i in idx):
-            x = torch.stack([cache.get(i) for i in idx]).to(device, non_blocking=True)
-        else:
-            x = prefix(x.to(device, non_blocking=True))
-            kept = x.cpu()
-            for i, row in zip(idx, kept):
-                if i >= 0 and i not in cache:
-                    cache.put(i, row.clone())
+        missing = [k for k, i in enumerate(idx) if i < 0 or i not in cache]
+        computed = {}
+        if missing:
+            out = prefix(x[missing].to(device, non_blocking=True)).cpu()
+            for k, row in zip(missing, out):
+                computed[k] = row
+                if idx[k] >= 0:
+                    cache.put(idx[k], row.clone())
+        x = torch.stack([computed[k] if k in computed else cache.get(i) for k, i in enumerate(idx)])
+        x = x.to(device, non_blocking=True)
         yield x, y
 
 
