@@ -2,10 +2,11 @@
 at each freeze point compared with the single-process loop that freezes the same layers after the same steps."""
 import itertools
 import random
+import sys
 
 import pytest
 import torch
-from helpers import launch, read_jsonl, train_losses
+from helpers import launch, read_jsonl, run_cmd, train_losses
 
 from vit.autopipe import Layout, balanced, largest_stage, layer_memory, replan
 from vit.cli import defaults, parse
@@ -59,7 +60,6 @@ def test_freezer_decides_at_interval_ends_only_when_more_freeze():
     (["--freeze-alpha", "1.5"], "--freeze-alpha must be at most 1"),
     (["--freeze", "schedule", "--engine", "pipeline", "--model-ema"], "--model-ema does not follow a pipeline"),
     (["--freeze", "sometimes"], "argument --freeze: invalid choice"),
-    (["--freeze", "schedule", "--freeze-cache", "on", "--hflip", "0.5"], "--freeze-cache on needs the same sample"),
 ])
 def test_bad_freeze_settings(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -91,7 +91,7 @@ def test_freeze_schedule_matches_single_process_loop(tmp_path, engine, config):
     assert r.ok, r
     for rank in (0, 1):
         assert [(x["step"], x["frozen"], x["stages"], x["dp"], x["cache"]) for x in freeze_records(tmp_path, rank)] \
-            == [(2, 2, 1, 2, True), (4, 3, 1, 2, True)]  # the digits have no augmentation: auto caches
+            == [(2, 2, 1, 2, False), (4, 3, 1, 2, False)]  # the digits' default crop: auto does not cache
     want = reference(6, {2: 2, 4: 3}, layer_decay=0.8)
     assert_losses(train_losses(tmp_path), want, range(1, 7))
     assert want[4:] != pytest.approx(reference(6, {}, layer_decay=0.8)[4:], rel=2e-4)  # freezing shows
@@ -215,3 +215,16 @@ def test_cache_gives_the_same_losses(tmp_path):
     for rank in (0, 1):  # the last phase's outputs, past the memory limit
         assert len(list((tmp_path / "on" / f"freeze_cache_rank{rank}").glob("*.pt"))) > 20
     assert not (tmp_path / "off" / "freeze_cache_rank0").exists()
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_cache_on_augmented_data_is_one_clear_line(tmp_path):
+    # The digits' default random crop counts, though no augmentation option was given.
+    r = run_cmd([sys.executable, "-m", "vit.train", "--freeze", "schedule", "--freeze-cache", "on", "--log-dir",
+                 tmp_path / "run"], timeout=100)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("entry_cn.sh: error: --freeze-cache on needs the same sample every epoch") and \
+        "--no-aug" in last, r.stderr
+    assert not (tmp_path / "run").exists()

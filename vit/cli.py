@@ -106,9 +106,6 @@ def validate(s: Settings) -> Settings:
         raise ConfigError("--resume needs the run's --log-dir (or --save-dir), or --resume PATH")
     if s.freeze.freeze_alpha > 1:
         raise ConfigError(f"--freeze-alpha must be at most 1, got {s.freeze.freeze_alpha:g}")
-    if s.freeze.freeze_cache == "on" and (s.recipe.augments or s.recipe.mixes):
-        raise ConfigError("--freeze-cache on needs the same sample every epoch: drop the random augmentation and "
-                          "mixup options, or use --freeze-cache auto or off")
     if s.freeze.freeze != "none" and par.engine == "pipeline" and s.recipe.model_ema:
         raise ConfigError("--model-ema does not follow a pipeline whose stages --freeze re-plans; use --engine zero "
                           "or ddp")

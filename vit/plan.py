@@ -71,6 +71,10 @@ def make_plan(settings: Settings, job: Job) -> Plan:
                           f"of {dataset}")
     check_img_size(s.model.model, data.img_size)
     s, notes = check_recipe(s, data, [note] if note else [])
+    if s.freeze.freeze_cache == "on" and (s.recipe.augments or s.recipe.mixes):  # the recipe as the data has it
+        raise ConfigError("--freeze-cache on needs the same sample every epoch, and this run's training data is "
+                          "augmented or mixed: add --no-aug (and leave out --mixup/--cutmix), or use --freeze-cache "
+                          "auto or off")
     if par.engine == "pipeline" and par.pipeline_stages > preset.depth + 2:
         raise ConfigError(f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} layers of "
                           f"{s.model.model} (embedding, {preset.depth} blocks, head)")
