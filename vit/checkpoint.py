@@ -231,9 +231,12 @@ class Checkpointer:
     """Decides its own cadence: save(step) after every step saves at each --save-interval; save(step,
     last_step=True) at the end saves unless that step was just saved."""
 
-    def __init__(self, engine, save_dir: str, *, interval: int, enabled: bool, keep: int, meta: dict, on_progress):
+    def __init__(self, engine, save_dir: str, *, interval: int, enabled: bool, keep: int, meta: dict, on_progress,
+                 extra_state=None):
+        """extra_state(): a collective returning what the manifest and the client state also record (--freeze's
+        state: the manifest says how many layers to freeze before the engine that loads it is built)."""
         self.engine, self.save_dir, self.interval, self.enabled = engine, save_dir, interval, enabled
-        self.keep, self.meta, self.on_progress = keep, meta, on_progress
+        self.keep, self.meta, self.on_progress, self.extra_state = keep, meta, on_progress, extra_state
         self.saved_step = None
 
     def save(self, step: int, last_step: bool = False) -> None:
@@ -241,7 +244,9 @@ class Checkpointer:
         if not self.enabled or not due or step == self.saved_step:
             return
         self.on_progress()
-        save(self.engine, self.save_dir, step, {"step": step, "engine": self.meta["engine"]}, self.meta, self.keep)
+        extra = self.extra_state() if self.extra_state else {}
+        save(self.engine, self.save_dir, step, {"step": step, "engine": self.meta["engine"], **extra},
+             {**self.meta, **extra}, self.keep)
         self.saved_step = step
 
 

@@ -104,6 +104,11 @@ def validate(s: Settings) -> Settings:
         raise ConfigError(f"--hostfile {s.cluster.hostfile}: no such file")
     if s.checkpoint.resume == "auto" and not (s.checkpoint.save_dir or s.log.log_dir):
         raise ConfigError("--resume needs the run's --log-dir (or --save-dir), or --resume PATH")
+    if s.freeze.freeze_alpha > 1:
+        raise ConfigError(f"--freeze-alpha must be at most 1, got {s.freeze.freeze_alpha:g}")
+    if s.freeze.freeze != "none" and par.engine == "pipeline" and s.recipe.model_ema:
+        raise ConfigError("--model-ema does not follow a pipeline whose stages --freeze re-plans; use --engine zero "
+                          "or ddp")
     report_to = report_trackers(s.log.report_to)
     ds_config = par.ds_config or str(ROOT / "deepspeed_configs" / DEFAULT_DS_CONFIG[par.engine])
     epochs = DEFAULT_EPOCHS if s.train.epochs is None and s.train.steps is None else s.train.epochs

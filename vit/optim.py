@@ -101,3 +101,33 @@ class SkipAwareSchedule:
     def load_state_dict(self, state: dict) -> None:
         self.applied.fill_(state["applied"])
         self._set_lr()
+
+
+def schedule_position(scheduler) -> float:
+    """Where an LR schedule is: optimizer steps taken (applied ones for SkipAwareSchedule)."""
+    return scheduler.state_dict()["applied"] if isinstance(scheduler, SkipAwareSchedule) else scheduler.last_epoch
+
+
+def move_schedule(scheduler, position: float) -> None:
+    """Put a fresh schedule (of an optimizer with fewer parameter groups, --freeze) where another one was."""
+    if isinstance(scheduler, SkipAwareSchedule):
+        scheduler.load_state_dict({"applied": position})
+        return
+    scheduler.last_epoch = position
+    groups = scheduler.optimizer.param_groups
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(position)
+    scheduler._last_lr = [group["lr"] for group in groups]  # noqa: SLF001 (what get_last_lr() reads)
+
+
+def adam_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict:
+    """A torch optimizer's per-parameter state by parameter name."""
+    names = {p: n for n, p in module.named_parameters()}
+    return {names[p]: dict(st) for p, st in optimizer.state.items()}
+
+
+def put_adam_state(optimizer: torch.optim.Optimizer, module: nn.Module, state: dict) -> None:
+    """adam_state()'s values into the optimizer of a module with the same names, for the parameters it trains."""
+    for name, p in module.named_parameters():
+        if p.requires_grad and name in state:
+            optimizer.state[p] = state[name]

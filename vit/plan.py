@@ -71,6 +71,10 @@ def make_plan(settings: Settings, job: Job) -> Plan:
                           f"of {dataset}")
     check_img_size(s.model.model, data.img_size)
     s, notes = check_recipe(s, data, [note] if note else [])
+    if s.freeze.freeze_cache == "on" and (s.recipe.augments or s.recipe.mixes):  # the recipe as the data has it
+        raise ConfigError("--freeze-cache on needs the same sample every epoch, and this run's training data is "
+                          "augmented or mixed: add --no-aug (and leave out --mixup/--cutmix), or use --freeze-cache "
+                          "auto or off")
     if par.engine == "pipeline" and par.pipeline_stages > preset.depth + 2:
         raise ConfigError(f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} layers of "
                           f"{s.model.model} (embedding, {preset.depth} blocks, head)")
@@ -79,6 +83,10 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     layout = {"engine": par.engine, "world_size": job.world_size, "data_parallel_size": batch.dp_size,
               "pipeline_stages": par.pipeline_stages if par.engine == "pipeline" else 1,
               "zero_stage": zero_stage(ds_config) if par.engine != "ddp" else 0, "global_batch": batch.global_size}
+    if s.freeze.freeze != "none" and par.engine == "zero" and (
+            layout["zero_stage"] == 3 or ds_config.get("zero_optimization", {}).get("offload_optimizer")):
+        raise ConfigError("--freeze works with ZeRO stages 0-2 without optimizer offload (it moves the optimizer "
+                          "state into the rebuilt engine itself); use such a --ds-config or --engine ddp")
     resume = find_resume(s, save_dir, layout, batch) if ckpt.resume else None
     resolve_master(job)
     return Plan(s, job, ds_config, batch, requested, data, per_epoch, total_steps, save_dir, resume, layout,

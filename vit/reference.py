@@ -33,8 +33,10 @@ def train_step(model: nn.Module, optimizer, scheduler, x, y, clip: float = 0.0, 
     return loss
 
 
-def reference_losses(s: Settings, global_batch: int, steps: int, clip: float = 0.0) -> list[float]:
-    """Per-step mean loss over each global batch, for settings `s` (model, data, seed, optimizer)."""
+def reference_losses(s: Settings, global_batch: int, steps: int, clip: float = 0.0,
+                     freeze_after: dict[int, int] | None = None) -> list[float]:
+    """Per-step mean loss over each global batch, for settings `s` (model, data, seed, optimizer).
+    freeze_after {step: n}: after that step the first n layers stop training (no gradient, so AdamW skips them)."""
     img_size = s.model.img_size or model_shape(s.model.model).img_size
     norm = pretrained_norm(s.model.model, s.model.pretrained, s.model.pretrained_path)
     data = load_dataset(s.data.dataset or "digits", s.data.data_path, img_size, seed=s.train.seed,
@@ -46,4 +48,8 @@ def reference_losses(s: Settings, global_batch: int, steps: int, clip: float = 0
     # Whole global batches, augmented and mixed as they are (the engines take them apart: vit.augment).
     batches = train_batches(data, s.recipe, s.train.seed, partners=False, micro_batch=global_batch, grad_accum=1,
                             dp_rank=0, dp_size=1, start_step=0, end_step=steps)
-    return [train_step(model, opt, sched, x, y, clip, smoothing=s.recipe.smoothing).item() for x, y in batches]
+    losses = []
+    for step, (x, y) in enumerate(batches, 1):
+        losses.append(train_step(model, opt, sched, x, y, clip, smoothing=s.recipe.smoothing).item())
+        model[:(freeze_after or {}).get(step, 0)].requires_grad_(False)
+    return losses

@@ -9,7 +9,11 @@ import socket
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
+from vit.dist_env import rank0_decides
 from vit.errors import ConfigError
+from vit.settings import ROOT
 
 LOCK_FILE = ".lock"
 
@@ -50,3 +54,25 @@ class RunLock:
         self.file.truncate()
         self.file.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         self.file.flush()
+
+
+def agree_log_dir(plan) -> str:
+    """The run folder; the default name is rank 0's clock, so it is broadcast."""
+    name = [plan.settings.log.log_dir or os.path.join(ROOT, "logs", f"{plan.settings.parallel.engine}-"
+                                                       f"{time.strftime('%Y%m%d-%H%M%S')}")]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def lock_run_dirs(log_dir: str, save_dir: str, no_save: bool) -> list[RunLock]:
+    """Rank 0 holds the log dir (and a save dir outside it) for the run's lifetime; every rank stops alike when
+    another run holds one."""
+    locks = []
+
+    def take():
+        locks.append(RunLock(log_dir, "--log-dir"))
+        if not no_save and not os.path.realpath(save_dir).startswith(os.path.realpath(log_dir) + os.sep):
+            locks.append(RunLock(save_dir, "--save-dir"))
+
+    rank0_decides(take)
+    return locks

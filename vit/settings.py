@@ -135,6 +135,27 @@ class RecipeSettings:
 
 
 @dataclass(frozen=True)
+class FreezeSettings:
+    """Freeze training (PipeTransformer's AutoFreeze): a growing prefix of the layers (embedding, then blocks; never
+    the head) stops training; vit/freeze.py holds the rules."""
+    freeze: str = option("none", "freeze a prefix of the layers as training goes: schedule (frozen(e) = "
+                         "ceil(L(1-(1-A)^e)) after e intervals, L the embedding and blocks) or grad (a layer whose "
+                         "gradient norm changed less than the active layers' median since the previous interval)",
+                         choices=("none", "schedule", "grad"))
+    freeze_alpha: float = option(1 / 3, "the schedule's A; grad: at most this share of the active layers freezes "
+                                 "at once", "positive")
+    freeze_interval_epochs: float = option(1.0, "epochs between freeze decisions (fractions allowed)", "positive")
+    freeze_replan: str = option("on", "pipeline engine: at a freeze point plan the stages again (frozen layers hold "
+                                "weights only) and halve them when the active layers fit, the freed ranks becoming "
+                                "data-parallel copies; off: keep the layout", choices=("on", "off"))
+    freeze_cache: str = option("auto", "keep each training sample's output of the frozen layers and train from it "
+                               "instead of running them; auto: on when the data has no random augmentation or "
+                               "mixup", choices=("auto", "on", "off"))
+    freeze_cache_gib: float = option(4.0, "host memory for --freeze-cache per rank; past it, files in the log dir",
+                                     "positive")
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     steps: int | None = option(None, "optimizer steps to train", "positive", exclusive="length")
     epochs: float | None = option(None, f"epochs to train (default {DEFAULT_EPOCHS:g} when --steps is not given)",
@@ -185,7 +206,8 @@ GROUPS = {  # attribute of Settings -> (class, --help section title)
     "model": (ModelSettings, "model"), "data": (DataSettings, "data"),
     "parallel": (ParallelSettings, "engine, parallelism and precision"), "optim": (OptimSettings, "optimizer"),
     "recipe": (RecipeSettings, "augmentation and regularisation (timm train.py's names)"),
-    "train": (TrainSettings, "training length and evaluation"), "checkpoint": (CheckpointSettings, "checkpoints"),
+    "freeze": (FreezeSettings, "freeze training"), "train": (TrainSettings, "training length and evaluation"),
+    "checkpoint": (CheckpointSettings, "checkpoints"),
     "log": (LogSettings, "logs and monitoring"), "cluster": (ClusterSettings, "cluster"),
 }
 
@@ -197,6 +219,7 @@ class Settings:
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     recipe: RecipeSettings = field(default_factory=RecipeSettings)
+    freeze: FreezeSettings = field(default_factory=FreezeSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     log: LogSettings = field(default_factory=LogSettings)

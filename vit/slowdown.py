@@ -80,3 +80,11 @@ def attach(module: nn.Module, factor: float, device: torch.device) -> None:
 
     module.register_forward_pre_hook(before)
     module.register_forward_hook(after)
+
+
+def attach_all(layers: list[nn.Module], factor: float, device: torch.device) -> list[nn.Module]:
+    """attach() to every layer when factor is not 1; returns the layers."""
+    if factor != 1:
+        for layer in layers:
+            attach(layer, factor, device)
+    return layers

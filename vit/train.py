@@ -7,17 +7,17 @@ import logging
 import os
 import socket
 import sys
-import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import psutil
 import torch
 import torch.distributed as dist
 
-from vit import checkpoint, console, hetero, preflight, slowdown, tracking, weights
+from vit import autocache, checkpoint, console, hetero, preflight, slowdown, tracking, weights
 from vit.augment import train_batches
+from vit.autopipe import Layout, with_layout
 from vit.checkpoint import Checkpointer
 from vit.cli import parse
 from vit.data import TrainBatches, loader_workers, make_loader
@@ -28,6 +28,7 @@ from vit.engines import Engine, EngineContext, build
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure, failure_elsewhere
+from vit.freeze import Freezer
 from vit.gpu import set_tf32
 from vit.hetero.profile import gpu_reserved_bytes
 from vit.memory import fit_micro_batch, inject_oom_for_tests, likely_precision, out_of_memory
@@ -35,8 +36,7 @@ from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
 from vit.plan import Plan, choose_resume, make_plan
-from vit.rundir import RunLock
-from vit.settings import ROOT
+from vit.rundir import RunLock, agree_log_dir, lock_run_dirs
 from vit.stats import StepStats
 from vit.summary import start_record, write_summary
 
@@ -69,6 +69,12 @@ class Session:
     metrics: MetricsLog
     monitor: Monitor
     locks: list[RunLock]  # the run's folders, held until the process ends
+    freezer: Freezer
+    make_batches: Callable  # (engine, start step) -> this rank's batches from the next step on
+
+    def swap(self, engine: Engine, step: int) -> None:  # --freeze rebuilt the engine, maybe with another layout
+        self.engine = self.stats.engine = self.evaluator.engine = self.checkpointer.engine = engine
+        self.batches, self.evaluator.loader = self.make_batches(engine, step), None  # data-parallel shards
 
 
 def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
@@ -84,31 +90,11 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
         if run.stats.should_log(step):
             run.stats.log(step)
         with run.stats.paused():
+            if (rebuilt := run.freezer.after_step(step, run.engine, run.metrics)) is not None:
+                run.swap(rebuilt, step)
             run.evaluator.maybe(step)
             run.checkpointer.save(step)
     finish(plan, run, start_time)
-
-
-def agree_log_dir(plan: Plan) -> str:
-    """The run folder; the default name is rank 0's clock, so it is broadcast."""
-    name = [plan.settings.log.log_dir or os.path.join(ROOT, "logs", f"{plan.settings.parallel.engine}-"
-                                                       f"{time.strftime('%Y%m%d-%H%M%S')}")]
-    dist.broadcast_object_list(name, src=0)
-    return name[0]
-
-
-def lock_run_dirs(log_dir: str, save_dir: str, no_save: bool) -> list[RunLock]:
-    """Rank 0 holds the log dir (and a save dir outside it) for the run's lifetime; every rank stops alike when
-    another run holds one."""
-    locks = []
-
-    def take():
-        locks.append(RunLock(log_dir, "--log-dir"))
-        if not no_save and not os.path.realpath(save_dir).startswith(os.path.realpath(log_dir) + os.sep):
-            locks.append(RunLock(save_dir, "--save-dir"))
-
-    rank0_decides(take)
-    return locks
 
 
 def setup(plan: Plan, watchdog: Watchdog) -> Session:
@@ -122,10 +108,12 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     if job.is_main:
         for note in plan.notes:
             print(note, flush=True)
-    start, resumed_from = 0, None
+    start, resumed_from, frozen, layout = 0, None, 0, None
     if plan.resume:
         resumed_from = rank0_decides(lambda: choose_resume(plan))
-        start = checkpoint.read_manifest(plan.resume.save_dir, resumed_from)["step"]
+        manifest = checkpoint.read_manifest(plan.resume.save_dir, resumed_from)
+        start, freeze_state = manifest["step"], manifest.get("freeze") or {"frozen": 0}
+        frozen, layout = freeze_state["frozen"], freeze_state.get("layout")
     data = plan.data
     layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
                           s.model.drop_path, s.model.pretrained_path)
@@ -134,21 +122,33 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     tf32 = set_tf32(dev, s.parallel.tf32 == "on")
     if tf32 and job.is_main:
         print(tf32, flush=True)
-    factor = plan.slowdowns.get(job.rank, 1.0)
-    if factor != 1:
-        for layer in layers:
-            slowdown.attach(layer, factor, dev)
+    slowdown.attach_all(layers, plan.slowdowns.get(job.rank, 1.0), dev)
     locks = lock_run_dirs(log_dir, save_dir, s.checkpoint.no_save)
     hidden_to = console.to_file(log_dir, job.rank)
     ds_config = with_precision(plan.ds_config, adapted.precision, adapted.scale_power)
-    with console.library_prints():
-        engine = build(s.parallel.engine, EngineContext(
-            layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision, s.parallel.pipeline_stages,
-            s.parallel.partition, adapted.parts, adapted.loss_weight, s.recipe.smoothing))
+
+    def make_engine(layers: list, layout: Layout | None = None) -> Engine:  # layout: --freeze-replan's
+        ctx = EngineContext(layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision,
+                            s.parallel.pipeline_stages, s.parallel.partition, adapted.parts, adapted.loss_weight,
+                            s.recipe.smoothing)
+        with console.library_prints():
+            return build(s.parallel.engine, with_layout(ctx, layout) if layout else ctx)
+
+    freezer = Freezer(s.freeze, len(layers), plan.steps_per_epoch, plan.total_steps, dev, frozen=frozen,
+                      make_layers=lambda: slowdown.attach_all(build_layers(
+                          s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
+                          s.model.drop_path), plan.slowdowns.get(job.rank, 1.0), dev),
+                      make_engine=make_engine, cache_dir=autocache.directory(s, log_dir, job.rank))
+    freezer.freeze(layers, frozen)
+    engine = make_engine(layers, Layout(**layout) if layout else None)
+    freezer.watch(engine.live_module())
     if ema_layers:
         engine.ema = Ema(ema_layers, engine, s.recipe.model_ema_decay)
     if plan.resume:
-        start = checkpoint.load(engine, plan.resume.save_dir, resumed_from)["step"]
+        client_state = checkpoint.load(engine, plan.resume.save_dir, resumed_from)
+        start = client_state["step"]
+        if "freeze" in client_state:
+            freezer.load_state_dict(client_state["freeze"])
     if job.is_main:
         if plan.resume and plan.settings_hash() != checkpoint.read_manifest(
                 plan.resume.save_dir, resumed_from).get("config_hash"):
@@ -158,7 +158,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
                      start_step=start, resumed_from=resumed_from)
         if console.where(hidden_to):
             print(console.where(hidden_to), flush=True)
-    return session(plan, engine, watchdog, log_dir, save_dir, start, adapted, ds_config, locks)
+    return session(plan, engine, watchdog, log_dir, save_dir, start, adapted, ds_config, locks, freezer)
 
 
 def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> hetero.Adapted:
@@ -184,7 +184,7 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
 
 
 def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,
-            adapted: hetero.Adapted, ds_config: dict, locks: list[RunLock]) -> Session:
+            adapted: hetero.Adapted, ds_config: dict, locks: list[RunLock], freezer: Freezer) -> Session:
     s, job, batch, data = plan.settings, plan.job, plan.batch, plan.data
     pin = engine.device.type == "cuda"
     # The driver (NVML, nvidia-smi) numbers GPUs unlike CUDA does; the UUID names this rank's GPU in both.
@@ -204,13 +204,18 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
                           total_steps=plan.total_steps, is_main=job.is_main)
     checkpointer = Checkpointer(engine, save_dir, interval=s.checkpoint.save_interval,
                                 enabled=not s.checkpoint.no_save, keep=s.checkpoint.keep_checkpoints,
-                                meta={**plan.layout, "config_hash": plan.settings_hash()}, on_progress=watchdog.beat)
-    batches = train_batches(data, s.recipe, s.train.seed, workers=workers, pin_memory=pin,
-                            micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, dp_rank=engine.dp_rank,
-                            dp_size=engine.dp_size, start_step=start, end_step=plan.total_steps,
-                            sizes=adapted.split) if engine.reads_data else None
-    return Session(engine, log_dir, start, adapted.precision, ds_config, batches, stats, evaluator, checkpointer,
-                   metrics, monitor, locks)
+                                meta={**plan.layout, "config_hash": plan.settings_hash()}, on_progress=watchdog.beat,
+                                extra_state=freezer.checkpoint_state)
+
+    def make_batches(engine: Engine, start: int) -> Iterator | None:
+        if not engine.reads_data:
+            return None
+        order = dict(micro_batch=batch.micro_batch, grad_accum=engine.grad_accum, dp_rank=engine.dp_rank,
+                     dp_size=engine.dp_size, start_step=start, end_step=plan.total_steps, sizes=adapted.split)
+        batches = train_batches(data, s.recipe, s.train.seed, workers=workers, pin_memory=pin, **order)
+        return freezer.cached(batches, TrainBatches(len(data.train), seed=s.train.seed, **order), engine)
+    return Session(engine, log_dir, start, adapted.precision, ds_config, make_batches(engine, start), stats,
+                   evaluator, checkpointer, metrics, monitor, locks, freezer, make_batches)
 
 
 def finish(plan: Plan, run: Session, start_time: float) -> None:

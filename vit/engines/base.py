@@ -41,6 +41,7 @@ class Engine(ABC):
     dp_size: int
     timer: PhaseTimer
     reads_data: bool = True  # False on ranks that take no batches (a pipeline's middle stages)
+    grad_accum: int  # micro-batches per step on each data-parallel copy
     ema = None  # a vit.ema.Ema when --model-ema is on
 
     @abstractmethod
@@ -76,6 +77,22 @@ class Engine(ABC):
     @abstractmethod
     def load(self, load_dir: str, tag: str) -> dict:
         """Collective: restore from load_dir/tag; returns the client state saved with it."""
+
+    def handover(self) -> dict:
+        """Collective: what an engine rebuilt on the same weights continues from (--freeze): each trainable
+        parameter's optimizer state by name, whole on every rank, the LR schedule's position, the loss scaler."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be rebuilt in place")
+
+    def take_over(self, state: dict) -> None:
+        """Continue from another engine's handover(): the parameters it no longer trains are left out."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be rebuilt in place")
+
+    def whole_weights(self) -> dict:
+        """Collective: the whole network's state dict (layer keys) on every rank, for a rebuilt engine."""
+        return {k: v.detach().clone() for k, v in self.live_module().state_dict().items()}
+
+    def close(self) -> None:
+        """Release what the engine holds beyond Python references (DeepSpeed's hooks and buffers)."""
 
     @property
     @abstractmethod

@@ -13,7 +13,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vit.engines.base import Engine, EngineContext
 from vit.model import Loss
-from vit.optim import SkipAwareSchedule, make_optimizer, make_scheduler
+from vit.optim import (
+    SkipAwareSchedule,
+    adam_state,
+    make_optimizer,
+    make_scheduler,
+    move_schedule,
+    put_adam_state,
+    schedule_position,
+)
 from vit.stats import PhaseTimer
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -116,6 +124,18 @@ class DDPEngine(Engine):
 
     def live_module(self):
         return self.model.module
+
+    def handover(self):
+        return {"adam": adam_state(self.optimizer, self.model.module),
+                "schedule": schedule_position(self.scheduler), "skips": self._skips.clone(),
+                "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def take_over(self, state):
+        put_adam_state(self.optimizer, self.model.module, state["adam"])
+        move_schedule(self.scheduler, state["schedule"])
+        self._skips.copy_(state["skips"])
+        if self.scaler:
+            self.scaler.load_state_dict(state["scaler"])
 
     def _state(self):
         return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),

@@ -1,8 +1,10 @@
 """What the two DeepSpeed engines (ZeRO and pipeline) share: DeepSpeed's comm layer, its checkpoints, its loss
-scaler's skipped steps."""
+scaler's skipped steps, and the optimizer state a rebuilt engine continues from (--freeze)."""
+import torch
 import torch.distributed as dist
 
 from vit.engines.base import Engine
+from vit.optim import adam_state, move_schedule, put_adam_state, schedule_position
 
 
 def deepspeed_comm() -> None:
@@ -37,3 +39,82 @@ class DeepSpeedEngine(Engine):
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {load_dir}")
         return client_state
+
+    def handover(self):
+        ds, module = self.ds_engine, self.live_module()
+        zopt = ds.optimizer
+        if hasattr(zopt, "bit16_groups"):  # ZeRO 1 and 2: fp32 weights and Adam state flat and partitioned
+            names = {p: n for n, p in module.named_parameters()}
+            adam = {names[p]: whole for i in range(len(zopt.bit16_groups))
+                    for p, whole in whole_adam_state(zopt, i).items()}
+            step = next(iter(zopt.optimizer.state.values()))["step"]
+        elif isinstance(zopt, torch.optim.Optimizer):  # no ZeRO, fp32: DeepSpeed steps our AdamW itself
+            adam, step = adam_state(zopt, module), None
+        else:
+            raise RuntimeError(f"--freeze cannot move the state of DeepSpeed's {type(zopt).__name__}; use ZeRO "
+                               "stage 1 or 2")
+        return {"adam": adam, "step": step, "schedule": schedule_position(self.scheduler),
+                "counters": (ds.global_steps, ds.global_samples, ds.skipped_steps),
+                "loss_scaler": getattr(zopt, "loss_scaler", None)}
+
+    def take_over(self, state):
+        ds, zopt = self.ds_engine, self.ds_engine.optimizer
+        if state["step"] is None:
+            put_adam_state(zopt, self.live_module(), state["adam"])
+        else:
+            names = {p: n for n, p in self.live_module().named_parameters()}
+            for flat, params in zip(zopt.single_partition_of_fp32_groups, zopt.bit16_groups):
+                zopt.optimizer.state[flat] = flat_adam_state(flat, [(p, state["adam"][names[p]]) for p in params],
+                                                             state["step"])
+        if state["loss_scaler"] is not None:
+            zopt.loss_scaler = state["loss_scaler"]
+        move_schedule(self.scheduler, state["schedule"])
+        ds.global_steps, ds.global_samples, ds.skipped_steps = state["counters"]
+
+    def close(self):
+        self.ds_engine.destroy()
+
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _fragments(flat: torch.Tensor, state: dict, params: list):
+    """(parameter, this rank's part of each of its values in the partition, where that part lies in the whole
+    parameter) for the parameters of one ZeRO group that reach into this rank's partition (DeepSpeed's
+    _hp_mapping)."""
+    for p in params:
+        m = p._hp_mapping  # noqa: SLF001
+        if m is not None:
+            hp, lp = m.get_hp_fragment_address(), m.lp_fragment_address
+            parts = {key: t.narrow(0, hp.start, hp.numel) for key, t in (("master", flat), *(
+                (k, state[k]) for k in ADAM_KEYS))}
+            yield p, parts, (lp.start, lp.numel)
+
+
+@torch.no_grad()
+def whole_adam_state(zopt, group: int) -> dict:
+    """Collective over the data-parallel ranks: each parameter of ZeRO group `group` with its whole fp32 weights
+    and Adam moments (flat), assembled from every rank's partition."""
+    flat = zopt.single_partition_of_fp32_groups[group]
+    params = zopt.bit16_groups[group]
+    out = {p: {k: torch.zeros(p.numel(), dtype=flat.dtype, device=flat.device) for k in ("master", *ADAM_KEYS)}
+           for p in params}
+    for p, parts, (start, numel) in _fragments(flat, zopt.optimizer.state[flat], params):
+        for key, part in parts.items():
+            out[p][key].narrow(0, start, numel).copy_(part)
+    for whole in out.values():
+        for t in whole.values():
+            dist.all_reduce(t, group=zopt.real_dp_process_group[group])
+    return out
+
+
+@torch.no_grad()
+def flat_adam_state(flat: torch.Tensor, params: list, step: torch.Tensor) -> dict:
+    """The torch AdamW state of one ZeRO partition `flat` (and its fp32 weights), from whole per-parameter values:
+    each parameter's slice that falls into this rank's partition (DeepSpeed's _hp_mapping says where)."""
+    state = {"step": step.clone(), **{k: torch.zeros_like(flat) for k in ADAM_KEYS}}
+    wholes = dict(params)
+    for p, parts, (start, numel) in _fragments(flat, state, list(wholes)):
+        for key, part in parts.items():
+            part.copy_(wholes[p][key].flatten().narrow(0, start, numel))
+    return state

@@ -5,6 +5,7 @@ import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 
+from vit.autopipe import Layout
 from vit.engines.base import EngineContext
 from vit.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_comm
 from vit.model import Loss
@@ -66,6 +67,8 @@ class PipelineEngine(DeepSpeedEngine):
         # Only the first stage reads images and only the last reads labels; the middle reads nothing.
         self.reads_data = self.ds_engine.is_first_stage() or self.ds_engine.is_last_stage()
         self.timer = PhaseTimer(self.device)
+        self.grad_accum = self.ds_engine.gradient_accumulation_steps()
+        self.layout = Layout(ctx.pipeline_stages, list(module.parts), self.grad_accum)  # --freeze-replan
         self.ds_engine._INSTRUCTION_MAP = timed_instructions(type(self.ds_engine)._INSTRUCTION_MAP, self.timer)
 
     def train_step(self, batches):
@@ -84,6 +87,13 @@ class PipelineEngine(DeepSpeedEngine):
     def export_state(self):
         return merged_on_rank0(self.ema.state_dict()) if self.ema else self.layer_state()
 
+    def whole_weights(self):
+        return all_stages(self.live_module().state_dict())
+
+    def handover(self):
+        state = super().handover()
+        return {**state, "adam": all_stages(state["adam"])}
+
     def eval_logits(self, x, y):
         # eval_batch keeps only the last micro-batch's logits, so it runs one micro-batch per call.
         _, logits = self.ds_engine.eval_batch(iter([(x, y)]) if self.reads_data else None, return_logits=True,
@@ -96,6 +106,15 @@ def merged_on_rank0(local: dict) -> dict | None:
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object({k: v.detach().cpu() for k, v in local.items()}, parts, dst=0)
     return {k: v for part in parts for k, v in part.items()} if parts else None
+
+
+def all_stages(local: dict) -> dict:
+    """Every stage's entries (tensors, or dicts of them, by layer key) merged on every rank (a collective)."""
+    def cpu(v):
+        return {k: t.detach().cpu() for k, t in v.items()} if isinstance(v, dict) else v.detach().cpu()
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: cpu(v) for k, v in local.items()})
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def build(ctx: EngineContext):

@@ -1,0 +1,230 @@
+"""Freeze training (--freeze): the rules of vit/freeze.py, and real 2-rank runs whose engines are rebuilt in place
+at each freeze point compared with the single-process loop that freezes the same layers after the same steps."""
+import itertools
+import random
+import sys
+
+import pytest
+import torch
+from helpers import launch, read_jsonl, run_cmd, train_losses
+
+from vit.autopipe import Layout, balanced, largest_stage, layer_memory, replan
+from vit.cli import defaults, parse
+from vit.errors import ConfigError
+from vit.freeze import Freezer, by_gradient, freeze_prefix, scheduled
+from vit.model import build_layers
+from vit.reference import reference_losses
+
+# vit_digits on the digits: 22 steps per epoch at a global batch of 64, so 0.1 epochs is a freeze point every
+# 2 steps; 5 freezable layers (embedding, 4 blocks) and alpha 1/3 freeze 2, 3, 4, 5 of them at points 1, 2, 3, 4.
+FREEZE = ["--freeze", "schedule", "--freeze-interval-epochs", 0.1]
+
+
+def test_schedule_is_the_released_rule():
+    assert [scheduled(e, 5, 1 / 3) for e in range(6)] == [0, 2, 3, 4, 5, 5]
+    assert [scheduled(e, 12, 1 / 3) for e in range(4)] == [0, 4, 7, 9]  # ViT-B/16: ceil(12 (1 - (2/3)^e))
+    assert scheduled(1, 5, 1.0) == 5
+
+
+def test_gradient_rule_freezes_a_converged_prefix_at_most_alpha_at_a_time():
+    previous = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # relative changes 0.01, 0.02, 0.5, 0.03, 0.6, 0.7: median 0.265; the first two are below it.
+    now = [1.01, 1.02, 1.5, 1.03, 1.6, 1.7]
+    assert by_gradient(previous, now, 0, 1 / 3) == 2  # 2 of 6 = alpha of them
+    assert by_gradient(previous, now, 0, 0.1) == 1  # at most alpha, at least one
+    # Of layers 2-5 (0.65, 0.03, 0.6, 0.7, median 0.625) the first is not converged: nothing behind it freezes.
+    assert by_gradient(previous, [1.01, 1.02, 1.65, 1.03, 1.6, 1.7], 2, 1 / 3) == 2
+    assert by_gradient(previous, [2.0] * 6, 0, 1 / 3) == 0  # all alike: none below the median
+
+
+def test_frozen_layers_keep_no_graph_and_take_no_gradient():
+    layers = build_layers("vit_digits", 10, 1, 8)
+    freeze_prefix(layers, 2)
+    x = torch.randn(2, 1, 8, 8, requires_grad=True)
+    h = layers[1](layers[0](x))
+    assert h.grad_fn is None  # no activations kept for a backward, even for an input that wants one
+    assert not any(p.requires_grad for layer in layers[:2] for p in layer.parameters())
+    assert all(p.requires_grad for layer in layers[2:] for p in layer.parameters())
+
+
+def test_freezer_decides_at_interval_ends_only_when_more_freeze():
+    f = Freezer(defaults().with_(freeze="schedule", freeze_interval_epochs=0.1).freeze, num_layers=6,
+                steps_per_epoch=22, total_steps=12, device=torch.device("cpu"))
+    assert [(s, f.decide(s)) for s in range(1, 13)] == [
+        (1, None), (2, 2), (3, None), (4, 3), (5, None), (6, 4), (7, None), (8, 5), (9, None), (10, None),
+        (11, None), (12, None)]  # all 5 frozen after step 8; none at the last step
+    assert f.state_dict()["frozen"] == 5
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--freeze-alpha", "1.5"], "--freeze-alpha must be at most 1"),
+    (["--freeze", "schedule", "--engine", "pipeline", "--model-ema"], "--model-ema does not follow a pipeline"),
+    (["--freeze", "sometimes"], "argument --freeze: invalid choice"),
+])
+def test_bad_freeze_settings(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(argv)
+
+
+def reference(steps: int, freeze_after: dict, **recipe) -> list[float]:
+    return reference_losses(defaults().with_(**recipe), 64, steps, clip=1.0, freeze_after=freeze_after)
+
+
+def freeze_records(log_dir, rank: int = 0) -> list[dict]:
+    return [r for r in read_jsonl(log_dir / f"metrics_rank{rank}.jsonl") if r["kind"] == "freeze"]
+
+
+def assert_losses(got: dict, want: list[float], steps) -> None:
+    assert sorted(got) == list(steps)
+    for step in steps:
+        assert got[step] == pytest.approx(want[step - 1], rel=2e-4), (step, got, want)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine,config", [("zero", "zero2.json"), ("ddp", "zero0.json")])
+def test_freeze_schedule_matches_single_process_loop(tmp_path, engine, config):
+    # Micro-steps and layer-wise LR decay too: the rebuilt optimizer has fewer parameter groups.
+    r = launch(["--engine", engine, "--ds-config", f"deepspeed_configs/{config}", "--micro-batch-size", 16,
+                "--grad-accum", 2, "--layer-decay", 0.8, "--steps", 6, "--log-interval", 1, "--no-save",
+                "--log-dir", tmp_path, *FREEZE], timeout=240)
+    assert r.ok, r
+    for rank in (0, 1):
+        assert [(x["step"], x["frozen"], x["stages"], x["dp"], x["cache"]) for x in freeze_records(tmp_path, rank)] \
+            == [(2, 2, 1, 2, False), (4, 3, 1, 2, False)]  # the digits' default crop: auto does not cache
+    want = reference(6, {2: 2, 4: 3}, layer_decay=0.8)
+    assert_losses(train_losses(tmp_path), want, range(1, 7))
+    assert want[4:] != pytest.approx(reference(6, {}, layer_decay=0.8)[4:], rel=2e-4)  # freezing shows
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("engine", ["zero", "ddp"])
+def test_resume_across_and_between_freeze_points(tmp_path, engine):
+    full = tmp_path / "full"
+    common = ["--engine", engine, "--steps", 8, "--log-interval", 1, *FREEZE]
+    r = launch([*common, "--save-interval", 3, "--log-dir", full], timeout=200)
+    assert r.ok, r
+    points = [(x["step"], x["frozen"]) for x in freeze_records(full)]
+    assert points == [(2, 2), (4, 3), (6, 4)]
+    # step3: in the middle of the phase that froze 2 layers at step 2; step6: the freeze point to 4 layers.
+    for start in (3, 6):
+        resumed = tmp_path / f"from{start}"
+        r = launch([*common, "--resume", full / "checkpoints" / f"step{start}", "--no-save", "--log-dir", resumed],
+                   timeout=200)
+        assert r.ok, r
+        want = train_losses(full)
+        assert_losses(train_losses(resumed), [want[s] for s in range(1, 9)], range(start + 1, 9))
+        assert [(x["step"], x["frozen"]) for x in freeze_records(resumed)] == [p for p in points if p[0] > start]
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_freeze_by_gradient_decides_alike_everywhere_and_matches_the_loop(tmp_path):
+    r = launch(["--engine", "ddp", "--steps", 8, "--log-interval", 1, "--no-save", "--log-dir", tmp_path,
+                "--freeze", "grad", "--freeze-interval-epochs", 0.05], timeout=240)
+    assert r.ok, r
+    points = [(x["step"], x["frozen"]) for x in freeze_records(tmp_path)]
+    assert points and points == [(x["step"], x["frozen"]) for x in freeze_records(tmp_path, 1)]
+    assert_losses(train_losses(tmp_path), reference(8, dict(points)), range(1, 9))
+
+
+def brute_force(costs: list[int], stages: int, first_active: int) -> int:
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        parts = [0, *cuts, n]
+        if parts[1] > first_active:
+            best = min(best, largest_stage(costs, parts))
+    return best
+
+
+def test_balanced_stages_are_optimal_and_keep_an_active_layer_first():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(2, 9)
+        costs, stages, frozen = [rng.randint(1, 20) for _ in range(n)], rng.randint(1, n), rng.randint(0, n - 1)
+        if n - frozen < 1 or stages > n:
+            continue
+        if stages > 1 and frozen + 1 > n - (stages - 1):
+            continue  # no room for the other stages behind an active first one
+        parts = balanced(costs, stages, frozen)
+        assert parts[0] == 0 and parts[-1] == n and len(parts) == stages + 1 and parts[1] > frozen
+        assert largest_stage(costs, parts) == brute_force(costs, stages, frozen)
+
+
+def test_replan_halves_the_pipeline_once_the_active_layers_fit():
+    layers = build_layers("vit_digits", 10, 1, 8)
+    start = Layout(2, [0, 3, 6], 4)
+    budget = largest_stage(layer_memory(layers, 0), start.parts)
+    assert replan(layers, 2, start, budget).stages == 2  # 1 + 3 active blocks: 13 block units > 8
+    assert replan(layers, 3, start, budget) == Layout(2, [0, 4, 6], 4)  # re-balanced, the first stage active
+    assert replan(layers, 4, start, budget) == Layout(1, [0, 6], 2)  # 3 + 4 units fit: 1 stage x 2 copies
+    assert replan(layers, 4, Layout(2, [0, 3, 6], 3), budget).stages == 2  # 3 micro-batches do not split
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(480)
+def test_pipeline_shrinks_to_data_parallel_and_matches_the_loop_and_resumes(tmp_path):
+    full = tmp_path / "full"
+    common = ["--engine", "pipeline", "--steps", 8, "--log-interval", 1, *FREEZE]
+    r = launch([*common, "--save-interval", 3, "--log-dir", full], timeout=240)
+    assert r.ok, r
+    # 2 stages x 1 copy re-planned at steps 2 and 4, then 1 stage x 2 copies (micro-batches 16 x 4 -> 16 x 2 each).
+    points = [(2, 2, 2, 1), (4, 3, 2, 1), (6, 4, 1, 2)]
+    for rank in (0, 1):
+        assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in freeze_records(full, rank)] == points
+    want = reference(8, {2: 2, 4: 3, 6: 4})
+    assert_losses(train_losses(full), want, range(1, 9))
+    for start in (3, 6):  # before the transition (2 stages, re-planned), and just after it (1 stage x 2)
+        resumed = tmp_path / f"from{start}"
+        r = launch([*common, "--resume", full / "checkpoints" / f"step{start}", "--no-save", "--log-dir", resumed],
+                   timeout=200)
+        assert r.ok, r
+        assert_losses(train_losses(resumed), want, range(start + 1, 9))
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_pipeline_without_replan_keeps_its_layout(tmp_path):
+    r = launch(["--engine", "pipeline", "--steps", 6, "--log-interval", 1, "--no-save", "--log-dir", tmp_path,
+                *FREEZE, "--freeze-replan", "off"], timeout=240)
+    assert r.ok, r
+    # DeepSpeed's parameter split puts 3 layers on the first stage; it keeps one of them active.
+    assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in freeze_records(tmp_path)] == [(2, 2, 2, 1)]
+    assert_losses(train_losses(tmp_path), reference(6, {2: 2}), range(1, 7))
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(420)
+def test_cache_gives_the_same_losses(tmp_path):
+    # 128 samples, 2 steps an epoch; a freeze point every 2 epochs: the cache fills in the epoch after each one
+    # and serves the next. Its memory holds a few samples' outputs; the rest spill into the log dir.
+    common = ["--dataset", "synthetic", "--synthetic-size", 128, "--steps", 10, "--log-interval", 1, "--no-save",
+              "--freeze", "schedule", "--freeze-interval-epochs", 2, "--freeze-cache-gib", 1e-4]
+    losses = {}
+    for cache in ("on", "off"):
+        r = launch([*common, "--freeze-cache", cache, "--log-dir", tmp_path / cache], timeout=200)
+        assert r.ok, r
+        losses[cache] = train_losses(tmp_path / cache)
+        assert [(x["step"], x["frozen"], x["cache"]) for x in freeze_records(tmp_path / cache)] == [
+            (4, 2, cache == "on"), (8, 3, cache == "on")]
+    assert sorted(losses["on"]) == list(range(1, 11))
+    for step, loss in losses["on"].items():
+        assert loss == pytest.approx(losses["off"][step], rel=1e-5), (step, losses)
+    for rank in (0, 1):  # the last phase's outputs, past the memory limit
+        assert len(list((tmp_path / "on" / f"freeze_cache_rank{rank}").glob("*.pt"))) > 20
+    assert not (tmp_path / "off" / "freeze_cache_rank0").exists()
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_cache_on_augmented_data_is_one_clear_line(tmp_path):
+    # The digits' default random crop counts, though no augmentation option was given.
+    r = run_cmd([sys.executable, "-m", "vit.train", "--freeze", "schedule", "--freeze-cache", "on", "--log-dir",
+                 tmp_path / "run"], timeout=100)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("entry_cn.sh: error: --freeze-cache on needs the same sample every epoch") and \
+        "--no-aug" in last, r.stderr
+    assert not (tmp_path / "run").exists()
