@@ -14,7 +14,7 @@ from vit.ds_config import Batch, precision_of, resolve, zero_stage
 from vit.errors import ConfigError, NothingToDo
 from vit.model import check_img_size, model_shape
 from vit.rundir import check_writable
-from vit.settings import ROOT, Settings
+from vit.settings import PIPELINES, ROOT, Settings
 
 
 @dataclass(frozen=True)
@@ -70,13 +70,18 @@ def make_plan(settings: Settings, job: Job) -> Plan:
                           f"of {dataset}")
     check_img_size(s.model.model, data.img_size)
     s, notes = check_recipe(s, data, [note] if note else [])
-    if par.engine == "pipeline" and par.pipeline_stages > preset.depth + 2:
+    if par.engine in PIPELINES and par.pipeline_stages > preset.depth + 2:
         raise ConfigError(f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} layers of "
                           f"{s.model.model} (embedding, {preset.depth} blocks, head)")
     per_epoch, total_steps = run_length(s, data, batch)
+    interval = s.asynchrony.async_update_interval
+    if interval and batch.grad_accum % interval:
+        raise ConfigError(f"--async-update-interval {interval} does not divide the gradient-accumulation count "
+                          f"{batch.grad_accum} (a checkpoint drains the pipeline at a step's end, where every "
+                          "stage's update must be complete)")
     save_dir = ckpt.save_dir or (os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None)
     layout = {"engine": par.engine, "world_size": job.world_size, "data_parallel_size": batch.dp_size,
-              "pipeline_stages": par.pipeline_stages if par.engine == "pipeline" else 1,
+              "pipeline_stages": par.pipeline_stages if par.engine in PIPELINES else 1,
               "zero_stage": zero_stage(ds_config) if par.engine != "ddp" else 0, "global_batch": batch.global_size}
     resume = find_resume(s, save_dir, layout, batch) if ckpt.resume else None
     resolve_master(job)
