@@ -220,6 +220,11 @@ class AsyncPipelineEngine(Engine):
         dist.all_reduce(t)
         return t / self.dp_size
 
+    def evaluate(self, batches):
+        result = super().evaluate(batches)
+        self.links.flush()  # the evaluation's sends, waited on before anything else runs
+        return result
+
     @torch.no_grad()
     def eval_logits(self, x, y):
         if not self.first:
