@@ -82,7 +82,8 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     save_dir = ckpt.save_dir or (os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None)
     layout = {"engine": par.engine, "world_size": job.world_size, "data_parallel_size": batch.dp_size,
               "pipeline_stages": par.pipeline_stages if par.engine in PIPELINES else 1,
-              "zero_stage": zero_stage(ds_config) if par.engine != "ddp" else 0, "global_batch": batch.global_size}
+              "zero_stage": zero_stage(ds_config) if par.engine not in ("ddp", "async-pipeline") else 0,
+              "global_batch": batch.global_size}
     resume = find_resume(s, save_dir, layout, batch) if ckpt.resume else None
     resolve_master(job)
     return Plan(s, job, ds_config, batch, requested, data, per_epoch, total_steps, save_dir, resume, layout,

@@ -35,7 +35,7 @@ def write_summary(log_dir: str, plan, *, precision: str, ds_config: dict, start_
     engine = s.parallel.engine
     summary = {
         "engine": engine, "model": s.model.model, "dataset": s.data.dataset, "precision": precision,
-        "zero_stage": zero_stage(ds_config) if engine != "ddp" else None,
+        "zero_stage": zero_stage(ds_config) if engine not in ("ddp", "async-pipeline") else None,
         "pipeline_stages": s.parallel.pipeline_stages if engine in PIPELINES else None,
         "world_size": plan.job.world_size, "data_parallel_size": batch.dp_size, "micro_batch": batch.micro_batch,
         "grad_accum": batch.grad_accum, "global_batch": batch.global_size, "steps": total,
