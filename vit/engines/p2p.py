@@ -5,10 +5,12 @@ that a stage sending activations forward and gradients back never shares a group
 Sends stay in flight in a ring as deep as the pipeline (two at two stages: double buffering): stage 0 runs up
 to stages - 1 micro-batches ahead of the last, so a shallower ring could make two neighbours wait on each other.
 
-Each message is a small header (the tensor's rank, shape and dtype) and the tensor. torch.distributed has no probe,
-so a receiver cannot tell a header from a tensor unless both come every time; the header is 64 bytes, and the
-receiver allocates each tensor from it, so a batch of another size (the last, partial one) needs no fixed buffer.
+A header (the tensor's rank, shape and dtype) goes first and again whenever the shape or dtype changes, so a
+batch of another size (the last, partial one) needs no drop_last. torch.distributed has no probe, so each tensor
+travels with one leading element: 0 for a tensor, 1 for a notice, sent in the previous size, that a new header
+follows.
 """
+import math
 from collections import deque
 
 import torch
@@ -24,23 +26,42 @@ class Channel:
     def __init__(self, group, peer: int, device: torch.device, depth: int):
         self.group, self.peer, self.device, self.depth = group, peer, device, depth
         self.pending: deque = deque()  # (handles, tensors kept alive until sent)
+        self.sent = self.received = None  # the (shape, dtype) the peer expects: the last header's
 
     def send(self, t: torch.Tensor) -> None:
         if len(self.pending) >= self.depth:
             self._wait_oldest()
-        t = t.detach().contiguous()
-        header = torch.zeros(MAX_DIMS + 2, dtype=torch.long)
-        header[0], header[1] = t.dim(), DTYPES.index(t.dtype)
-        header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.long)
-        header = header.to(self.device)
-        handles = [dist.isend(header, self.peer, group=self.group), dist.isend(t, self.peer, group=self.group)]
-        self.pending.append((handles, (header, t)))
+        t = t.detach()
+        meta = (tuple(t.shape), t.dtype)
+        messages = []
+        if meta != self.sent:
+            if self.sent is not None:
+                notice = self._buffer(self.sent)
+                notice[0] = 1
+                messages.append(notice)
+            header = torch.zeros(MAX_DIMS + 2, dtype=torch.long)
+            header[0], header[1] = t.dim(), DTYPES.index(t.dtype)
+            header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.long)
+            messages.append(header.to(self.device))
+            self.sent = meta
+        messages.append(torch.cat([t.new_zeros(1), t.reshape(-1)]))
+        handles = [dist.isend(m, self.peer, group=self.group) for m in messages]
+        self.pending.append((handles, messages))
 
     def recv(self) -> torch.Tensor:
-        header = torch.empty(MAX_DIMS + 2, dtype=torch.long, device=self.device)
-        dist.irecv(header, self.peer, group=self.group).wait()
-        header = header.tolist()
-        t = torch.empty(header[2:2 + header[0]], dtype=DTYPES[header[1]], device=self.device)
+        if self.received is not None:
+            buffer = self._take(self._buffer(self.received))
+            if buffer[0] == 0:
+                return buffer[1:].view(self.received[0])
+        header = self._take(torch.empty(MAX_DIMS + 2, dtype=torch.long, device=self.device)).tolist()
+        self.received = (tuple(header[2:2 + header[0]]), DTYPES[header[1]])
+        return self._take(self._buffer(self.received))[1:].view(self.received[0])
+
+    def _buffer(self, meta: tuple) -> torch.Tensor:
+        shape, dtype = meta
+        return torch.empty(1 + math.prod(shape), dtype=dtype, device=self.device)
+
+    def _take(self, t: torch.Tensor) -> torch.Tensor:
         dist.irecv(t, self.peer, group=self.group).wait()
         return t
 
