@@ -211,6 +211,10 @@ def test_resume_is_exact(tmp_path):
     evals = [[rec for rec in read_jsonl(d / "metrics_rank0.jsonl") if rec["kind"] == "eval"][-1]
              for d in (full, resumed)]
     assert evals[0]["eval_loss"] == pytest.approx(evals[1]["eval_loss"], rel=1e-6)
+    # The checkpoint's stages are whole weights for --pretrained-path, under timm's names.
+    from vit.weights import read_state
+    state = read_state(str(full / "checkpoints" / "step8"))
+    assert {"cls_token", "patch_embed.proj.weight", "head.weight"} <= set(state)
 
 
 @pytest.mark.ranks
