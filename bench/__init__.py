@@ -9,6 +9,7 @@
     python -m bench recipe      the default job with each recipe option on and off (top-1, wall time)
     python -m bench finetune    fine-tuning from a model this project pretrained, against from scratch
     python -m bench freeze      freeze training's breakdown (PipeTransformer's Table 1 / Fig. 9) on 2 ranks
+    python -m bench async-pipeline  the asynchronous pipeline against DeepSpeed's and the no-bubble ideal; top-1
 
 `python -m bench COMMAND --help` for each.
 """

@@ -82,7 +82,7 @@ def check_layout(saved: dict, current: dict, where: str) -> None:
     if saved["engine"] != current["engine"]:
         raise ConfigError(f"{where} was written by --engine {saved['engine']}, this run uses --engine "
                           f"{current['engine']}; resume with --engine {saved['engine']}")
-    if saved["engine"] == "pipeline" and saved["pipeline_stages"] != current["pipeline_stages"]:
+    if saved["engine"] in ("pipeline", "async-pipeline") and saved["pipeline_stages"] != current["pipeline_stages"]:
         raise ConfigError(f"{where} has {saved['pipeline_stages']} pipeline stages, this run "
                           f"{current['pipeline_stages']}; resume with --pipeline-stages {saved['pipeline_stages']}")
     sharded = saved["engine"] != "ddp" and saved["zero_stage"] > 0

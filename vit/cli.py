@@ -8,7 +8,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from vit.errors import ConfigError
-from vit.settings import DEFAULT_DS_CONFIG, DEFAULT_EPOCHS, GROUPS, ROOT, TRACKERS, Settings
+from vit.settings import DEFAULT_DS_CONFIG, DEFAULT_EPOCHS, GROUPS, PIPELINES, ROOT, TRACKERS, AsyncSettings, Settings
 
 
 def flag(f) -> tuple[str, ...]:
@@ -92,12 +92,17 @@ def validate(s: Settings) -> Settings:
         raise ConfigError(f"--min-lr {opt.min_lr:g} is above --lr {opt.lr:g}")
     if par.partition not in ("uniform", "parameters", "balanced") and not par.partition.startswith("type:"):
         raise ConfigError(f"--partition must be uniform, parameters, balanced or type:REGEX, got '{par.partition}'")
-    if par.micro_batch_size == "auto" and (par.engine == "pipeline" or s.checkpoint.resume):
+    if par.micro_batch_size == "auto" and (par.engine in PIPELINES or s.checkpoint.resume):
         raise ConfigError("--micro-batch-size auto applies to --engine zero or ddp, and not to --resume (pass the "
                           "micro-batch the run chose: its config.json says)")
-    if par.partition == "balanced" and par.engine != "pipeline":
-        raise ConfigError("--partition balanced applies to --engine pipeline")
-    if par.batch_split == "proportional" and par.engine == "pipeline":
+    if par.partition == "balanced" and par.engine not in PIPELINES:
+        raise ConfigError("--partition balanced applies to --engine pipeline or async-pipeline")
+    if s.asynchrony != AsyncSettings() and par.engine != "async-pipeline":
+        raise ConfigError("--async-update-interval, --weight-stashing and --weight-prediction apply to --engine "
+                          "async-pipeline")
+    if opt.nesterov and (opt.opt != "sgd" or opt.momentum == 0):
+        raise ConfigError("--nesterov needs --opt sgd with a --momentum above 0")
+    if par.batch_split == "proportional" and par.engine in PIPELINES:
         raise ConfigError("--batch-split proportional applies to --engine zero or ddp (a pipeline balances its "
                           "stages with --partition balanced)")
     if s.cluster.hostfile and not Path(s.cluster.hostfile).is_file():

@@ -1,10 +1,12 @@
-"""The optimizer (AdamW), its parameter groups and the LR schedule (linear warm-up, then cosine), shared by every
-engine, the single-process reference loop and the benchmarks, so that all of them train the same way."""
+"""The optimizer (AdamW, or SGD with momentum), its parameter groups and the LR schedule (linear warm-up, then
+cosine), shared by every engine, the single-process reference loop and the benchmarks, so that all of them train
+the same way."""
 import math
 
 import torch
 from torch import nn
 
+from vit.errors import ConfigError
 from vit.settings import OptimSettings
 
 
@@ -45,8 +47,13 @@ def make_optimizer(model: nn.Module, opt: OptimSettings, cpu_offload: bool = Fal
     if cpu_offload:  # DeepSpeed wants its own CPU Adam next to ZeRO-Offload
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        if opt.opt != "adamw":
+            raise ConfigError(f"--opt {opt.opt}: ZeRO-Offload trains with DeepSpeed's CPU Adam; use --opt adamw")
+
         return DeepSpeedCPUAdam(groups, lr=opt.lr, adamw_mode=True)
     device = device if device is not None else next(model.parameters()).device
+    if opt.opt == "sgd":
+        return torch.optim.SGD(groups, lr=opt.lr, momentum=opt.momentum, nesterov=opt.nesterov)
     return torch.optim.AdamW(groups, lr=opt.lr, fused=True if use_fused(opt, device) else None)
 
 

@@ -15,7 +15,7 @@ from vit.ds_config import Batch, precision_of, resolve, zero_stage
 from vit.errors import ConfigError, NothingToDo
 from vit.model import check_img_size, model_shape
 from vit.rundir import check_writable
-from vit.settings import ROOT, Settings
+from vit.settings import PIPELINES, ROOT, Settings
 
 
 @dataclass(frozen=True)
@@ -75,14 +75,22 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         raise ConfigError("--freeze-cache on needs the same sample every epoch, and this run's training data is "
                           "augmented or mixed: add --no-aug (and leave out --mixup/--cutmix), or use --freeze-cache "
                           "auto or off")
-    if par.engine == "pipeline" and par.pipeline_stages > preset.depth + 2:
+    if par.engine in PIPELINES and par.pipeline_stages > preset.depth + 2:
         raise ConfigError(f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} layers of "
                           f"{s.model.model} (embedding, {preset.depth} blocks, head)")
     per_epoch, total_steps = run_length(s, data, batch)
+    interval = s.asynchrony.async_update_interval
+    if interval and batch.grad_accum % interval:
+        raise ConfigError(f"--async-update-interval {interval} does not divide the gradient-accumulation count "
+                          f"{batch.grad_accum} (a checkpoint drains the pipeline at a step's end, where every "
+                          "stage's update must be complete)")
     save_dir = ckpt.save_dir or (os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None)
     layout = {"engine": par.engine, "world_size": job.world_size, "data_parallel_size": batch.dp_size,
-              "pipeline_stages": par.pipeline_stages if par.engine == "pipeline" else 1,
-              "zero_stage": zero_stage(ds_config) if par.engine != "ddp" else 0, "global_batch": batch.global_size}
+              "pipeline_stages": par.pipeline_stages if par.engine in PIPELINES else 1,
+              "zero_stage": zero_stage(ds_config) if par.engine not in ("ddp", "async-pipeline") else 0,
+              "global_batch": batch.global_size}
+    if s.freeze.freeze != "none" and par.engine == "async-pipeline":
+        raise ConfigError("--freeze works with --engine zero, ddp and pipeline, not async-pipeline")
     if s.freeze.freeze != "none" and par.engine == "zero" and (
             layout["zero_stage"] == 3 or ds_config.get("zero_optimization", {}).get("offload_optimizer")):
         raise ConfigError("--freeze works with ZeRO stages 0-2 without optimizer offload (it moves the optimizer "

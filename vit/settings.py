@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINES = ("zero", "pipeline", "ddp")
-DEFAULT_DS_CONFIG = {"zero": "zero2.json", "pipeline": "pipeline.json", "ddp": "zero0.json"}
+ENGINES = ("zero", "pipeline", "async-pipeline", "ddp")
+PIPELINES = ("pipeline", "async-pipeline")  # the engines that cut the layer list into --pipeline-stages stages
+DEFAULT_DS_CONFIG = {"zero": "zero2.json", "pipeline": "pipeline.json", "async-pipeline": "pipeline.json",
+                     "ddp": "zero0.json"}
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
@@ -64,8 +66,8 @@ class ParallelSettings:
     engine: str = option("zero", "training engine", choices=ENGINES)
     ds_config: str | None = option(None, "DeepSpeed JSON (batch, precision, ZeRO); default deepspeed_configs/"
                                    + ", ".join(f"{v} for {k}" for k, v in DEFAULT_DS_CONFIG.items()))
-    pipeline_stages: int = option(2, "pipeline engine: number of stages", "positive")
-    partition: str = option("parameters", "pipeline engine: how layers are cut into stages: uniform, parameters, "
+    pipeline_stages: int = option(2, "pipeline engines: number of stages", "positive")
+    partition: str = option("parameters", "pipeline engines: how layers are cut into stages: uniform, parameters, "
                             "type:REGEX, or balanced (by the census: each rank's measured speed and free memory, "
                             "and each layer's FLOPs)")
     batch_split: str = option("equal", "zero and ddp engines: every rank the same micro-batch, or micro-batches in "
@@ -91,15 +93,31 @@ class ParallelSettings:
 
 @dataclass(frozen=True)
 class OptimSettings:
-    lr: float = option(2e-3, "peak learning rate (AdamW)", "positive")
+    opt: str = option("adamw", "optimizer (timm's names): adamw, or sgd with --momentum (and --nesterov)",
+                      choices=("adamw", "sgd"))
+    momentum: float = option(0.9, "sgd: momentum", "non_negative")
+    nesterov: bool = option(False, "sgd: Nesterov momentum")
+    lr: float = option(2e-3, "peak learning rate", "positive")
     min_lr: float = option(1e-5, "learning rate at the end of the cosine", "non_negative")
-    weight_decay: float = option(0.05, "AdamW weight decay (not on biases, norms and embeddings)", "non_negative")
+    weight_decay: float = option(0.05, "weight decay (not on biases, norms and embeddings)", "non_negative")
     warmup_steps: int | None = option(None, "linear warm-up steps (default 5%% of the steps)", "non_negative")
     fused_adam: bool = option(False, "torch's fused AdamW kernel (one kernel for all parameters)")
     layer_decay: float | None = option(None, "layer-wise LR decay: layer i of the list gets lr x decay^(last - i) "
                                        "(timm's param_groups_layer_decay)", "positive")
     clip_grad: float | None = option(None, "clip the gradient norm to this (overrides the JSON's gradient_clipping)",
                                      "non_negative")
+
+
+@dataclass(frozen=True)
+class AsyncSettings:
+    """--engine async-pipeline: PipeDream-2BW's 1F1B without a flush, and what offsets its staleness."""
+    async_update_interval: int | None = option(None, "micro-batches between a stage's updates (default: the "
+                                               "gradient-accumulation count, which it must divide)", "positive")
+    weight_stashing: str = option("on", "each backward uses the weights its forward used (off: the current ones)",
+                                  choices=("on", "off"))
+    weight_prediction: str = option("msnag", "before a forward, predict the weights d updates ahead (d: the "
+                                    "stage's staleness) from the optimizer's momentum (FTPipe's multi-step NAG), "
+                                    "or none", choices=("msnag", "none"))
 
 
 @dataclass(frozen=True)
@@ -204,7 +222,9 @@ class ClusterSettings:
 
 GROUPS = {  # attribute of Settings -> (class, --help section title)
     "model": (ModelSettings, "model"), "data": (DataSettings, "data"),
-    "parallel": (ParallelSettings, "engine, parallelism and precision"), "optim": (OptimSettings, "optimizer"),
+    "parallel": (ParallelSettings, "engine, parallelism and precision"),
+    "asynchrony": (AsyncSettings, "asynchronous pipeline (--engine async-pipeline)"),
+    "optim": (OptimSettings, "optimizer"),
     "recipe": (RecipeSettings, "augmentation and regularisation (timm train.py's names)"),
     "freeze": (FreezeSettings, "freeze training"), "train": (TrainSettings, "training length and evaluation"),
     "checkpoint": (CheckpointSettings, "checkpoints"),
@@ -217,6 +237,7 @@ class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     data: DataSettings = field(default_factory=DataSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    asynchrony: AsyncSettings = field(default_factory=AsyncSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     recipe: RecipeSettings = field(default_factory=RecipeSettings)
     freeze: FreezeSettings = field(default_factory=FreezeSettings)

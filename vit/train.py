@@ -37,6 +37,7 @@ from vit.model import build_layers
 from vit.monitor import Monitor
 from vit.plan import Plan, choose_resume, make_plan
 from vit.rundir import RunLock, agree_log_dir, lock_run_dirs
+from vit.settings import PIPELINES
 from vit.stats import StepStats
 from vit.summary import start_record, write_summary
 
@@ -130,7 +131,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     def make_engine(layers: list, layout: Layout | None = None) -> Engine:  # layout: --freeze-replan's
         ctx = EngineContext(layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision,
                             s.parallel.pipeline_stages, s.parallel.partition, adapted.parts, adapted.loss_weight,
-                            s.recipe.smoothing)
+                            s.recipe.smoothing, s.asynchrony)
         with console.library_prints():
             return build(s.parallel.engine, with_layout(ctx, layout) if layout else ctx)
 
@@ -175,12 +176,12 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
     return hetero.adapt(
         job, dev, layers, requested_precision=plan.requested_precision, micro_batch=batch.micro_batch,
         grad_accum=batch.grad_accum, sample=data.train[0][0][None],
-        balanced_stages=par.pipeline_stages if par.engine == "pipeline" and par.partition == "balanced" else None,
+        balanced_stages=par.pipeline_stages if par.engine in PIPELINES and par.partition == "balanced" else None,
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
         reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan.requested_precision, dev)),
-        probe_on_cpu=par.engine == "pipeline" or zero_stage(plan.ds_config) == 3)
+        probe_on_cpu=par.engine in PIPELINES or zero_stage(plan.ds_config) == 3)
 
 
 def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,

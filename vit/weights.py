@@ -26,6 +26,7 @@ from vit.errors import ConfigError
 from vit.model import PRESETS, check_model, layer_state_dict, timm_state_dict
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")  # a DeepSpeed pipeline checkpoint's per-layer files
+ASYNC_STAGE_FILE = re.compile(r"^async_stage\d+\.pt$")  # an async-pipeline checkpoint's stages (layer keys)
 
 
 def _torch_load(path: Path) -> dict:
@@ -37,12 +38,16 @@ def _torch_load(path: Path) -> dict:
 
 
 def _checkpoint_folder(d: Path) -> dict:
-    """This project's checkpoint: ddp.pt, ZeRO 0-2's mp_rank_00_model_states.pt, or a pipeline's layer files."""
+    """This project's checkpoint: ddp.pt, ZeRO 0-2's mp_rank_00_model_states.pt, a pipeline's layer files, or an
+    async pipeline's stage files."""
     if (d / "ddp.pt").is_file():
         return _torch_load(d / "ddp.pt")
     layers = sorted(p for p in d.iterdir() if LAYER_FILE.match(p.name))
     if layers:
         return {f"{int(LAYER_FILE.match(p.name).group(1))}.{k}": v for p in layers for k, v in _torch_load(p).items()}
+    stages = sorted(p for p in d.iterdir() if ASYNC_STAGE_FILE.match(p.name))
+    if stages:
+        return {k: v for p in stages for k, v in _torch_load(p).items()}
     states = d / "mp_rank_00_model_states.pt"
     if states.is_file():
         state = _torch_load(states)
@@ -50,7 +55,8 @@ def _checkpoint_folder(d: Path) -> dict:
             raise ConfigError(f"--pretrained-path {d}: a ZeRO-3 checkpoint holds its weights partitioned; pass the "
                               "run's --export file instead")
         return state
-    raise ConfigError(f"--pretrained-path {d}: a folder without ddp.pt, mp_rank_00_model_states.pt or layer files")
+    raise ConfigError(f"--pretrained-path {d}: a folder without ddp.pt, mp_rank_00_model_states.pt, layer files or "
+                      "async_stage files")
 
 
 def read_state(path: str) -> dict:

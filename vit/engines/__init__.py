@@ -15,4 +15,4 @@ __all__ = ["Engine", "EngineContext", "build"]
 
 
 def build(name: str, ctx: EngineContext) -> Engine:
-    return importlib.import_module(f"vit.engines.{name}").build(ctx)
+    return importlib.import_module(f"vit.engines.{name.replace('-', '_')}").build(ctx)

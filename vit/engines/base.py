@@ -11,7 +11,7 @@ from torch import nn
 
 from vit.data import PAD_LABEL
 from vit.ds_config import Batch
-from vit.settings import OptimSettings
+from vit.settings import AsyncSettings, OptimSettings
 from vit.stats import PhaseTimer
 
 
@@ -30,6 +30,7 @@ class EngineContext:
     parts: list[int] | None = None  # pipeline stage boundaries for --partition balanced
     loss_weight: float = 1.0  # this rank's micro-batch x data-parallel size / the micro-step's samples
     smoothing: float = 0.0  # --smoothing, for hard labels (mixup's soft targets carry their own)
+    asynchrony: AsyncSettings = AsyncSettings()  # --engine async-pipeline's update interval, stashing, prediction
 
 
 class Engine(ABC):
@@ -141,6 +142,13 @@ class Engine(ABC):
         dist.all_reduce(totals)
         loss_sum, correct, correct5, count = totals.tolist()
         return loss_sum, int(correct), int(correct5), int(count)
+
+
+def merged_on_rank0(local: dict) -> dict | None:
+    """Every rank's tensors (a pipeline stage's layers), merged on rank 0 (a collective)."""
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object({k: v.detach().cpu() for k, v in local.items()}, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts else None
 
 
 def mean_over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:

@@ -6,7 +6,7 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 
 from vit.autopipe import Layout
-from vit.engines.base import EngineContext
+from vit.engines.base import EngineContext, merged_on_rank0
 from vit.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_comm
 from vit.model import Loss
 from vit.optim import make_optimizer, make_scheduler
@@ -99,13 +99,6 @@ class PipelineEngine(DeepSpeedEngine):
         _, logits = self.ds_engine.eval_batch(iter([(x, y)]) if self.reads_data else None, return_logits=True,
                                               bcast_loss=False, num_micro_batches=1)
         return logits if self.ds_engine.is_last_stage() else None
-
-
-def merged_on_rank0(local: dict) -> dict | None:
-    """Every stage's layers' tensors, merged on rank 0 (a collective)."""
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object({k: v.detach().cpu() for k, v in local.items()}, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if parts else None
 
 
 def all_stages(local: dict) -> dict:

@@ -1,0 +1,306 @@
+"""--engine async-pipeline with real gloo ranks, against a single-process emulator of its asynchronous schedule.
+
+The emulator is the specification. Stage s runs, for each micro-batch k of a step, the forward of k and then the
+backward of k - (stages - 1 - s) (once there is one); the last step is followed by the backwards still in flight.
+A stage applies its update after every `interval` backwards. A forward sees d = k // interval - (updates applied)
+updates of staleness; with d > 0 it uses the weights d zero-gradient optimizer steps ahead (msnag) or the current
+ones, and its backward uses those same weights (stashing) or the weights of the backward's time (no stashing).
+Gradients are clipped per stage. Any order of the stages' passes that respects their data dependencies gives
+the same numbers, so the emulator runs them one process, stage after stage.
+"""
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, Ranks, base_env, last_step, launch, read_jsonl, run_cmd, train_losses, wait_for
+from torch.func import functional_call
+
+from vit.augment import train_batches
+from vit.cli import defaults
+from vit.data import load_dataset
+from vit.model import build_layers, loss_fn, model_shape
+from vit.optim import make_optimizer, make_scheduler
+from vit.reference import reference_losses
+
+STEPS, MICRO, ACCUM, CLIP = 8, 16, 4, 1.0  # deepspeed_configs/pipeline.json: 16 x 4, clipping 1.0
+
+
+class Stage:
+    def __init__(self, layers, lo, hi, s, updates):
+        self.module = torch.nn.Sequential(OrderedDict((str(i), layers[i]) for i in range(lo, hi)))
+        self.opt = make_optimizer(self.module, s.optim, num_layers=len(layers))
+        self.sched = make_scheduler(self.opt, s.optim, updates)
+        self.version, self.inflight = 0, {}
+
+    def now(self):
+        return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+
+    def ahead(self, d):
+        """The weights after d optimizer steps with zero gradients, the optimizer itself untouched."""
+        memo = {}
+        opt = copy.deepcopy(self.opt, memo)
+        for _ in range(d):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+        return {n: memo[id(p)].detach().clone() for n, p in self.module.named_parameters()}
+
+
+def emulate(s, batches, stages, steps, interval=ACCUM, stashing=True, prediction=True):
+    """Per-step mean losses of the asynchronous schedule; `batches`: the micro-batches in order, ACCUM a step."""
+    from deepspeed.runtime import utils as ds_utils
+
+    data = digits(s)
+    layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
+    parts = ds_utils.partition_balanced([sum(p.numel() for p in layer.parameters()) for layer in layers], stages)
+    st = [Stage(layers, parts[i], parts[i + 1], s, steps * ACCUM // interval) for i in range(stages)]
+    total = steps * ACCUM
+    ops = []
+    for i in range(stages):
+        lag = stages - 1 - i
+        mine = [op for k in range(total) for op in [("F", k), ("B", k - lag)] if op[1] >= 0]
+        ops.append(mine + [("B", k) for k in range(total - lag, total)])
+    acts, grads, losses, done = {}, {}, {}, set()
+
+    def ready(i, op):
+        kind, k = op
+        if kind == "F":
+            return i == 0 or ("F", i - 1, k) in done
+        return i == stages - 1 or ("B", i + 1, k) in done
+
+    def forward(i, k):
+        stage = st[i]
+        d = k // interval - stage.version
+        w = stage.ahead(d) if prediction and d > 0 else stage.now()
+        x = batches[k][0] if i == 0 else acts[(i - 1, k)]
+        with torch.no_grad():
+            out = functional_call(stage.module, w, (x,))
+            if i == stages - 1:
+                losses[k] = loss_fn(out, batches[k][1], s.recipe.smoothing).item()
+        acts[(i, k)] = out
+        stage.inflight[k] = (x, w)
+
+    def backward(i, k):
+        stage = st[i]
+        x, w = stage.inflight.pop(k)
+        w = {n: t.clone().requires_grad_() for n, t in (w if stashing else stage.now()).items()}
+        x = x.detach().requires_grad_(i > 0)
+        out = functional_call(stage.module, w, (x,))
+        if i == stages - 1:
+            (loss_fn(out, batches[k][1], s.recipe.smoothing) / interval).backward()
+        else:
+            out.backward(grads[(i + 1, k)])
+        grads[(i, k)] = x.grad
+        for n, p in stage.module.named_parameters():
+            p.grad = w[n].grad if p.grad is None else p.grad + w[n].grad
+        if (k + 1) % interval == 0:
+            torch.nn.utils.clip_grad_norm_(stage.module.parameters(), CLIP)
+            stage.opt.step()
+            stage.sched.step()
+            stage.opt.zero_grad(set_to_none=True)
+            stage.version += 1
+
+    pointers = [0] * stages
+    while any(pointers[i] < len(ops[i]) for i in range(stages)):
+        moved = False
+        for i in range(stages):
+            while pointers[i] < len(ops[i]) and ready(i, ops[i][pointers[i]]):
+                kind, k = ops[i][pointers[i]]
+                (forward if kind == "F" else backward)(i, k)
+                done.add((kind, i, k))
+                pointers[i] += 1
+                moved = True
+        assert moved, "the schedule deadlocks"
+    return [sum(losses[k] for k in range(n * ACCUM, (n + 1) * ACCUM)) / ACCUM for n in range(len(losses) // ACCUM)]
+
+
+def digits(s):
+    return load_dataset("digits", None, model_shape(s.model.model).img_size, seed=s.train.seed)
+
+
+def digits_batches(s, steps):
+    data = digits(s)
+    return list(train_batches(data, s.recipe, s.train.seed, micro_batch=MICRO, grad_accum=ACCUM, dp_rank=0,
+                              dp_size=1, start_step=0, end_step=steps))
+
+
+def assert_close(got: list[float], want: list[float], rel=1e-5):
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want), 1):
+        assert g == pytest.approx(w, rel=rel), (step, got, want)
+
+
+def losses_of(log_dir) -> list[float]:
+    got = train_losses(log_dir)
+    return [got[step] for step in sorted(got)]
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(240)
+def test_one_stage_equals_the_synchronous_reference(tmp_path):
+    # 2 data-parallel copies of a 1-stage pipeline: the per-stage all-reduce; global batch 16 x 4 x 2.
+    r = launch(["--engine", "async-pipeline", "--pipeline-stages", 1, "--steps", 6, "--log-interval", 1,
+                "--no-save", "--log-dir", tmp_path], nprocs=2, timeout=200)
+    assert r.ok, r
+    assert_close(losses_of(tmp_path), reference_losses(defaults(), 128, 6, clip=CLIP), rel=2e-5)
+
+
+CASES = {  # name: (stages, options, emulator settings)
+    "2 stages, adamw, msnag": (2, ["--simulate-slowdown", "0=1.5"], {}),
+    "3 stages, adamw, msnag": (3, [], {}),
+    "2 stages, sgd, msnag": (2, ["--opt", "sgd", "--momentum", 0.9, "--lr", 0.05, "--weight-decay", 0], {}),
+    "3 stages, no stashing, no prediction": (3, ["--weight-stashing", "off", "--weight-prediction", "none"],
+                                              {"stashing": False, "prediction": False}),
+    "2 stages, update every 2 micro-batches": (2, ["--async-update-interval", 2], {"interval": 2}),
+}
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES)
+def test_stages_match_the_emulator(tmp_path, case):
+    stages, options, emulated = CASES[case]
+    trace = tmp_path / "trace"
+    r = launch(["--engine", "async-pipeline", "--pipeline-stages", stages, "--steps", STEPS, "--log-interval", 1,
+                "--no-save", "--log-dir", tmp_path / "run", *options], nprocs=stages, timeout=240,
+               env={"VIT_TEST_ASYNC_TRACE": str(trace)})
+    assert r.ok, r
+    s = defaults().with_(**{o[2:].replace("-", "_"): v for o, v in zip(options[::2], options[1::2])
+                            if o in ("--opt", "--momentum", "--lr", "--weight-decay")})
+    want = emulate(s, digits_batches(s, STEPS), stages, STEPS, **emulated)
+    assert_close(losses_of(tmp_path / "run"), want)
+    # Asynchrony shows: from the second step on, the synchronous loop trains otherwise.
+    sync = reference_losses(s, MICRO * ACCUM, STEPS, clip=CLIP)
+    assert all(abs(a - b) > 1e-5 for a, b in zip(want[2:], sync[2:])), (want, sync)
+    records = [rec for rank in range(stages) for rec in read_jsonl(f"{trace}_rank{rank}.jsonl")]
+    assert len(records) == stages * STEPS * ACCUM  # every micro-batch's backward ran on every stage
+    stale = [rec for rec in records if rec["staleness"] > 0]
+    assert stale and all(rec["stage"] < stages - 1 for rec in stale)  # the last stage is never stale
+    assert all(rec["backward_version"] - rec["forward_version"] == rec["staleness"] for rec in records)
+    same = [rec["forward_weights"] == rec["backward_weights"] for rec in stale]
+    if emulated.get("stashing", True):
+        assert all(same), "a backward used other weights than its forward"
+    else:
+        assert not any(same), "without stashing a stale backward uses the updated weights"
+    train = [rec for rec in read_jsonl(tmp_path / "run" / "metrics_rank0.jsonl") if rec["kind"] == "train"]
+    assert all(rec["pipe_send_s"] > 0 and rec["pipe_recv_s"] > 0 for rec in train)  # the step breakdown
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_resume_is_exact(tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = ["--engine", "async-pipeline", "--pipeline-stages", 2, "--log-interval", 1, "--eval-interval", 3]
+    r = launch([*common, "--steps", 8, "--save-interval", 4, "--log-dir", full], timeout=240)
+    assert r.ok, r
+    r = launch([*common, "--steps", 8, "--resume", full / "checkpoints" / "step4", "--log-dir", resumed], timeout=240)
+    assert r.ok, r
+    want, got = train_losses(full), train_losses(resumed)
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got, want)
+    evals = [[rec for rec in read_jsonl(d / "metrics_rank0.jsonl") if rec["kind"] == "eval"][-1]
+             for d in (full, resumed)]
+    assert evals[0]["eval_loss"] == pytest.approx(evals[1]["eval_loss"], rel=1e-6)
+    # The checkpoint's stages are whole weights for --pretrained-path, under timm's names.
+    from vit.weights import read_state
+    state = read_state(str(full / "checkpoints" / "step8"))
+    assert {"cls_token", "patch_embed.proj.weight", "head.weight"} <= set(state)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_a_killed_rank_ends_the_job(tmp_path):
+    ranks = Ranks(["--engine", "async-pipeline", "--pipeline-stages", 2, "--steps", 100000, "--log-interval", 1,
+                   "--no-save", "--dist-timeout", 30, "--log-dir", tmp_path])
+    wait_for(lambda: last_step(tmp_path, 1) >= 3, 150, "rank 1 to train 3 steps")
+    killed_at = time.monotonic()
+    os.kill(ranks.procs[1].pid, signal.SIGKILL)
+    r = ranks.wait(timeout=90)
+    assert time.monotonic() - killed_at < 60
+    assert r.returncodes[0] != 0 and r.returncodes[1] == -signal.SIGKILL
+    assert "rank 0 (" in r.outputs[0] and ("failed at step" in r.outputs[0] or "stops" in r.outputs[0]), r
+
+
+def partial_batch_worker(out: str) -> None:
+    """One rank of a 2-stage engine, built directly: two steps whose last micro-batch has 5 samples, then the
+    logits of 7 images."""
+    import torch.distributed as dist
+
+    from vit.ds_config import Batch
+    from vit.engines import EngineContext, build
+
+    dist.init_process_group("gloo")
+    s = defaults()
+    batches = digits_batches(s, 2)
+    batches[-1] = (batches[-1][0][:5], batches[-1][1][:5])
+    data = digits(s)
+    layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
+    engine = build("async-pipeline", EngineContext(layers, {"gradient_clipping": CLIP}, Batch(MICRO, ACCUM, 1),
+                                                   torch.device("cpu"), s.optim, 2, "fp32", pipeline_stages=2,
+                                                   smoothing=s.recipe.smoothing))
+    it = iter(batches)
+    losses = [engine.mean_loss(engine.train_step(it)).item() for _ in range(2)]
+    logits = engine.eval_logits(data.test[0][0][None].repeat(7, 1, 1, 1), None)
+    if dist.get_rank() == 1:
+        Path(out).write_text(json.dumps({"losses": losses, "logits": list(logits.shape)}))
+    engine.links.flush()
+    dist.destroy_process_group()
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_the_last_partial_batch_goes_through(tmp_path):
+    from vit.dist_env import free_port
+
+    out, port = tmp_path / "out.json", free_port()
+    ranks = [subprocess.Popen([sys.executable, __file__, str(out)], cwd=ROOT, env=base_env(
+        RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)), start_new_session=True)
+        for rank in range(2)]
+    try:
+        assert [p.wait(timeout=150) for p in ranks] == [0, 0]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    got = json.loads(out.read_text())
+    s = defaults()
+    batches = digits_batches(s, 2)
+    batches[-1] = (batches[-1][0][:5], batches[-1][1][:5])
+    assert_close(got["losses"], emulate(s, batches, 2, 2))  # the partial micro-batch weighs as a whole one
+    assert got["logits"] == [7, 10]
+
+
+BAD = {
+    "stashing option with another engine": (["--engine", "zero", "--weight-stashing", "off"],
+                                            "apply to --engine async-pipeline"),
+    "interval does not divide the accumulation": (
+        ["--engine", "async-pipeline", "--pipeline-stages", "1", "--async-update-interval", "3"],
+        "--async-update-interval 3 does not divide the gradient-accumulation count 4"),
+    "nesterov with adamw": (["--nesterov"], "--nesterov needs --opt sgd"),
+}
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", BAD)
+def test_bad_combinations_are_one_line(tmp_path, case):
+    args, message = BAD[case]
+    r = run_cmd([sys.executable, "-m", "vit.train", *args, "--log-dir", str(tmp_path / "run")], timeout=100)
+    assert r.returncode == 2, r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("entry_cn.sh: error: ") and message in last, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+if __name__ == "__main__":  # a rank of test_the_last_partial_batch_goes_through
+    partial_batch_worker(sys.argv[1])

@@ -1,0 +1,289 @@
+"""--engine async-pipeline: the layer list cut into --pipeline-stages stages as the pipeline engine cuts it, trained
+1F1B with no flush (PipeDream-2BW). Each stage applies its update after every --async-update-interval of its
+backward passes, so the first stages forward some micro-batches on weights one update older than those their
+gradients are applied to; weight stashing and msnag weight prediction (vit.engines.msnag) offset that.
+Data parallelism across copies of the pipeline: each stage all-reduces its gradients in a group of its copies.
+
+The schedule is a fixed function of the stage and the micro-batch counters, never of timing: stage s keeps at
+most stages - s micro-batches in flight, runs a backward when it holds more than stages - s - 1 and a forward
+otherwise, until the step's micro-batches are all forwarded. The micro-batches still in flight at a step's end
+finish in the next step. A checkpoint drains them first (and the last step does), so what is saved is weights,
+optimizer and counters, and a resumed run continues as the uninterrupted one does.
+"""
+import contextlib
+import json
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from vit.engines import p2p
+from vit.engines.base import Engine, EngineContext, merged_on_rank0
+from vit.engines.msnag import predict
+from vit.errors import ConfigError
+from vit.model import Loss
+from vit.optim import make_optimizer, make_scheduler
+from vit.stats import PhaseTimer
+
+
+def stage_parts(layers: list[nn.Module], stages: int, method: str, planned: list[int] | None) -> list[int]:
+    """Stage boundaries as DeepSpeed's PipelineModule cuts them, or the balanced plan's (vit.hetero)."""
+    from deepspeed.runtime import utils as ds_utils
+
+    if method == "balanced":
+        return list(planned)
+    if method == "uniform":
+        return ds_utils.partition_uniform(len(layers), stages)
+    if method == "parameters":
+        weights = [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]
+    else:  # type:REGEX, on the layers' class names
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        weights = [int(bool(pattern.search(type(layer).__name__))) for layer in layers]
+        if not any(weights):
+            raise ConfigError(f"--partition {method}: no layer's class name matches")
+    return ds_utils.partition_balanced(weights, stages)
+
+
+@dataclass
+class InFlight:
+    """A micro-batch this stage has forwarded and not yet backwarded."""
+    x: torch.Tensor  # its input: the images on the first stage, the previous stage's activations elsewhere
+    out: torch.Tensor | None  # its output (its loss on the last stage); None: the backward runs the forward again
+    weights: dict | None  # the weights its forward used, by name
+    version: int  # updates this stage had applied when it was forwarded
+    staleness: int  # updates that land before its own
+    fingerprint: float | None = None  # VIT_TEST_ASYNC_TRACE: a checksum of its forward's weights
+
+
+class AsyncPipelineEngine(Engine):
+    def __init__(self, ctx: EngineContext):
+        if ctx.precision == "fp16":
+            raise ConfigError("--engine async-pipeline trains in fp32 or bf16 (it has no fp16 loss scaler); pass "
+                              "--precision bf16 or fp32")
+        stages, self.device = ctx.pipeline_stages, ctx.device
+        self.dp_size = dist.get_world_size() // stages
+        self.links = p2p.Links(stages, self.dp_size, self.device)
+        self.stage, self.dp_rank = self.links.stage, self.links.dp_rank
+        parts = stage_parts(ctx.layers, stages, ctx.partition, ctx.parts)
+        held = range(parts[self.stage], parts[self.stage + 1])
+        self.module = nn.Sequential(OrderedDict((str(i), ctx.layers[i]) for i in held)).to(self.device)
+        self.params = dict(self.module.named_parameters())
+        self.first, self.last = self.stage == 0, self.stage == stages - 1
+        self.reads_data = self.first or self.last  # images on the first, labels on the last: never sent along
+        self.ahead = stages - 1 - self.stage  # micro-batches in flight beyond the one 1F1B alternates on
+        a = ctx.asynchrony
+        self.micro_per_step = ctx.batch.grad_accum
+        self.interval = a.async_update_interval or ctx.batch.grad_accum
+        self.stashing, self.prediction = a.weight_stashing == "on", a.weight_prediction == "msnag"
+        self.optimizer = make_optimizer(self.module, ctx.optim, num_layers=len(ctx.layers), device=self.device)
+        self.scheduler = make_scheduler(self.optimizer, ctx.optim,
+                                        ctx.total_steps * self.micro_per_step // self.interval)
+        self.loss_fn, self.loss_weight = Loss(ctx.smoothing), ctx.loss_weight
+        self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
+        self.dtype = torch.bfloat16 if ctx.precision == "bf16" else None
+        self.total_steps = ctx.total_steps
+        self.steps = self.forwarded = self.backwarded = self.version = 0
+        self.inflight: dict[int, InFlight] = {}
+        self.cached = None  # (version, staleness, weights): the stashed or predicted weights forwards share
+        self.losses: list[torch.Tensor] = []
+        trace = os.environ.get("VIT_TEST_ASYNC_TRACE")  # tests: which weights each pass used, per micro-batch
+        self.trace = open(f"{trace}_rank{dist.get_rank()}.jsonl", "a", buffering=1) if trace else None
+        self.timer = PhaseTimer(self.device)
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+
+    def train_step(self, batches):
+        end = (self.steps + 1) * self.micro_per_step
+        self.timer.start()
+        while True:
+            if self.forwarded - self.backwarded > self.ahead:
+                self._backward()
+            elif self.forwarded < end:
+                self._forward(batches)
+            else:
+                break
+        self.steps += 1
+        if self.steps == self.total_steps:
+            self.drain()  # nothing left in flight, no send unwaited
+        loss = torch.stack(self.losses).mean() if self.losses else torch.zeros((), device=self.device)
+        self.losses = []
+        return loss
+
+    def staleness(self, k: int) -> int:
+        """Updates this stage applies between micro-batch k's forward (now) and the update its gradient joins."""
+        return k // self.interval - self.version
+
+    def _weights(self, k: int) -> tuple[dict, bool]:
+        """The weights micro-batch k's forward uses, and whether its backward must run the forward again."""
+        d = self.staleness(k)
+        if d == 0:  # no update lands before its backward: the live weights serve both passes
+            return self.params, False
+        if not self.stashing and not self.prediction:
+            return self.params, True
+        if self.cached is None or self.cached[:2] != (self.version, d):
+            with torch.no_grad():
+                values = predict(self.optimizer, d) if self.prediction else {
+                    p: p.detach().clone() for p in self.params.values()}
+            self.cached = (self.version, d, {n: values[p].requires_grad_() for n, p in self.params.items()})
+        return self.cached[2], not self.stashing
+
+    def _forward(self, batches) -> None:
+        k, t = self.forwarded, self.timer
+        x = y = None
+        if self.reads_data:
+            x, y = next(batches)
+            t.lap("data_s")
+        if not self.first:
+            x = self.links.recv_act.recv().requires_grad_()
+            t.lap("pipe_recv_s")
+        x = x.to(self.device, non_blocking=True)
+        weights, again = self._weights(k)
+        with torch.set_grad_enabled(not again), self._autocast():
+            out = functional_call(self.module, weights, (x,))
+            if self.last:
+                out = self.loss_fn(out, y.to(self.device, non_blocking=True)) * self.loss_weight
+        t.lap("forward_s")
+        if self.last:
+            self.losses.append(out.detach())
+        else:
+            self.links.send_act.send(out)
+            t.lap("pipe_send_s")
+        self.inflight[k] = InFlight(x, None if again else out, None if again else weights, self.version,
+                                    self.staleness(k), checksum(weights) if self.trace else None)
+        self.forwarded += 1
+
+    def _backward(self) -> None:
+        k, t = self.backwarded, self.timer
+        rec = self.inflight.pop(k)
+        grad_out = None
+        if not self.last:
+            grad_out = self.links.recv_grad.recv()
+            t.lap("pipe_recv_s")
+        out, weights = rec.out, rec.weights
+        if out is None:  # without stashing: the forward again, on the weights of now
+            weights = self.params
+            with self._autocast():
+                out = functional_call(self.module, weights, (rec.x,))
+        if self.last:
+            out = out / self.interval  # an update's gradient is the mean over its micro-batches
+        inputs = [] if self.first else [rec.x]
+        grads = torch.autograd.grad(out, inputs + list(weights.values()),
+                                    None if grad_out is None else grad_out.to(out.dtype), allow_unused=True)
+        for p, g in zip(self.params.values(), grads[len(inputs):]):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        if self.trace:
+            self.trace.write(json.dumps({
+                "stage": self.stage, "k": k, "forward_version": rec.version, "backward_version": self.version,
+                "staleness": rec.staleness, "forward_weights": rec.fingerprint,
+                "backward_weights": checksum(weights)}) + "\n")
+        t.lap("backward_s")
+        if not self.first:
+            self.links.send_grad.send(grads[0])
+            t.lap("pipe_send_s")
+        self.backwarded += 1
+        if self.backwarded % self.interval == 0:
+            self._update()
+
+    def _update(self) -> None:
+        params = list(self.params.values())
+        if self.dp_size > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=self.links.stage_group)
+            flat /= self.dp_size
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+            self.timer.lap("allreduce_s")
+        if self.clip:  # each stage its own norm: a norm over all stages would tie them back together
+            nn.utils.clip_grad_norm_(params, self.clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        self.cached = None
+        self.timer.lap("optimizer_s")
+
+    def drain(self) -> None:
+        """Backward every micro-batch in flight (their update included) and wait for every send."""
+        while self.backwarded < self.forwarded:
+            self._backward()
+        self.links.flush()
+
+    def mean_loss(self, loss):
+        t = loss.detach().float().clone()  # the last stages' losses; the others add zero
+        dist.all_reduce(t)
+        return t / self.dp_size
+
+    def evaluate(self, batches):
+        result = super().evaluate(batches)
+        self.links.flush()  # the evaluation's sends, waited on before anything else runs
+        return result
+
+    @torch.no_grad()
+    def eval_logits(self, x, y):
+        if not self.first:
+            x = self.links.recv_act.recv()
+        with self._autocast():
+            out = self.module(x.to(self.device, non_blocking=True))
+        if self.last:
+            return out
+        self.links.send_act.send(out)
+        return None
+
+    @property
+    def lr(self) -> float:
+        return max(g["lr"] for g in self.optimizer.param_groups)
+
+    def train_mode(self, training):
+        self.module.train(training)
+
+    def live_module(self):
+        return self.module
+
+    def layer_state(self):
+        return merged_on_rank0(self.module.state_dict())
+
+    def export_state(self):
+        return merged_on_rank0(self.ema.state_dict()) if self.ema else self.layer_state()
+
+    def _path(self, folder: str, tag: str) -> str:
+        return os.path.join(folder, tag, f"async_stage{self.stage}.pt")
+
+    def save(self, save_dir, tag, client_state):
+        with self.timer.paused():
+            self.drain()
+        if self.dp_rank == 0:  # the copies of a stage are identical
+            path = self._path(save_dir, tag)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            state = {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "scheduler": self.scheduler.state_dict(), "client_state": client_state,
+                     "counters": [self.steps, self.forwarded, self.backwarded, self.version]}
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        dist.barrier()
+
+    def load(self, load_dir, tag):
+        path = self._path(load_dir, tag)
+        if not os.path.isfile(path):
+            raise RuntimeError(f"{path}: no async-pipeline checkpoint of stage {self.stage}")
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps, self.forwarded, self.backwarded, self.version = state["counters"]
+        self.inflight, self.cached = {}, None
+        return state["client_state"]
+
+
+def checksum(weights: dict) -> float:
+    return float(sum(w.detach().double().sum() for w in weights.values()))
+
+
+def build(ctx: EngineContext):
+    return AsyncPipelineEngine(ctx)
