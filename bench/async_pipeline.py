@@ -45,6 +45,8 @@ def add_arguments(p) -> None:
                    "turns within each (the median is kept: the load of a shared machine drifts)")
     p.add_argument("--no-accuracy", action="store_true", help="skip the default-epochs accuracy runs")
     p.add_argument("--extra", default="", help="more vit.train options for every run")
+    p.add_argument("--hostfile", help="run the pipelines across the hosts of this hostfile (e.g. the simulated hosts "
+                   "of scripts/sim_cluster.sh, from cn0); the one-rank run stays on this host")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", help="write async_pipeline.md and async_pipeline.json into this folder")
 
@@ -99,12 +101,13 @@ def accuracy(name: str, options: str, a, logs: Path) -> dict:
 
 def run(a) -> int:
     common = ["--pipeline-stages", a.stages, "--grad-accum", a.grad_accum, "--ds-config", PIPELINE_JSON]
+    hosts = f"--hostfile {shlex.quote(a.hostfile)}" if a.hostfile else ""
     t0 = time.perf_counter()
     runs = {  # name -> (vit.train options, ranks, mpirun options)
         "one stage, one rank": (["--engine", "async-pipeline", "--pipeline-stages", 1, "--grad-accum", a.grad_accum,
                                  "--ds-config", PIPELINE_JSON], 1, "-x OMP_NUM_THREADS=1"),  # a pipeline rank's
-        "pipeline (DeepSpeed)": (["--engine", "pipeline", *common], a.stages, ""),
-        "async-pipeline": (["--engine", "async-pipeline", *common], a.stages, ""),
+        "pipeline (DeepSpeed)": (["--engine", "pipeline", *common], a.stages, hosts),
+        "async-pipeline": (["--engine", "async-pipeline", *common], a.stages, hosts),
     }
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
         logs = Path(tmp)

@@ -119,8 +119,11 @@ class OthersCpu:
 
 def mpirun_train(train: list, ranks: int, log_dir: Path, timeout: float, mpirun_args: str = "") -> int | str:
     """`mpirun -np ranks ./entry_cn.sh TRAIN...`, its output in LOG_DIR/output.log; the exit code, or why it
-    was killed."""
-    mpirun = [str(ROOT / "scripts" / "mpirun"), "-np", str(ranks), "--oversubscribe", *shlex.split(mpirun_args)]
+    was killed. With a --hostfile in mpirun_args, no --oversubscribe: Open MPI 5 then puts every rank on the first
+    host (scripts/compare.sh)."""
+    extra = shlex.split(mpirun_args)
+    mpirun = [str(ROOT / "scripts" / "mpirun"), "-np", str(ranks), *([] if "--hostfile" in extra else
+                                                                     ["--oversubscribe"]), *extra]
     with open(log_dir / "output.log", "w") as out:
         p = subprocess.Popen([*mpirun, str(ROOT / "entry_cn.sh"), *map(str, train)], cwd=ROOT, stdout=out,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

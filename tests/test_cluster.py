@@ -317,7 +317,8 @@ def test_allreduce_benchmark_reads_busbw_against_the_link(cluster, tmp_path):
     ["--engine", "zero", "--ds-config", "deepspeed_configs/zero2.json"],
     # vit_digits has 6 layers (embedding, 4 blocks, head): 5 stages of one or two layers
     ["--engine", "pipeline", "--pipeline-stages", "5", "--ds-config", "deepspeed_configs/pipeline.json"],
-], ids=["zero2", "pipeline5"])
+    ["--engine", "async-pipeline", "--pipeline-stages", "5", "--ds-config", "deepspeed_configs/pipeline.json"],
+], ids=["zero2", "pipeline5", "async5"])
 def test_training_runs_one_rank_per_host(cluster, tmp_path, engine_args):
     hostfile = tmp_path / "hosts.txt"
     cluster.on(0, f"setup/make_hostfile.sh --out {hostfile} {' '.join(HOSTS)}", timeout=60)
