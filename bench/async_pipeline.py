@@ -45,8 +45,9 @@ def add_arguments(p) -> None:
                    "turns within each (the median is kept: the load of a shared machine drifts)")
     p.add_argument("--no-accuracy", action="store_true", help="skip the default-epochs accuracy runs")
     p.add_argument("--extra", default="", help="more vit.train options for every run")
-    p.add_argument("--hostfile", help="run the pipelines across the hosts of this hostfile (e.g. the simulated hosts "
-                   "of scripts/sim_cluster.sh, from cn0); the one-rank run stays on this host")
+    p.add_argument("--mpirun-args", default="", help="more mpirun options for the pipelines' runs, e.g. '--hostfile "
+                   "H -x IFACE' across hosts (the simulated hosts of scripts/sim_cluster.sh, from cn0); the one-rank "
+                   "run stays on this host")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", help="write async_pipeline.md and async_pipeline.json into this folder")
 
@@ -101,7 +102,7 @@ def accuracy(name: str, options: str, a, logs: Path) -> dict:
 
 def run(a) -> int:
     common = ["--pipeline-stages", a.stages, "--grad-accum", a.grad_accum, "--ds-config", PIPELINE_JSON]
-    hosts = f"--hostfile {shlex.quote(a.hostfile)}" if a.hostfile else ""
+    hosts = a.mpirun_args
     t0 = time.perf_counter()
     runs = {  # name -> (vit.train options, ranks, mpirun options)
         "one stage, one rank": (["--engine", "async-pipeline", "--pipeline-stages", 1, "--grad-accum", a.grad_accum,
