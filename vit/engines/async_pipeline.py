@@ -77,12 +77,12 @@ class AsyncPipelineEngine(Engine):
         self.reads_data = self.first or self.last  # images on the first, labels on the last: never sent along
         self.ahead = stages - 1 - self.stage  # micro-batches in flight beyond the one 1F1B alternates on
         a = ctx.asynchrony
-        self.micro_per_step = ctx.batch.grad_accum
+        self.grad_accum = ctx.batch.grad_accum
         self.interval = a.async_update_interval or ctx.batch.grad_accum
         self.stashing, self.prediction = a.weight_stashing == "on", a.weight_prediction == "msnag"
         self.optimizer = make_optimizer(self.module, ctx.optim, num_layers=len(ctx.layers), device=self.device)
         self.scheduler = make_scheduler(self.optimizer, ctx.optim,
-                                        ctx.total_steps * self.micro_per_step // self.interval)
+                                        ctx.total_steps * self.grad_accum // self.interval)
         self.loss_fn, self.loss_weight = Loss(ctx.smoothing), ctx.loss_weight
         self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
         self.dtype = torch.bfloat16 if ctx.precision == "bf16" else None
@@ -99,7 +99,7 @@ class AsyncPipelineEngine(Engine):
         return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
 
     def train_step(self, batches):
-        end = (self.steps + 1) * self.micro_per_step
+        end = (self.steps + 1) * self.grad_accum
         self.timer.start()
         while True:
             if self.forwarded - self.backwarded > self.ahead:
