@@ -84,8 +84,8 @@ def median_row(rows: list[dict]) -> dict:
     return {"run": rows[0]["run"], "images_per_s": statistics.median(r["images_per_s"] for r in rows),
             "each": [round(r["images_per_s"]) for r in rows],
             "ideal_images_per_s": statistics.median(r["ideal_images_per_s"] for r in rows),
-            "load_before": statistics.median(r["load_before"] for r in rows),
-            "others_cores": statistics.median(r["others_cores"] for r in rows)}
+            "load_before": round(statistics.median(r["load_before"] for r in rows), 2),
+            "others_cores": round(statistics.median(r["others_cores"] for r in rows), 2)}
 
 
 def accuracy(name: str, options: str, a, logs: Path) -> dict:
