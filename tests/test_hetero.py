@@ -17,11 +17,14 @@ from vit.hetero import batch_split, census, loss_scale, stages
 from vit.reference import reference_losses
 
 
-def brute_force_split(time, static, act, capacity, inflight) -> stages.StagePlan | None:
-    """Every contiguous split: the specification balanced_split is checked against."""
+def brute_force_split(time, static, act, capacity, inflight, min_first=0) -> stages.StagePlan | None:
+    """Every contiguous split (the first stage ending past layer min_first): the specification balanced_split is
+    checked against."""
     n, num_stages, found = len(static), len(time), None
     for cuts in itertools.combinations(range(1, n), num_stages - 1):
         parts = [0, *cuts, n]
+        if parts[1] <= min_first:
+            continue
         costs = [(max(sum(row[parts[s]:parts[s + 1]]) for row in time[s]),
                   sum(static[parts[s]:parts[s + 1]]) + sum(act[parts[s]:parts[s + 1]]) * inflight[s])
                  for s in range(num_stages)]
@@ -52,7 +55,8 @@ def test_balanced_split_matches_brute_force(seed):
     rng = random.Random(seed)
     n = rng.randint(2, 9)
     case = random_case(rng, n, min(rng.randint(1, 4), n), tight=seed % 2 == 1)
-    got, best = stages.balanced_split(*case), brute_force_split(*case)
+    min_first = rng.randint(0, n - 1) if seed % 4 >= 2 else 0  # a frozen prefix the first stage must pass
+    got, best = stages.balanced_split(*case, min_first), brute_force_split(*case, min_first)
     if best is None:
         assert got is None
         return
@@ -60,6 +64,7 @@ def test_balanced_split_matches_brute_force(seed):
     assert max(got.times) == pytest.approx(max(best.times))
     parts = got.parts
     assert parts[0] == 0 and parts[-1] == n and all(a < b for a, b in zip(parts, parts[1:]))  # contiguous, non-empty
+    assert parts[1] > min_first
     assert all(m <= c for m, c in zip(got.mems, case[3]))
 
 
@@ -127,6 +132,12 @@ def test_frozen_prefix_costs_its_forward_only_and_keeps_no_activations():
         stages.plan_layers(even, [gib] * 6, [gib] * 6, [3 * gib] * 2, stages=2, grad_accum=1, frozen=0)
     plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [3 * gib] * 2, stages=2, grad_accum=1, frozen=5)
     assert plan.parts == [0, 4, 6] and plan.times == [4.0, 4.0]  # fits once 5 layers keep only their weights
+    # 4 of 6 frozen: the fastest cut leaves the first stage frozen only; first_active moves it past them.
+    plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=2, grad_accum=1, frozen=4)
+    assert plan.parts == [0, 4, 6] and plan.times == [4.0, 6.0]
+    plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=2, grad_accum=1, frozen=4,
+                              first_active=True)
+    assert plan.parts == [0, 5, 6] and plan.times == [7.0, 3.0]
     # From the census, re-planned at half the measured micro-batch: the times halve; 4 frozen layers at 0.5 ms.
     reports = census_of(layer_ms=[[[1.0, 2.0]] * 14] * 2)
     for r in reports:

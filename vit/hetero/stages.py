@@ -26,14 +26,15 @@ def stage_cost(s, i, j, time, static, act, inflight) -> tuple[float, float]:
 
 
 def balanced_split(time: list[list[list[float]]], static: list[float], act: list[float], capacity: list[float],
-                   inflight: list[int]) -> StagePlan | None:
+                   inflight: list[int], min_first: int = 0) -> StagePlan | None:
     """The contiguous split of the layers into len(time) non-empty stages that minimises the slowest stage's time
     (time[s][r][i]: seconds of layer i on rank r of stage s) with every stage's memory (static + act x inflight)
-    within its capacity; None when no split fits. Exact dynamic programming over the end of each stage."""
+    within its capacity, the first stage ending past layer min_first; None when no split fits. Exact dynamic
+    programming over the end of each stage."""
     n, stages = len(static), len(time)
     best = {(0, 0): (0.0, None)}  # (stages used, layers placed) -> (slowest time so far, previous cut)
     for s in range(stages):
-        for j in range(s + 1, n - (stages - s - 1) + 1):
+        for j in range(max(s + 1, min_first + 1 if s == 0 else 0), n - (stages - s - 1) + 1):
             options = []
             for i in range(s, j):
                 if (s, i) not in best:
@@ -59,11 +60,14 @@ def pipeline_inflight(stages: int, grad_accum: int) -> list[int]:
 
 
 def plan_layers(layer_s: list[list[tuple[float, float]]], static_bytes: list[float], act_bytes: list[float],
-                capacity_bytes: list[float], stages: int, grad_accum: int, frozen: int = 0) -> StagePlan:
+                capacity_bytes: list[float], stages: int, grad_accum: int, frozen: int = 0,
+                first_active: bool = False) -> StagePlan:
     """The balanced plan from measurements. layer_s[rank][i]: (forward, backward) seconds of layer i at the
     run's micro-batch on that rank; static_bytes[i]: its weights, gradients and optimizer state when trained;
     act_bytes[i]: its activations kept for backward per micro-batch; capacity_bytes[rank]: what a plan may fill.
-    The first `frozen` layers cost their forward only, keep no activations and their weights only. Stage s runs
+    The first `frozen` layers cost their forward only, keep no activations and their weights only; `first_active`:
+    the first stage holds an active layer (a stage of frozen layers only has no backward, which DeepSpeed's
+    pipeline cannot skip). Stage s runs
     on ranks s*dp .. s*dp+dp-1 (DeepSpeed's pipe-major rank order, dp = ranks // stages). ConfigError when no
     split fits."""
     n, dp = len(static_bytes), len(layer_s) // stages
@@ -72,7 +76,8 @@ def plan_layers(layer_s: list[list[tuple[float, float]]], static_bytes: list[flo
     static = [m * (FROZEN_STATIC_SHARE if i < frozen else 1.0) for i, m in enumerate(static_bytes)]
     act = [0.0 if i < frozen else a for i, a in enumerate(act_bytes)]
     capacity = [min(capacity_bytes[s * dp:(s + 1) * dp]) for s in range(stages)]
-    plan = balanced_split(time, static, act, capacity, pipeline_inflight(stages, grad_accum))
+    plan = balanced_split(time, static, act, capacity, pipeline_inflight(stages, grad_accum),
+                          frozen if first_active else 0)
     if plan is None:
         need = (sum(static) + sum(act)) / stages / 2**30
         raise ConfigError(f"--partition balanced: no split of the {n} layers into {stages} stages fits in the ranks' "
@@ -82,7 +87,7 @@ def plan_layers(layer_s: list[list[tuple[float, float]]], static_bytes: list[flo
 
 
 def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int,
-                frozen: int = 0) -> StagePlan:
+                frozen: int = 0, first_active: bool = False) -> StagePlan:
     """plan_layers from the census: each rank's measured layer times (layer_ms, at layer_ms_micro_batch) and free
     memory, the profile's parameters and activations. A re-plan at another micro-batch (more data-parallel
     copies after a freeze) scales the times in proportion, which keeps the fixed costs' share as measured."""
@@ -91,7 +96,7 @@ def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_bat
                for r in reports]
     return plan_layers(layer_s, [p["params"] * BYTES_PER_PARAM for p in profile],
                        [p["act_bytes"] * micro_batch for p in profile],  # profiled in the run's precision
-                       [plan_bytes(r) for r in reports], stages, grad_accum, frozen)
+                       [plan_bytes(r) for r in reports], stages, grad_accum, frozen, first_active)
 
 
 def slowest_stage_s(plan: StagePlan, parts: list[int]) -> float:
