@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.autocache import FeatureCache, cached_batches
-from vit.autopipe import Layout, largest_stage, layer_memory, replan
+from vit.autopipe import Layout, replan
 from vit.settings import FreezeSettings
 
 
@@ -97,17 +97,18 @@ class Freezer:
 
     def __init__(self, s: FreezeSettings, num_layers: int, steps_per_epoch: int, total_steps: int,
                  device: torch.device, *, frozen: int = 0, make_layers=None, make_engine=None,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, census: dict | None = None, micro_batch: int = 1):
         """frozen: layers frozen already (a resumed run); make_layers(): a fresh copy of the layer list;
         make_engine(layers, layout): the run's engine built on them; cache_dir: --freeze-cache's spill folder
-        (None: no cache)."""
+        (None: no cache); census: hetero.adapt's record with layer times, for --freeze-replan."""
         self.mode, self.alpha, self.total_steps = s.freeze, s.freeze_alpha, total_steps
         self.num_freezable = num_layers - 1
         self.interval_steps = max(1, round(s.freeze_interval_epochs * steps_per_epoch))
         self.frozen, self.previous, self.replan = frozen, None, s.freeze_replan == "on"
         self.norms = GradNorms(self.num_freezable, device) if self.mode == "grad" else None
         self.make_layers, self.make_engine = make_layers, make_engine
-        self.budget = None  # the pipeline's largest stage as it started, in vit.autopipe's units
+        self.census, self.micro_batch = census, micro_batch
+        self.planned = None  # the StagePlan of the last re-plan
         self.layout = None  # the pipeline's layout once a freeze point changed it
         self.cache = FeatureCache(s.freeze_cache_gib, cache_dir) if cache_dir else None
         self.layers = None
@@ -144,9 +145,7 @@ class Freezer:
             if current is None or not self.replan:
                 self.layout = current  # explicit boundaries: DeepSpeed's own methods count trainable layers
                 return current
-            if self.budget is None:
-                self.budget = largest_stage(layer_memory(layers, 0), current.parts)
-            self.layout = replan(layers, frozen, current, self.budget)
+            self.layout, self.planned = replan(self.census, frozen, current, self.micro_batch)
             return self.layout
 
         rebuilt = rebuild(engine, lambda layers: self.freeze(layers, frozen), self.make_layers, self.make_engine,
@@ -155,7 +154,16 @@ class Freezer:
         if self.cache is not None:
             self.cache.clear()  # a new boundary
         stages = rebuilt.layout.stages if current else 1
-        metrics.write("freeze", step, frozen=frozen, stages=stages, dp=rebuilt.dp_size, cache=self.cache is not None)
+        planned = {"parts": rebuilt.layout.parts} if current else {}
+        if current and self.replan:
+            planned["predicted_ms"] = 1e3 * max(self.planned.times)
+        metrics.write("freeze", step, frozen=frozen, stages=stages, dp=rebuilt.dp_size, cache=self.cache is not None,
+                      **planned)
+        if dist.get_rank() == 0:
+            plan = f", layers {planned['parts']}" if planned else ""
+            plan += f", slowest stage {planned['predicted_ms']:.2f} ms predicted" if "predicted_ms" in planned else ""
+            print(f"freeze at step {step}: {frozen} layers frozen; {stages} stages x {rebuilt.dp_size} data-parallel"
+                  f"{plan}", flush=True)
         return rebuilt
 
     def watch(self, module: nn.Module) -> None:

@@ -139,7 +139,8 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
                       make_layers=lambda: slowdown.attach_all(build_layers(
                           s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
                           s.model.drop_path), plan.slowdowns.get(job.rank, 1.0), dev),
-                      make_engine=make_engine, cache_dir=autocache.directory(s, log_dir, job.rank))
+                      make_engine=make_engine, cache_dir=autocache.directory(s, log_dir, job.rank),
+                      census=adapted.record, micro_batch=batch.micro_batch)
     freezer.freeze(layers, frozen)
     engine = make_engine(layers, Layout(**layout) if layout else None)
     freezer.watch(engine.live_module())
@@ -181,7 +182,8 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
         reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan.requested_precision, dev)),
-        probe_on_cpu=par.engine in PIPELINES or zero_stage(plan.ds_config) == 3)
+        probe_on_cpu=par.engine in PIPELINES or zero_stage(plan.ds_config) == 3,
+        layer_times=par.engine in PIPELINES and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
 
 
 def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,
