@@ -159,15 +159,19 @@ def test_replan_moves_the_cut_by_measured_times_and_halves_only_when_memory_allo
 def test_pipeline_shrinks_to_data_parallel_and_matches_the_loop_and_resumes(tmp_path):
     full = tmp_path / "full"
     common = ["--engine", "pipeline", "--steps", 8, "--log-interval", 1, *FREEZE]
-    r = launch([*common, "--save-interval", 3, "--log-dir", full], timeout=240)
+    r = launch([*common, "--save-interval", 1, "--log-dir", full], timeout=240)
     assert r.ok, r
-    # 2 stages x 1 copy re-planned at steps 2 and 4, then 1 stage x 2 copies (micro-batches 16 x 4 -> 16 x 2 each).
-    points = [(2, 2, 2, 1), (4, 3, 2, 1), (6, 4, 1, 2)]
+    # Re-planned from the measured layer times: all 6 layers fit one rank's (CPU) memory once 2 froze, so the first
+    # freeze point halves the pipeline: 1 stage x 2 copies (micro-batches 16 x 4 -> 16 x 2 each).
+    points = [(2, 2, 1, 2), (4, 3, 1, 2), (6, 4, 1, 2)]
     for rank in (0, 1):
-        assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in freeze_records(full, rank)] == points
+        records = freeze_records(full, rank)
+        assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in records] == points
+        assert all(x["parts"] == [0, 6] and x["predicted_ms"] > 0 for x in records)
+    assert "freeze at step 2: 2 layers frozen; 1 stages x 2 data-parallel, layers [0, 6]" in r.outputs[0]
     want = reference(8, {2: 2, 4: 3, 6: 4})
     assert_losses(train_losses(full), want, range(1, 9))
-    for start in (3, 6):  # before the transition (2 stages, re-planned), and just after it (1 stage x 2)
+    for start in (1, 5):  # before the transition (2 stages), and in the middle of a phase (1 stage x 2)
         resumed = tmp_path / f"from{start}"
         r = launch([*common, "--resume", full / "checkpoints" / f"step{start}", "--no-save", "--log-dir", resumed],
                    timeout=200)

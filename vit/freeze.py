@@ -194,12 +194,12 @@ class Freezer:
 
     def state_dict(self) -> dict:
         """Collective under --freeze grad."""
-        return {"frozen": self.frozen, "previous": self.previous, "budget": self.budget,
+        return {"frozen": self.frozen, "previous": self.previous,
                 "layout": self.layout.__dict__ if self.layout else None,
                 "sums": self.norms.state_dict() if self.norms is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
-        self.frozen, self.previous, self.budget = state["frozen"], state["previous"], state.get("budget")
+        self.frozen, self.previous = state["frozen"], state["previous"]
         self.layout = Layout(**state["layout"]) if state.get("layout") else None
         if self.norms is not None and state["sums"] is not None:
             self.norms.load_state_dict(state["sums"])
