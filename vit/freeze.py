@@ -154,7 +154,7 @@ class Freezer:
         if self.cache is not None:
             self.cache.clear()  # a new boundary
         stages = rebuilt.layout.stages if current else 1
-        planned = {"parts": rebuilt.layout.parts} if current else {}
+        planned = {"parts": [int(p) for p in rebuilt.layout.parts]} if current else {}  # DeepSpeed's are numpy
         if current and self.replan:
             planned["predicted_ms"] = 1e3 * max(self.planned.times)
         metrics.write("freeze", step, frozen=frozen, stages=stages, dp=rebuilt.dp_size, cache=self.cache is not None,
