@@ -165,15 +165,13 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
 
 def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> hetero.Adapted:
     """The census and the plans for mixed GPUs (vit.hetero), from this run's settings."""
-    s, job, batch, data = plan.settings, plan.job, plan.batch, plan.data
+    s, job, batch, data, par = plan.settings, plan.job, plan.batch, plan.data, plan.settings.parallel
 
     def probe_batches():  # two steps of this rank's real batches, from where training starts
-        dp = batch.dp_size
-        probe = TrainBatches(len(data.train), batch.micro_batch, batch.grad_accum, job.rank % dp, dp, s.train.seed,
-                             start_step, start_step + 2)
+        probe = TrainBatches(len(data.train), batch.micro_batch, batch.grad_accum, job.rank % batch.dp_size,
+                             batch.dp_size, s.train.seed, start_step, start_step + 2)
         return make_loader(data.train, probe, 0, False)
 
-    par = s.parallel
     return hetero.adapt(
         job, dev, layers, requested_precision=plan.requested_precision, micro_batch=batch.micro_batch,
         grad_accum=batch.grad_accum, sample=data.train[0][0][None],
