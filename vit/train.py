@@ -15,9 +15,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from vit import autocache, checkpoint, console, hetero, preflight, slowdown, tracking, weights
+from vit import autocache, autopipe, checkpoint, console, hetero, preflight, slowdown, tracking, weights
 from vit.augment import train_batches
-from vit.autopipe import Layout, with_layout
 from vit.checkpoint import Checkpointer
 from vit.cli import parse
 from vit.data import TrainBatches, loader_workers, make_loader
@@ -128,12 +127,12 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     hidden_to = console.to_file(log_dir, job.rank)
     ds_config = with_precision(plan.ds_config, adapted.precision, adapted.scale_power)
 
-    def make_engine(layers: list, layout: Layout | None = None) -> Engine:  # layout: --freeze-replan's
+    def make_engine(layers: list, layout: autopipe.Layout | None = None) -> Engine:  # layout: --freeze-replan's
         ctx = EngineContext(layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision,
                             s.parallel.pipeline_stages, s.parallel.partition, adapted.parts, adapted.loss_weight,
                             s.recipe.smoothing, s.asynchrony)
         with console.library_prints():
-            return build(s.parallel.engine, with_layout(ctx, layout) if layout else ctx)
+            return build(s.parallel.engine, autopipe.with_layout(ctx, layout) if layout else ctx)
 
     freezer = Freezer(s.freeze, len(layers), plan.steps_per_epoch, plan.total_steps, dev, frozen=frozen,
                       make_layers=lambda: slowdown.attach_all(build_layers(
@@ -142,7 +141,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
                       make_engine=make_engine, cache_dir=autocache.directory(s, log_dir, job.rank),
                       census=adapted.record, micro_batch=batch.micro_batch)
     freezer.freeze(layers, frozen)
-    engine = make_engine(layers, Layout(**layout) if layout else None)
+    engine = make_engine(layers, autopipe.Layout(**layout) if layout else None)
     freezer.watch(engine.live_module())
     if ema_layers:
         engine.ema = Ema(ema_layers, engine, s.recipe.model_ema_decay)
