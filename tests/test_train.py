@@ -71,8 +71,9 @@ def test_two_ranks_match_reference_with_augmentation_and_mixup(tmp_path, engine,
     assert r.ok, r
     assert json.loads((tmp_path / "config.json").read_text())["global_batch"] == 64
     assert_matches_reference(tmp_path, 64, **RECIPE)
-    # The recipe is in effect: from step 2 on (step 1 is the initial model's loss) it trains differently.
-    assert all(abs(a - b) > 1e-4 for a, b in zip(reference(64, **RECIPE)[1:], reference(64)[1:]))
+    # The recipe is in effect: it trains differently from the run without augmentation (a single step's losses
+    # may come close by chance: with the digits' default crop two of them differed by 6e-5 at step 4).
+    assert max(abs(a - b) for a, b in zip(reference(64, **RECIPE), reference(64, no_aug=True))) > 1e-3
 
 
 @pytest.mark.timeout(420)
