@@ -42,18 +42,25 @@ class Augmented(Dataset):
         return len(self.raw)
 
     def __getitem__(self, key: int):
-        step, index = divmod(key, len(self.raw))
-        image, label = self.raw[index]
-        s = _seed(self.seed, step, index)
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[int]) -> list:
+        """The DataLoader's batched fetch: each sample under its own seeds, the caller's generators saved and
+        restored once per batch (per sample, that cost four times the crop itself)."""
         py, npy = random.getstate(), np.random.get_state()
+        samples = []
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(s)
-            random.seed(s)
-            np.random.seed(s % 2**32)
-            x = self.transform(image)
+            for key in keys:
+                step, index = divmod(key, len(self.raw))
+                image, label = self.raw[index]
+                s = _seed(self.seed, step, index)
+                torch.default_generator.manual_seed(s)  # torch.manual_seed would seed every device's too
+                random.seed(s)
+                np.random.seed(s % 2**32)
+                samples.append((self.transform(image), label))
         random.setstate(py)
         np.random.set_state(npy)
-        return x, label
+        return samples
 
 
 class PILImages(Dataset):

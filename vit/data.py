@@ -255,24 +255,25 @@ class TrainBatches(Sampler):
 
 
 class _Padded(Dataset):
-    """Index -1 is a padding sample: zeros with PAD_LABEL."""
+    """Index -1 is a padding sample: zeros with PAD_LABEL. The DataLoader fetches a batch at a time (__getitems__),
+    and so does the data set below where it can (vit.augment.Augmented)."""
 
     def __init__(self, ds: Dataset):
-        self.ds = ds
-        self.pad = torch.zeros_like(ds[0][0])
+        self.ds, self.pad = ds, torch.zeros_like(ds[0][0])
 
     def __len__(self):
         return len(self.ds)
 
-    def __getitem__(self, i):
-        return (self.pad, torch.tensor(PAD_LABEL)) if i < 0 else self.ds[i]
+    def __getitems__(self, keys: list[int]) -> list:
+        real = [k for k in keys if k >= 0]
+        got = iter(self.ds.__getitems__(real) if hasattr(self.ds, "__getitems__") else [self.ds[k] for k in real])
+        return [(self.pad, torch.tensor(PAD_LABEL)) if k < 0 else next(got) for k in keys]
 
 
 def eval_batches(num_samples: int, micro_batch: int, dp_rank: int, dp_size: int) -> list[list[int]]:
     """This rank's share (r, r + dp, ...) in full micro-batches, padded with -1.
 
-    Every rank gets the same number of micro-batches, because ZeRO-3 and the pipeline need every
-    rank to run every forward.
+    Every rank gets the same number of micro-batches: ZeRO-3 and the pipeline need every rank to run every forward.
     """
     mine = list(range(dp_rank, num_samples, dp_size))
     per_rank = -(-num_samples // dp_size)
