@@ -140,7 +140,7 @@ class AsyncPipelineEngine(Engine):
             x, y = next(batches)
             t.lap("data_s")
         if not self.first:
-            x = self.links.recv_act.recv().requires_grad_()
+            x = self.links.recv_act.recv(more=k + 1 < self.total_steps * self.grad_accum).requires_grad_()
             t.lap("pipe_recv_s")
         x = x.to(self.device, non_blocking=True)
         weights, again = self._weights(k)
@@ -163,7 +163,7 @@ class AsyncPipelineEngine(Engine):
         rec = self.inflight.pop(k)
         grad_out = None
         if not self.last:
-            grad_out = self.links.recv_grad.recv()
+            grad_out = self.links.recv_grad.recv(more=k + 1 < self.total_steps * self.grad_accum)
             t.lap("pipe_recv_s")
         out, weights = rec.out, rec.weights
         if out is None:  # without stashing: the forward again, on the weights of now

@@ -5,6 +5,11 @@ that a stage sending activations forward and gradients back never shares a group
 Sends stay in flight in a ring as deep as the pipeline (two at two stages: double buffering): stage 0 runs up
 to stages - 1 micro-batches ahead of the last, so a shallower ring could make two neighbours wait on each other.
 
+gloo moves a message only once its receive is posted, so a receive waited on at once costs a round trip between
+the two processes at the moment the tensor is needed. When the caller knows another message will come, the next
+receive is posted as soon as one arrives (double buffering on the receiving side too), and the transfer overlaps
+the work in between. It is posted only then: a receive left posted when nothing more is sent would never end.
+
 A header (the tensor's rank, shape and dtype) goes first and again whenever the shape or dtype changes, so a
 batch of another size (the last, partial one) needs no drop_last. torch.distributed has no probe, so each tensor
 travels with one leading element: 0 for a tensor, 1 for a notice, sent in the previous size, that a new header
@@ -27,6 +32,7 @@ class Channel:
         self.group, self.peer, self.device, self.depth = group, peer, device, depth
         self.pending: deque = deque()  # (handles, tensors kept alive until sent)
         self.sent = self.received = None  # the (shape, dtype) the peer expects: the last header's
+        self.posted = None  # (work, buffer): the next message's receive, posted ahead
 
     def send(self, t: torch.Tensor) -> None:
         if len(self.pending) >= self.depth:
@@ -48,22 +54,27 @@ class Channel:
         handles = [dist.isend(m, self.peer, group=self.group) for m in messages]
         self.pending.append((handles, messages))
 
-    def recv(self) -> torch.Tensor:
-        if self.received is not None:
-            buffer = self._take(self._buffer(self.received))
-            if buffer[0] == 0:
-                return buffer[1:].view(self.received[0])
-        header = self._take(torch.empty(MAX_DIMS + 2, dtype=torch.long, device=self.device)).tolist()
-        self.received = (tuple(header[2:2 + header[0]]), DTYPES[header[1]])
-        return self._take(self._buffer(self.received))[1:].view(self.received[0])
+    def recv(self, more: bool = False) -> torch.Tensor:
+        """The next tensor. more: the peer is sure to send another message on this channel (the training schedule
+        says so), so its receive is posted now."""
+        posted, self.posted = self.posted, None
+        if posted is None and self.received is not None:
+            posted = self._post(self._buffer(self.received))
+        buffer = _wait(posted) if posted else None
+        if buffer is None or buffer[0] == 1:  # the first message, or a notice that a header follows
+            header = _wait(self._post(torch.empty(MAX_DIMS + 2, dtype=torch.long, device=self.device))).tolist()
+            self.received = (tuple(header[2:2 + header[0]]), DTYPES[header[1]])
+            buffer = _wait(self._post(self._buffer(self.received)))
+        if more:
+            self.posted = self._post(self._buffer(self.received))
+        return buffer[1:].view(self.received[0])
 
     def _buffer(self, meta: tuple) -> torch.Tensor:
         shape, dtype = meta
         return torch.empty(1 + math.prod(shape), dtype=dtype, device=self.device)
 
-    def _take(self, t: torch.Tensor) -> torch.Tensor:
-        dist.irecv(t, self.peer, group=self.group).wait()
-        return t
+    def _post(self, t: torch.Tensor) -> tuple:
+        return dist.irecv(t, self.peer, group=self.group), t
 
     def _wait_oldest(self) -> None:
         handles, _ = self.pending.popleft()
@@ -74,6 +85,11 @@ class Channel:
         """Wait until every send has gone (its receiver has taken it)."""
         while self.pending:
             self._wait_oldest()
+
+
+def _wait(posted: tuple) -> torch.Tensor:
+    posted[0].wait()
+    return posted[1]
 
 
 class Links:
