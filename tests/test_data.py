@@ -137,3 +137,26 @@ def test_augmented_mixed_global_batch_is_the_same_for_any_width_and_workers(dp, 
     again = list(train_batches(data, r, 3, partners=False, micro_batch=g, grad_accum=1, dp_rank=0, dp_size=1,
                                start_step=2, end_step=3))
     assert torch.equal(again[0][0], whole[2][0]) and torch.equal(again[0][1], whole[2][1])
+
+
+def test_an_augmented_batch_is_its_samples_and_leaves_the_callers_generators_alone():
+    """The batched fetch seeds each sample by (seed, step, index), whatever else is in the batch, and puts the
+    caller's generators back (drop-path draws the same numbers with or without augmentation)."""
+    import random
+
+    from vit.augment import train_dataset
+    from vit.cli import defaults
+    from vit.data import load_digits
+
+    data = load_digits()
+    ds, keyed = train_dataset(data, defaults().with_(**{**RECIPE, "mixup": 0.0, "cutmix": 0.0}).recipe, 5)
+    assert keyed
+    keys = [3 * len(ds) + 7, 9 * len(ds) + 7, 3 * len(ds) + 8]  # sample 7 at steps 3 and 9, sample 8 at step 3
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    states = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
+    batch = ds.__getitems__(keys)
+    assert random.getstate() == states[0] and np.array_equal(np.random.get_state()[1], states[1])
+    assert torch.equal(torch.get_rng_state(), states[2])
+    alone = [ds.__getitems__([k])[0] for k in reversed(keys)][::-1]
+    assert all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(batch, alone))
+    assert not torch.equal(batch[0][0], batch[1][0])  # another step, another augmentation of the same image
