@@ -7,6 +7,7 @@ would take if it never waited for a neighbour nor sent (the breakdown's phases l
 median over the logging windows after the first). Measured in the same run, it holds under the load of a shared
 machine. The whole network on one rank (same micro-batch, accumulation and threads per rank) times --stages is
 printed beside it, as a second ideal that assumes stages of equal work and a machine to itself."""
+import argparse
 import json
 import shlex
 import statistics
@@ -44,12 +45,24 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=positive_int, default=3, help="rounds of speed runs, the engines taking "
                    "turns within each (the median is kept: the load of a shared machine drifts)")
     p.add_argument("--no-accuracy", action="store_true", help="skip the default-epochs accuracy runs")
+    p.add_argument("--seeds", type=seed_list, default=[0], help="comma-separated seeds of the accuracy runs (the "
+                   "table shows the median and each)")
     p.add_argument("--extra", default="", help="more vit.train options for every run")
     p.add_argument("--mpirun-args", default="", help="more mpirun options for the pipelines' runs, e.g. '--hostfile "
                    "H -x IFACE' across hosts (the simulated hosts of scripts/sim_cluster.sh, from cn0); the one-rank "
                    "run stays on this host")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", help="write async_pipeline.md and async_pipeline.json into this folder")
+
+
+def seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of seeds, e.g. 0,1,2")
+    if any(x < 0 for x in seeds):
+        raise argparse.ArgumentTypeError(f"'{text}': seeds are 0 or more")
+    return seeds
 
 
 def speed(name: str, train: list, ranks: int, a, log_dir: Path, mpirun_args: str = "") -> dict:
@@ -89,15 +102,21 @@ def median_row(rows: list[dict]) -> dict:
 
 
 def accuracy(name: str, options: str, a, logs: Path) -> dict:
-    log_dir = logs / f"accuracy.{name.split()[0].strip(',')}.{len(list(logs.iterdir()))}"
-    log_dir.mkdir(parents=True)
-    rc = mpirun_train([*shlex.split(options), "--pipeline-stages", a.stages, "--grad-accum", a.grad_accum,
-                       "--no-save", "--log-dir", log_dir, *shlex.split(a.extra)], a.stages, log_dir, a.timeout)
-    if rc != 0:
-        return {"run": name, "error": f"exit {rc}: {failure_tail(log_dir)}"}
-    s = json.loads((log_dir / "summary.json").read_text())
-    print(f"{name}: top-1 {100 * s['top1']:.2f}% after {s['steps']} steps", flush=True)
-    return {"run": name, "options": options, "top1": s["top1"], "steps": s["steps"], "wall_s": s["wall_s"]}
+    """Held-out top-1 after the default epochs, for each of --seeds: the median, and each seed's."""
+    runs = []
+    for seed in a.seeds:
+        log_dir = logs / f"accuracy.{name.split()[0].strip(',')}.{len(list(logs.iterdir()))}"
+        log_dir.mkdir(parents=True)
+        rc = mpirun_train([*shlex.split(options), "--pipeline-stages", a.stages, "--grad-accum", a.grad_accum,
+                           "--seed", seed, "--no-save", "--log-dir", log_dir, *shlex.split(a.extra)], a.stages,
+                          log_dir, a.timeout)
+        if rc != 0:
+            return {"run": name, "error": f"exit {rc}: {failure_tail(log_dir)}"}
+        runs.append(json.loads((log_dir / "summary.json").read_text()))
+        print(f"{name}, seed {seed}: top-1 {100 * runs[-1]['top1']:.2f}% after {runs[-1]['steps']} steps", flush=True)
+    return {"run": name, "options": options, "top1": statistics.median(r["top1"] for r in runs),
+            "each": [r["top1"] for r in runs], "steps": runs[0]["steps"],
+            "wall_s": statistics.median(r["wall_s"] for r in runs)}
 
 
 def run(a) -> int:
@@ -118,7 +137,7 @@ def run(a) -> int:
         accuracies = [] if a.no_accuracy else [accuracy(n, o, a, logs) for n, o in ACCURACY.items()]
     ideal = one["images_per_s"] * a.stages if "images_per_s" in one else None
     result = {"device": device_name(), "stages": a.stages, "grad_accum": a.grad_accum, "ranks": a.stages,
-              "ideal_images_per_s": ideal, "one_stage": one, "speed": rows, "accuracy": accuracies,
+              "ideal_images_per_s": ideal, "one_stage": one, "speed": rows, "accuracy": accuracies, "seeds": a.seeds,
               "wall_s": time.perf_counter() - t0}
     publish(a.out, "async_pipeline", result, table(result))
     return 0 if all("error" not in r for r in [one, *rows, *accuracies]) else 1
@@ -144,12 +163,15 @@ def table(r: dict) -> str:
                      f"{f'{ips / own:.2f}' if own else ''} | {of_one} | {row.get('load_before', '')} | "
                      f"{row.get('others_cores', '')} |")
     if r["accuracy"]:
-        lines += ["", "| run (default epochs) | held-out top-1 % | steps | wall s |", "|---|---|---|---|"]
+        lines += ["", f"| run (default epochs) | held-out top-1 %, median (seeds {', '.join(map(str, r['seeds']))}) "
+                  "| steps | wall s, median |", "|---|---|---|---|"]
         for row in r["accuracy"]:
             if "error" in row:
                 lines.append(f"| {row['run']} | failed: {row['error'].splitlines()[0]} | | |")
             else:
-                lines.append(f"| {row['run']} | {100 * row['top1']:.2f} | {row['steps']} | {row['wall_s']:.0f} |")
+                each = ", ".join(f"{100 * t:.2f}" for t in row["each"])
+                lines.append(f"| {row['run']} | {100 * row['top1']:.2f} ({each}) | {row['steps']} | "
+                             f"{row['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

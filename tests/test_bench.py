@@ -93,3 +93,25 @@ def test_recipe_table_has_a_row_per_variant_with_the_median_of_its_seeds(tmp_pat
     assert rows["baseline"]["ema_top1"] is None and rows["model-ema"]["ema_top1"] is not None
     table = (tmp_path / "recipe.md").read_text()
     assert table in r.stdout and "| model-ema | `--model-ema --model-ema-decay 0.99` |" in table
+
+
+@pytest.mark.timeout(400)
+def test_async_pipeline_table_has_both_pipelines_their_ideals_and_the_accuracy_per_seed(tmp_path):
+    cmd = [sys.executable, "-m", "bench", "async-pipeline", "--steps", 4, "--warmup", 1, "--repeats", 1, "--seeds",
+           "0,1", "--extra", "--steps 3 --micro-batch-size 8", "--timeout", 150, "--out", tmp_path]
+    r = run_cmd([str(c) for c in cmd], timeout=380)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "async_pipeline.json").read_text())
+    assert [row["run"] for row in result["speed"]] == ["pipeline (DeepSpeed)", "async-pipeline"]
+    for row in [*result["speed"], result["one_stage"]]:
+        assert row["images_per_s"] > 0 and len(row["each"]) == 1
+    assert all(row["ideal_images_per_s"] > 0 for row in result["speed"])
+    assert result["ideal_images_per_s"] == pytest.approx(2 * result["one_stage"]["images_per_s"])
+    assert [row["run"] for row in result["accuracy"]] == ["pipeline (sync, DeepSpeed)", "async, no prediction",
+                                                           "async, msnag"]
+    for row in result["accuracy"]:
+        assert len(row["each"]) == 2 and row["steps"] == 3
+        assert row["top1"] == pytest.approx(sum(row["each"]) / 2)  # the median of two
+    table = (tmp_path / "async_pipeline.md").read_text()
+    assert table in r.stdout and "median (seeds 0, 1)" in table
+    assert "| async-pipeline |" in table and "| async, msnag |" in table
