@@ -24,7 +24,7 @@ from helpers import ROOT, Ranks, base_env, last_step, launch, read_jsonl, run_cm
 from torch.func import functional_call
 
 from vit.augment import train_batches
-from vit.cli import defaults
+from vit.cli import defaults, parse
 from vit.data import load_dataset
 from vit.model import build_layers, loss_fn, model_shape
 from vit.optim import make_optimizer, make_scheduler
@@ -53,6 +53,42 @@ class Stage:
                     p.grad = torch.zeros_like(p)
             opt.step()
         return {n: memo[id(p)].detach().clone() for n, p in self.module.named_parameters()}
+
+
+@pytest.mark.parametrize("opt,options", [
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.8, dampening=0.3, weight_decay=0.05)),
+    (torch.optim.SGD, dict(lr=0.1, weight_decay=0.1)),
+    (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+])
+@pytest.mark.parametrize("updates", [0, 2])
+def test_prediction_is_the_optimizers_own_steps_with_no_new_gradient(opt, options, updates):
+    """msnag's weights d updates ahead are those d zero-gradient steps of the optimizer itself give (the emulator's
+    definition), before the first update too; for SGD with momentum alone, FTPipe's closed form."""
+    from vit.engines.msnag import predict
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    optimizer = opt(layer.parameters(), **options)
+    for _ in range(updates):
+        layer(torch.randn(5, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    before = [p.detach().clone() for p in layer.parameters()]
+    predicted = predict(optimizer, 3)
+    assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), before))  # the live weights untouched
+    stage = Stage.__new__(Stage)
+    stage.opt, stage.module = optimizer, layer
+    want = stage.ahead(3)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(predicted[p], want[name], rtol=1e-6, atol=1e-7)
+    if opt is torch.optim.SGD and options == dict(lr=0.1, momentum=0.9) and updates:
+        v = optimizer.state[layer.weight]["momentum_buffer"]
+        closed = layer.weight - 0.1 * (0.9 - 0.9 ** 4) / (1 - 0.9) * v
+        torch.testing.assert_close(predicted[layer.weight], closed, rtol=1e-6, atol=1e-7)
+    if updates == 0 and not options.get("weight_decay"):
+        assert all(torch.equal(predicted[p], b) for p, b in zip(layer.parameters(), before))
 
 
 def emulate(s, batches, stages, steps, interval=ACCUM, stashing=True, prediction=True):
@@ -158,6 +194,7 @@ CASES = {  # name: (stages, options, emulator settings)
     "2 stages, adamw, msnag": (2, ["--simulate-slowdown", "0=1.5"], {}),
     "3 stages, adamw, msnag": (3, [], {}),
     "2 stages, sgd, msnag": (2, ["--opt", "sgd", "--momentum", 0.9, "--lr", 0.05, "--weight-decay", 0], {}),
+    "2 stages, sgd nesterov, weight decay, msnag": (2, ["--opt", "sgd", "--nesterov", "--lr", 0.05], {}),
     "3 stages, no stashing, no prediction": (3, ["--weight-stashing", "off", "--weight-prediction", "none"],
                                               {"stashing": False, "prediction": False}),
     "2 stages, update every 2 micro-batches": (2, ["--async-update-interval", 2], {"interval": 2}),
@@ -174,13 +211,12 @@ def test_stages_match_the_emulator(tmp_path, case):
                 "--no-save", "--log-dir", tmp_path / "run", *options], nprocs=stages, timeout=240,
                env={"VIT_TEST_ASYNC_TRACE": str(trace)})
     assert r.ok, r
-    s = defaults().with_(**{o[2:].replace("-", "_"): v for o, v in zip(options[::2], options[1::2])
-                            if o in ("--opt", "--momentum", "--lr", "--weight-decay")})
+    s = parse(["--engine", "async-pipeline", *map(str, options)])
     want = emulate(s, digits_batches(s, STEPS), stages, STEPS, **emulated)
     assert_close(losses_of(tmp_path / "run"), want)
     # Asynchrony shows: from the second step on, the synchronous loop trains otherwise.
     sync = reference_losses(s, MICRO * ACCUM, STEPS, clip=CLIP)
-    assert all(abs(a - b) > 1e-5 for a, b in zip(want[2:], sync[2:])), (want, sync)
+    assert max(abs(a - b) for a, b in zip(want[2:], sync[2:])) > 1e-3, (want, sync)  # (curves may cross)
     records = [rec for rank in range(stages) for rec in read_jsonl(f"{trace}_rank{rank}.jsonl")]
     assert len(records) == stages * STEPS * ACCUM  # every micro-batch's backward ran on every stage
     stale = [rec for rec in records if rec["staleness"] > 0]

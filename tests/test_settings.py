@@ -73,3 +73,17 @@ def test_digits_crop_by_default_and_no_aug_turns_every_augmentation_off():
     assert (off.scale, off.hflip, off.augments, off.mixup) == (None, 0.0, False, 0.2)
     assert train_dataset(digits, off, 0) == (digits.train, False)  # the plain tensors, not re-drawn per step
     assert data_recipe(defaults().recipe, synthetic) == defaults().recipe
+
+
+def test_the_settings_hash_that_guards_resume_tells_optimizers_apart():
+    from vit.dist_env import Job
+    from vit.plan import make_plan
+
+    def settings_hash(*argv):
+        return make_plan(parse(list(argv)), Job(0, 1, 0, 1, "single")).settings_hash()
+
+    adamw = settings_hash()
+    assert settings_hash("--momentum", "0.5") == adamw  # AdamW has no --momentum
+    hashes = {settings_hash("--opt", "sgd"), settings_hash("--opt", "sgd", "--momentum", "0.5"),
+              settings_hash("--opt", "sgd", "--nesterov"), adamw, settings_hash("--lr", "0.1")}
+    assert len(hashes) == 5

@@ -47,6 +47,8 @@ class Plan:
         m, d, o = self.settings.model, self.settings.data, self.settings.optim
         what = {"model": m.model, "dataset": d.dataset, "img_size": m.img_size, "seed": self.settings.train.seed,
                 "lr": o.lr, "min_lr": o.min_lr, "weight_decay": o.weight_decay, "deepspeed": self.ds_config}
+        if o.opt != "adamw":  # only then: AdamW checkpoints written before --opt existed keep their hash
+            what.update(opt=o.opt, momentum=o.momentum, nesterov=o.nesterov)
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 

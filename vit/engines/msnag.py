@@ -16,21 +16,27 @@ def predict(optimizer: torch.optim.Optimizer, d: int) -> dict:
 
 
 def sgd_ahead(p: torch.Tensor, state: dict, group: dict, d: int) -> torch.Tensor:
-    """θ − lr·(γ − γ^{d+1})/(1 − γ)·v: the momentum buffer v decaying by γ for d steps."""
-    v, gamma = state.get("momentum_buffer"), group["momentum"]
-    if v is None or gamma == 0:
-        return p.detach().clone()
-    coef = float(group["lr"]) * (gamma - gamma ** (d + 1)) / (1 - gamma)
-    return p.detach() - coef * v
+    """SGD's update d times with no new gradient but weight decay's: without weight decay and Nesterov that is
+    θ − lr·(γ − γ^{d+1})/(1 − γ)·v, the momentum buffer v decaying by γ; with Nesterov each step also looks ahead
+    (γ·v); with weight decay wd·θ is the gradient, and starts the buffer if no update has yet."""
+    lr, gamma, wd, damp = float(group["lr"]), group["momentum"], group["weight_decay"], group["dampening"]
+    theta, v = p.detach().clone(), state.get("momentum_buffer")
+    for _ in range(d):
+        g = theta * wd
+        if gamma:
+            v = g.clone() if v is None else v * gamma + g * (1 - damp)
+            g = g + v * gamma if group["nesterov"] else v
+        theta.sub_(g, alpha=lr)
+    return theta
 
 
 def adamw_ahead(p: torch.Tensor, state: dict, group: dict, d: int) -> torch.Tensor:
     """AdamW's update d times with exp_avg and exp_avg_sq decaying (no new gradient), bias-corrected at each of
-    the steps to come, weight decay included."""
+    the steps to come, weight decay included (alone, before the first update)."""
     theta = p.detach().clone()
-    if "exp_avg" not in state:
-        return theta
     lr, (beta1, beta2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+    if "exp_avg" not in state:
+        return theta.mul_((1 - lr * wd) ** d)
     step = float(state["step"])
     for i in range(1, d + 1):
         exp_avg, exp_avg_sq = state["exp_avg"] * beta1 ** i, state["exp_avg_sq"] * beta2 ** i
