@@ -160,3 +160,44 @@ def test_an_augmented_batch_is_its_samples_and_leaves_the_callers_generators_alo
     alone = [ds.__getitems__([k])[0] for k in reversed(keys)][::-1]
     assert all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(batch, alone))
     assert not torch.equal(batch[0][0], batch[1][0])  # another step, another augmentation of the same image
+
+
+class _Unreadable(torch.utils.data.Dataset):
+    """A data set whose images must not be read, with its labels as `targets` (or none)."""
+
+    def __init__(self, targets):
+        self.targets = targets
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, i):
+        raise AssertionError("an image was read")
+
+
+def test_a_labels_only_rank_gets_the_same_labels_and_mixed_targets_without_reading_an_image(tmp_path):
+    """A pipeline's last stage uses only the labels: its batches carry the same labels and, with mixup and cutmix,
+    the same soft targets (cutmix's lam depends on the images' size), with blank images of the right shape."""
+    from dataclasses import replace
+
+    from vit.augment import train_batches, without_images
+    from vit.cli import defaults
+    from vit.data import load_digits
+
+    data, r = load_digits(), defaults().with_(**RECIPE).recipe
+    order = dict(micro_batch=8, grad_accum=2, dp_rank=1, dp_size=2, start_step=0, end_step=3)
+    full = list(train_batches(data, r, 3, **order))
+    targets = data.train.tensors[1].tolist()
+    blind = replace(data, raw_train=_Unreadable(targets), train=_Unreadable(targets))  # any image read fails
+    labels = list(train_batches(blind, r, 3, labels_only=True, **order))
+    assert len(labels) == len(full) == 6
+    for (x, y), (blank, same) in zip(full, labels):
+        assert torch.equal(y, same) and y.shape == (8, 10)  # soft targets
+        assert blank.shape == x.shape and not blank.any()
+    test = without_images(data.test, data)
+    assert torch.equal(torch.stack([test[i][1] for i in range(len(test))]), data.test.tensors[1])
+    # Data sets with `targets` (torchvision's, CIFAR's and synthetic here) too; one with neither is read as it is.
+    synthetic = load_dataset("synthetic", None, 8, synthetic_size=32)
+    assert [int(without_images(synthetic.train, synthetic)[i][1]) for i in range(32)] == [i % 10 for i in range(32)]
+    neither = _Unreadable(None)
+    assert without_images(neither, data) is neither

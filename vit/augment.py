@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 from timm.data import Mixup, create_transform
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from vit.errors import ConfigError
 from vit.settings import RecipeSettings
@@ -76,6 +76,29 @@ class PILImages(Dataset):
         img = self.images[i]
         img = Image.fromarray(img[0]) if img.shape[0] == 1 else Image.fromarray(img.transpose(1, 2, 0))
         return img, int(self.labels[i])
+
+
+class LabelsOnly(Dataset):
+    """A training set's labels, each with a blank image, read without its images: for a rank that uses only the
+    labels (a pipeline's later stages). Mixup still gets images of the right shape to mix."""
+
+    def __init__(self, labels: torch.Tensor, blank: torch.Tensor):
+        self.labels, self.blank = labels, blank
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, key: int):
+        return self.blank, self.labels[key % len(self.labels)]  # keyed (step x N + index) or not
+
+
+def without_images(ds: Dataset, data) -> Dataset:
+    """`ds` for a rank that uses only its labels: LabelsOnly where they come without the images (a TensorDataset's
+    second tensor, or `targets` as torchvision's data sets and this project's have them), else `ds` itself."""
+    labels = ds.tensors[1] if isinstance(ds, TensorDataset) else getattr(ds, "targets", None)
+    if labels is None:
+        return ds
+    return LabelsOnly(torch.as_tensor(labels), torch.zeros(data.in_chans, data.img_size, data.img_size))
 
 
 def train_transform(r: RecipeSettings, in_chans: int, img_size: int, mean, std):
@@ -144,14 +167,17 @@ class Mixed:
 
 
 def train_batches(data, r: RecipeSettings, seed: int, *, partners: bool = True, workers: int = 0,
-                  pin_memory: bool = False, **sampler):
+                  pin_memory: bool = False, labels_only: bool = False, **sampler):
     """This rank's training batches: vit.data.TrainBatches(**sampler) over the (augmented) training set, mixed
     when --mixup or --cutmix is on. partners=False: the single-process reference, which mixes whole global
-    batches."""
+    batches. labels_only: the same labels (and mixed targets) with blank images, where the data set can give its
+    labels without its images (without_images)."""
     from vit.data import TrainBatches, make_loader
 
     r = data_recipe(r, data)
     dataset, keyed = train_dataset(data, r, seed)
+    if labels_only:
+        dataset = without_images(data.train, data)
     mixup = make_mixup(r, data.num_classes)
     order = TrainBatches(num_samples=len(data.train), seed=seed, keyed=keyed, partners=partners and bool(mixup),
                          **sampler)

@@ -65,15 +65,15 @@ class _UInt8Images(Dataset):
     """Images kept as uint8 (N, C, H, W) and normalised per sample, to keep CIFAR's memory small."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, mean, std):
-        self.images, self.labels = images, torch.from_numpy(labels).long()
+        self.images, self.targets = images, torch.from_numpy(labels).long()
         self.mean = torch.tensor(mean).view(-1, 1, 1) * 255
         self.std = torch.tensor(std).view(-1, 1, 1) * 255
 
     def __len__(self):
-        return len(self.labels)
+        return len(self.targets)
 
     def __getitem__(self, i):
-        return (torch.from_numpy(self.images[i]).float() - self.mean) / self.std, self.labels[i]
+        return (torch.from_numpy(self.images[i]).float() - self.mean) / self.std, self.targets[i]
 
 
 CIFAR = {  # folder inside --data-path, training files, test file, label key, mean, std
@@ -149,13 +149,13 @@ class _Synthetic(Dataset):
     def __init__(self, n: int, img_size: int, num_classes: int, seed: int, pool: int = 64):
         g = torch.Generator().manual_seed(seed)
         self.images = torch.randn(pool, 3, img_size, img_size, generator=g)
-        self.n, self.num_classes = n, num_classes
+        self.targets = torch.arange(n) % num_classes
 
     def __len__(self):
-        return self.n
+        return len(self.targets)
 
     def __getitem__(self, i):
-        return self.images[i % len(self.images)], i % self.num_classes
+        return self.images[i % len(self.images)], self.targets[i]
 
 
 def infer_dataset(data_path: str) -> str | None:

@@ -1,4 +1,5 @@
 """Evaluation on the held-out split at --eval-interval steps and at the end."""
+from vit.augment import without_images
 from vit.data import DataSplit, eval_batches, make_loader
 
 
@@ -29,7 +30,8 @@ class Evaluator:
         lists = eval_batches(len(self.data.test), self.micro_batch, engine.dp_rank, engine.dp_size)
         if engine.reads_data:
             if self.loader is None:
-                self.loader = make_loader(self.data.test, lists, self.workers, self.pin_memory)
+                test = self.data.test if engine.reads_images else without_images(self.data.test, self.data)
+                self.loader = make_loader(test, lists, self.workers, self.pin_memory)
             batches = self.loader
         else:
             batches = [(None, None)] * len(lists)

@@ -1,7 +1,5 @@
 """Train a ViT: plan everything, start the process group, build the engine, train, evaluate, summarise.
-
-Run through ./entry_cn.sh (under mpirun, srun, torchrun or directly); `--help` lists the options.
-"""
+Run through ./entry_cn.sh (under mpirun, srun, torchrun or directly); `--help` lists the options."""
 import copy
 import logging
 import os
@@ -212,7 +210,8 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
             return None
         order = dict(micro_batch=batch.micro_batch, grad_accum=engine.grad_accum, dp_rank=engine.dp_rank,
                      dp_size=engine.dp_size, start_step=start, end_step=plan.total_steps, sizes=adapted.split)
-        batches = train_batches(data, s.recipe, s.train.seed, workers=workers, pin_memory=pin, **order)
+        batches = train_batches(data, s.recipe, s.train.seed, workers=workers, pin_memory=pin,
+                                labels_only=not engine.reads_images, **order)
         return freezer.cached(batches, TrainBatches(len(data.train), seed=s.train.seed, **order), engine)
     return Session(engine, log_dir, start, adapted.precision, ds_config, make_batches(engine, start), stats,
                    evaluator, checkpointer, metrics, monitor, locks, freezer, make_batches)

@@ -75,6 +75,7 @@ class AsyncPipelineEngine(Engine):
         self.params = dict(self.module.named_parameters())
         self.first, self.last = self.stage == 0, self.stage == stages - 1
         self.reads_data = self.first or self.last  # images on the first, labels on the last: never sent along
+        self.reads_images = self.first
         self.ahead = stages - 1 - self.stage  # micro-batches in flight beyond the one 1F1B alternates on
         a = ctx.asynchrony
         self.grad_accum = ctx.batch.grad_accum

@@ -42,6 +42,7 @@ class Engine(ABC):
     dp_size: int
     timer: PhaseTimer
     reads_data: bool = True  # False on ranks that take no batches (a pipeline's middle stages)
+    reads_images: bool = True  # False where only the labels are used (a pipeline's last stage)
     grad_accum: int  # micro-batches per step on each data-parallel copy
     ema = None  # a vit.ema.Ema when --model-ema is on
 

@@ -66,6 +66,7 @@ class PipelineEngine(DeepSpeedEngine):
         self.dp_rank, self.dp_size = grid.data_parallel_id, grid.data_parallel_size
         # Only the first stage reads images and only the last reads labels; the middle reads nothing.
         self.reads_data = self.ds_engine.is_first_stage() or self.ds_engine.is_last_stage()
+        self.reads_images = self.ds_engine.is_first_stage()
         self.timer = PhaseTimer(self.device)
         self.grad_accum = self.ds_engine.gradient_accumulation_steps()
         self.layout = Layout(ctx.pipeline_stages, list(module.parts), self.grad_accum)  # --freeze-replan
