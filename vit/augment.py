@@ -79,8 +79,8 @@ class PILImages(Dataset):
 
 
 class LabelsOnly(Dataset):
-    """A training set's labels, each with a blank image, read without its images: for a rank that uses only the
-    labels (a pipeline's later stages). Mixup still gets images of the right shape to mix."""
+    """A data set's labels, each with a blank image: what a rank that uses only the labels (a pipeline's last
+    stage) reads instead of the images. Mixup still gets images of the right shape to mix."""
 
     def __init__(self, labels: torch.Tensor, blank: torch.Tensor):
         self.labels, self.blank = labels, blank
