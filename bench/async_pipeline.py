@@ -7,7 +7,6 @@ would take if it never waited for a neighbour nor sent (the breakdown's phases l
 median over the logging windows after the first). Measured in the same run, it holds under the load of a shared
 machine. The whole network on one rank (same micro-batch, accumulation and threads per rank) times --stages is
 printed beside it, as a second ideal that assumes stages of equal work and a machine to itself."""
-import argparse
 import json
 import shlex
 import statistics
@@ -24,6 +23,7 @@ from bench.common import (
     mpirun_train,
     positive_int,
     publish,
+    seed_list,
 )
 from vit.jsonl import read_jsonl
 from vit.settings import ROOT
@@ -53,16 +53,6 @@ def add_arguments(p) -> None:
                    "run stays on this host")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", help="write async_pipeline.md and async_pipeline.json into this folder")
-
-
-def seed_list(text: str) -> list[int]:
-    try:
-        seeds = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of seeds, e.g. 0,1,2")
-    if any(x < 0 for x in seeds):
-        raise argparse.ArgumentTypeError(f"'{text}': seeds are 0 or more")
-    return seeds
 
 
 def speed(name: str, train: list, ranks: int, a, log_dir: Path, mpirun_args: str = "") -> dict:

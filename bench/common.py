@@ -84,6 +84,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed_list(text: str) -> list[int]:
+    """argparse type: comma-separated seeds, e.g. 0,1,2."""
+    try:
+        seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of seeds, e.g. 0,1,2") from None
+    if any(x < 0 for x in seeds):
+        raise argparse.ArgumentTypeError(f"'{text}': seeds are 0 or more")
+    return seeds
+
+
 def publish(out: str | None, name: str, result: dict, table: str) -> None:
     """Print a benchmark's markdown table; with --out also write it as NAME.md and the numbers as NAME.json."""
     print(table)

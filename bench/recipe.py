@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import OthersCpu, device_name, failure_tail, load_avg, mpirun_train, positive_int, publish
+from bench.common import OthersCpu, device_name, failure_tail, load_avg, mpirun_train, positive_int, publish, seed_list
 
 # name -> extra vit.train options. 'baseline' is the default job as it ships.
 VARIANTS = {
@@ -76,7 +76,7 @@ def run(a) -> int:
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"bench recipe: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    seeds = [int(s) for s in a.seeds.split(",")]
+    seeds = a.seeds
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(a.out) / "logs" if a.out else Path(tmp)
         rows = [run_variant(name, VARIANTS[name], seeds, a, logs) for name in names]
@@ -88,7 +88,7 @@ def run(a) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("--variants", help="comma-separated, of: " + ", ".join(VARIANTS) + " (default: all)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; the table shows medians")
+    p.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="comma-separated seeds; the table shows medians")
     p.add_argument("--ranks", type=positive_int, default=2, help="mpirun -np")
     p.add_argument("--base", default="", help="vit.train options every variant starts from (default: none, the "
                    "default job)")
