@@ -64,13 +64,18 @@ def _check(f, value) -> None:
     if value is None or isinstance(value, bool):
         return
     name = flag(f)[0]
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value}")
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+        raise ConfigError(f"{name} must be a finite number, got {' '.join(map(str, values))}")
     check = f.metadata["check"]
     if check == "positive" and value <= 0:
         raise ConfigError(f"{name} must be positive, got {value}")
     if check == "non_negative" and value < 0:
         raise ConfigError(f"{name} must not be negative, got {value}")
+    if check == "probability" and not 0 <= value <= 1:
+        raise ConfigError(f"{name} must be between 0 and 1, got {value}")
+    if check == "below_one" and not 0 <= value < 1:
+        raise ConfigError(f"{name} must be at least 0 and below 1, got {value}")
 
 
 def from_namespace(ns: argparse.Namespace) -> Settings:
@@ -100,6 +105,9 @@ def validate(s: Settings) -> Settings:
     if s.asynchrony != AsyncSettings() and par.engine != "async-pipeline":
         raise ConfigError("--async-update-interval, --weight-stashing and --weight-prediction apply to --engine "
                           "async-pipeline")
+    if s.recipe.scale and not 0 < s.recipe.scale[0] <= s.recipe.scale[1] <= 1:
+        raise ConfigError(f"--scale MIN MAX: a share of the image's area, 0 < MIN <= MAX <= 1, got "
+                          f"{' '.join(map(str, s.recipe.scale))}")
     if opt.nesterov and (opt.opt != "sgd" or opt.momentum == 0):
         raise ConfigError("--nesterov needs --opt sgd with a --momentum above 0")
     if par.batch_split == "proportional" and par.engine in PIPELINES:

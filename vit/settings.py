@@ -30,8 +30,9 @@ def _positive_int(v: str) -> int:
 
 
 def option(default, help: str, check: str | None = None, **cli):
-    """A settings field: its default, its --help text, `check` ('positive' or 'non_negative'; every float must
-    also be finite) and extra argparse arguments (choices, metavar, flag, ...)."""
+    """A settings field: its default, its --help text, `check` ('positive', 'non_negative', 'probability': 0 to 1,
+    or 'below_one': 0 up to 1; every float must also be finite) and extra argparse arguments (choices, metavar,
+    flag, ...)."""
     return field(default=default, metadata={"help": help, "check": check, "cli": cli})
 
 
@@ -45,7 +46,7 @@ class ModelSettings:
                                          "Face), an --export or a checkpoint folder of this project; the head is "
                                          "reset for another class count, the position embedding resampled for "
                                          "another image size", metavar="PATH")
-    drop_path: float = option(0.0, "stochastic depth rate (timm's drop_path_rate)", "non_negative")
+    drop_path: float = option(0.0, "stochastic depth rate (timm's drop_path_rate)", "below_one")
     export: str | None = option(None, "write the final weights (the EMA's with --model-ema) as a timm-loadable "
                                 ".safetensors, with its pretrained config beside it as PATH.json", metavar="PATH")
 
@@ -95,7 +96,7 @@ class ParallelSettings:
 class OptimSettings:
     opt: str = option("adamw", "optimizer (timm's names): adamw, or sgd with --momentum (and --nesterov)",
                       choices=("adamw", "sgd"))
-    momentum: float = option(0.9, "sgd: momentum", "non_negative")
+    momentum: float = option(0.9, "sgd: momentum", "below_one")
     nesterov: bool = option(False, "sgd: Nesterov momentum")
     lr: float = option(2e-3, "peak learning rate", "positive")
     min_lr: float = option(1e-5, "learning rate at the end of the cosine", "non_negative")
@@ -124,16 +125,16 @@ class AsyncSettings:
 class RecipeSettings:
     """timm train.py's augmentation and regularisation options, under their names there."""
     smoothing: float = option(0.1, "label smoothing (timm train.py's default; on the digits it raised top-1 on "
-                              "every seed: docs/benchmarks.md)", "non_negative")
+                              "every seed: docs/benchmarks.md)", "below_one")
     mixup: float = option(0.0, "mixup alpha (on when > 0)", "non_negative")
     cutmix: float = option(0.0, "cutmix alpha (on when > 0)", "non_negative")
-    mixup_prob: float = option(1.0, "probability of mixup or cutmix per batch", "non_negative")
+    mixup_prob: float = option(1.0, "probability of mixup or cutmix per batch", "probability")
     mixup_switch_prob: float = option(0.5, "probability of cutmix instead of mixup when both are on",
-                                      "non_negative")
+                                      "probability")
     aa: str | None = option(None, "AutoAugment policy, e.g. rand-m9-mstd0.5-inc1 or original (timm's auto_augment)")
-    reprob: float = option(0.0, "random erasing probability", "non_negative")
+    reprob: float = option(0.0, "random erasing probability", "probability")
     color_jitter: float = option(0.0, "colour jitter factor", "non_negative")
-    hflip: float = option(0.0, "horizontal flip probability", "non_negative")
+    hflip: float = option(0.0, "horizontal flip probability", "probability")
     scale: tuple | None = option(None, "random-resized-crop scale range (default: the data set's, 0.95 1.0 on "
                                  "digits, where it raised top-1 (docs/benchmarks.md); off elsewhere)", nargs=2,
                                  type=float, metavar=("MIN", "MAX"))
@@ -141,7 +142,7 @@ class RecipeSettings:
                           "--hflip and the data set's default crop (mixup and cutmix stay, as in timm's train.py)")
     model_ema: bool = option(False, "keep an exponential moving average of the weights (timm's ModelEmaV3), "
                              "evaluated beside the model")
-    model_ema_decay: float = option(0.9998, "EMA decay", "positive")
+    model_ema_decay: float = option(0.9998, "EMA decay", "below_one")
 
     @property
     def augments(self) -> bool:
