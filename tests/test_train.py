@@ -186,7 +186,7 @@ BAD_INPUT = {
     "negative steps": (lambda t: ["--steps", "-3"], {}, "--steps must be positive"),
     "missing hostfile": (lambda t: ["--hostfile", str(t / "hosts.txt")], {}, "hosts.txt: no such file"),
     "EMA decay of 1 or more": (lambda t: ["--model-ema", "--model-ema-decay", "1.5"], {},
-                               "--model-ema-decay must be below 1, got 1.5"),
+                               "--model-ema-decay must be at least 0 and below 1, got 1.5"),
 }
 
 
