@@ -361,7 +361,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="plot_logs.py", description="Charts (PNG), a comparison table (markdown and CSV) and report.html "
         "from one or more run folders of vit.train. Charts: loss.png (train/eval loss, eval top-1 and top-5), "
-        "throughput.png (images/s), resources.png (GPU utilisation and memory per host and GPU; host CPU %% and "
+        "throughput.png (images/s), resources.png (GPU utilisation and memory per host and GPU; host CPU % and "
         "process RSS), breakdown.png (step-time phases per rank, stacked), for several runs compare.png, and for runs "
         "that froze layers (--freeze) freeze.png (frozen layers over the steps, images/s per phase) and a table of "
         "the phases in comparison.md.")

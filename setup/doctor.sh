@@ -16,7 +16,8 @@ Checks, for a run of NP ranks (default: all slots) over the hostfile:
     it; without, no host has more than one network to guess from;
   - MASTER_ADDR (default: the first host) resolves to a non-loopback address on every host and
     its ssh port answers from every host within 3 s.
-Exits 1 after listing every problem.
+Exits 1 after listing every problem. A hostfile of one host named by loopback (the shipped
+localhost slots=2) is checked here without ssh, as mpirun starts its ranks without ssh.
 
 --link also measures each host's link: one TCP stream of LINK_MB MB (default 100) from this machine
 to every other host (setup/link_speed.py, the transfer the simulated-cluster tests measure with),
@@ -71,6 +72,8 @@ for host in "${HOSTS[@]}"; do
   if [ "${num_gpus:-0}" -gt 0 ] && [ "${slots:-1}" -gt "$num_gpus" ]; then
     problems+=("$host: slots=$slots but only $num_gpus GPU(s) (run setup/make_hostfile.sh)")
   fi
+  # One host named by loopback: every rank is here, talks over loopback, and needs no ssh or network.
+  [ "${#HOSTS[@]}" -eq 1 ] && is_local "$host" && continue
   nets=$(awk '$1 == "addr" { printf "%s%s %s", sep, $2, $3; sep = ", " }' "$out")
   if [ -n "$IFACE" ]; then
     awk -v i="$IFACE" '$1 == "addr" && $2 == i { found = 1 } END { exit !found }' "$out" \

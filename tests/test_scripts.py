@@ -105,6 +105,18 @@ def test_doctor_lives_in_setup():
     assert r.returncode == 0 and r.stdout.startswith("Usage: setup/doctor.sh [--help] [--link] [NP]"), r
 
 
+@pytest.mark.timeout(60)
+def test_doctor_on_the_shipped_hostfile_needs_no_ssh(tmp_path):
+    # The shipped hostfile runs 2 ranks on localhost, where mpirun needs no ssh: neither does doctor.sh.
+    # An ssh that always fails stands in for a machine without sshd.
+    (tmp_path / "ssh").write_text("#!/bin/sh\necho 'ssh: connect to host port 22: Connection refused' >&2\nexit 255\n")
+    (tmp_path / "ssh").chmod(0o755)
+    env = base_env(PATH=f"{tmp_path}:{os.environ['PATH']}", HOSTFILE=str(ROOT / "setup" / "hosts.txt"))
+    env.pop("MASTER_ADDR", None)
+    r = run_cmd([str(ROOT / "setup" / "doctor.sh")], timeout=50, env=env)
+    assert r.returncode == 0 and "doctor.sh: ok: 2 rank(s) over 1 host(s)" in r.stdout, r
+
+
 @pytest.mark.timeout(30)
 def test_every_docs_file_named_exists():
     # setup/hosts.txt once sent users to a docs/cluster.md that did not exist.

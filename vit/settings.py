@@ -69,8 +69,8 @@ class ParallelSettings:
                                    + ", ".join(f"{v} for {k}" for k, v in DEFAULT_DS_CONFIG.items()))
     pipeline_stages: int = option(2, "pipeline engines: number of stages", "positive")
     partition: str = option("parameters", "pipeline engines: how layers are cut into stages: uniform, parameters, "
-                            "type:REGEX, or balanced (by the census: each rank's measured speed and free memory, "
-                            "and each layer's FLOPs)")
+                            "type:REGEX, or balanced (by the census: each layer's forward and backward time "
+                            "measured on each rank, and each rank's free memory)")
     batch_split: str = option("equal", "zero and ddp engines: every rank the same micro-batch, or micro-batches in "
                               "proportion to each rank's measured speed (within its memory), gradients weighted so "
                               "the update is the same", choices=("equal", "proportional"))
@@ -131,7 +131,8 @@ class RecipeSettings:
     mixup_prob: float = option(1.0, "probability of mixup or cutmix per batch", "probability")
     mixup_switch_prob: float = option(0.5, "probability of cutmix instead of mixup when both are on",
                                       "probability")
-    aa: str | None = option(None, "AutoAugment policy, e.g. rand-m9-mstd0.5-inc1 or original (timm's auto_augment)")
+    aa: str | None = option(None, "AutoAugment policy, e.g. rand-m9-mstd0.5 or original (timm's auto_augment; its "
+                           "-inc1 policies fail on Pillow 11)")
     reprob: float = option(0.0, "random erasing probability", "probability")
     color_jitter: float = option(0.0, "colour jitter factor", "non_negative")
     hflip: float = option(0.0, "horizontal flip probability", "probability")
