@@ -1,5 +1,6 @@
 """What fits in memory: the out-of-memory message (device memory faked where a GPU would answer; there is none
 here) and a real 2-rank run in which rank 1 runs out of memory."""
+import contextlib
 import types
 
 import pytest
@@ -27,6 +28,7 @@ def test_out_of_memory_message_names_the_card_and_what_fits(monkeypatch, tmp_pat
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev=None: props)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (2**28, 8 * 2**30))
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())  # DeepSpeed's fp16 question
     plan = make_plan(parse(["--model", "vit_small_patch16_224", "--dataset", "synthetic", "--synthetic-size", "1024",
                             "--micro-batch-size", "256", "--grad-accum", "2", "--log-dir", str(tmp_path)]),
                      Job(0, 1, 0, 1, "single"))

@@ -180,9 +180,11 @@ def rank_cores(local_world_size: int) -> int:
     return max(1, allowed // local_world_size)
 
 
-def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto") -> str:
+def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto", requested_precision: str | None = None,
+                       engine: str | None = None) -> str:
     """Start torch.distributed on the backend every rank can run (nccl on GPUs, gloo on CPUs), decided from
-    every rank's device report before any collective (vit.gpu); export the torchrun variables DeepSpeed reads."""
+    every rank's device report before any collective (vit.gpu, which with an engine also checks the precision);
+    export the torchrun variables DeepSpeed reads."""
     from vit import gpu
 
     timeout = timedelta(seconds=timeout_s)
@@ -191,7 +193,7 @@ def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto") 
                           timeout=timeout)
     reports = gpu.exchange(store, job.world_size, gpu.local_report(wanted_device, job.rank, job.local_rank),
                            timeout_s)
-    job.device_type = gpu.decide(reports, wanted_device)
+    job.device_type = gpu.decide(reports, wanted_device, requested_precision, engine)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(rank_cores(job.local_world_size))
     device_id = None

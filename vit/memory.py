@@ -12,6 +12,7 @@ from torch import nn
 from vit.errors import ConfigError, OutOfMemory
 from vit.hetero.profile import BYTES_PER_PARAM, USABLE_MEMORY, gpu_reserved_bytes
 from vit.model import build_layers
+from vit.precision import likely
 
 # What an engine holds per parameter beyond the weights and gradients a forward and backward already hold:
 # AdamW's two moments and, in half precision, the fp32 master weights.
@@ -29,14 +30,8 @@ def device_memory(dev: torch.device, local_world_size: int) -> tuple[str, float,
     return name, mem.available / local_world_size, mem.total / local_world_size
 
 
-def likely_precision(requested: str, dev: torch.device) -> str:
-    """The precision a run will train in, before the census settles it: auto (or none given) on GPUs is half
-    precision (every CUDA card runs fp16), on CPUs fp32."""
-    if requested in ("fp32", "fp16", "bf16"):
-        return requested
-    if dev.type != "cuda":
-        return "fp32"
-    return "bf16" if torch.cuda.get_device_capability(dev) >= (8, 0) else "fp16"
+def likely_precision(plan, dev: torch.device) -> str:
+    return likely(plan.requested_precision, plan.settings.parallel.engine, dev)
 
 
 def _layers(plan) -> list:
@@ -60,7 +55,7 @@ def out_of_memory(plan, dev: torch.device, step: int, error: Exception) -> OutOf
     from vit.hetero.profile import profile_layers
 
     name, _, total = device_memory(dev, plan.job.local_world_size)
-    precision = likely_precision(plan.requested_precision, dev)
+    precision = likely_precision(plan, dev)
     profile = profile_layers(_layers(plan), plan.data.train[0][0][None], precision)  # on the CPU: the GPU is full
     params, act = sum(p["params"] for p in profile), sum(p["act_bytes"] for p in profile)
     fit = estimate_fit(total, params, act, reserved_on(dev, plan, precision))
@@ -178,7 +173,7 @@ def fit_micro_batch(plan):
     job, batch = plan.job, plan.batch
     dev = device(job)
     name, free, _ = device_memory(dev, job.local_world_size)
-    precision = likely_precision(plan.requested_precision, dev)
+    precision = likely_precision(plan, dev)
     with torch.random.fork_rng():
         model = nn.Sequential(*_layers(plan)).to(dev, DTYPES[precision])
     params = sum(p.numel() for p in model.parameters())

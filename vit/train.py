@@ -170,13 +170,13 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
         return make_loader(data.train, probe, 0, False)
 
     return hetero.adapt(
-        job, dev, layers, requested_precision=plan.requested_precision, micro_batch=batch.micro_batch,
-        grad_accum=batch.grad_accum, sample=data.train[0][0][None],
+        job, dev, layers, requested_precision=plan.requested_precision, engine=par.engine,
+        micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, sample=data.train[0][0][None],
         balanced_stages=par.pipeline_stages if par.engine in PIPELINES and par.partition == "balanced" else None,
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
-        reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan.requested_precision, dev)),
+        reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan, dev)),
         probe_on_cpu=par.engine in PIPELINES or zero_stage(plan.ds_config) == 3,
         layer_times=par.engine in PIPELINES and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
 
@@ -239,7 +239,8 @@ def finish(plan: Plan, run: Session, start_time: float) -> None:
 def run(plan: Plan, start_time: float) -> int:
     """Train; any failure on any rank ends every rank, non-zero, naming the rank that failed."""
     try:  # every rank reaches the same verdict on the job's devices, so each stops alike
-        init_process_group(plan.job, plan.settings.cluster.dist_timeout, plan.settings.cluster.device)
+        init_process_group(plan.job, plan.settings.cluster.dist_timeout, plan.settings.cluster.device,
+                           plan.requested_precision, plan.settings.parallel.engine)
     except ConfigError as e:
         print(f"entry_cn.sh: error: {e}", file=sys.stderr, flush=True)
         return 2
