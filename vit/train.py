@@ -28,7 +28,7 @@ from vit.faults import Watchdog, announce_failure, failure_elsewhere
 from vit.freeze import Freezer
 from vit.gpu import set_tf32
 from vit.hetero.profile import gpu_reserved_bytes
-from vit.memory import fit_micro_batch, inject_oom_for_tests, likely_precision, out_of_memory
+from vit.memory import fit_micro_batch, inject_oom_for_tests, is_oom, likely_precision, out_of_memory
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
@@ -254,11 +254,8 @@ def run(plan: Plan, start_time: float) -> int:
         if plan.job.is_main:
             print(f"entry_cn.sh: {e}", flush=True)
     except Exception as e:
-        if isinstance(e, torch.cuda.OutOfMemoryError):
-            try:
-                e = out_of_memory(plan, device(plan.job), watchdog.step, e)
-            except Exception:  # the estimate failed too: the error as torch said it
-                pass
+        if is_oom(e):
+            e = out_of_memory(plan, device(plan.job), watchdog.step, e)
         where = f"rank {plan.job.rank} ({socket.gethostname()})"
         elsewhere = failure_elsewhere()
         if isinstance(e, ConfigError):  # a collective finding (preflight, census, lock): the same on every rank
