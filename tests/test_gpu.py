@@ -266,6 +266,34 @@ def test_the_process_group_binds_the_local_ranks_gpu(monkeypatch):
     assert dist_env.device(job) == torch.device("cuda", 1) and job.device_type == "cuda"
 
 
+def test_nccl_out_of_memory_as_the_process_group_starts_is_one_line(monkeypatch, tmp_path, capsys):
+    """With device_id NCCL creates its communicators inside init_process_group: on a full GPU that is a
+    DistBackendError (faked here, as torch 2.14 raises it; torch.cuda faked as in the test above)."""
+    from vit import train
+
+    props = types.SimpleNamespace(name="NVIDIA GeForce RTX 3070", major=8, minor=6)
+    for name, value in [("is_available", lambda: True), ("device_count", lambda: 1), ("set_device", lambda d: None),
+                        ("get_device_properties", lambda i: props), ("get_device_capability", lambda d=None: (8, 6)),
+                        ("device", lambda d: contextlib.nullcontext())]:
+        monkeypatch.setattr(torch.cuda, name, value)
+
+    def full(backend, **kw):
+        raise torch.distributed.DistBackendError(
+            "NCCL error in: ProcessGroupNCCL.cpp:2044, unhandled cuda error (run with NCCL_DEBUG=INFO for details), "
+            "NCCL version 2.27.7\nncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure "
+            "'out of memory'")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", full)
+    job = Job(rank=0, world_size=1, local_rank=0, local_world_size=1, launcher="torchrun", master_addr="127.0.0.1",
+              master_port=dist_env.free_port())
+    plan = make_plan(parse(["--log-dir", str(tmp_path / "run")]), job)
+    assert train.run(plan, 0.0) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rank 0 (") and ") failed at start: out of memory on cuda:0 as NCCL created its " \
+        "communicators: NCCL error in: ProcessGroupNCCL.cpp:2044, unhandled cuda error" in err, err
+    assert "nvidia-smi" in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
 COMMON = ["--steps", 1, "--no-save", "--monitor-interval", 0]
 
 

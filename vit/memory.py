@@ -108,6 +108,13 @@ def out_of_memory(plan, dev: torch.device, step: int, error: Exception) -> OutOf
                        f"{_first_line(error)}. {estimate}. Try " + ", or ".join(hints))
 
 
+def nccl_out_of_memory(dev: torch.device, error: Exception) -> OutOfMemory:
+    """NCCL ran out of GPU memory creating its communicators, before any training: what holds the memory."""
+    return OutOfMemory(f"out of memory on {dev} as NCCL created its communicators: {_first_line(error)}. Another "
+                       "process may hold this GPU's memory (nvidia-smi lists them); NCCL_BUFFSIZE smaller than its "
+                       "4 MiB default needs less")
+
+
 def inject_oom_for_tests(rank: int, watchdog) -> None:
     """VIT_TEST_OOM_AT=RANK:STEP (STEP >= 2) makes rank RANK's forward raise cuBLAS's out-of-memory error (a
     RuntimeError, as torch raises it) during step STEP, so that tests reach the real handling without a GPU."""

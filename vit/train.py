@@ -244,6 +244,9 @@ def run(plan: Plan, start_time: float) -> int:
     except ConfigError as e:
         print(f"entry_cn.sh: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except OutOfMemory as e:  # NCCL's communicators did not fit (vit.dist_env)
+        print(f"rank {plan.job.rank} ({socket.gethostname()}) failed at start: {e}", file=sys.stderr, flush=True)
+        return 1
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
     inject_oom_for_tests(plan.job.rank, watchdog)
