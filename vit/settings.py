@@ -84,8 +84,9 @@ class ParallelSettings:
         type=lambda v: v if v == "auto" else _positive_int(v), metavar="N|auto")
     grad_accum: int | None = option(None, "override gradient_accumulation_steps of the JSON", "positive")
     precision: str | None = option(None, "override the JSON's fp16/bf16 setting; auto: bf16 if every rank supports "
-                                   "it, else fp16 if every rank does, else fp32 (the default on GPUs when neither "
-                                   "this nor the JSON names one)", choices=PRECISIONS)
+                                   "it, else fp16 if every rank does under the engine (never async-pipeline), else "
+                                   "fp32 (the default on GPUs when neither this nor the JSON names one)",
+                                   choices=PRECISIONS)
     tf32: str = option("on", "fp32 matmuls and convolutions in TF32 on Ampere and newer GPUs (no effect elsewhere)",
                        choices=("on", "off"))
     loss_scale: str = option("config", "fp16: the JSON's initial_scale_power, or auto: a short fp32 probe of the "
