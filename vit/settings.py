@@ -55,7 +55,8 @@ class ModelSettings:
 class DataSettings:
     dataset: str | None = option(None, "data set (default: the one --data-path holds, else digits)",
                                  choices=DATASETS)
-    data_path: str | None = option(None, "folder of cifar10/cifar100 batches or of an imagefolder tree")
+    data_path: str | None = option(None, "folder of cifar10/cifar100 batches or of an imagefolder tree (each "
+                                   "image's header is read first: a file that is not an image refuses the run)")
     download: bool = option(False, "download CIFAR into --data-path if missing")
     synthetic_size: int = option(2048, "synthetic: number of training samples", "positive")
     workers: int | None = option(None, "DataLoader worker processes (default: 0 on CPU; on GPU up to 4 per rank, "
