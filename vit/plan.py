@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from vit import checkpoint, slowdown, weights
+from vit import checkpoint, slowdown, tracking, weights
 from vit.augment import data_recipe
 from vit.data import DataSplit, dataset_for, load_dataset, steps_per_epoch
 from vit.dist_env import Job, resolve_master
@@ -61,6 +61,8 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     dataset, note = dataset_for(settings.data)
     s = settings.with_(dataset=dataset)
     par, ckpt = s.parallel, s.checkpoint
+    if "wandb" in s.log.report_to.split(","):
+        tracking.check_wandb()
     check_writable(s.log.log_dir or str(ROOT / "logs"), "--log-dir")
     if s.checkpoint.save_dir and not ckpt.no_save:
         check_writable(s.checkpoint.save_dir, "--save-dir")
