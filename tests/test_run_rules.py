@@ -194,3 +194,18 @@ def test_resume_compares_the_model_and_the_length_and_keeps_the_checkpoints_weig
     second = json.loads((run / "summary.json").read_text())
     assert second["segments"] == 2 and second["steps_this_run"] == 4
     assert second["train_s"] == pytest.approx(first["train_s"] + second["train_s_this_run"])
+
+
+@pytest.mark.timeout(200)
+def test_the_model_of_an_older_checkpoint_is_read_from_the_runs_config(tmp_path):
+    # A manifest written before manifests recorded the model (its ZeRO stage would be refused next): the run's
+    # config.json beside checkpoints/ names the model, and the refusal names it.
+    (tmp_path / "checkpoints" / "step10").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step10" / "manifest.json").write_text(json.dumps({
+        "step": 10, "files": {}, "engine": "zero", "world_size": 2, "data_parallel_size": 2, "pipeline_stages": 1,
+        "zero_stage": 9, "config_hash": "x"}))
+    (tmp_path / "config.json").write_text(json.dumps({"args": {"model": "vit_tiny_cifar"}, "total_steps": 10}))
+    r = one_process(["--steps", 20, "--resume", "--log-dir", tmp_path], WORLD_SIZE="2")
+    assert r.returncode == 2, r.stderr
+    assert last_line(r) == (f"entry_cn.sh: error: checkpoint {tmp_path / 'checkpoints'}/step10 was written by --model "
+                            "vit_tiny_cifar, this run uses --model vit_digits; resume with --model vit_tiny_cifar")
