@@ -19,8 +19,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 from PIL import Image  # noqa: E402  (installed with matplotlib)
 
 from vit.runlogs import (  # noqa: E402
-    COLUMNS, PHASE_COLUMNS, PHASE_TITLE, PHASES, LogError, Run, breakdown, freeze_phases, layout_and_cache,
-    phase_rows, phase_table, table)
+    COLUMNS,
+    PHASE_COLUMNS,
+    PHASE_TITLE,
+    PHASES,
+    LogError,
+    Run,
+    breakdown,
+    freeze_phases,
+    layout_and_cache,
+    phase_rows,
+    phase_table,
+    table,
+)
 
 MEASURES = COLUMNS[4:7]  # the numbers compare.png charts
 DPI = 80

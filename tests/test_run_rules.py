@@ -180,7 +180,8 @@ def test_resume_compares_the_model_and_the_length_and_keeps_the_checkpoints_weig
     assert last_line(r) == (f"entry_cn.sh: error: checkpoint {run / 'checkpoints'}/step4 was written by --model "
                             "vit_digits, this run uses --model vit_tiny_cifar; resume with --model vit_digits")
     assert tree_digest(run) == before
-    # Longer, another --lr (default 0.002), starting weights: a warning each, the checkpoint's weights, the time of both segments.
+    # Longer, another --lr (default 0.002), starting weights: a warning each, the checkpoint's weights, and the
+    # time of both segments.
     r = one_process(["--steps", 8, "--lr", 0.001, "--pretrained-path", run / "checkpoints" / "step2", "--resume",
                      "--log-interval", 1, "--monitor-interval", 0, "--log-dir", run])
     assert r.returncode == 0, r.stderr[-3000:]
