@@ -70,6 +70,25 @@ def test_resume_from_an_older_checkpoint_into_the_same_folder_is_refused(finishe
 
 
 @pytest.mark.timeout(400)
+def test_a_new_run_into_a_folder_that_holds_a_run_is_refused_and_touches_nothing(finished_run, tmp_path):
+    """Without --resume, a run must not mix its records and checkpoints with a finished run's (it once appended
+    its metrics, overwrote summary.json and config.json, and left the old step10 for --resume to pick). A folder
+    without a summary or a complete checkpoint is taken: test_a_second_run_in_the_same_folder_is_refused_naming_
+    the_first reuses a killed run's, and retry.sh starts such a run over (test_scripts.py)."""
+    before = tree_digest(finished_run)
+    r = run_cmd(["./entry_cn.sh", "--steps", "4", "--log-dir", str(finished_run)], env=base_env(), timeout=150)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert last_line(r) == (f"entry_cn.sh: error: --log-dir {finished_run} already holds a run (summary.json; "
+                            "checkpoints step10, step5); continue it with --resume, or use another --log-dir")
+    ckpts = finished_run / "checkpoints"
+    r = one_process(["--steps", 4, "--log-dir", tmp_path / "new", "--save-dir", ckpts], WORLD_SIZE="2")
+    assert r.returncode == 2 and last_line(r) == (f"entry_cn.sh: error: --save-dir {ckpts} already holds a run's "
+                                                  "checkpoints (step10, step5); continue it with --resume, or use "
+                                                  "another --save-dir"), r.stderr
+    assert tree_digest(finished_run) == before and not (tmp_path / "new").exists()
+
+
+@pytest.mark.timeout(400)
 def test_ddp_resume_on_fewer_ranks_keeps_the_global_batch_or_is_refused(tmp_path):
     r = launch(["--engine", "ddp", "--steps", 4, "--save-interval", 4, "--monitor-interval", 0, "--log-dir",
                 tmp_path / "a"], timeout=200)

@@ -14,7 +14,7 @@ from vit.dist_env import Job, resolve_master
 from vit.ds_config import Batch, precision_of, resolve, zero_stage
 from vit.errors import ConfigError, NothingToDo
 from vit.model import check_img_size, model_shape
-from vit.rundir import check_writable
+from vit.rundir import check_unused, check_writable
 from vit.settings import PIPELINES, ROOT, Settings
 
 
@@ -59,6 +59,8 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     check_writable(s.log.log_dir or str(ROOT / "logs"), "--log-dir")
     if s.checkpoint.save_dir and not ckpt.no_save:
         check_writable(s.checkpoint.save_dir, "--save-dir")
+    if not ckpt.resume:
+        check_unused(s.log.log_dir, None if ckpt.no_save else ckpt.save_dir)
     ds_config, batch = resolve_ds_config(s, par, job.world_size)
     requested = par.precision or precision_of(ds_config)  # every rank's say: hetero.adapt
     if par.precision is None and not any(ds_config.get(k, {}).get("enabled") for k in ("fp16", "bf16")):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from vit import checkpoint
 from vit.dist_env import rank0_decides
 from vit.errors import ConfigError
 from vit.settings import ROOT
@@ -33,6 +34,24 @@ def check_writable(path: str, option: str) -> None:
         raise ConfigError(f"{option} {path}: {existing} is on a read-only file system")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{option} {path}: {existing} is not writable by this user")
+
+
+def check_unused(log_dir: str | None, save_dir: str | None) -> None:
+    """A run that does not resume must not mix its records and checkpoints with another run's: it refuses a log
+    dir with summary.json (a finished run) or a complete checkpoint, and a save dir with a complete checkpoint
+    (--resume would pick it over this run's). A folder that holds only the records of a run that ended before its
+    first checkpoint, with nothing to resume from, is taken: that run starts over (as scripts/retry.sh does)."""
+    if log_dir:
+        held = ["summary.json"] if Path(log_dir, "summary.json").is_file() else []
+        tags = checkpoint.complete_tags(Path(log_dir, "checkpoints"))
+        held += [f"checkpoints {', '.join(tags)}"] if tags else []
+        if held:
+            how = "continue it with --resume, or" if tags else "the run is finished:"
+            raise ConfigError(f"--log-dir {log_dir} already holds a run ({'; '.join(held)}); {how} use another "
+                              "--log-dir")
+    if save_dir and (tags := checkpoint.complete_tags(save_dir)):
+        raise ConfigError(f"--save-dir {save_dir} already holds a run's checkpoints ({', '.join(tags)}); continue "
+                          "it with --resume, or use another --save-dir")
 
 
 class RunLock:
