@@ -318,7 +318,7 @@ def test_the_last_partial_batch_goes_through(tmp_path):
 
 BAD = {
     "stashing option with another engine": (["--engine", "zero", "--weight-stashing", "off"],
-                                            "apply to --engine async-pipeline"),
+                                            "--weight-stashing has no effect without --engine async-pipeline"),
     "interval does not divide the accumulation": (
         ["--engine", "async-pipeline", "--pipeline-stages", "1", "--async-update-interval", "3"],
         "--async-update-interval 3 does not divide the gradient-accumulation count 4"),

@@ -53,6 +53,32 @@ def test_bad_values_are_refused_naming_the_option(argv, message):
         parse(argv)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--freeze-alpha", "0.5"], "--freeze-alpha has no effect without --freeze schedule or grad"),
+    (["--engine", "pipeline", "--freeze-interval-epochs", "2"],
+     "--freeze-interval-epochs has no effect without --freeze schedule or grad"),
+    (["--freeze-cache", "off"], "--freeze-cache has no effect without --freeze schedule or grad"),
+    (["--freeze-cache-gib", "1"], "--freeze-cache-gib has no effect without --freeze schedule or grad"),
+    (["--engine", "pipeline", "--freeze-replan", "off"],
+     "--freeze-replan has no effect without --freeze schedule or grad on --engine pipeline"),
+    (["--freeze", "grad", "--freeze-replan", "off"],
+     "--freeze-replan has no effect without --freeze schedule or grad on --engine pipeline"),
+    (["--engine", "pipeline", "--async-update-interval", "2"],
+     "--async-update-interval has no effect without --engine async-pipeline"),
+    (["--weight-prediction", "none"], "--weight-prediction has no effect without --engine async-pipeline"),
+])
+def test_an_option_without_effect_is_refused_naming_what_it_needs(argv, message):
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        parse(argv)
+
+
+def test_options_with_what_they_need_are_taken():
+    s = parse(["--engine", "pipeline", "--freeze", "grad", "--freeze-alpha", "0.5", "--freeze-replan", "off",
+               "--freeze-interval-epochs", "2", "--freeze-cache", "off", "--freeze-cache-gib", "1"])
+    assert (s.freeze.freeze_alpha, s.freeze.freeze_replan, s.freeze.freeze_cache_gib) == (0.5, "off", 1.0)
+    assert parse(["--engine", "async-pipeline", "--weight-prediction", "none"]).asynchrony.weight_prediction == "none"
+
+
 def test_data_path_is_read_or_refused_never_ignored(tmp_path):
     (tmp_path / "imgs" / "train").mkdir(parents=True)
     (tmp_path / "imgs" / "val").mkdir()

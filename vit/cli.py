@@ -8,7 +8,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from vit.errors import ConfigError
-from vit.settings import DEFAULT_DS_CONFIG, DEFAULT_EPOCHS, GROUPS, PIPELINES, ROOT, TRACKERS, AsyncSettings, Settings
+from vit.settings import DEFAULT_DS_CONFIG, DEFAULT_EPOCHS, GROUPS, PIPELINES, ROOT, TRACKERS, Settings
 
 
 def flag(f) -> tuple[str, ...]:
@@ -102,9 +102,6 @@ def validate(s: Settings) -> Settings:
                           "micro-batch the run chose: its config.json says)")
     if par.partition == "balanced" and par.engine not in PIPELINES:
         raise ConfigError("--partition balanced applies to --engine pipeline or async-pipeline")
-    if s.asynchrony != AsyncSettings() and par.engine != "async-pipeline":
-        raise ConfigError("--async-update-interval, --weight-stashing and --weight-prediction apply to --engine "
-                          "async-pipeline")
     if s.recipe.scale and not 0 < s.recipe.scale[0] <= s.recipe.scale[1] <= 1:
         raise ConfigError(f"--scale MIN MAX: a share of the image's area, 0 < MIN <= MAX <= 1, got "
                           f"{' '.join(map(str, s.recipe.scale))}")
@@ -122,11 +119,31 @@ def validate(s: Settings) -> Settings:
     if s.freeze.freeze != "none" and par.engine == "pipeline" and s.recipe.model_ema:
         raise ConfigError("--model-ema does not follow a pipeline whose stages --freeze re-plans; use --engine zero "
                           "or ddp")
+    check_effect(s)
     report_to = report_trackers(s.log.report_to)
     ds_config = par.ds_config or str(ROOT / "deepspeed_configs" / DEFAULT_DS_CONFIG[par.engine])
     epochs = DEFAULT_EPOCHS if s.train.epochs is None and s.train.steps is None else s.train.epochs
     return replace(s, parallel=replace(par, ds_config=ds_config), train=replace(s.train, epochs=epochs),
                    log=replace(s.log, report_to=",".join(report_to) or "none"))
+
+
+# What an option with `needs` has no effect without: (whether the settings have it, how to say it).
+NEEDS = {
+    "async-pipeline": (lambda s: s.parallel.engine == "async-pipeline", "--engine async-pipeline"),
+    "freeze": (lambda s: s.freeze.freeze != "none", "--freeze schedule or grad"),
+    "pipeline freeze": (lambda s: s.freeze.freeze != "none" and s.parallel.engine == "pipeline",
+                        "--freeze schedule or grad on --engine pipeline"),
+}
+
+
+def check_effect(s: Settings) -> None:
+    """Refuse an option given (changed from its default) where it has no effect."""
+    for name, (cls, _) in GROUPS.items():
+        group = getattr(s, name)
+        for f in fields(cls):
+            needs = f.metadata["needs"]
+            if needs and getattr(group, f.name) != f.default and not NEEDS[needs][0](s):
+                raise ConfigError(f"{flag(f)[0]} has no effect without {NEEDS[needs][1]}")
 
 
 def report_trackers(value: str) -> tuple[str, ...]:

@@ -23,18 +23,30 @@ def scheduled(intervals: int, num_freezable: int, alpha: float) -> int:
     return min(num_freezable, math.ceil(num_freezable * (1 - (1 - alpha) ** intervals) - 1e-9))
 
 
+def _changes(previous: list[float], now: list[float], frozen: int) -> tuple[list[float], float]:
+    """Each active freezable layer's gradient-norm change relative to the previous interval, and their median."""
+    change = [abs(n - p) / max(p, 1e-12) for p, n in zip(previous[frozen:], now[frozen:])]
+    return change, statistics.median(change) if change else 0.0
+
+
 def by_gradient(previous: list[float], now: list[float], frozen: int, alpha: float) -> int:
     """The paper's criterion: of the active freezable layers, those whose gradient norm changed (relative to the
     previous interval) less than their median are converged; the converged ones at the front of the active layers
     freeze, at most alpha of the active layers (at least one) at a time."""
-    change = [abs(n - p) / max(p, 1e-12) for p, n in zip(previous[frozen:], now[frozen:])]
+    change, median = _changes(previous, now, frozen)
     if not change:
         return frozen
-    median, cap = statistics.median(change), max(1, math.floor(alpha * len(change)))
+    cap = max(1, math.floor(alpha * len(change)))
     count = 0
     while count < min(cap, len(change)) and change[count] < median:
         count += 1
     return frozen + count
+
+
+def not_converged(previous: list[float], now: list[float], frozen: int) -> str:
+    """What by_gradient saw where nothing freezes: the first active layer's change is not below the median."""
+    change, median = _changes(previous, now, frozen)
+    return f"layer {frozen}'s gradient-norm change {change[0]:.3g} is not below the median {median:.3g}"
 
 
 def _frozen_forward(layer: nn.Module, forward, cached: bool):
@@ -112,6 +124,7 @@ class Freezer:
         self.layout = None  # the pipeline's layout once a freeze point changed it
         self.cache = FeatureCache(s.freeze_cache_gib, cache_dir) if cache_dir else None
         self.layers = None
+        self.unchanged = None  # why the last decision froze nothing
 
     def freeze(self, layers: list[nn.Module], frozen: int) -> None:
         """Freeze the prefix of the layers an engine is about to be built on."""
@@ -139,6 +152,8 @@ class Freezer:
         # Without re-planning a pipeline's first stage must keep an active layer (it would have no backward).
         frozen = self.decide(step, cap=current.parts[1] - 1 if current and not self.replan else None)
         if frozen is None:
+            if self.unchanged and dist.get_rank() == 0:
+                print(f"freeze decision at step {step}: nothing freezes ({self.unchanged})", flush=True)
             return None
 
         def plan(layers: list) -> Layout | None:
@@ -154,7 +169,7 @@ class Freezer:
         if self.cache is not None:
             self.cache.clear()  # a new boundary
         stages = rebuilt.layout.stages if current else 1
-        planned = {"parts": [int(p) for p in rebuilt.layout.parts]} if current else {}  # DeepSpeed's are numpy
+        planned = {"parts": rebuilt.layout.parts} if current else {}
         if current and self.replan:
             planned["predicted_ms"] = 1e3 * max(self.planned.times)
         metrics.write("freeze", step, frozen=frozen, stages=stages, dp=rebuilt.dp_size, cache=self.cache is not None,
@@ -172,18 +187,27 @@ class Freezer:
             self.norms.attach(module)
 
     def decide(self, step: int, cap: int | None = None) -> int | None:
-        """The new number of frozen layers (at most `cap`) at a freeze point where it grew, else None."""
-        if self.mode == "none" or step % self.interval_steps or step >= self.total_steps:
+        """The new number of frozen layers (at most `cap`) at a freeze point where it grew, else None; at a freeze
+        point where nothing freezes, `self.unchanged` says why. No decision once no more layers can freeze."""
+        self.unchanged = None
+        limit = self.num_freezable if cap is None else min(cap, self.num_freezable)
+        if self.mode == "none" or step % self.interval_steps or step >= self.total_steps or self.frozen >= limit:
             return None
         if self.mode == "schedule":
-            frozen = scheduled(step // self.interval_steps, self.num_freezable, self.alpha)
+            intervals = step // self.interval_steps
+            frozen = scheduled(intervals, self.num_freezable, self.alpha)
+            why = f"the schedule keeps {frozen} layers frozen after {intervals} intervals"
         else:
             now = self.norms.take()
-            frozen = self.frozen if self.previous is None else by_gradient(self.previous, now, self.frozen,
-                                                                            self.alpha)
+            if self.previous is None:
+                frozen, why = self.frozen, "the first interval's gradient norms, nothing to compare them with yet"
+            else:
+                frozen = by_gradient(self.previous, now, self.frozen, self.alpha)
+                why = not_converged(self.previous, now, self.frozen) if frozen <= self.frozen else None
             self.previous = now
-        frozen = min(frozen, cap) if cap is not None else frozen
+        frozen = min(frozen, limit)
         if frozen <= self.frozen:
+            self.unchanged = why
             return None
         self.frozen = frozen
         return frozen

@@ -29,11 +29,12 @@ def _positive_int(v: str) -> int:
     return n
 
 
-def option(default, help: str, check: str | None = None, **cli):
+def option(default, help: str, check: str | None = None, needs: str | None = None, **cli):
     """A settings field: its default, its --help text, `check` ('positive', 'non_negative', 'probability': 0 to 1,
-    or 'below_one': 0 up to 1; every float must also be finite) and extra argparse arguments (choices, metavar,
-    flag, ...)."""
-    return field(default=default, metadata={"help": help, "check": check, "cli": cli})
+    or 'below_one': 0 up to 1; every float must also be finite), `needs`: what it has no effect without (a key of
+    vit.cli.NEEDS; changed from its default without that, it is refused) and extra argparse arguments (choices,
+    metavar, flag, ...)."""
+    return field(default=default, metadata={"help": help, "check": check, "needs": needs, "cli": cli})
 
 
 @dataclass(frozen=True)
@@ -116,12 +117,13 @@ class OptimSettings:
 class AsyncSettings:
     """--engine async-pipeline: PipeDream-2BW's 1F1B without a flush, and what offsets its staleness."""
     async_update_interval: int | None = option(None, "micro-batches between a stage's updates (default: the "
-                                               "gradient-accumulation count, which it must divide)", "positive")
+                                               "gradient-accumulation count, which it must divide)", "positive",
+                                               needs="async-pipeline")
     weight_stashing: str = option("on", "each backward uses the weights its forward used (off: the current ones)",
-                                  choices=("on", "off"))
+                                  choices=("on", "off"), needs="async-pipeline")
     weight_prediction: str = option("msnag", "before a forward, predict the weights d updates ahead (d: the "
                                     "stage's staleness) from the optimizer's momentum (FTPipe's multi-step NAG), "
-                                    "or none", choices=("msnag", "none"))
+                                    "or none", choices=("msnag", "none"), needs="async-pipeline")
 
 
 @dataclass(frozen=True)
@@ -166,16 +168,18 @@ class FreezeSettings:
                          "gradient norm changed less than the active layers' median since the previous interval)",
                          choices=("none", "schedule", "grad"))
     freeze_alpha: float = option(1 / 3, "the schedule's A; grad: at most this share of the active layers freezes "
-                                 "at once", "positive")
-    freeze_interval_epochs: float = option(1.0, "epochs between freeze decisions (fractions allowed)", "positive")
+                                 "at once", "positive", needs="freeze")
+    freeze_interval_epochs: float = option(1.0, "epochs between freeze decisions (fractions allowed)", "positive",
+                                           needs="freeze")
     freeze_replan: str = option("on", "pipeline engine: at a freeze point plan the stages again (frozen layers hold "
                                 "weights only) and halve them when the active layers fit, the freed ranks becoming "
-                                "data-parallel copies; off: keep the layout", choices=("on", "off"))
+                                "data-parallel copies; off: keep the layout", choices=("on", "off"),
+                                needs="pipeline freeze")
     freeze_cache: str = option("auto", "keep each training sample's output of the frozen layers and train from it "
                                "instead of running them; auto: on when the data has no random augmentation or "
-                               "mixup", choices=("auto", "on", "off"))
+                               "mixup", choices=("auto", "on", "off"), needs="freeze")
     freeze_cache_gib: float = option(4.0, "host memory for --freeze-cache per rank; past it, files in the log dir",
-                                     "positive")
+                                     "positive", needs="freeze")
 
 
 @dataclass(frozen=True)

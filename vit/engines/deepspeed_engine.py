@@ -43,31 +43,41 @@ class DeepSpeedEngine(Engine):
     def handover(self):
         ds, module = self.ds_engine, self.live_module()
         zopt = ds.optimizer
-        if hasattr(zopt, "bit16_groups"):  # ZeRO 1 and 2: fp32 weights and Adam state flat and partitioned
-            names = {p: n for n, p in module.named_parameters()}
-            adam = {names[p]: whole for i in range(len(zopt.bit16_groups))
+        names = {p: n for n, p in module.named_parameters()}
+        if partitions(zopt):  # fp32 weights and Adam state flat and partitioned
+            adam = {names[p]: whole for i in range(len(partitions(zopt)[0]))
                     for p, whole in whole_adam_state(zopt, i).items()}
             step = next(iter(zopt.optimizer.state.values()))["step"]
+        elif hasattr(zopt, "fp32_groups"):  # FP16_UnfusedOptimizer: our AdamW steps an fp32 copy of each parameter
+            adam = {names[lp]: {"master": hp.detach().clone(), **zopt.optimizer.state[hp]}
+                    for lp, hp in fp32_copies(zopt)}
+            step = None
         elif isinstance(zopt, torch.optim.Optimizer):  # no ZeRO, fp32: DeepSpeed steps our AdamW itself
             adam, step = adam_state(zopt, module), None
         else:
-            raise RuntimeError(f"--freeze cannot move the state of DeepSpeed's {type(zopt).__name__}; use ZeRO "
-                               "stage 1 or 2")
+            raise RuntimeError(f"--freeze cannot move the state of DeepSpeed's {type(zopt).__name__}")
+        # The loss scale: ZeRO's loss_scaler, FP16_UnfusedOptimizer's loss_scale_config (BF16_Optimizer has none).
+        scaler = {a: getattr(zopt, a) for a in ("loss_scaler", "loss_scale_config") if hasattr(zopt, a)}
         return {"adam": adam, "step": step, "schedule": schedule_position(self.scheduler),
-                "counters": (ds.global_steps, ds.global_samples, ds.skipped_steps),
-                "loss_scaler": getattr(zopt, "loss_scaler", None)}
+                "counters": (ds.global_steps, ds.global_samples, ds.skipped_steps), "loss_scaler": scaler}
 
     def take_over(self, state):
         ds, zopt = self.ds_engine, self.ds_engine.optimizer
-        if state["step"] is None:
-            put_adam_state(zopt, self.live_module(), state["adam"])
-        else:
-            names = {p: n for n, p in self.live_module().named_parameters()}
-            for flat, params in zip(zopt.single_partition_of_fp32_groups, zopt.bit16_groups):
+        names = {p: n for n, p in self.live_module().named_parameters()}
+        if partitions(zopt):
+            for flat, params, _ in zip(*partitions(zopt)):
                 zopt.optimizer.state[flat] = flat_adam_state(flat, [(p, state["adam"][names[p]]) for p in params],
                                                              state["step"])
-        if state["loss_scaler"] is not None:
-            zopt.loss_scaler = state["loss_scaler"]
+        elif hasattr(zopt, "fp32_groups"):
+            with torch.no_grad():
+                for lp, hp in fp32_copies(zopt):
+                    whole = dict(state["adam"][names[lp]])
+                    hp.copy_(whole.pop("master"))  # a pipeline's handover comes through the host
+                    zopt.optimizer.state[hp] = {k: v.to(hp.device) if k in ADAM_KEYS else v for k, v in whole.items()}
+        else:
+            put_adam_state(zopt, self.live_module(), state["adam"])
+        for attr, value in state["loss_scaler"].items():
+            setattr(zopt, attr, value)
         move_schedule(self.scheduler, state["schedule"])
         ds.global_steps, ds.global_samples, ds.skipped_steps = state["counters"]
 
@@ -76,6 +86,24 @@ class DeepSpeedEngine(Engine):
 
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def partitions(zopt) -> tuple | None:
+    """(fp32 partitions, their low-precision parameters, data-parallel groups), one of each per parameter group, of
+    a DeepSpeed optimizer that keeps the fp32 weights flat and partitioned over the data-parallel ranks, its
+    parameters linked to their partition by _hp_mapping: ZeRO 1 and 2, and BF16_Optimizer (bf16 on the pipeline or
+    ZeRO 1 with fp32 gradient accumulation); None for any other."""
+    if hasattr(zopt, "bit16_groups"):
+        return zopt.single_partition_of_fp32_groups, zopt.bit16_groups, zopt.real_dp_process_group
+    if hasattr(zopt, "bf16_groups"):
+        return zopt.fp32_groups_flat_partition, zopt.bf16_groups, zopt.real_dp_process_group
+    return None
+
+
+def fp32_copies(zopt):
+    """(parameter, its fp32 copy that the optimizer steps) of FP16_UnfusedOptimizer (fp16 or bf16 without ZeRO)."""
+    for low, high in zip(zopt.fp16_groups, zopt.fp32_groups):
+        yield from zip(low, high)
 
 
 def _fragments(flat: torch.Tensor, state: dict, params: list):
@@ -95,8 +123,8 @@ def _fragments(flat: torch.Tensor, state: dict, params: list):
 def whole_adam_state(zopt, group: int) -> dict:
     """Collective over the data-parallel ranks: each parameter of ZeRO group `group` with its whole fp32 weights
     and Adam moments (flat), assembled from every rank's partition."""
-    flat = zopt.single_partition_of_fp32_groups[group]
-    params = zopt.bit16_groups[group]
+    flats, groups, dp_groups = partitions(zopt)
+    flat, params = flats[group], groups[group]
     out = {p: {k: torch.zeros(p.numel(), dtype=flat.dtype, device=flat.device) for k in ("master", *ADAM_KEYS)}
            for p in params}
     for p, parts, (start, numel) in _fragments(flat, zopt.optimizer.state[flat], params):
@@ -104,7 +132,7 @@ def whole_adam_state(zopt, group: int) -> dict:
             out[p][key].narrow(0, start, numel).copy_(part)
     for whole in out.values():
         for t in whole.values():
-            dist.all_reduce(t, group=zopt.real_dp_process_group[group])
+            dist.all_reduce(t, group=dp_groups[group])
     return out
 
 

@@ -69,7 +69,8 @@ class PipelineEngine(DeepSpeedEngine):
         self.reads_images = self.ds_engine.is_first_stage()
         self.timer = PhaseTimer(self.device)
         self.grad_accum = self.ds_engine.gradient_accumulation_steps()
-        self.layout = Layout(ctx.pipeline_stages, list(module.parts), self.grad_accum)  # --freeze-replan
+        # DeepSpeed's own partition methods give numpy integers: plain ones for the freeze records and checkpoints.
+        self.layout = Layout(ctx.pipeline_stages, [int(p) for p in module.parts], self.grad_accum)  # --freeze-replan
         self.ds_engine._INSTRUCTION_MAP = timed_instructions(type(self.ds_engine)._INSTRUCTION_MAP, self.timer)
 
     def train_step(self, batches):
