@@ -73,6 +73,39 @@ def test_imagefolder(tmp_path):
 
 
 @pytest.mark.ranks
+@pytest.mark.timeout(200)
+def test_an_image_that_is_not_one_is_named_before_training(tmp_path):
+    """A garbage file with a .png name refuses the run at the start, naming it (it was an UnidentifiedImageError
+    mid-run); a PNG cut short has a sound header and passes, and reading it names the file."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 4), ("val", 2)):
+        for cls in ("cat", "dog"):
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(n):  # noise: the image data is most of the file
+                pixels = rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / split / cls / f"{i}.png")
+    bad = tmp_path / "train" / "dog" / "3.png"
+    bad.write_bytes(b"garbage bytes with a .png name")
+    # One rank of two that never meets the other: a check made after the process group starts would hang here.
+    env = base_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="9")
+    r = run_cmd([sys.executable, "-m", "vit.train", "--data-path", str(tmp_path), "--img-size", "8", "--steps", "1",
+                 "--micro-batch-size", "4", "--log-dir", str(tmp_path / "run")], env=env, timeout=150)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"entry_cn.sh: error: imagefolder: 1 of the 12 files under {tmp_path} are not images PIL can read: "
+        "train/dog/3.png (UnidentifiedImageError); remove or replace them (every image's header is checked before "
+        "training)")
+    assert not (tmp_path / "run").exists()
+    whole = (tmp_path / "train" / "cat" / "0.png").read_bytes()
+    bad.write_bytes(whole[:len(whole) // 2])
+    d = load_dataset("imagefolder", str(tmp_path), 8)
+    with pytest.raises(OSError, match=f"imagefolder: cannot read {bad}: image file is truncated"):
+        d.train[[str(p) for p, _label in d.train.samples].index(str(bad))]
+
+
+@pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_training_reads_cifar_folder(tmp_path):
     write_cifar(tmp_path / "data", "cifar10")

@@ -1,6 +1,7 @@
 """GPU rules at the library boundary (there is no GPU here): device reports as torch.cuda and a fake nvidia-smi
 would give them, and the verdicts every rank reaches from them; emulated bf16, TF32, device_id; and real 2-rank
 runs whose ranks disagree about CUDA."""
+import contextlib
 import types
 
 import pytest
@@ -8,8 +9,12 @@ import torch
 from helpers import launch
 
 from vit import dist_env, gpu
+from vit.cli import parse
+from vit.dist_env import Job
 from vit.errors import ConfigError
 from vit.hetero import census
+from vit.plan import make_plan
+from vit.precision import check_engine, choose
 
 ARCH_CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
 
@@ -34,11 +39,19 @@ def smi_dir(tmp_path):
     return d
 
 
+ARCH_CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+
+
 def gpu_report(rank, host, local_rank=0, gpus=1, capability=(8, 6), name="NVIDIA GeForce RTX 3070",
-               arch_list=ARCH_CU130):
-    return {"rank": rank, "local_rank": local_rank, "host": host, "torch": "2.14.1+cu130", "torch_cuda": "13.0",
-            "visible": None, "cuda": True, "gpus": gpus, "arch_list": arch_list, "name": name,
-            "capability": list(capability)}
+               arch_list=ARCH_CU130, build="cu130", ds_fp16=True):
+    return {"rank": rank, "local_rank": local_rank, "host": host, "torch": f"2.14.1+{build}",
+            "torch_cuda": f"{build[2:-1]}.{build[-1]}", "visible": None, "cuda": True, "gpus": gpus,
+            "arch_list": arch_list, "name": name, "capability": list(capability), "ds_fp16": ds_fp16}
+
+
+def gtx_1080(rank, host, ds_fp16=False):
+    return gpu_report(rank, host, capability=(6, 1), name="NVIDIA GeForce GTX 1080", arch_list=ARCH_CU126,
+                      build="cu126", ds_fp16=ds_fp16)
 
 
 def cpu_report(rank, host, smi=None, torch_cuda="13.0"):
@@ -121,31 +134,102 @@ def test_a_card_missing_from_the_arch_list_is_refused_naming_host_and_card():
 
 
 def fake_card(monkeypatch, name, major, minor):
-    """torch.cuda as a host with this card would answer the census (no GPU here)."""
+    """torch.cuda as a host with this card would answer the census and DeepSpeed's accelerator (no GPU here)."""
     props = types.SimpleNamespace(name=name, major=major, minor=minor, total_memory=8 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ARCH_CU126)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev=None: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (major, minor))
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (7 * 2**30, 8 * 2**30))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what it says on sm_75 too
 
 
-def test_bf16_only_where_native_and_fp16_warned_before_volta(monkeypatch):
+CARDS = [("RTX 3070", 8, 6), ("RTX 2080 Ti", 7, 5), ("GTX 1080", 6, 1)]
+
+
+def test_bf16_only_where_native_and_fp16_as_the_engine_runs_it(monkeypatch):
+    """DeepSpeed's engines refuse fp16 below compute capability 7.0 unless DS_ALLOW_DEPRECATED_FP16=1 (its CUDA
+    accelerator's is_fp16_supported, asked here with torch.cuda answering as the card would); DDP's autocast runs
+    it on every card, with a warning before Volta."""
     monkeypatch.delenv("VIT_CENSUS_OVERRIDE", raising=False)
+    monkeypatch.delenv("DS_ALLOW_DEPRECATED_FP16", raising=False)
     caps = {}
-    for name, major, minor in [("RTX 3070", 8, 6), ("RTX 2080 Ti", 7, 5), ("GTX 1080", 6, 1)]:
-        fake_card(monkeypatch, name, major, minor)
-        caps[name] = census.capabilities(torch.device("cuda", 0), 1)
+    for engine in ("zero", "ddp"):
+        for name, major, minor in CARDS:
+            fake_card(monkeypatch, name, major, minor)
+            caps[engine, name] = census.capabilities(torch.device("cuda", 0), 1, engine)
     assert [(c["fp16"], c["bf16"], c["capability"]) for c in caps.values()] == [
+        (True, True, "8.6"), (True, False, "7.5"), (False, False, "6.1"),
         (True, True, "8.6"), (True, False, "7.5"), (True, False, "6.1")]
-    assert census.negotiate("auto", [caps["RTX 3070"], caps["RTX 3070"]])[0] == "bf16"
-    precision, why = census.negotiate("auto", [caps["RTX 3070"], caps["RTX 2080 Ti"]])
+    assert choose("auto", "zero", [caps["zero", "RTX 3070"], caps["zero", "RTX 3070"]])[0] == "bf16"
+    precision, why = choose("auto", "zero", [caps["zero", "RTX 3070"], caps["zero", "RTX 2080 Ti"]])
     assert precision == "fp16" and "no bf16 on rank 1" in why and "warning" not in why
-    precision, why = census.negotiate("auto", [caps["RTX 3070"], caps["GTX 1080"]])
+    precision, why = choose("auto", "zero", [caps["zero", "RTX 3070"], caps["zero", "GTX 1080"]])
+    assert precision == "fp32" and "no fp16 on rank 1 (" in why
+    precision, why = choose("auto", "ddp", [caps["ddp", "RTX 3070"], caps["ddp", "GTX 1080"]])
     assert precision == "fp16" and "warning: rank 1 (" in why and "without tensor cores" in why
+    # DeepSpeed's switch, read in the rank's own environment, and the device report made before the process group.
+    monkeypatch.setenv("DS_ALLOW_DEPRECATED_FP16", "1")
+    assert census.capabilities(torch.device("cuda", 0), 1, "zero")["fp16"] is True
+    assert gpu.local_report("auto", 0, 0)["ds_fp16"] is True
+    monkeypatch.setenv("DS_ALLOW_DEPRECATED_FP16", "0")
+    assert gpu.local_report("auto", 0, 0)["ds_fp16"] is False
     # No precision given: auto on GPUs, fp32 on CPUs.
-    precision, why = census.negotiate("default", [caps["RTX 3070"], caps["RTX 2080 Ti"]])
+    precision, why = choose(None, "zero", [caps["zero", "RTX 3070"], caps["zero", "RTX 2080 Ti"]])
     assert precision == "fp16" and why.startswith("no precision given: auto on GPUs")
     cpu = {"host": "h", "device": "CPU", "capability": None, "fp16": False, "bf16": True}
-    assert census.negotiate("default", [cpu, cpu]) == ("fp32", "no precision given: fp32 on CPUs")
+    assert choose(None, "zero", [cpu, cpu]) == ("fp32", "no precision given: fp32 on CPUs")
+
+
+def test_the_async_pipeline_settles_on_bf16_else_fp32():
+    """It has no fp16 loss scaler: auto (or none given) never picks fp16 for it, and fp16 asked for is refused
+    before the process group (the JSON's too)."""
+    def rep(capability, fp16, bf16):
+        return {"host": "h", "device": "GPU", "capability": capability, "fp16": fp16, "bf16": bf16}
+
+    turing, ampere = rep("7.5", True, False), rep("8.6", True, True)
+    assert choose(None, "async-pipeline", [ampere, ampere])[0] == "bf16"
+    for requested in (None, "auto"):
+        precision, why = choose(requested, "async-pipeline", [ampere, turing])
+        assert precision == "fp32" and why.endswith("no bf16 on rank 1 (h, GPU)"), why
+    with pytest.raises(ConfigError, match=r"^--engine async-pipeline trains in fp32 or bf16 .*pass --precision bf16"):
+        check_engine("fp16", "async-pipeline")
+    with pytest.raises(ConfigError, match=r"^--engine async-pipeline trains in fp32 or bf16"):
+        make_plan(parse(["--engine", "async-pipeline", "--pipeline-stages", "2", "--ds-config",
+                         "deepspeed_configs/pipeline_fp16.json"]), Job(0, 2, 0, 2, "single"))
+
+
+def test_fp16_that_deepspeed_refuses_stops_before_the_process_group_naming_the_card_and_the_fix():
+    reports = [gtx_1080(0, "cn3", ds_fp16=True), gtx_1080(1, "cn4")]
+    with pytest.raises(ConfigError) as e:
+        gpu.decide(reports, "auto", "fp16", "zero")
+    assert str(e.value) == (
+        "precision fp16 is not supported by rank 1 (cn4, NVIDIA GeForce GTX 1080): DeepSpeed runs fp16 from compute "
+        "capability 7.0 on (6.x with DS_ALLOW_DEPRECATED_FP16=1 set for every rank), --engine ddp on any GPU; every "
+        "rank can run fp32: use --precision auto or one of those")
+    assert gpu.decide(reports, "auto", "fp16", "ddp") == "cuda"  # torch autocast runs fp16 on Pascal
+    assert gpu.decide(reports, "auto", None, "zero") == gpu.decide(reports, "auto", "auto", "pipeline") == "cuda"
+    assert gpu.decide([gtx_1080(0, "cn3", ds_fp16=True)], "auto", "fp16", "zero") == "cuda"
+    with pytest.raises(ConfigError, match=r"^precision bf16 is not supported by rank 0 \(cn3, NVIDIA GeForce GTX "
+                                          r"1080\), rank 1 .*; every rank can run fp16, fp32: use"):
+        gpu.decide(reports, "auto", "bf16", "ddp")
+
+
+def test_torch_builds_that_differ_between_hosts_stop_before_nccl_starts():
+    """cu126 on the GTX 1080's host, cu130 on the others: NCCL would refuse the mix inside init_process_group."""
+    reports = [gpu_report(0, "cn0"), gpu_report(1, "cn1"), gtx_1080(2, "cn4", ds_fp16=True)]
+    with pytest.raises(ConfigError) as e:
+        gpu.decide(reports, "auto")
+    assert str(e.value) == (
+        "torch differs between hosts: 2.14.1+cu130 on cn0, cn1; 2.14.1+cu126 on cn4; NCCL refuses ranks whose torch "
+        "builds bring different NCCL versions: run TORCH_CUDA=cu126 scripts/bootstrap.sh on every host (it has "
+        "kernels for every card here)")
+    blackwell = gpu_report(0, "cn0", capability=(12, 0), name="NVIDIA GeForce RTX 5090")
+    with pytest.raises(ConfigError, match=r"; NCCL refuses .*: none of these builds has kernels for every card"):
+        gpu.decide([blackwell, gtx_1080(1, "cn4", ds_fp16=True)], "auto")
+    assert gpu.decide([gpu_report(0, "cn0", build="cu126", arch_list=ARCH_CU126), gtx_1080(1, "cn4")], "auto")
 
 
 def test_tf32_on_ampere_only(monkeypatch):
@@ -170,6 +254,8 @@ def test_the_process_group_binds_the_local_ranks_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     chosen, started = [], {}
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kw: started.update(kw, b=backend))
@@ -178,6 +264,34 @@ def test_the_process_group_binds_the_local_ranks_gpu(monkeypatch):
     assert dist_env.init_process_group(job, 30, "auto") == "nccl"
     assert chosen == [torch.device("cuda", 1)] and started["device_id"] == torch.device("cuda", 1)
     assert dist_env.device(job) == torch.device("cuda", 1) and job.device_type == "cuda"
+
+
+def test_nccl_out_of_memory_as_the_process_group_starts_is_one_line(monkeypatch, tmp_path, capsys):
+    """With device_id NCCL creates its communicators inside init_process_group: on a full GPU that is a
+    DistBackendError (faked here, as torch 2.14 raises it; torch.cuda faked as in the test above)."""
+    from vit import train
+
+    props = types.SimpleNamespace(name="NVIDIA GeForce RTX 3070", major=8, minor=6)
+    for name, value in [("is_available", lambda: True), ("device_count", lambda: 1), ("set_device", lambda d: None),
+                        ("get_device_properties", lambda i: props), ("get_device_capability", lambda d=None: (8, 6)),
+                        ("device", lambda d: contextlib.nullcontext())]:
+        monkeypatch.setattr(torch.cuda, name, value)
+
+    def full(backend, **kw):
+        raise torch.distributed.DistBackendError(
+            "NCCL error in: ProcessGroupNCCL.cpp:2044, unhandled cuda error (run with NCCL_DEBUG=INFO for details), "
+            "NCCL version 2.27.7\nncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure "
+            "'out of memory'")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", full)
+    job = Job(rank=0, world_size=1, local_rank=0, local_world_size=1, launcher="torchrun", master_addr="127.0.0.1",
+              master_port=dist_env.free_port())
+    plan = make_plan(parse(["--log-dir", str(tmp_path / "run")]), job)
+    assert train.run(plan, 0.0) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rank 0 (") and ") failed at start: out of memory on cuda:0 as NCCL created its " \
+        "communicators: NCCL error in: ProcessGroupNCCL.cpp:2044, unhandled cuda error" in err, err
+    assert "nvidia-smi" in err and "Traceback" not in err and err.count("\n") == 1, err
 
 
 COMMON = ["--steps", 1, "--no-save", "--monitor-interval", 0]

@@ -14,6 +14,7 @@ from vit.cli import defaults
 from vit.data import TrainBatches
 from vit.errors import ConfigError
 from vit.hetero import batch_split, census, loss_scale, stages
+from vit.precision import choose
 from vit.reference import reference_losses
 
 
@@ -238,12 +239,12 @@ def test_precision_negotiation():
     def rep(fp16, bf16):
         return {"host": "h", "device": "GPU", "fp16": fp16, "bf16": bf16}
 
-    assert census.negotiate("auto", [rep(True, True), rep(True, True)])[0] == "bf16"
-    precision, why = census.negotiate("auto", [rep(True, True), rep(True, False)])
+    assert choose("auto", "zero", [rep(True, True), rep(True, True)])[0] == "bf16"
+    precision, why = choose("auto", "zero", [rep(True, True), rep(True, False)])
     assert precision == "fp16" and "no bf16 on rank 1 (h, GPU)" in why
-    assert census.negotiate("auto", [rep(False, True), rep(True, False)])[0] == "fp32"
+    assert choose("auto", "zero", [rep(False, True), rep(True, False)])[0] == "fp32"
     with pytest.raises(ConfigError, match=r"precision bf16 is not supported by rank 1 \(h, GPU\), rank 2 "):
-        census.negotiate("bf16", [rep(True, True), rep(True, False), rep(True, False)])
+        choose("bf16", "zero", [rep(True, True), rep(True, False), rep(True, False)])
 
 
 def test_scale_power_keeps_the_margin():

@@ -1,5 +1,6 @@
 """What fits in memory: the out-of-memory message (device memory faked where a GPU would answer; there is none
 here) and a real 2-rank run in which rank 1 runs out of memory."""
+import contextlib
 import types
 
 import pytest
@@ -27,6 +28,7 @@ def test_out_of_memory_message_names_the_card_and_what_fits(monkeypatch, tmp_pat
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev=None: props)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 6))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (2**28, 8 * 2**30))
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())  # DeepSpeed's fp16 question
     plan = make_plan(parse(["--model", "vit_small_patch16_224", "--dataset", "synthetic", "--synthetic-size", "1024",
                             "--micro-batch-size", "256", "--grad-accum", "2", "--log-dir", str(tmp_path)]),
                      Job(0, 1, 0, 1, "single"))
@@ -41,6 +43,58 @@ def test_out_of_memory_message_names_the_card_and_what_fits(monkeypatch, tmp_pat
     assert "zero2_offload.json" in text and "more --pipeline-stages" in text and "\n" not in text
 
 
+CUBLAS_OOM = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+
+
+def test_every_form_of_a_gpu_out_of_memory_is_one():
+    """The errors torch 2.14 raises when a GPU's memory runs out: the caching allocator's, cuBLAS's and cuDNN's
+    failed allocations (RuntimeError), a CUDA call's (torch.AcceleratorError), NCCL's at communicator creation."""
+    import torch.distributed as dist
+
+    from vit.errors import OutOfMemory
+
+    ooms = [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), RuntimeError(CUBLAS_OOM),
+            RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), torch.AcceleratorError("CUDA error: out of memory"),
+            dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:2044, unhandled cuda error (run with "
+                                  "NCCL_DEBUG=INFO for details), NCCL version 2.27.7\nncclUnhandledCudaError: Call to "
+                                  "CUDA function failed.\nLast error:\nCuda failure 'out of memory'")]
+    assert [memory.is_oom(e) for e in ooms] == [True] * 5
+    others = [RuntimeError("CUDA error: an illegal memory access was encountered"), ValueError("out of memory"),
+              dist.DistBackendError("NCCL error: remote process exited or there was a network error"),
+              OutOfMemory("out of memory during step 3 on cuda:0 ...")]
+    assert [memory.is_oom(e) for e in others] == [False] * 4
+
+
+def test_the_micro_batch_search_counts_a_cublas_allocation_failure_as_too_big():
+    from vit.model import build_layers
+
+    model = torch.nn.Sequential(*build_layers("vit_digits", 10, 1, 8, 0))
+
+    def cublas(module, args):
+        if args[0].shape[0] >= 4:
+            raise RuntimeError(CUBLAS_OOM)
+
+    model[0].register_forward_pre_hook(cublas)
+    sample = torch.randn(1, 8, 8)
+    assert memory.forward_backward_bytes(model, sample, 4) is None
+    assert memory.largest_fitting(lambda n: memory.forward_backward_bytes(model, sample, n), 1e12, 100) == 3
+
+
+def test_the_message_keeps_its_hints_when_its_estimate_fails(monkeypatch, tmp_path):
+    """After a CUDA error the device may not even say how much memory it has: the message still says what to try."""
+    def broken(dev=None):
+        raise torch.AcceleratorError("CUDA error: out of memory")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
+    plan = make_plan(parse(["--dataset", "synthetic", "--synthetic-size", "256", "--micro-batch-size", "64",
+                            "--log-dir", str(tmp_path)]), Job(0, 1, 0, 1, "single"))
+    text = str(memory.out_of_memory(plan, torch.device("cuda", 0), 2, RuntimeError(CUBLAS_OOM)))
+    assert text == (f"out of memory during step 3 on cuda:0 at micro-batch 64: {CUBLAS_OOM}. No estimate "
+                    "(AcceleratorError: CUDA error: out of memory). Try --micro-batch-size 32, or --micro-batch-size "
+                    "auto, or deepspeed_configs/zero2_offload.json (optimizer state in CPU memory), or --engine "
+                    "pipeline with more --pipeline-stages (each rank holds fewer layers)")
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(360)
 def test_out_of_memory_on_rank_1_ends_every_rank_with_one_message(tmp_path):
@@ -50,8 +104,9 @@ def test_out_of_memory_on_rank_1_ends_every_rank_with_one_message(tmp_path):
     assert all(rc != 0 for rc in r.returncodes), r
     said = "out of memory during step 3 on cpu ("
     mine = [line for line in r.outputs[1].splitlines() if said in line]
-    assert len(mine) == 1 and mine[0].startswith("rank 1 (") and "at micro-batch 32 (fp32): CUDA out of memory. " \
-        "Tried to allocate 2.00 GiB" in mine[0] and "Estimated to fit: " in mine[0], r
+    # cuBLAS's failed allocation, a RuntimeError as torch raises it (VIT_TEST_OOM_AT), is an out-of-memory error too
+    assert len(mine) == 1 and mine[0].startswith("rank 1 (") and f"at micro-batch 32 (fp32): {CUBLAS_OOM} (" \
+        in mine[0] and "Estimated to fit: " in mine[0], r
     assert "--micro-batch-size" in mine[0] and "zero2_offload" in mine[0] and "Traceback" not in r.outputs[1], r
     assert "stops" in r.outputs[0] and said in r.outputs[0], r
 

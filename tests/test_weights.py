@@ -116,18 +116,95 @@ def test_fine_tune_then_export_loads_into_timm(tmp_path, timm_file, config, ema)
 
 
 @pytest.mark.ranks
-@pytest.mark.timeout(120)
-def test_misfit_and_offline_pretrained_are_one_line(tmp_path, timm_file):
+@pytest.mark.timeout(240)
+def test_misfit_foreign_damaged_and_offline_pretrained_are_one_line(tmp_path, timm_file):
     path, want = timm_file
     bad = tmp_path / "bad.pth"
     torch.save({"state_dict": {**want, "blocks.0.mlp.fc1.weight": torch.zeros(3, 3)}}, bad)
-    cases = [(["--pretrained-path", str(bad)], "1 tensor(s) do not fit the model: blocks.0.mlp.fc1.weight (3, 3) "
-                                              "(model (768, 192))"),
+    resnet = tmp_path / "resnet18.safetensors"  # was accepted: a 4,466-character note, then trained from scratch
+    save_file({k: v.contiguous() for k, v in timm.create_model("resnet18").state_dict().items()}, str(resnet))
+    truncated = tmp_path / "truncated.safetensors"  # was SafetensorError's traceback
+    truncated.write_bytes(path.read_bytes()[:3_000_000])
+    cases = [(["--pretrained-path", bad], "1 tensor(s) do not fit the model: blocks.0.mlp.fc1.weight (3, 3) "
+                                          "(model (768, 192))"),
+             (["--pretrained-path", resnet], f"--pretrained-path {resnet}: a ResNet state dict: no ViT keys; it "
+                                             "holds 0 of the model's 150 tensors (the head aside), under half"),
+             (["--pretrained-path", truncated], f"--pretrained-path {truncated}: truncated: 3,000,000 bytes of the "
+                                                f"{path.stat().st_size:,} its header describes"),
              (["--pretrained"], "--pretrained: cannot fetch timm/vit_tiny_patch16_224")]
+    # One rank of two that never meets the other: a check made after the process group starts would hang here.
+    env = base_env(HF_HUB_OFFLINE="1", RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="9")
     for args, message in cases:
         r = run_cmd([".venv/bin/python", "-m", "vit.train", "--model", NAME, "--dataset", "synthetic", "--img-size",
-                     "32", *args, "--log-dir", str(tmp_path / "run")], env=base_env(HF_HUB_OFFLINE="1"), timeout=100)
+                     "32", *map(str, args), "--log-dir", str(tmp_path / "run")], env=env, timeout=100)
         assert r.returncode == 2, r.stdout + r.stderr
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith("entry_cn.sh: error: ") and message in last and "--pretrained-path" in last, last
+        assert "Traceback" not in r.stderr and len(last) < 400, r.stderr
         assert not (tmp_path / "run").exists()
+
+
+def test_damaged_and_foreign_files_say_what_they_are(tmp_path, timm_file):
+    """Each in one line naming the file: a damaged file, another network's keys, a file of a checkpoint folder."""
+    from vit.errors import ConfigError
+    from vit.weights import check
+
+    path, want = timm_file
+    data = path.read_bytes()
+    zipped = tmp_path / "zipped.pth"
+    torch.save(want, zipped)
+
+    def keys_of(arch):  # another network's key names, as timm writes them
+        with torch.device("meta"):
+            keys = list(timm.create_model(arch).state_dict())
+        return {k: torch.zeros(1) for k in keys}
+
+    files = {"half.safetensors": (data[:len(data) // 2], f"truncated: {len(data) // 2:,} bytes of the {len(data):,} "
+                                                         "its header describes"),
+             "cut.safetensors": (data[:100], "truncated: 100 bytes, shorter than its own header"),
+             "text.safetensors": (b"not weights at all", "not a safetensors file (18 bytes, without a safetensors "
+                                                         "header)"),
+             "text.pth": (b"garbage", "not a weights file: neither torch.save's format nor safetensors"),
+             "half.pth": (zipped.read_bytes()[:100_000], "truncated or damaged: 100,000 bytes, a zip archive"),
+             "empty.bin": (b"", "an empty file"),
+             "optim.pt": ({"optimizer_state_dict": {}, "ds_version": "0.18"}, "holds no tensors: a DeepSpeed "
+                                                                               "optimizer state file; pass the "
+                                                                               "checkpoint folder"),
+             "convnext.safetensors": (keys_of("convnext_atto"), "a ConvNeXt state dict: no ViT keys"),
+             "swin.safetensors": (keys_of("swin_tiny_patch4_window7_224"), "a Swin Transformer state dict"),
+             "hf.safetensors": ({"vit.embeddings.cls_token": torch.zeros(1),
+                                 "vit.encoder.layer.0.attention.attention.query.weight": torch.zeros(1)},
+                                "a Hugging Face transformers ViT (vit.encoder.layer.*), not timm's names"),
+             "shallow.safetensors": ({k: v.contiguous() for k, v in want.items() if not k.startswith("blocks.")
+                                      or int(k.split(".")[1]) < 4}, "a ViT of 4 blocks; it holds 54 of the model's "
+                                                                    "150 tensors")}
+    for name, (content, message) in files.items():
+        f = tmp_path / name
+        if isinstance(content, bytes):
+            f.write_bytes(content)
+        elif name.endswith(".pt"):
+            torch.save(content, f)
+        else:
+            save_file(content, str(f))
+        with pytest.raises(ConfigError) as e:
+            check(str(f), NAME, 5, 3, 32)
+        said = str(e.value).removeprefix(f"--pretrained-path {f}: ")
+        assert message in said and said != str(e.value) and "\n" not in said and len(said) < 250, e.value
+    legacy = tmp_path / "legacy.pth"  # torch.save's format before torch 1.6: was refused (mmap reads zip archives)
+    torch.save({"model": want}, legacy, _use_new_zipfile_serialization=False)
+    assert check(str(legacy), NAME, 5, 3, 32) == [f"--pretrained-path {legacy}: every tensor fits"]
+
+
+def test_a_partial_fit_is_one_short_line_with_counts(tmp_path, timm_file):
+    from vit.weights import check
+
+    path, want = timm_file
+    partial = {k: v.contiguous() for k, v in want.items()
+               if not k.startswith(("blocks.9.", "blocks.10.", "blocks.11."))}
+    partial.update({"dist_token": torch.zeros(1, 1, 192), "fc_norm.weight": torch.ones(192)})
+    save_file(partial, str(tmp_path / "partial.safetensors"))
+    [line] = check(str(tmp_path / "partial.safetensors"), NAME, 5, 3, 32)
+    note = line.split(": ", 1)[1]
+    assert note == ("missing, left at initialisation: 36 (blocks.9.norm1.weight, blocks.9.norm1.bias, "
+                    "blocks.9.attn.qkv.weight, ...); unexpected, ignored: 2 (dist_token, fc_norm.weight)"), line
+    assert len(line) < 300

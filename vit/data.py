@@ -118,31 +118,6 @@ def load_cifar(name: str, data_path: str, download: bool, norm: tuple | None = N
                      raw_train=PILImages(x_tr, y_tr))
 
 
-def load_imagefolder(data_path: str, img_size: int, norm: tuple | None = None) -> DataSplit:
-    """ImageNet-style tree: DATA/train/<class>/*.jpg and DATA/val/<class>/*.jpg, normalised with `norm` (mean, std)
-    when given, else with ImageNet's statistics."""
-    from torchvision import datasets, transforms
-
-    mean, std = norm or (DataSplit.mean, DataSplit.std)
-    root = Path(data_path)
-    splits = [root / "train", root / "val"]
-    for s in splits:
-        if not s.is_dir():
-            raise ConfigError(f"imagefolder: {s} is not a folder (expected DATA/train/<class>/ and DATA/val/<class>/)")
-    tf = transforms.Compose([
-        transforms.Resize(int(img_size * 1.14)), transforms.CenterCrop(img_size), transforms.ToTensor(),
-        transforms.Normalize(mean, std),
-    ])
-    try:
-        train, test = (datasets.ImageFolder(str(s), transform=tf) for s in splits)
-    except FileNotFoundError as e:  # torchvision: no class folder, or no image in any of them
-        raise ConfigError(f"imagefolder: {str(e).splitlines()[0]} (expected DATA/<split>/<class>/*.jpg, .png, ...)")
-    if train.classes != test.classes:
-        raise ConfigError(f"imagefolder: the class folders of {splits[0]} and {splits[1]} differ")
-    return DataSplit(train, test, num_classes=len(train.classes), in_chans=3, img_size=img_size, mean=mean, std=std,
-                     raw_train=datasets.ImageFolder(str(splits[0])))
-
-
 class _Synthetic(Dataset):
     """Random images for speed runs: a small seeded pool, repeated; label = index mod classes."""
 
@@ -199,6 +174,8 @@ def load_dataset(name: str, data_path: str | None, img_size: int, download: bool
     if name == "imagefolder":
         if not data_path:
             raise ConfigError("imagefolder needs --data-path DATA (with DATA/train and DATA/val)")
+        from vit.imagefolder import load_imagefolder  # it builds a DataSplit of this module
+
         return load_imagefolder(data_path, img_size, norm)
     if name == "synthetic":
         return DataSplit(_Synthetic(synthetic_size, img_size, 10, seed), _Synthetic(256, img_size, 10, seed + 1),

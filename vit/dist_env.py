@@ -180,9 +180,11 @@ def rank_cores(local_world_size: int) -> int:
     return max(1, allowed // local_world_size)
 
 
-def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto") -> str:
+def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto", requested_precision: str | None = None,
+                       engine: str | None = None) -> str:
     """Start torch.distributed on the backend every rank can run (nccl on GPUs, gloo on CPUs), decided from
-    every rank's device report before any collective (vit.gpu); export the torchrun variables DeepSpeed reads."""
+    every rank's device report before any collective (vit.gpu, which with an engine also checks the precision);
+    export the torchrun variables DeepSpeed reads."""
     from vit import gpu
 
     timeout = timedelta(seconds=timeout_s)
@@ -191,7 +193,7 @@ def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto") 
                           timeout=timeout)
     reports = gpu.exchange(store, job.world_size, gpu.local_report(wanted_device, job.rank, job.local_rank),
                            timeout_s)
-    job.device_type = gpu.decide(reports, wanted_device)
+    job.device_type = gpu.decide(reports, wanted_device, requested_precision, engine)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(rank_cores(job.local_world_size))
     device_id = None
@@ -203,8 +205,15 @@ def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto") 
     os.environ.update(RANK=str(job.rank), WORLD_SIZE=str(job.world_size), LOCAL_RANK=str(job.local_rank),
                       MASTER_ADDR=job.master_addr, MASTER_PORT=str(job.master_port))
     backend = "nccl" if job.device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=job.rank, world_size=job.world_size, timeout=timeout,
-                            device_id=device_id)
+    try:  # with device_id NCCL creates its communicators here, and a full GPU fails it
+        dist.init_process_group(backend, store=store, rank=job.rank, world_size=job.world_size, timeout=timeout,
+                                device_id=device_id)
+    except RuntimeError as e:
+        from vit.memory import is_oom, nccl_out_of_memory
+
+        if not is_oom(e):
+            raise
+        raise nccl_out_of_memory(device_id, e) from e
     return backend
 
 

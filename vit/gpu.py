@@ -1,7 +1,7 @@
 """GPUs, decided before the process group starts: every rank reports its CUDA device through the launcher's store,
 and every rank reads all reports and reaches the same verdict: one backend for the job, one GPU per rank (the one
-at LOCAL_RANK, as DeepSpeed picks), a torch build with kernels for every card. Also the precisions a card runs
-natively, TF32, and the message of a rank that ran out of memory."""
+at LOCAL_RANK, as DeepSpeed picks), one torch build with kernels for every card, and a precision every card runs
+(vit.precision). Also TF32."""
 import json
 import os
 import re
@@ -11,13 +11,12 @@ from datetime import timedelta
 
 import torch
 
+from vit import precision
 from vit.errors import ConfigError
 
 # CUDA major version of a torch build -> the oldest Linux driver that runs it (NVIDIA's minor-version
 # compatibility; the same numbers as BUILDS in scripts/bootstrap.sh).
 MIN_DRIVER = {"13": "580.65.06", "12": "525.60.13", "11": "450.80.02"}
-BF16_NATIVE = (8, 0)  # Ampere: sm_70/75 emulate bf16, which torch.cuda.is_bf16_supported() also calls supported
-FP16_FAST = (7, 0)  # Volta: tensor cores; older cards run fp16 far slower than fp32
 TF32_FROM = (8, 0)
 
 
@@ -48,7 +47,8 @@ def local_report(wanted: str, rank: int, local_rank: int) -> dict:
         report.update(gpus=torch.cuda.device_count(), arch_list=torch.cuda.get_arch_list())
         if local_rank < report["gpus"]:
             props = torch.cuda.get_device_properties(local_rank)
-            report.update(name=props.name, capability=[props.major, props.minor])
+            report.update(name=props.name, capability=[props.major, props.minor],
+                          ds_fp16=precision.deepspeed_fp16(local_rank))
     elif wanted != "cpu":
         report["smi"] = nvidia_smi()
     return report
@@ -163,19 +163,38 @@ def check_arch(reports: list[dict]) -> None:
                           "for these cards (cu126 for cards older than Turing)")
 
 
-def decide(reports: list[dict], wanted: str) -> str:
-    """The job's device type from every rank's report, or the ConfigError every rank raises alike."""
+def check_one_torch(reports: list[dict]) -> None:
+    """One torch build on every host: builds for different CUDA versions bring different NCCL versions, and
+    NCCL refuses a mix when the process group starts (a DistBackendError before any preflight). The fix names
+    the build here with kernels for every card and the oldest CUDA (the oldest driver): cu126 where it is one."""
+    builds: dict[str, list[dict]] = {}
+    for r in reports:
+        builds.setdefault(r["torch"], []).append(r)
+    if len(builds) < 2:
+        return
+    which = "; ".join(f"{build} on {', '.join(_by_host(rs))}" for build, rs in builds.items())
+    fits = sorted((_version(rs[0]["torch_cuda"]), "cu" + rs[0]["torch_cuda"].replace(".", ""))
+                  for rs in builds.values() if all(runs_on(r["capability"], rs[0]["arch_list"]) for r in reports))
+    fix = (f"run TORCH_CUDA={fits[0][1]} scripts/bootstrap.sh on every host (it has kernels for every card here)"
+           if fits else "none of these builds has kernels for every card here: leave out the hosts one build "
+           "cannot run")
+    raise ConfigError(f"torch differs between hosts: {which}; NCCL refuses ranks whose torch builds bring different "
+                      f"NCCL versions: {fix}")
+
+
+def decide(reports: list[dict], wanted: str, requested_precision: str | None = None, engine: str | None = None) -> str:
+    """The job's device type from every rank's report, or the ConfigError every rank raises alike; with an engine,
+    also a --precision (or the JSON's) that some GPU cannot train in under it (vit.precision)."""
     kind = choose_device(reports, wanted)
     if kind == "cuda":
         check_one_gpu_per_rank(reports)
         check_arch(reports)
+        check_one_torch(reports)
+        if engine is not None:
+            precision.choose(requested_precision, engine, [
+                {"host": r["host"], "device": r["name"], "capability": "{}.{}".format(*r["capability"]),
+                 **precision.gpu_precisions(r["capability"], engine, r["ds_fp16"])} for r in reports])
     return kind
-
-
-def native_precisions(capability: tuple[int, int]) -> dict:
-    """What a CUDA card of this compute capability runs in hardware: fp16 everywhere (slow before Volta, see
-    FP16_FAST), bf16 from Ampere on."""
-    return {"fp16": True, "bf16": tuple(capability) >= BF16_NATIVE}
 
 
 def set_tf32(device: torch.device, on: bool) -> str | None:

@@ -1,6 +1,7 @@
 """What fits in a rank's memory: the message of a rank that ran out of it (with what would fit), and
 --micro-batch-size auto (the largest micro-batch whose forward and backward fit every rank)."""
 import os
+import re
 import socket
 from collections.abc import Callable
 
@@ -12,6 +13,7 @@ from torch import nn
 from vit.errors import ConfigError, OutOfMemory
 from vit.hetero.profile import BYTES_PER_PARAM, USABLE_MEMORY, gpu_reserved_bytes
 from vit.model import build_layers
+from vit.precision import likely
 
 # What an engine holds per parameter beyond the weights and gradients a forward and backward already hold:
 # AdamW's two moments and, in half precision, the fp32 master weights.
@@ -29,14 +31,8 @@ def device_memory(dev: torch.device, local_world_size: int) -> tuple[str, float,
     return name, mem.available / local_world_size, mem.total / local_world_size
 
 
-def likely_precision(requested: str, dev: torch.device) -> str:
-    """The precision a run will train in, before the census settles it: auto (or none given) on GPUs is half
-    precision (every CUDA card runs fp16), on CPUs fp32."""
-    if requested in ("fp32", "fp16", "bf16"):
-        return requested
-    if dev.type != "cuda":
-        return "fp32"
-    return "bf16" if torch.cuda.get_device_capability(dev) >= (8, 0) else "fp16"
+def likely_precision(plan, dev: torch.device) -> str:
+    return likely(plan.requested_precision, plan.settings.parallel.engine, dev)
 
 
 def _layers(plan) -> list:
@@ -55,37 +51,73 @@ def reserved_on(dev: torch.device, plan, precision: str) -> float:
     return gpu_reserved_bytes(plan.ds_config, precision) if dev.type == "cuda" else 0.0
 
 
-def out_of_memory(plan, dev: torch.device, step: int, error: Exception) -> OutOfMemory:
-    """A torch.cuda.OutOfMemoryError as one message: the device and its memory, the micro-batch, what would fit."""
+# The words CUDA's libraries put in their out-of-memory errors: CUDA itself ("CUDA error: out of memory", as
+# torch.AcceleratorError or RuntimeError), NCCL creating communicators (DistBackendError "Cuda failure 'out of
+# memory'"), cuBLAS and cuDNN creating handles and workspaces ("CUBLAS_STATUS_ALLOC_FAILED", "..._ALLOC_FAILED").
+OOM_WORDS = re.compile(r"out of memory|_ALLOC_FAILED")
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether `error` is a device that ran out of memory, in any of the forms torch and CUDA's libraries raise."""
+    if isinstance(error, OutOfMemory):  # ours: already the message
+        return False
+    return isinstance(error, torch.cuda.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and OOM_WORDS.search(str(error)) is not None)
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+
+
+def _estimate(plan, dev: torch.device) -> tuple[str, str, int, str]:
+    """(the device and its memory, and the precision, as the message names them; the samples per micro-batch that
+    fit; how that was estimated)."""
     from vit.hetero.profile import profile_layers
 
     name, _, total = device_memory(dev, plan.job.local_world_size)
-    precision = likely_precision(plan.requested_precision, dev)
+    precision = likely_precision(plan, dev)
     profile = profile_layers(_layers(plan), plan.data.train[0][0][None], precision)  # on the CPU: the GPU is full
     params, act = sum(p["params"] for p in profile), sum(p["act_bytes"] for p in profile)
     fit = estimate_fit(total, params, act, reserved_on(dev, plan, precision))
+    return (f"{dev} ({name}, {total / 2**30:.1f} GiB)", f" ({precision})", fit,
+            f"Estimated to fit: {max(fit, 0)} samples per micro-batch (parameters, gradients and AdamW state "
+            f"{params * BYTES_PER_PARAM / 2**30:.2f} GiB + activations {act / 2**20:.2f} MiB per sample, in "
+            f"{USABLE_MEMORY:.0%} of {total / 2**30:.1f} GiB)")
+
+
+def out_of_memory(plan, dev: torch.device, step: int, error: Exception) -> OutOfMemory:
+    """An out-of-memory error (is_oom) as one message: the device and its memory, the micro-batch, what would fit
+    and what to try. The hints stay when the estimate fails too (after a CUDA error the device may not even say
+    how much memory it has)."""
     micro, accum = plan.batch.micro_batch, plan.batch.grad_accum
+    try:
+        where, precision, fit, estimate = _estimate(plan, dev)
+    except Exception as e:
+        where, precision, fit, estimate = str(dev), "", None, f"No estimate ({type(e).__name__}: {_first_line(e)})"
     hints = []
-    if 1 <= fit < micro:
+    if fit is not None and 1 <= fit < micro:
         keep = f" --grad-accum {micro * accum // fit}" if micro * accum % fit == 0 else ""
         hints.append(f"--micro-batch-size {fit}{keep}" + (" (the same global batch)" if keep else ""))
-    elif fit >= micro:
-        hints.append(f"--micro-batch-size {max(1, micro // 2)} (the estimate, {fit}, says {micro} fits: other "
-                     "processes may hold memory on this device)")
+    elif fit is None or fit >= micro:
+        hints.append(f"--micro-batch-size {max(1, micro // 2)}" + (
+            "" if fit is None else f" (the estimate, {fit}, says {micro} fits: other processes may hold memory on "
+            "this device)"))
     hints += ["--micro-batch-size auto", "deepspeed_configs/zero2_offload.json (optimizer state in CPU memory)",
               "--engine pipeline with more --pipeline-stages (each rank holds fewer layers)"]
-    first = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
-    return OutOfMemory(
-        f"out of memory during step {step + 1} on {dev} ({name}, {total / 2**30:.1f} GiB) at micro-batch {micro} "
-        f"({precision}): {first}. Estimated to fit: {max(fit, 0)} samples per micro-batch (parameters, gradients "
-        f"and AdamW state {params * BYTES_PER_PARAM / 2**30:.2f} GiB + activations "
-        f"{act / 2**20:.2f} MiB per sample, in {USABLE_MEMORY:.0%} of "
-        f"{total / 2**30:.1f} GiB). Try " + ", or ".join(hints))
+    return OutOfMemory(f"out of memory during step {step + 1} on {where} at micro-batch {micro}{precision}: "
+                       f"{_first_line(error)}. {estimate}. Try " + ", or ".join(hints))
+
+
+def nccl_out_of_memory(dev: torch.device, error: Exception) -> OutOfMemory:
+    """NCCL ran out of GPU memory creating its communicators, before any training: what holds the memory."""
+    return OutOfMemory(f"out of memory on {dev} as NCCL created its communicators: {_first_line(error)}. Another "
+                       "process may hold this GPU's memory (nvidia-smi lists them); NCCL_BUFFSIZE smaller than its "
+                       "4 MiB default needs less")
 
 
 def inject_oom_for_tests(rank: int, watchdog) -> None:
-    """VIT_TEST_OOM_AT=RANK:STEP (STEP >= 2) makes rank RANK's forward raise CUDA's out-of-memory error during
-    step STEP, so that tests reach the real handling without a GPU."""
+    """VIT_TEST_OOM_AT=RANK:STEP (STEP >= 2) makes rank RANK's forward raise cuBLAS's out-of-memory error (a
+    RuntimeError, as torch raises it) during step STEP, so that tests reach the real handling without a GPU."""
     at = os.environ.get("VIT_TEST_OOM_AT")
     if not at or int(at.split(":")[0]) != rank:
         return
@@ -94,8 +126,8 @@ def inject_oom_for_tests(rank: int, watchdog) -> None:
     def hook(module, args):
         if watchdog.step >= step - 1:  # the census and step 1 have run forwards already
             handle.remove()  # once: the message's estimate runs forwards too
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by "
-                                              "VIT_TEST_OOM_AT)")
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` "
+                               "(injected by VIT_TEST_OOM_AT)")
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
 
@@ -157,7 +189,9 @@ def forward_backward_bytes(model: nn.Module, sample: torch.Tensor, n: int) -> fl
             out = model(x)
         out.float().sum().backward()
         return 2 * weights + x.nbytes + sum(saved.values())
-    except torch.cuda.OutOfMemoryError:
+    except RuntimeError as e:
+        if not is_oom(e):
+            raise
         return None
     finally:
         model.zero_grad(set_to_none=True)
@@ -178,7 +212,7 @@ def fit_micro_batch(plan):
     job, batch = plan.job, plan.batch
     dev = device(job)
     name, free, _ = device_memory(dev, job.local_world_size)
-    precision = likely_precision(plan.requested_precision, dev)
+    precision = likely_precision(plan, dev)
     with torch.random.fork_rng():
         model = nn.Sequential(*_layers(plan)).to(dev, DTYPES[precision])
     params = sum(p.numel() for p in model.parameters())

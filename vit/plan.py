@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from vit import checkpoint, slowdown, weights
+from vit import checkpoint, precision, slowdown, weights
 from vit.augment import data_recipe
 from vit.data import DataSplit, dataset_for, load_dataset, steps_per_epoch
 from vit.dist_env import Job, resolve_master
@@ -30,7 +30,7 @@ class Plan:
     job: Job
     ds_config: dict  # resolved; the census may still settle the precision ("auto") and the fp16 loss scale
     batch: Batch
-    requested_precision: str  # auto, default (none given), or what the JSON and --precision ask for
+    requested_precision: str | None  # what --precision or the JSON asks for (auto too); None: none given
     data: DataSplit
     steps_per_epoch: int
     total_steps: int
@@ -60,9 +60,10 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     if s.checkpoint.save_dir and not ckpt.no_save:
         check_writable(s.checkpoint.save_dir, "--save-dir")
     ds_config, batch = resolve_ds_config(s, par, job.world_size)
-    requested = par.precision or precision_of(ds_config)  # every rank's say: hetero.adapt
+    requested = par.precision or precision_of(ds_config)  # settled by vit.precision.choose
     if par.precision is None and not any(ds_config.get(k, {}).get("enabled") for k in ("fp16", "bf16")):
-        requested = "default"  # none given: auto on GPUs, fp32 on CPUs (vit.hetero.census.negotiate)
+        requested = None  # none given: auto on GPUs, fp32 on CPUs
+    precision.check_engine(requested, par.engine)
     slowdowns = slowdown.parse(par.simulate_slowdown, job.world_size)
     preset = model_shape(s.model.model)
     norm = weights.pretrained_norm(s.model.model, s.model.pretrained, s.model.pretrained_path)

@@ -55,7 +55,8 @@ class ModelSettings:
 class DataSettings:
     dataset: str | None = option(None, "data set (default: the one --data-path holds, else digits)",
                                  choices=DATASETS)
-    data_path: str | None = option(None, "folder of cifar10/cifar100 batches or of an imagefolder tree")
+    data_path: str | None = option(None, "folder of cifar10/cifar100 batches or of an imagefolder tree (each "
+                                   "image's header is read first: a file that is not an image refuses the run)")
     download: bool = option(False, "download CIFAR into --data-path if missing")
     synthetic_size: int = option(2048, "synthetic: number of training samples", "positive")
     workers: int | None = option(None, "DataLoader worker processes (default: 0 on CPU; on GPU up to 4 per rank, "
@@ -84,8 +85,9 @@ class ParallelSettings:
         type=lambda v: v if v == "auto" else _positive_int(v), metavar="N|auto")
     grad_accum: int | None = option(None, "override gradient_accumulation_steps of the JSON", "positive")
     precision: str | None = option(None, "override the JSON's fp16/bf16 setting; auto: bf16 if every rank supports "
-                                   "it, else fp16 if every rank does, else fp32 (the default on GPUs when neither "
-                                   "this nor the JSON names one)", choices=PRECISIONS)
+                                   "it, else fp16 if every rank does under the engine (never async-pipeline), else "
+                                   "fp32 (the default on GPUs when neither this nor the JSON names one)",
+                                   choices=PRECISIONS)
     tf32: str = option("on", "fp32 matmuls and convolutions in TF32 on Ampere and newer GPUs (no effect elsewhere)",
                        choices=("on", "off"))
     compile: bool = option(False, "compile the model with torch.compile (inductor; timm's --torchcompile): "

@@ -28,7 +28,7 @@ from vit.faults import Watchdog, announce_failure, failure_elsewhere
 from vit.freeze import Freezer
 from vit.gpu import set_tf32
 from vit.hetero.profile import gpu_reserved_bytes
-from vit.memory import fit_micro_batch, inject_oom_for_tests, likely_precision, out_of_memory
+from vit.memory import fit_micro_batch, inject_oom_for_tests, is_oom, likely_precision, out_of_memory
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
@@ -170,13 +170,13 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
         return make_loader(data.train, probe, 0, False)
 
     return hetero.adapt(
-        job, dev, layers, requested_precision=plan.requested_precision, micro_batch=batch.micro_batch,
-        grad_accum=batch.grad_accum, sample=data.train[0][0][None],
+        job, dev, layers, requested_precision=plan.requested_precision, engine=par.engine,
+        micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, sample=data.train[0][0][None],
         balanced_stages=par.pipeline_stages if par.engine in PIPELINES and par.partition == "balanced" else None,
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
-        reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan.requested_precision, dev)),
+        reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan, dev)),
         probe_on_cpu=par.engine in PIPELINES or zero_stage(plan.ds_config) == 3,
         layer_times=par.engine in PIPELINES and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
 
@@ -239,10 +239,14 @@ def finish(plan: Plan, run: Session, start_time: float) -> None:
 def run(plan: Plan, start_time: float) -> int:
     """Train; any failure on any rank ends every rank, non-zero, naming the rank that failed."""
     try:  # every rank reaches the same verdict on the job's devices, so each stops alike
-        init_process_group(plan.job, plan.settings.cluster.dist_timeout, plan.settings.cluster.device)
+        init_process_group(plan.job, plan.settings.cluster.dist_timeout, plan.settings.cluster.device,
+                           plan.requested_precision, plan.settings.parallel.engine)
     except ConfigError as e:
         print(f"entry_cn.sh: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except OutOfMemory as e:  # NCCL's communicators did not fit (vit.dist_env)
+        print(f"rank {plan.job.rank} ({socket.gethostname()}) failed at start: {e}", file=sys.stderr, flush=True)
+        return 1
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
     inject_oom_for_tests(plan.job.rank, watchdog)
@@ -253,11 +257,8 @@ def run(plan: Plan, start_time: float) -> int:
         if plan.job.is_main:
             print(f"entry_cn.sh: {e}", flush=True)
     except Exception as e:
-        if isinstance(e, torch.cuda.OutOfMemoryError):
-            try:
-                e = out_of_memory(plan, device(plan.job), watchdog.step, e)
-            except Exception:  # the estimate failed too: the error as torch said it
-                pass
+        if is_oom(e):
+            e = out_of_memory(plan, device(plan.job), watchdog.step, e)
         where = f"rank {plan.job.rank} ({socket.gethostname()})"
         elsewhere = failure_elsewhere()
         if isinstance(e, ConfigError):  # a collective finding (preflight, census, lock): the same on every rank

@@ -4,7 +4,9 @@ In: --pretrained (timm's hub weights, fetched into the Hugging Face cache before
 --pretrained-path (a .safetensors, .pth or .bin from timm or Hugging Face, an --export of this project, or one of
 its checkpoint folders), adapted the way timm adapts its own: the head is left at its fresh initialisation when
 the class count differs, the position embedding is resampled (timm's resample_abs_pos_embed) when the image size
-differs; any other tensor whose shape does not fit is an error that lists them all.
+differs; any other tensor whose shape does not fit is an error. A file that holds fewer than half of the model's
+tensors (another network's weights, or not timm's names) and a damaged one are refused in one line saying what
+the file is (vit.weightfile); missing and unexpected tensors are counted in a short note.
 
 Out: --export writes timm-keyed weights as .safetensors and PATH.json, a timm / Hugging Face config.json
 (architecture, num_classes, model_args, pretrained_cfg with input size, class count and mean/std), so that
@@ -14,7 +16,9 @@ timm drops a file's head whose class count differs from its pretrained config's 
 """
 import json
 import os
+import pickle
 import re
+import zipfile
 from pathlib import Path
 
 import torch
@@ -22,6 +26,7 @@ from timm.layers import resample_abs_pos_embed
 from timm.models import adapt_input_conv
 from torch import nn
 
+from vit import weightfile
 from vit.errors import ConfigError
 from vit.model import PRESETS, check_model, layer_state_dict, timm_state_dict
 
@@ -30,7 +35,12 @@ ASYNC_STAGE_FILE = re.compile(r"^async_stage\d+\.pt$")  # an async-pipeline chec
 
 
 def _torch_load(path: Path) -> dict:
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    try:  # mmap reads torch.save's zip archives only, not its legacy pickles
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(path))
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, ImportError, AttributeError) as e:
+        raise ConfigError(f"--pretrained-path {path}: {weightfile.torch_problem(path, e)}")
+    if isinstance(state, nn.Module):  # torch.save(model)
+        state = state.state_dict()
     for key in ("state_dict", "model", "module", "model_state"):  # the usual wrappers of a training checkpoint
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
@@ -55,6 +65,9 @@ def _checkpoint_folder(d: Path) -> dict:
             raise ConfigError(f"--pretrained-path {d}: a ZeRO-3 checkpoint holds its weights partitioned; pass the "
                               "run's --export file instead")
         return state
+    if (d / "latest").is_file():  # a --save-dir: its checkpoints are the folders inside
+        raise ConfigError(f"--pretrained-path {d}: a folder of checkpoints; pass one of them, such as its latest, "
+                          f"{d / (d / 'latest').read_text().strip()}")
     raise ConfigError(f"--pretrained-path {d}: a folder without ddp.pt, mp_rank_00_model_states.pt, layer files or "
                       "async_stage files")
 
@@ -64,20 +77,27 @@ def read_state(path: str) -> dict:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"--pretrained-path {path}: no such file")
-    try:
-        if p.is_dir():
-            state = _checkpoint_folder(p)
-        elif p.suffix == ".safetensors":
-            from safetensors.torch import load_file
+    if not os.access(p, os.R_OK):
+        raise ConfigError(f"--pretrained-path {path}: not readable (permission denied)")
+    if p.is_dir():
+        state = _checkpoint_folder(p)
+    elif p.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
 
+        try:
             state = load_file(str(p))
-        else:
-            state = _torch_load(p)
-    except (OSError, RuntimeError, ValueError, EOFError) as e:
-        raise ConfigError(f"--pretrained-path {path}: not a readable weights file ({str(e).splitlines()[0]})")
-    state = {k.removeprefix("module."): v for k, v in state.items() if torch.is_tensor(v)}
-    if not state:
-        raise ConfigError(f"--pretrained-path {path}: holds no tensors")
+        except SafetensorError as e:
+            raise ConfigError(f"--pretrained-path {path}: {weightfile.safetensors_problem(p, e)}")
+    else:
+        state = _torch_load(p)
+    if not isinstance(state, dict):
+        raise ConfigError(f"--pretrained-path {path}: holds a {type(state).__name__}, not a state dict")
+    tensors = {k.removeprefix("module."): v for k, v in state.items() if torch.is_tensor(v)}
+    if not tensors:
+        what, fix = weightfile.describe(state)
+        raise ConfigError(f"--pretrained-path {path}: holds no tensors: {what}; {fix}")
+    state = tensors
     if all(re.match(r"^\d+\.", k) for k in state):  # a layer list's keys: this project's checkpoint
         depth = max(int(k.split(".")[0]) for k in state) - 1
         state = timm_state_dict(state, depth)
@@ -99,8 +119,30 @@ def input_conv(weight: torch.Tensor, in_chans: int) -> torch.Tensor:
     return adapt_input_conv(in_chans, weight)
 
 
-def adapt(state: dict, model: nn.Module) -> tuple[dict, list[str]]:
+def _some(names: list[str], n: int = 3) -> str:
+    """A count and the first few names: a misfit stays one short line, whatever the file."""
+    return f"{len(names)} ({', '.join(names[:n])}{', ...' if len(names) > n else ''})"
+
+
+def check_overlap(state: dict, model: nn.Module, path: str) -> None:
+    """Refuse a file that holds fewer than half of the model's tensors (the head aside, which a new class count
+    resets anyway): fine-tuning from it would mostly train from scratch, and it is most likely another network's
+    weights or not timm's names."""
+    body = [k for k in model.state_dict() if not k.startswith("head.")]
+    shared = sum(k in state for k in body)
+    if 2 * shared < len(body):
+        what, fix = weightfile.describe(state)
+        depth = 1 + max((int(k.split(".")[1]) for k in state if re.match(r"^blocks\.\d+\.", k)), default=-1)
+        if depth > 0:  # timm's names: a shallower ViT
+            what = f"a ViT of {depth} blocks"
+            fix = f"the model has {len(model.blocks)}: pass the weights of as deep a ViT, or a --model that deep"
+        raise ConfigError(f"--pretrained-path {path}: {what}; it holds {shared} of the model's {len(body)} tensors "
+                          f"(the head aside), under half; {fix}")
+
+
+def adapt(state: dict, model: nn.Module, path: str) -> tuple[dict, list[str]]:
     """`state` made to fit `model` (a timm VisionTransformer): (the tensors to load, notes on what changed)."""
+    check_overlap(state, model, path)
     want = model.state_dict()
     out, notes, misfit = {}, [], []
     for k, v in state.items():
@@ -118,19 +160,20 @@ def adapt(state: dict, model: nn.Module) -> tuple[dict, list[str]]:
         else:
             misfit.append(f"{k} {tuple(v.shape)} (model {tuple(want[k].shape)})")
     if misfit:
-        raise ConfigError(f"--pretrained-path: {len(misfit)} tensor(s) do not fit the model: {', '.join(misfit)}")
-    missing = sorted(k for k in want if k not in out and not k.startswith("head."))
-    unexpected = sorted(k for k in out if k not in want)
+        raise ConfigError(f"--pretrained-path {path}: {len(misfit)} tensor(s) do not fit the model: "
+                          f"{', '.join(misfit[:3])}{f' and {len(misfit) - 3} more' if len(misfit) > 3 else ''}")
+    missing = [k for k in want if k not in out and not k.startswith("head.")]  # in the model's order
+    unexpected = [k for k in out if k not in want]
     if missing:
-        notes.append(f"missing (left at initialisation): {', '.join(missing)}")
+        notes.append(f"missing, left at initialisation: {_some(missing)}")
     if unexpected:
-        notes.append(f"unexpected (ignored): {', '.join(unexpected)}")
+        notes.append(f"unexpected, ignored: {_some(unexpected)}")
     return {k: v for k, v in out.items() if k in want}, notes
 
 
 def load_pretrained(model: nn.Module, path: str) -> list[str]:
     """Load `path` into the timm model; the notes say what was adapted."""
-    state, notes = adapt(read_state(path), model)
+    state, notes = adapt(read_state(path), model, path)
     model.load_state_dict(state, strict=False)
     return notes
 
@@ -141,7 +184,7 @@ def check(path: str, model_name: str, num_classes: int, in_chans: int, img_size:
 
     with torch.device("meta"):
         vit = create_vit(model_name, num_classes, in_chans, img_size)
-    notes = adapt(read_state(path), vit)[1]
+    notes = adapt(read_state(path), vit, path)[1]
     return [f"--pretrained-path {path}: " + "; ".join(notes or ["every tensor fits"])]
 
 

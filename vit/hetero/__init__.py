@@ -15,10 +15,11 @@ from torch import nn
 
 from vit.dist_env import Job
 from vit.hetero.batch_split import split_batches
-from vit.hetero.census import capabilities, census_table, gather, measure_speed, negotiate
+from vit.hetero.census import capabilities, census_table, gather, measure_speed
 from vit.hetero.loss_scale import FP16_MAX, SCALE_MARGIN, probe_grad_max, scale_power
 from vit.hetero.profile import LAYER_TURNS, profile_layers, time_layers
 from vit.hetero.stages import plan_stages, slowest_stage_s, stage_plan_text
+from vit.precision import choose
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,13 @@ class Adapted:
     record: dict = field(default_factory=dict)  # cluster.json
 
 
-def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str, micro_batch: int,
-          grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
+def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str | None, engine: str,
+          micro_batch: int, grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
           probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
           reserved_bytes: float = 0.0, probe_on_cpu: bool = False, layer_times: bool = False) -> Adapted:
-    """Collective. `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to
-    be balanced; `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`:
+    """Collective. `requested_precision`: --precision's, or the JSON's, or None (none given; vit.precision.choose);
+    `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to be balanced;
+    `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`:
     the proportional micro-batches when --micro-batch-size auto measured them; `reserved_bytes`: a GPU's headroom
     for NCCL, ZeRO's buckets and cuBLAS (vit.hetero.profile.gpu_reserved_bytes), which memory plans keep free;
     `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model);
@@ -47,8 +49,8 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     from deepspeed.runtime import utils as ds_utils
 
     reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
-    caps = gather({**capabilities(device, job.local_world_size), "mem_reserved_gib": reserved_gib})
-    precision, why = negotiate(requested_precision, caps)
+    caps = gather({**capabilities(device, job.local_world_size, engine), "mem_reserved_gib": reserved_gib})
+    precision, why = choose(requested_precision, engine, caps)
     with torch.no_grad(), torch.random.fork_rng():
         block_input = (micro_batch, *layers[0](sample).shape[1:])
     timing = bool(balanced_stages or layer_times)

@@ -2,7 +2,7 @@
 import math
 
 from vit.errors import ConfigError
-from vit.hetero.census import who
+from vit.precision import who
 from vit.hetero.profile import BYTES_PER_PARAM, plan_bytes
 
 

@@ -1,4 +1,4 @@
-"""The census: what every rank's device is and can run, how fast it is, and the precision all of them can run."""
+"""The census: what every rank's device is and can run, and how fast it is (vit.precision settles the precision)."""
 import json
 import os
 import socket
@@ -8,14 +8,15 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.errors import ConfigError
-from vit.gpu import FP16_FAST, native_precisions
+from vit.precision import deepspeed_fp16, gpu_precisions
 from vit.slowdown import Clock
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def capabilities(dev: torch.device, local_world_size: int) -> dict:
-    """This rank's device: name, memory, compute capability and what DeepSpeed says it can run.
+def capabilities(dev: torch.device, local_world_size: int, engine: str) -> dict:
+    """This rank's device: name, memory, compute capability and what it trains in under `engine`
+    (vit.precision.gpu_precisions; on a CPU, what DeepSpeed's accelerator says).
 
     VIT_CENSUS_OVERRIDE (a JSON object) replaces fields of the report, so that tests can stand in for a GPU
     without bf16 on a machine that has none."""
@@ -23,14 +24,14 @@ def capabilities(dev: torch.device, local_world_size: int) -> dict:
 
     from vit.memory import device_memory
 
-    acc = get_accelerator()
     name, free, total = device_memory(dev, local_world_size)
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         capability = f"{props.major}.{props.minor}"
-        native = native_precisions((props.major, props.minor))  # not acc's: it counts emulated bf16 as supported
+        native = gpu_precisions((props.major, props.minor), engine, deepspeed_fp16(dev.index or 0))
     else:
         capability = None
+        acc = get_accelerator()
         native = {"fp16": bool(acc.is_fp16_supported()), "bf16": bool(acc.is_bf16_supported())}
     report = {"host": socket.gethostname(), "device": name, "capability": capability,
               "mem_total_gib": total / 2**30, "mem_free_gib": free / 2**30, **native}
@@ -41,53 +42,6 @@ def capabilities(dev: torch.device, local_world_size: int) -> dict:
         except (json.JSONDecodeError, TypeError, ValueError):
             raise ConfigError(f"VIT_CENSUS_OVERRIDE is not a JSON object: {override!r}") from None
     return report
-
-
-def who(rank: int, report: dict) -> str:
-    return f"rank {rank} ({report['host']}, {report['device']})"
-
-
-def negotiate(requested: str, reports: list[dict]) -> tuple[str, str]:
-    """(precision, why). 'auto': bf16 if every rank has it, else fp16, else fp32; 'default' (none given): auto on
-    GPUs, fp32 on CPUs. An explicit precision that some rank lacks is an error naming those ranks. fp16 on a card
-    before Volta comes with a warning."""
-    if requested == "default":
-        if reports[0].get("capability") is None:
-            return "fp32", "no precision given: fp32 on CPUs"
-        precision, why = negotiate("auto", reports)
-        return precision, f"no precision given: auto on GPUs; {why}"
-    precision, why = _negotiate(requested, reports)
-    slow = [who(r, rep) for r, rep in enumerate(reports)
-            if precision == "fp16" and rep.get("capability") and _cc(rep["capability"]) < FP16_FAST]
-    if slow:
-        why += (f"; warning: {', '.join(slow)} run fp16 without tensor cores (compute capability below "
-                f"{FP16_FAST[0]}.{FP16_FAST[1]}), which can be slower than fp32 there")
-    return precision, why
-
-
-def _cc(capability: str) -> tuple[int, int]:
-    major, minor = capability.split(".")
-    return int(major), int(minor)
-
-
-def _negotiate(requested: str, reports: list[dict]) -> tuple[str, str]:
-    def lacking(p):
-        return [who(r, rep) for r, rep in enumerate(reports) if p != "fp32" and not rep[p]]
-
-    if requested != "auto":
-        missing = lacking(requested)
-        if missing:
-            every = [p for p in ("bf16", "fp16", "fp32") if not lacking(p)]
-            raise ConfigError(f"precision {requested} is not supported by {', '.join(missing)}; every rank can run "
-                              f"{', '.join(every)}: use --precision auto or one of those")
-        return requested, "every rank supports it"
-    why = []
-    for p in ("bf16", "fp16"):
-        missing = lacking(p)
-        if not missing:
-            return p, "; ".join([*why, f"every rank supports {p}"])
-        why.append(f"no {p} on {', '.join(missing)}")
-    return "fp32", "; ".join(why)
 
 
 WARMUP_S = 0.2  # consumer GPUs ramp their clocks up over the first few hundred ms of load: time only after that
