@@ -197,6 +197,8 @@ BAD_INPUT = {
                         "ZeRO stage 2 does not work with the pipeline engine"),
     "resume from empty folder": (lambda t: ["--resume", str(t)], {}, "no complete checkpoint there"),
     "negative steps": (lambda t: ["--steps", "-3"], {}, "--steps must be positive"),
+    "compile with slowdown": (lambda t: ["--compile", "--simulate-slowdown", "1=2"], {"WORLD_SIZE": "2"},
+                              "--compile cannot run with --simulate-slowdown"),
     "missing hostfile": (lambda t: ["--hostfile", str(t / "hosts.txt")], {}, "hosts.txt: no such file"),
     "EMA decay of 1 or more": (lambda t: ["--model-ema", "--model-ema-decay", "1.5"], {},
                                "--model-ema-decay must be at least 0 and below 1, got 1.5"),
