@@ -1,18 +1,14 @@
 #!/usr/bin/env python3
 """Charts, a comparison table and one self-contained report.html from run folders written by vit.train.
 
-Reads only the logs' schema (metrics_rank<R>.jsonl, monitor_rank<R>.jsonl, summary.json, config.json), never
-stdout; fields it does not know are ignored and optional ones may be missing (older runs, CPU runs, runs
-killed mid-write).
+Reads only the logs' schema (vit.runlogs: the records and the tables), never stdout.
 """
 import argparse
 import base64
 import csv
 import html
 import io
-import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -22,125 +18,38 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from PIL import Image  # noqa: E402  (installed with matplotlib)
 
-from vit import jsonl  # noqa: E402  (the one reader of our logs)
+from vit.runlogs import (  # noqa: E402
+    COLUMNS,
+    PHASE_COLUMNS,
+    PHASE_TITLE,
+    PHASES,
+    LogError,
+    Run,
+    breakdown,
+    freeze_phases,
+    layout_and_cache,
+    phase_rows,
+    phase_table,
+    table,
+)
 
-# Step phases of the train records in stacking order; then pipe_*_s, other_s, and the unaccounted rest.
-PHASES = ("data_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s")
-COLUMNS = ("run", "engine", "chunks (micro-batches = grad_accum)", "batch size (global)",
-           "memory per GPU (peak_mem_gib)", "images/s", "training time (train_s)", "top-1 %", "top-5 %", "status")
 MEASURES = COLUMNS[4:7]  # the numbers compare.png charts
 DPI = 80
-
-
-class LogError(Exception):
-    """A folder or file that cannot be read as a run: one line, exit 1."""
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Records of a JSON-lines file (vit.jsonl's rule); a truncated last line (a run killed mid-write) is dropped."""
-    def note(p):
-        print(f"plot_logs.py: note: {p}: ignoring a truncated last line", file=sys.stderr)
-
-    try:
-        return jsonl.read_jsonl(path, on_torn_tail=note)
-    except jsonl.JsonlError as e:
-        raise LogError(str(e)) from None
-
-
-def read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        obj = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise LogError(f"{path}: invalid JSON ({e})") from None
-    return obj if isinstance(obj, dict) else {}
-
-
-def per_rank(folder: Path, prefix: str) -> dict[int, list[dict]]:
-    files = {}
-    for p in folder.glob(f"{prefix}_rank*.jsonl"):
-        m = re.fullmatch(rf"{prefix}_rank(\d+)\.jsonl", p.name)
-        if m:
-            files[int(m.group(1))] = read_jsonl(p)
-    return dict(sorted(files.items()))
-
-
-class Run:
-    def __init__(self, folder: str):
-        self.path = Path(folder)
-        if not self.path.is_dir():
-            raise LogError(f"{folder}: no such folder")
-        self.metrics = per_rank(self.path, "metrics")
-        self.monitor = per_rank(self.path, "monitor")
-        self.summary = read_json(self.path / "summary.json")
-        self.config = read_json(self.path / "config.json")
-        if not self.metrics and not self.summary:
-            raise LogError(f"{folder}: no metrics_rank*.jsonl or summary.json; not a run folder of vit.train")
-        self.name = self.path.resolve().name
-
-    def records(self, kind: str, rank: int | None = None) -> list[dict]:
-        """Records of one kind from `rank` (default: the lowest rank that logged), in step order."""
-        if not self.metrics:
-            return []
-        recs = self.metrics.get(min(self.metrics) if rank is None else rank, [])
-        return sorted((r for r in recs if r.get("kind") == kind and isinstance(r.get("step"), (int, float))),
-                      key=lambda r: r["step"])
-
-    def row(self) -> dict:
-        """One line of the comparison table; the config and the logs stand in for a missing summary.json."""
-        s, ds = self.summary, self.config.get("deepspeed", {})
-        engine = s.get("engine") or self.config.get("args", {}).get("engine")
-        stage = s.get("zero_stage", ds.get("zero_optimization", {}).get("stage") if ds else None)
-        if engine == "zero" and stage is not None:
-            engine = f"zero{stage}"
-        elif engine == "pipeline" and s.get("pipeline_stages"):
-            engine = f"pipeline ({s['pipeline_stages']} stages)"
-        ips = s.get("images_per_s")
-        if ips is None:  # killed before the summary: the mean of the logged windows
-            values = [r["images_per_s"] for r in self.records("train")
-                      if isinstance(r.get("images_per_s"), (int, float))]
-            ips = sum(values) / len(values) if values else None
-        return dict(zip(COLUMNS, (self.name, engine, s.get("grad_accum", ds.get("gradient_accumulation_steps")),
-                                  s.get("global_batch", self.config.get("global_batch")), s.get("peak_mem_gib"),
-                                  ips, s.get("train_s"), percent(s.get("top1")), percent(s.get("top5")),
-                                  self.status)))
-
-    @property
-    def status(self) -> str:
-        """A run writes summary.json last: without it, the run was killed, failed or is still going."""
-        return "complete" if self.summary else "incomplete (no summary.json)"
-
-
-def percent(fraction):
-    return 100 * fraction if isinstance(fraction, (int, float)) else None
-
-
-def fmt(value, digits: int = 3) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def table(runs: list[Run]) -> tuple[str, list[list[str]]]:
-    rows = [[fmt(v, d) for v, d in zip(run.row().values(), (0, 0, 0, 0, 3, 1, 2, 2, 2, 0))] for run in runs]
-    md = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    md += ["| " + " | ".join(c or "–" for c in row) + " |" for row in rows]
-    return "\n".join(md) + "\n", rows
 
 
 def empty(ax, message: str) -> None:
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="gray")
 
 
-def finish(fig, axes, path: Path) -> None:
+def finish(fig, axes, path: Path | None):
+    """Each chart's legend beside it, never over its lines, and the PNG; with no path, the figure (for tests)."""
     for ax in axes:
         if ax.get_legend() is None and ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
         ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.set_layout_engine("constrained")  # makes room for the legends
+    if path is None:
+        return fig
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
     plt.close(fig)
@@ -148,29 +57,34 @@ def finish(fig, axes, path: Path) -> None:
     Image.open(buf).convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE).save(path, optimize=True)
 
 
-def plot_loss(runs: list[Run], path: Path) -> None:
-    fig, (ax_loss, ax_top1) = plt.subplots(1, 2, figsize=(10, 4))
+def plot_loss(runs: list[Run], path: Path | None):
+    fig, (ax_loss, ax_top1) = plt.subplots(1, 2, figsize=(12, 4))
+    top5 = {}  # a top-5 curve -> the colours of the runs that have it: runs alike (often all at 100%) share a line
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
         train = [r for r in run.records("train") if isinstance(r.get("loss"), (int, float))]
-        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], color=color, label=run.name)
+        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], color=color)
         evals = run.records("eval")
         ev = [r for r in evals if isinstance(r.get("eval_loss"), (int, float))]
         ax_loss.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o--", color=color)
-        for key, style in (("top1", "o-"), ("top5", "x:")):
-            top = [r for r in evals if isinstance(r.get(key), (int, float))]
-            ax_top1.plot([r["step"] for r in top], [100 * r[key] for r in top], style, color=color,
-                         label=run.name if key == "top1" else None)
+        top = [r for r in evals if isinstance(r.get("top1"), (int, float))]
+        ax_top1.plot([r["step"] for r in top], [100 * r["top1"] for r in top], "o-", color=color, label=run.name)
+        curve = tuple((r["step"], 100 * r["top5"]) for r in evals if isinstance(r.get("top5"), (int, float)))
+        top5.setdefault(curve, []).append(color)
+    for curve, colors in top5.items():
+        if curve:
+            ax_top1.plot(*zip(*curve), "x:", color=colors[0] if len(colors) == 1 else "black",
+                         label=f"top-5, the same for {len(colors)} runs" if len(colors) > 1 else None)
     ax_loss.set(title="loss (line: train, dots: eval)", xlabel="step", ylabel="cross-entropy")
-    ax_top1.set(title="eval top-1 (o) and top-5 (x)", xlabel="step", ylabel="%", ylim=(0, 100))
+    ax_top1.set(title="eval top-1 (o) and top-5 (x)", xlabel="step", ylabel="%", ylim=(0, 105))
     if not any(len(line.get_xdata()) for line in ax_loss.lines):
         empty(ax_loss, "no train records")
     if not any(len(line.get_xdata()) for line in ax_top1.lines):
         empty(ax_top1, "no eval records")
-    finish(fig, (ax_loss, ax_top1), path)
+    return finish(fig, (ax_loss, ax_top1), path)
 
 
-def plot_throughput(runs: list[Run], path: Path) -> None:
+def plot_throughput(runs: list[Run], path: Path | None):
     fig, ax = plt.subplots(figsize=(8, 4))
     for i, run in enumerate(runs):
         recs = [r for r in run.records("train") if isinstance(r.get("images_per_s"), (int, float))]
@@ -178,19 +92,27 @@ def plot_throughput(runs: list[Run], path: Path) -> None:
     if not any(len(line.get_xdata()) for line in ax.lines):
         empty(ax, "no train records")
     ax.set(title="throughput (rank 0's timing)", xlabel="step", ylabel="images/s")
-    finish(fig, (ax,), path)
+    return finish(fig, (ax,), path)
 
 
 def series(run: Run):
     """(label, seconds since the run's first sample, record or GPU entry) lines of the monitor files: one per
-    host and GPU, CPU % one per host, RSS one per rank. A GPU or host seen by several ranks is plotted once."""
+    host and GPU, CPU % one per host, RSS one per rank. A GPU or host seen by several ranks is plotted once.
+    Where a resumed run's next attempt starts (its step goes back), each line gets a break, (nan, None)."""
     first = min((r["time"] for recs in run.monitor.values() for r in recs if "time" in r), default=0.0)
     gpus, cpus, rss = {}, {}, {}
     for rank, recs in run.monitor.items():
+        last_step = 0
         for r in recs:
             if "time" not in r:
                 continue
             t, host = r["time"] - first, r.get("host", "?")
+            if isinstance(r.get("step"), (int, float)):
+                if r["step"] < last_step:  # a new attempt: no line across the time the run was down
+                    for pts in (*(p for k, p in gpus.values() if k == rank), *(p for k, p in cpus.values()
+                                                                               if k == rank), rss.get(rank, [])):
+                        pts.append((float("nan"), None))
+                last_step = r["step"]
             for g in r.get("gpus") or []:
                 key = (host, g.get("index"))
                 if gpus.setdefault(key, (rank, []))[0] == rank:
@@ -203,45 +125,29 @@ def series(run: Run):
             {f"{run.name} rank {k}": pts for k, pts in rss.items()})
 
 
-def plot_resources(runs: list[Run], path: Path) -> None:
+def plot_resources(runs: list[Run], path: Path | None):
     parts = [series(run) for run in runs]
     has_gpu = any(gpus for gpus, _, _ in parts)
     panels = ([(0, "util_pct", "GPU utilisation", "%"), (0, "mem_used_mib", "GPU memory used", "MiB")] if has_gpu
               else []) + [(1, "cpu_percent", "host CPU", "%"), (2, "rss_mib", "process resident memory", "MiB")]
-    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(10, 3.5 * len(panels) // 2), squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.8 * len(panels)), squeeze=False)  # legends at the right
     axes = axes.ravel()
     for ax, (which, field, title, unit) in zip(axes, panels):
         for i, part in enumerate(parts):
             for j, (label, pts) in enumerate(part[which].items()):
-                pts = [(t, e[field]) for t, e in pts if isinstance(e.get(field), (int, float))]
+                pts = [(t, e[field] if e else t) for t, e in pts
+                       if e is None or isinstance(e.get(field), (int, float))]  # (nan, None): a break
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{i % 10}",
                         linestyle=("-", "--", ":", "-.")[j % 4], label=label)
         if not ax.lines:
             empty(ax, "no monitor_rank*.jsonl (monitor off?)")
         ax.set(title=title, xlabel="seconds since the first sample", ylabel=unit)
-        ax.set_ylim(0, 105 if unit == "%" else None)
-    finish(fig, axes, path)
+        ax.set_ylim(0, 105 if unit == "%" else 1.08 * max(ax.dataLim.y1, 0) or None)  # lines clear of the frame
+    return finish(fig, axes, path)
 
 
-def breakdown(recs: list[dict]) -> tuple[dict[str, float], float | None]:
-    """({phase: mean seconds per step}, mean step_time_s) over the train records, the first logging window
-    (warm-up) left out when there are others. "unaccounted" is the part of the step no logged phase covers."""
-    recs = [r for r in recs if isinstance(r.get("step_time_s"), (int, float))]
-    recs = recs[1:] if len(recs) > 1 else recs
-    if not recs:
-        return {}, None
-    found = {k for r in recs for k, v in r.items() if isinstance(v, (int, float))}
-    names = [p for p in PHASES if p in found]
-    names += sorted(k for k in found if k.startswith("pipe_") and k.endswith("_s"))
-    names += [k for k in ("other_s",) if k in found]
-    mean = {n: sum(r.get(n) or 0.0 for r in recs) / len(recs) for n in names}
-    step = sum(r["step_time_s"] for r in recs) / len(recs)
-    mean["unaccounted" if names else "step (no breakdown logged)"] = max(0.0, step - sum(mean.values()))
-    return mean, step
-
-
-def plot_breakdown(runs: list[Run], path: Path) -> None:
-    bars = [(f"{run.name}\nrank {rank}", *breakdown(run.records("train", rank)))
+def plot_breakdown(runs: list[Run], path: Path | None):
+    bars = [(f"{run.name} rank {rank}", *breakdown(run.records("train", rank)))
             for run in runs for rank in run.metrics]
     bars = [bar for bar in bars if bar[1]]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(bars) + 3), 4.5))
@@ -262,66 +168,31 @@ def plot_breakdown(runs: list[Run], path: Path) -> None:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
     else:
         empty(ax, "no train records")
-    ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=7)
+    ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=8, rotation=30, ha="right")
     ax.set_ylim(0, 1.08 * top or None)
     ax.set(title="step time per rank", ylabel="ms per step (mean; first logged window left out)")
-    finish(fig, (ax,), path)
+    return finish(fig, (ax,), path)
 
 
-def plot_compare(runs: list[Run], path: Path) -> None:
+def plot_compare(runs: list[Run], path: Path | None):
+    """A bar per run, numbered; the legend below names them (run names under the bars overlap)."""
     rows = [run.row() for run in runs]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
-    labels = [r["run"] if r["engine"] in (None, r["run"]) else f"{r['run']}\n{r['engine']}" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4), layout="constrained")
+    numbers, colors = range(1, len(rows) + 1), [f"C{i % 10}" for i in range(len(rows))]
     titles = ("peak memory per GPU (GiB; RSS on CPU)", "images/s", "training time (s)")
     for ax, col, title in zip(axes, MEASURES, titles):
         values = [r[col] if isinstance(r[col], (int, float)) else 0.0 for r in rows]
-        ax.bar(range(len(rows)), values, color=[f"C{i % 10}" for i in range(len(rows))])
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
-        ax.set_title(title)
-    finish(fig, axes, path)
+        ax.bar(numbers, values, color=colors)
+        ax.set_xticks(numbers)
+        ax.set(title=title, xlabel="run")
+    names = [f"{k}  {r['run']}" + ("" if r["engine"] in (None, r["run"]) else f" ({r['engine']})")
+             for k, r in zip(numbers, rows)]
+    fig.legend([matplotlib.patches.Patch(color=c) for c in colors], names, loc="outside lower center",
+               ncol=min(3, len(rows)), fontsize=8)
+    return finish(fig, axes, path)
 
 
-def freeze_phases(run: Run) -> list[dict]:
-    """Training phases between the freeze records ({"kind": "freeze", "step", "frozen", "stages", "dp", "cache"}:
-    from that step on, `frozen` layers are frozen on a stages x dp layout): steps (first, last], the record's
-    fields and the mean images/s of the train records logged in the phase. [] for a run without freeze records."""
-    marks = run.records("freeze")
-    if not marks:
-        return []
-    train = [r for r in run.records("train") if isinstance(r.get("images_per_s"), (int, float))]
-    last = max([r["step"] for r in train] + [m["step"] for m in marks])
-    if marks[0]["step"] > 0:  # before the first freeze: nothing frozen, the layout the run started with
-        marks = [{"step": 0, "frozen": 0}, *marks]
-    phases = []
-    for k, mark in enumerate(marks):
-        end = marks[k + 1]["step"] if k + 1 < len(marks) else last
-        ips = [r["images_per_s"] for r in train if mark["step"] < r["step"] <= end]
-        phases.append({"first": mark["step"], "last": end, "frozen": mark.get("frozen"), "stages": mark.get("stages"),
-                       "dp": mark.get("dp"), "cache": mark.get("cache"),
-                       "images_per_s": sum(ips) / len(ips) if ips else None})
-    return phases
-
-
-def layout_and_cache(p: dict) -> tuple[str, str]:
-    layout = f"{fmt(p['stages'])} x {fmt(p['dp'])}" if p["stages"] is not None else "as started"
-    return layout, {True: "on", False: "off"}.get(p["cache"], fmt(p["cache"])) or "–"
-
-
-def phase_table(runs: list[Run]) -> str:
-    """Markdown: throughput per freeze phase, for the runs that froze layers ('' when none did)."""
-    rows = [(run.name, p) for run in runs for p in freeze_phases(run)]
-    if not rows:
-        return ""
-    md = ["", "throughput per freeze phase (layout: pipeline stages x data-parallel copies)", "",
-          "| run | steps | frozen layers | layout | cache | images/s |", "|---|---|---|---|---|---|"]
-    for name, p in rows:
-        layout, cache = layout_and_cache(p)
-        md.append(f"| {name} | {p['first']}-{p['last']} | {fmt(p['frozen'])} | {layout} | {cache} | "
-                  f"{fmt(p['images_per_s'], 1) or '–'} |")
-    return "\n".join(md) + "\n"
-
-
-def plot_freeze(runs: list[Run], path: Path) -> None:
+def plot_freeze(runs: list[Run], path: Path | None):
     """Frozen layers over the steps (a step line per run) and each phase's images/s (a bar per phase)."""
     fig, (ax_frozen, ax_ips) = plt.subplots(1, 2, figsize=(12, 4.5))
     bars = []
@@ -341,12 +212,18 @@ def plot_freeze(runs: list[Run], path: Path) -> None:
     ax_ips.bar(range(len(bars)), [b[1] for b in bars], color=[f"C{b[2] % 10}" for b in bars])
     ax_ips.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=6)
     ax_ips.set(title="throughput per freeze phase (mean of the logged windows)", ylabel="images/s")
-    finish(fig, (ax_frozen, ax_ips), path)
+    return finish(fig, (ax_frozen, ax_ips), path)
+
+
+def html_table(columns, rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def report(out: Path, runs: list[Run], charts: list[Path], rows: list[list[str]]) -> None:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    phases = phase_rows(runs)
+    phases = f"<h2>{html.escape(PHASE_TITLE)}</h2>{html_table(PHASE_COLUMNS, phases)}" if phases else ""
     imgs = "".join(f"<h2>{p.stem}</h2><img alt='{p.stem}' src='data:image/png;base64,"
                    f"{base64.b64encode(p.read_bytes()).decode()}'>" for p in charts)
     sources = ", ".join(html.escape(str(run.path)) for run in runs)
@@ -354,7 +231,7 @@ def report(out: Path, runs: list[Run], charts: list[Path], rows: list[list[str]]
         "<!doctype html><html><head><meta charset='utf-8'><title>training report</title><style>"
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
         "padding:4px 8px;text-align:right}img{max-width:100%}</style></head><body>"
-        f"<h1>training report</h1><p>runs: {sources}</p><table><tr>{head}</tr>{body}</table>{imgs}</body></html>\n")
+        f"<h1>training report</h1><p>runs: {sources}</p>{html_table(COLUMNS, rows)}{phases}{imgs}</body></html>\n")
 
 
 def main(argv=None) -> int:

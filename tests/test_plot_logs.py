@@ -6,6 +6,7 @@ import shutil
 import sys
 
 import matplotlib.image
+import matplotlib.pyplot as plt
 import pytest
 from helpers import ROOT, base_env, launch, run_cmd
 
@@ -256,3 +257,79 @@ def test_compare_script_help_and_bad_input():
     assert r.returncode == 2 and "unknown option '--steps' (train options go after --)" in r.stderr
     r = run_cmd([script], env={**base_env(), "RUNS": "zero9", "OUT": "/nonexistent/never"}, timeout=30)
     assert r.returncode == 2 and "unknown run 'zero9'" in r.stderr
+
+
+def plain_run(folder, attempts, summary, freeze=None):
+    """A 2-rank run's logs: `attempts` [(first step, last step, seconds the run was down before)] of train records
+    every 2 steps (an attempt may redo steps of the one before: a resume from an earlier checkpoint), evals with
+    top-5 100% every 10, monitor samples whose step starts at 0 in each attempt, and its summary."""
+    folder.mkdir()
+    for rank in (0, 1):
+        metrics, monitor, t = [], [], 0.0
+        for a, (first, last, down) in enumerate(attempts):
+            t += down
+            for i, s in enumerate(range(first, last + 1, 2)):
+                t += 1.0
+                base = {"step": s, "time": t, "rank": rank, "host": "cn0"}
+                metrics.append({"kind": "train", **base, "loss": 2.0 - s / 100 + a, "images_per_s": 500.0 + a,
+                                "step_time_s": 0.1})
+                metrics += [{"kind": "eval", **base, "eval_loss": 1.9, "top1": s / 100, "top5": 1.0}] if s % 10 == 0 \
+                    else []
+                monitor.append({**base, "step": 2 * i, "cpu_percent": 90.0, "rss_mib": 900.0 + rank, "gpus": [
+                    {"index": rank, "util_pct": 80.0, "mem_used_mib": 4000.0}]})
+        metrics += [{"kind": "freeze", "time": t, "rank": rank, "host": "cn0", **f} for f in freeze or []]
+        write_jsonl(folder / f"metrics_rank{rank}.jsonl", metrics)
+        write_jsonl(folder / f"monitor_rank{rank}.jsonl", monitor)
+    (folder / "summary.json").write_text(json.dumps({"engine": "zero", "zero_stage": 2, "grad_accum": 1,
+                                                     "global_batch": 64, "images_per_s": 500.0, **summary}))
+    return folder
+
+
+def overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.timeout(120)
+def test_charts_stay_readable_and_a_resumed_run_is_split_where_it_restarted(tmp_path):
+    import numpy as np
+
+    names = [f"zero{k}-20261124-0449{k:02d}" for k in range(5)] + ["resumed-20261124-045536"]
+    folders = [plain_run(tmp_path / n, [(2, 40, 0)], {"train_s": 4.0 + k}) for k, n in enumerate(names[:4])]
+    folders.append(plain_run(tmp_path / names[4], [(2, 40, 0)], {"train_s": 5.0},
+                             freeze=[{"step": 20, "frozen": 2, "stages": 1, "dp": 2, "cache": True}]))
+    # Died after step 30, resumed from its step-24 checkpoint after 300 s: 2 segments.
+    folders.append(plain_run(tmp_path / names[5], [(2, 30, 0), (26, 40, 300)],
+                             {"train_s": 9.0, "train_s_this_run": 2.5, "segments": 2}))
+    runs = [plot_logs.Run(f) for f in folders]
+
+    train = runs[5].records("train")  # the redone steps 26-30 once, from the attempt that went on
+    assert [r["step"] for r in train] == list(range(2, 42, 2)) and train[-1]["loss"] == pytest.approx(2.6)
+    rss = next(line for line in plot_logs.plot_resources(runs, None).axes[-1].lines
+               if line.get_label() == f"{names[5]} rank 0")
+    x = np.asarray(rss.get_xdata(), dtype=float)
+    assert np.isnan(x).sum() == 1 and x[np.flatnonzero(np.isnan(x))[0] + 1] - np.nanmax(x[:15]) > 300
+
+    for chart in (plot_logs.plot_resources, plot_logs.plot_compare, plot_logs.plot_loss):
+        fig = chart(runs, None)
+        fig.canvas.draw()
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + fig.legends
+        assert legends, chart.__name__
+        for legend in legends:  # beside or under the charts, never over one (the memory panel's, the top-1's)
+            box = legend.get_window_extent()
+            assert not any(overlaps(box, ax.get_window_extent()) for ax in fig.axes), chart.__name__
+        if chart is plot_logs.plot_compare:  # numbered bars; the legend names the runs
+            assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["1", "2", "3", "4", "5", "6"]
+            assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+                f"{k}  {n} (zero2)" for k, n in enumerate(names, 1)]
+        if chart is plot_logs.plot_loss:  # six runs' top-5 at 100%: one line, said so, below the frame's top
+            top5 = [line for line in fig.axes[1].lines if line.get_marker() == "x"]
+            assert [line.get_label() for line in top5] == ["top-5, the same for 6 runs"]
+            assert fig.axes[1].get_ylim()[1] > 100
+        plt.close(fig)
+
+    r = plot(*folders, "--out", tmp_path / "out")
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = (tmp_path / "out" / "report.html").read_text()
+    assert plot_logs.PHASE_TITLE in report and f"<td>{names[4]}</td><td>20-40</td><td>2</td><td>1 x 2</td>" in report
+    row = next(row for row in csv.DictReader(open(tmp_path / "out" / "comparison.csv")) if row["run"] == names[5])
+    assert row["training time (train_s)"] == "9.00 (2 segments)"

@@ -162,3 +162,51 @@ def test_data_path_is_used_or_refused_never_ignored(tmp_path):
     assert r.returncode == 2 and last_line(r).startswith("entry_cn.sh: error: imagefolder: "), r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.timeout(600)
+def test_resume_compares_the_model_and_the_length_and_keeps_the_checkpoints_weights(tmp_path):
+    run, step4 = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step4"
+    r = one_process(["--steps", 4, "--save-interval", 2, "--log-interval", 1, "--monitor-interval", 0, "--log-dir",
+                     run])
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = json.loads((run / "summary.json").read_text())
+    assert first["segments"] == 1 and first["train_s"] == first["train_s_this_run"] > 0
+    assert json.loads((step4 / "manifest.json").read_text())["train_s"] == pytest.approx(first["train_s"])
+    # Another model: one line naming both, before any engine is built; nothing touched.
+    before = tree_digest(run)
+    r = one_process(["--model", "vit_tiny_cifar", "--steps", 8, "--resume", "--log-dir", run])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert last_line(r) == (f"entry_cn.sh: error: checkpoint {run / 'checkpoints'}/step4 was written by --model "
+                            "vit_digits, this run uses --model vit_tiny_cifar; resume with --model vit_digits")
+    assert tree_digest(run) == before
+    # Longer, another --lr (default 0.002), starting weights: a warning each, the checkpoint's weights, and the
+    # time of both segments.
+    r = one_process(["--steps", 8, "--lr", 0.001, "--pretrained-path", run / "checkpoints" / "step2", "--resume",
+                     "--log-interval", 1, "--monitor-interval", 0, "--log-dir", run])
+    assert r.returncode == 0, r.stderr[-3000:]
+    at = f"checkpoint {run / 'checkpoints'}/step4"
+    assert r.stdout.count(f"warning: {at} belongs to a run of 4 steps, this one has 8 (--steps or --epochs): the LR "
+                          "schedule is recomputed over 8 steps, so the learning rate from step 5 on") == 1, r.stdout
+    assert r.stdout.count(f"warning: {at} was written with other settings") == 1, r.stdout
+    assert r.stdout.count(f"--pretrained-path {run / 'checkpoints' / 'step2'}: not loaded; the run resumes from its "
+                          "checkpoint's weights") == 1, r.stdout
+    assert "every tensor fits" not in r.stdout and "resumed from step4" in r.stdout
+    second = json.loads((run / "summary.json").read_text())
+    assert second["segments"] == 2 and second["steps_this_run"] == 4
+    assert second["train_s"] == pytest.approx(first["train_s"] + second["train_s_this_run"])
+
+
+@pytest.mark.timeout(200)
+def test_the_model_of_an_older_checkpoint_is_read_from_the_runs_config(tmp_path):
+    # A manifest written before manifests recorded the model (its ZeRO stage would be refused next): the run's
+    # config.json beside checkpoints/ names the model, and the refusal names it.
+    (tmp_path / "checkpoints" / "step10").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step10" / "manifest.json").write_text(json.dumps({
+        "step": 10, "files": {}, "engine": "zero", "world_size": 2, "data_parallel_size": 2, "pipeline_stages": 1,
+        "zero_stage": 9, "config_hash": "x"}))
+    (tmp_path / "config.json").write_text(json.dumps({"args": {"model": "vit_tiny_cifar"}, "total_steps": 10}))
+    r = one_process(["--steps", 20, "--resume", "--log-dir", tmp_path], WORLD_SIZE="2")
+    assert r.returncode == 2, r.stderr
+    assert last_line(r) == (f"entry_cn.sh: error: checkpoint {tmp_path / 'checkpoints'}/step10 was written by --model "
+                            "vit_tiny_cifar, this run uses --model vit_digits; resume with --model vit_tiny_cifar")

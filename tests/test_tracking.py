@@ -5,10 +5,11 @@ import csv
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import MPIRUN, ROOT, launch, read_jsonl, run_cmd
+from helpers import MPIRUN, ROOT, base_env, launch, read_jsonl, run_cmd
 
 from vit import ds_schema
 from vit.cli import parse
@@ -201,3 +202,18 @@ def test_default_job_console_is_quiet_and_verbose_shows_the_rest(tmp_path):
     assert all("Setting accelerator to CPU" in out for out in verbose.outputs)
     assert "monitor rank 1: no GPU data" in verbose.outputs[1]
     assert not (tmp_path / "verbose" / "warnings_rank0.log").exists()
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_wandb_without_a_login_is_refused_before_anything_is_written(tmp_path):
+    # A clean home: no .netrc, no W&B settings, no WANDB_* variables (W&B's own sources of an API key).
+    env = {k: v for k, v in base_env().items() if not k.startswith("WANDB_") and k not in ("NETRC", "XDG_CONFIG_HOME")}
+    env["HOME"] = str(tmp_path / "home")
+    args = ["--report-to", "wandb", "--steps", 2, "--log-dir", tmp_path / "run"]
+    r = run_cmd([sys.executable, "-m", "vit.train", *map(str, args)], env=env, timeout=100)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "entry_cn.sh: error: --report-to wandb: no W&B API key here; log in with `wandb login` (or set "
+        "WANDB_API_KEY), or set WANDB_MODE=offline to log without network (`wandb sync` uploads it later)")
+    assert not (tmp_path / "run").exists()

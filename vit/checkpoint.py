@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from timm.models import split_model_name_tag
 
 from vit.errors import ConfigError
 
@@ -79,6 +80,10 @@ def read_manifest(save_dir: str, tag: str) -> dict:
 
 def check_layout(saved: dict, current: dict, where: str) -> None:
     """Refuse to resume under a layout the checkpoint cannot be loaded into, and say what would."""
+    model = saved.get("model")  # the architecture: a pretrained tag (.augreg_in21k) makes no other shapes
+    if model and split_model_name_tag(model)[0] != split_model_name_tag(current["model"])[0]:
+        raise ConfigError(f"{where} was written by --model {model}, this run uses --model {current['model']}; "
+                          f"resume with --model {model}")
     if saved["engine"] != current["engine"]:
         raise ConfigError(f"{where} was written by --engine {saved['engine']}, this run uses --engine "
                           f"{current['engine']}; resume with --engine {saved['engine']}")

@@ -4,10 +4,10 @@ mistake found here is one line and exit 2, with nothing written."""
 import hashlib
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from vit import checkpoint, precision, slowdown, weights
+from vit import checkpoint, precision, slowdown, tracking, weights
 from vit.augment import data_recipe
 from vit.data import DataSplit, dataset_for, load_dataset, steps_per_epoch
 from vit.dist_env import Job, resolve_master
@@ -22,6 +22,7 @@ from vit.settings import PIPELINES, ROOT, Settings
 class Resume:
     save_dir: str
     tags: list[str]  # complete checkpoints to try, newest first
+    saved: dict = field(default_factory=dict)  # the run that wrote them: the newest readable manifest (saved_run)
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,17 @@ class Plan:
             what.update(opt=o.opt, momentum=o.momentum, nesterov=o.nesterov)
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
+    def checkpoint_meta(self) -> dict:
+        """What each checkpoint's manifest records of the run, for a resume to compare with its own."""
+        return {**self.layout, "config_hash": self.settings_hash(), "total_steps": self.total_steps}
+
 
 def make_plan(settings: Settings, job: Job) -> Plan:
     dataset, note = dataset_for(settings.data)
     s = settings.with_(dataset=dataset)
     par, ckpt = s.parallel, s.checkpoint
+    if "wandb" in s.log.report_to.split(","):
+        tracking.check_wandb()
     check_writable(s.log.log_dir or str(ROOT / "logs"), "--log-dir")
     if s.checkpoint.save_dir and not ckpt.no_save:
         check_writable(s.checkpoint.save_dir, "--save-dir")
@@ -91,7 +98,8 @@ def make_plan(settings: Settings, job: Job) -> Plan:
                           f"{batch.grad_accum} (a checkpoint drains the pipeline at a step's end, where every "
                           "stage's update must be complete)")
     save_dir = ckpt.save_dir or (os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None)
-    layout = {"engine": par.engine, "world_size": job.world_size, "data_parallel_size": batch.dp_size,
+    layout = {"model": s.model.model, "engine": par.engine, "world_size": job.world_size,
+              "data_parallel_size": batch.dp_size,
               "pipeline_stages": par.pipeline_stages if par.engine in PIPELINES else 1,
               "zero_stage": zero_stage(ds_config) if par.engine not in ("ddp", "async-pipeline") else 0,
               "global_batch": batch.global_size}
@@ -103,8 +111,9 @@ def make_plan(settings: Settings, job: Job) -> Plan:
                           "state into the rebuilt engine itself); use such a --ds-config or --engine ddp")
     resume = find_resume(s, save_dir, layout, batch) if ckpt.resume else None
     resolve_master(job)
-    return Plan(s, job, ds_config, batch, requested, data, per_epoch, total_steps, save_dir, resume, layout,
+    plan = Plan(s, job, ds_config, batch, requested, data, per_epoch, total_steps, save_dir, resume, layout,
                 slowdowns, notes)
+    return replace(plan, notes=notes + resume_notes(plan)) if resume else plan
 
 
 def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settings, list[str]]:
@@ -114,9 +123,12 @@ def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settin
     m, r = s.model, s.recipe
     if m.pretrained and m.pretrained_path:
         raise ConfigError("--pretrained and --pretrained-path: choose one")
-    if m.pretrained:
+    if s.checkpoint.resume and (m.pretrained or m.pretrained_path):  # the checkpoint's weights replace them
+        what = f"--pretrained-path {m.pretrained_path}" if m.pretrained_path else "--pretrained"
+        notes = notes + [f"{what}: not loaded; the run resumes from its checkpoint's weights"]
+    elif m.pretrained:
         s = s.with_(pretrained_path=weights.hub_weights(m.model))
-    if s.model.pretrained_path:
+    if s.model.pretrained_path and not s.checkpoint.resume:
         notes = notes + weights.check(s.model.pretrained_path, m.model, data.num_classes, data.in_chans,
                                       data.img_size)
     if m.export:
@@ -155,9 +167,10 @@ def with_micro_batch(plan: Plan, micro_batch: int, split: list[int] | None, sear
 def find_resume(s: Settings, save_dir: str | None, layout: dict, batch: Batch) -> Resume:
     """What --resume continues from, refused when it cannot be continued without overwriting a checkpoint."""
     where, tags = checkpoint.locate(save_dir if s.checkpoint.resume == "auto" else s.checkpoint.resume)
+    saved = {}
     for tag in tags:  # the newest readable manifest says how the run was laid out
         try:
-            saved = checkpoint.read_manifest(where, tag)
+            saved = saved_run(where, checkpoint.read_manifest(where, tag))
         except (OSError, ValueError):
             continue
         checkpoint.check_layout(saved, layout, f"checkpoint {where}/{tag}")
@@ -169,7 +182,39 @@ def find_resume(s: Settings, save_dir: str | None, layout: dict, batch: Batch) -
         raise ConfigError(f"--resume {where}/{tags[0]}: {save_dir} also holds newer checkpoints ({', '.join(newer)}) "
                           "that this run would overwrite; resume from the newest (--resume without a path), or "
                           "write elsewhere (--save-dir or another --log-dir)")
-    return Resume(where, tags)
+    return Resume(where, tags, saved)
+
+
+def saved_run(where: str, manifest: dict) -> dict:
+    """A manifest with the model and the run's length, taken from the run's config.json (beside its checkpoints/
+    folder) where a checkpoint written before manifests recorded them lacks them."""
+    config = Path(where).parent / "config.json"
+    if {"model", "total_steps"} <= manifest.keys() or Path(where).name != "checkpoints" or not config.is_file():
+        return manifest
+    try:
+        run = json.loads(config.read_text())
+        found = {"model": run["args"]["model"], "total_steps": run["total_steps"]}
+    except (OSError, ValueError, TypeError, KeyError):  # not a config.json of ours: the manifest alone
+        return manifest
+    return {**found, **manifest}
+
+
+def resume_notes(plan: Plan) -> list[str]:
+    """Rank 0's warnings on what this run changes of the run it resumes: settings behind the checkpoint's hash
+    (--lr, --seed, ...), and the length, which the LR schedule (warm-up and cosine decay) is computed from."""
+    saved, notes = plan.resume.saved, []
+    if not saved:  # no readable manifest: choose_resume will say so
+        return notes
+    at = f"checkpoint {plan.resume.save_dir}/{checkpoint.tag_for(saved['step'])}"
+    if saved.get("config_hash") != plan.settings_hash():
+        notes.append(f"warning: {at} was written with other settings (model, data, optimizer or DeepSpeed config) "
+                     "than this run")
+    if saved.get("total_steps", plan.total_steps) != plan.total_steps:
+        notes.append(f"warning: {at} belongs to a run of {saved['total_steps']} steps, this one has "
+                     f"{plan.total_steps} (--steps or --epochs): the LR schedule is recomputed over "
+                     f"{plan.total_steps} steps, so the learning rate from step {saved['step'] + 1} on is not the "
+                     "one the first run would have used")
+    return notes
 
 
 def choose_resume(plan: Plan) -> str:

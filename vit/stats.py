@@ -70,7 +70,8 @@ class StepStats:
     saving inside `with stats.paused():`; stats.totals() for the summary."""
 
     def __init__(self, engine, metrics, *, global_batch: int, rank_images: int, total_steps: int, log_interval: int,
-                 precision: str, max_skipped_steps: int, is_main: bool):
+                 precision: str, max_skipped_steps: int, is_main: bool, earlier: dict | None = None):
+        """earlier: the training time and segments recorded in the checkpoint a resumed run starts from."""
         self.engine, self.metrics, self.is_main = engine, metrics, is_main
         self.global_batch, self.rank_images = global_batch, rank_images  # images per step: the job's, this rank's
         self.total_steps, self.log_interval, self.max_skipped = total_steps, log_interval, max_skipped_steps
@@ -82,6 +83,7 @@ class StepStats:
         self.loss, self.lr, self.last_loss = None, None, float("nan")
         self.steps_done, self.phase_totals = 0, {}
         self.train_s = 0.0  # wall time of the steps alone
+        self.earlier, self.paused_at = {"train_s": 0.0, "segments": 0, **(earlier or {})}, None
         self.window_steps, self.window_start, self.window_excluded = 0, time.perf_counter(), 0.0
 
     def record(self, step: int, loss: torch.Tensor, lr: float) -> None:
@@ -145,15 +147,25 @@ class StepStats:
     @contextlib.contextmanager
     def paused(self):
         """Time spent inside (evaluation, checkpoints) counts in no step time, images/s or breakdown."""
-        start = time.perf_counter()
+        start = self.paused_at = time.perf_counter()
         try:
             yield
         finally:
             self.window_excluded += time.perf_counter() - start
+            self.paused_at = None
+
+    def train_time(self) -> dict:
+        """The run's training time over its segments (the first run and each resume) up to the last step done: the
+        earlier segments' from the checkpoint resumed, plus this one's, the steps not logged yet included."""
+        pending = self.paused_at - self.window_start - self.window_excluded if self.window_steps and self.paused_at \
+            else 0.0
+        return {"train_s": self.earlier["train_s"] + self.train_s + pending, "segments": self.earlier["segments"] + 1}
 
     def totals(self) -> dict:
-        """For the summary: the steps' wall time, images/s and the mean breakdown per step."""
-        steps = self.steps_done
-        return {"train_s": self.train_s, "final_loss": self.last_loss,
+        """For the summary: the steps' wall time (over every segment of a resumed run, and this one's), this run's
+        images/s and mean breakdown per step."""
+        steps, run = self.steps_done, self.train_time()
+        return {"train_s": run["train_s"], "train_s_this_run": self.train_s, "segments": run["segments"],
+                "final_loss": self.last_loss,
                 "images_per_s": steps * self.global_batch / self.train_s if steps and self.train_s else None,
                 "breakdown": {k: v / max(1, steps) for k, v in self.phase_totals.items()}}

@@ -41,6 +41,7 @@ def write_summary(log_dir: str, plan, *, precision: str, ds_config: dict, start_
         "grad_accum": batch.grad_accum, "global_batch": batch.global_size, "steps": total,
         "steps_this_run": total - start_step, "final_loss": totals["final_loss"], **evaluation,
         "images_per_s": totals["images_per_s"], "train_s": totals["train_s"],
+        "train_s_this_run": totals["train_s_this_run"], "segments": totals["segments"],
         "wall_s": time.time() - start_time, "peak_mem_gib": peak_mem_gib, "breakdown": totals["breakdown"],
         "monitor": monitors, "gpu_util_mean_per_host": gpu_util_mean_per_host(monitors),
     }

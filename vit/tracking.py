@@ -84,6 +84,18 @@ def wandb_run_id(log_dir: str) -> str:
     return run_id
 
 
+def check_wandb() -> None:
+    """Before anything is written, on every rank: W&B runs offline or disabled (WANDB_MODE, `wandb offline`), or
+    has an API key (WANDB_API_KEY, `wandb login`'s .netrc, its settings file). Asks no server."""
+    import wandb
+
+    settings = wandb.setup(wandb.Settings(silent=True)).settings  # silent: login's own notes
+    if settings.mode in ("offline", "dryrun", "disabled") or wandb.login(verify=False, prompt=False):
+        return
+    raise ConfigError("--report-to wandb: no W&B API key here; log in with `wandb login` (or set WANDB_API_KEY), "
+                      "or set WANDB_MODE=offline to log without network (`wandb sync` uploads it later)")
+
+
 class WandbSink:
     """A W&B run named after the log dir, its files in <log-dir>/wandb; WANDB_MODE=offline needs no network
     (`wandb sync <log-dir>/wandb/offline-run-*` uploads it later), WANDB_PROJECT names the project."""

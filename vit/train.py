@@ -106,15 +106,16 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     if job.is_main:
         for note in plan.notes:
             print(note, flush=True)
-    start, resumed_from, frozen, layout = 0, None, 0, None
+    start, resumed_from, frozen, layout, earlier = 0, None, 0, None, {}
     if plan.resume:
         resumed_from = rank0_decides(lambda: choose_resume(plan))
         manifest = checkpoint.read_manifest(plan.resume.save_dir, resumed_from)
         start, freeze_state = manifest["step"], manifest.get("freeze") or {"frozen": 0}
+        earlier = {k: manifest[k] for k in ("train_s", "segments") if k in manifest}  # older ones: this run's alone
         frozen, layout = freeze_state["frozen"], freeze_state.get("layout")
     data = plan.data
     layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
-                          s.model.drop_path, s.model.pretrained_path)
+                          s.model.drop_path, None if plan.resume else s.model.pretrained_path)
     ema_layers = copy.deepcopy(layers) if s.recipe.model_ema else None  # before ZeRO-3 partitions them
     adapted = adapt(plan, dev, layers, start)
     tf32 = set_tf32(dev, s.parallel.tf32 == "on")
@@ -149,15 +150,11 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
         if "freeze" in client_state:
             freezer.load_state_dict(client_state["freeze"])
     if job.is_main:
-        if plan.resume and plan.settings_hash() != checkpoint.read_manifest(
-                plan.resume.save_dir, resumed_from).get("config_hash"):
-            print(f"warning: {resumed_from} was written with other settings (model, data, optimizer or DeepSpeed "
-                  "config) than this run", flush=True)
         start_record(log_dir, plan, ds_config=ds_config, precision=adapted.precision, cluster=adapted.record,
                      start_step=start, resumed_from=resumed_from)
         if console.where(hidden_to):
             print(console.where(hidden_to), flush=True)
-    return session(plan, engine, watchdog, log_dir, save_dir, start, adapted, ds_config, locks, freezer)
+    return session(plan, engine, watchdog, log_dir, save_dir, start, adapted, ds_config, locks, freezer, earlier)
 
 
 def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> hetero.Adapted:
@@ -182,7 +179,8 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
 
 
 def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,
-            adapted: hetero.Adapted, ds_config: dict, locks: list[RunLock], freezer: Freezer) -> Session:
+            adapted: hetero.Adapted, ds_config: dict, locks: list[RunLock], freezer: Freezer,
+            earlier: dict) -> Session:
     s, job, batch, data = plan.settings, plan.job, plan.batch, plan.data
     pin = engine.device.type == "cuda"
     # The driver (NVML, nvidia-smi) numbers GPUs unlike CUDA does; the UUID names this rank's GPU in both.
@@ -195,15 +193,15 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
     my_micro = adapted.split[engine.dp_rank] if adapted.split else batch.micro_batch
     stats = StepStats(engine, metrics, global_batch=batch.global_size, rank_images=my_micro * batch.grad_accum,
                       total_steps=plan.total_steps, log_interval=s.log.log_interval, precision=adapted.precision,
-                      max_skipped_steps=s.train.max_skipped_steps, is_main=job.is_main)
+                      max_skipped_steps=s.train.max_skipped_steps, is_main=job.is_main, earlier=earlier)
     workers = loader_workers(s.data.workers, engine.device.type, rank_cores(job.local_world_size))
     evaluator = Evaluator(engine, data, micro_batch=batch.micro_batch, workers=workers, pin_memory=pin,
                           metrics=metrics, watchdog=watchdog, interval=s.train.eval_interval,
                           total_steps=plan.total_steps, is_main=job.is_main)
     checkpointer = Checkpointer(engine, save_dir, interval=s.checkpoint.save_interval,
                                 enabled=not s.checkpoint.no_save, keep=s.checkpoint.keep_checkpoints,
-                                meta={**plan.layout, "config_hash": plan.settings_hash()}, on_progress=watchdog.beat,
-                                extra_state=freezer.checkpoint_state)
+                                meta=plan.checkpoint_meta(), on_progress=watchdog.beat,
+                                extra_state=lambda: {**freezer.checkpoint_state(), **stats.train_time()})
 
     def make_batches(engine: Engine, start: int) -> Iterator | None:
         if not engine.reads_data:
