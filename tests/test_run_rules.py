@@ -70,6 +70,47 @@ def test_resume_from_an_older_checkpoint_into_the_same_folder_is_refused(finishe
 
 
 @pytest.mark.timeout(400)
+def test_a_new_run_into_a_folder_that_holds_a_run_is_refused_and_touches_nothing(finished_run, tmp_path):
+    """Without --resume, a run must not mix its records and checkpoints with a finished run's (it once appended
+    its metrics, overwrote summary.json and config.json, and left the old step10 for --resume to pick). A folder
+    without a summary or a complete checkpoint is taken: test_a_second_run_in_the_same_folder_is_refused_naming_
+    the_first reuses a killed run's, and retry.sh starts such a run over (test_scripts.py)."""
+    before = tree_digest(finished_run)
+    r = run_cmd(["./entry_cn.sh", "--steps", "4", "--log-dir", str(finished_run)], env=base_env(), timeout=150)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert last_line(r) == (f"entry_cn.sh: error: --log-dir {finished_run} already holds a run (summary.json; "
+                            "checkpoints step10, step5); continue it with --resume, or use another --log-dir")
+    ckpts = finished_run / "checkpoints"
+    r = one_process(["--steps", 4, "--log-dir", tmp_path / "new", "--save-dir", ckpts], WORLD_SIZE="2")
+    assert r.returncode == 2 and last_line(r) == (f"entry_cn.sh: error: --save-dir {ckpts} already holds a run's "
+                                                  "checkpoints (step10, step5); continue it with --resume, or use "
+                                                  "another --save-dir"), r.stderr
+    assert tree_digest(finished_run) == before and not (tmp_path / "new").exists()
+
+
+@pytest.mark.timeout(300)
+def test_export_targets_are_checked_before_anything_starts(tmp_path):
+    """A bad --export once trained to the end, then failed (IsADirectoryError) leaving .tmp files and no
+    summary."""
+    folder, a_file, sub = tmp_path / "folder", tmp_path / "file", tmp_path / "sub"
+    (sub / "m.json").mkdir(parents=True)
+    folder.mkdir()
+    a_file.write_text("x")
+    cases = [(folder, f"--export {folder}: {folder} is a folder; name the file to write, e.g. "
+                      f"{folder}/model.safetensors"),
+             (f"{tmp_path}/new/", f"--export {tmp_path}/new/: {tmp_path}/new/ is a folder"),
+             (sub / "m", f"--export {sub}/m: {sub}/m.json is a folder"),
+             (a_file / "m.safetensors", f"--export {a_file}/m.safetensors: {a_file} is a file, not a folder"),
+             ("/proc/m.safetensors", "--export /proc/m.safetensors: /proc: ")]
+    for export, message in cases:
+        r = one_process(["--steps", 2, "--export", export, "--log-dir", tmp_path / "run"], WORLD_SIZE="2")
+        assert r.returncode == 2 and message in last_line(r) and "Traceback" not in r.stderr, (export, r.stderr)
+        assert last_line(r).startswith("entry_cn.sh: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder", "sub"]
+    assert not any(folder.iterdir())
+
+
+@pytest.mark.timeout(400)
 def test_ddp_resume_on_fewer_ranks_keeps_the_global_batch_or_is_refused(tmp_path):
     r = launch(["--engine", "ddp", "--steps", 4, "--save-interval", 4, "--monitor-interval", 0, "--log-dir",
                 tmp_path / "a"], timeout=200)

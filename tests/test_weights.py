@@ -1,5 +1,6 @@
 """Pretrained weights in (--pretrained-path, adapted), final weights out (--export), offline, with real ranks."""
 import json
+import os
 
 import pytest
 import timm
@@ -91,15 +92,24 @@ def eval_loss(model: nn.Module, img_size: int) -> float:
         return F.cross_entropy(model.eval()(x), y).item()
 
 
+def umask_mode() -> int:
+    """The mode a new file gets here: what an export must have (safetensors alone writes 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 @pytest.mark.ranks
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("config,ema", [("zero2.json", False), ("zero3.json", True)])
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("config,ema", [("zero2.json", False), ("zero3.json", False), ("zero3.json", True)])
 def test_fine_tune_then_export_loads_into_timm(tmp_path, timm_file, config, ema):
+    """The export of a run, and the same from its last checkpoint (--resume of the complete run with --export)."""
     path, _ = timm_file
     out = tmp_path / "export" / "tuned.safetensors"
-    r = launch(["--model", NAME, "--dataset", "synthetic", "--img-size", 48, "--pretrained-path", path, "--steps", 3,
-                "--ds-config", f"deepspeed_configs/{config}", "--no-save", "--log-dir", tmp_path / "run",
-                "--export", out, *(["--model-ema", "--model-ema-decay", 0.5] if ema else [])], timeout=360)
+    args = ["--model", NAME, "--dataset", "synthetic", "--img-size", 48, "--pretrained-path", path, "--steps", 3,
+            "--ds-config", f"deepspeed_configs/{config}", "--log-dir", tmp_path / "run",
+            *(["--model-ema", "--model-ema-decay", 0.5] if ema else [])]
+    r = launch([*args, "--export", out], timeout=360)
     assert r.ok, r
     assert "pos_embed resampled (1, 5, 192) -> (1, 10, 192)" in r.outputs[0]
     assert "head.weight reset: (5, 192) in the file, (10, 192) for this run's classes" in r.outputs[0]
@@ -113,6 +123,19 @@ def test_fine_tune_then_export_loads_into_timm(tmp_path, timm_file, config, ema)
     assert eval_loss(model, 48) == pytest.approx(summary["ema_eval_loss" if ema else "eval_loss"], rel=1e-4)
     if ema:
         assert summary["ema_eval_loss"] != pytest.approx(summary["eval_loss"], rel=1e-4)
+    again = tmp_path / "again.safetensors"
+    r = launch([*args, "--resume", "--export", again], timeout=240)
+    assert r.ok, r
+    assert "the run is complete: checkpoint" in r.outputs[0] and "exported its weights" in r.outputs[0], r
+    assert json.loads(again.with_name("again.safetensors.json").read_text()) == cfg
+    reloaded = timm.create_model(NAME, pretrained=True, num_classes=10, img_size=48,
+                                 pretrained_cfg_overlay=dict(cfg["pretrained_cfg"], file=str(again)))
+    want = model.state_dict()
+    assert reloaded.state_dict().keys() == want.keys()
+    for k, v in reloaded.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert [f.stat().st_mode & 0o777 for f in (out, again)] == [umask_mode()] * 2
+    assert not list(tmp_path.rglob("*.tmp"))
 
 
 @pytest.mark.ranks

@@ -14,7 +14,7 @@ from vit.dist_env import Job, resolve_master
 from vit.ds_config import Batch, precision_of, resolve, zero_stage
 from vit.errors import ConfigError, NothingToDo
 from vit.model import check_img_size, model_shape
-from vit.rundir import check_writable
+from vit.rundir import check_export, check_unused, check_writable
 from vit.settings import PIPELINES, ROOT, Settings
 
 
@@ -66,6 +66,10 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     check_writable(s.log.log_dir or str(ROOT / "logs"), "--log-dir")
     if s.checkpoint.save_dir and not ckpt.no_save:
         check_writable(s.checkpoint.save_dir, "--save-dir")
+    if not ckpt.resume:
+        check_unused(s.log.log_dir, None if ckpt.no_save else ckpt.save_dir)
+    if s.model.export:
+        check_export(s.model.export)
     ds_config, batch = resolve_ds_config(s, par, job.world_size)
     requested = par.precision or precision_of(ds_config)  # settled by vit.precision.choose
     if par.precision is None and not any(ds_config.get(k, {}).get("enabled") for k in ("fp16", "bf16")):
@@ -117,7 +121,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
 
 
 def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settings, list[str]]:
-    """The starting weights (fetched for --pretrained, shapes checked), --export's folder, mixup's classes; the
+    """The starting weights (fetched for --pretrained, shapes checked), mixup's classes; the
     recipe as it applies to the data (vit.augment.data_recipe), so that config.json records it."""
     s = replace(s, recipe=data_recipe(s.recipe, data))
     m, r = s.model, s.recipe
@@ -131,8 +135,6 @@ def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settin
     if s.model.pretrained_path and not s.checkpoint.resume:
         notes = notes + weights.check(s.model.pretrained_path, m.model, data.num_classes, data.in_chans,
                                       data.img_size)
-    if m.export:
-        check_writable(os.path.dirname(os.path.abspath(m.export)), "--export")
     if r.mixes and data.num_classes < 2:
         raise ConfigError(f"--mixup/--cutmix need at least two classes; {s.data.dataset} has {data.num_classes}")
     return s, notes
@@ -219,20 +221,26 @@ def resume_notes(plan: Plan) -> list[str]:
 
 def choose_resume(plan: Plan) -> str:
     """Rank 0, once the process group is up: the newest checkpoint that verifies (vit.checkpoint.choose falls back
-    past damaged ones). A run already complete is nothing to do; a checkpoint at or past the run's end is refused,
-    never trained over."""
+    past damaged ones). A run already complete is nothing to do but --export's, from its last checkpoint; a
+    checkpoint at or past the run's end is refused, never trained over."""
     r, total = plan.resume, plan.total_steps
     tag = checkpoint.choose(r.save_dir, r.tags)
     step = checkpoint.step_of(tag)
     if step < total:
         return tag
+    m = plan.settings.model
+    if step == total and m.export:  # its last checkpoint holds the final weights: no need to train again
+        weights.export_checkpoint(f"{r.save_dir}/{tag}", m.export, m.model, plan.data, plan.settings.recipe.model_ema)
+        raise NothingToDo(f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step ({step}); exported "
+                          "its weights, nothing else to do")
     log_dir = plan.settings.log.log_dir
     summary = Path(log_dir, "summary.json") if log_dir else Path(r.save_dir).parent / "summary.json"
     if step == total and summary.is_file() and json.loads(summary.read_text()).get("steps") == step:
         raise NothingToDo(f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step ({step}), and "
-                          f"{summary} says so; nothing to do")
+                          f"{summary} says so; nothing to do (add --export PATH to write its weights)")
     raise ConfigError(f"--resume: checkpoint {r.save_dir}/{tag} is already at step {step}, and this run ends at "
-                      f"step {total}; ask for more steps (--steps or --epochs)")
+                      f"step {total}; ask for more steps (--steps or --epochs)"
+                      + (", or add --export PATH to write its weights" if step == total else ""))
 
 
 def check_global_batch(saved: int | None, batch: Batch, where: str) -> None:

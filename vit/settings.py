@@ -48,7 +48,8 @@ class ModelSettings:
                                          "another image size", metavar="PATH")
     drop_path: float = option(0.0, "stochastic depth rate (timm's drop_path_rate)", "below_one")
     export: str | None = option(None, "write the final weights (the EMA's with --model-ema) as a timm-loadable "
-                                ".safetensors, with its pretrained config beside it as PATH.json", metavar="PATH")
+                                ".safetensors, with its pretrained config beside it as PATH.json; with --resume of a "
+                                "complete run, from its last checkpoint, without training", metavar="PATH")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from timm.models import adapt_input_conv
 from torch import nn
 
 from vit import weightfile
+from vit.console import library_prints
 from vit.errors import ConfigError
 from vit.model import PRESETS, check_model, layer_state_dict, timm_state_dict
 
@@ -232,12 +233,36 @@ def hub_weights(name: str) -> str:
 def export(path: str, layer_state: dict, model_name: str, data) -> None:
     """Rank 0: the layer list's final weights as timm's, and the config timm and Hugging Face read (data: the run's
     vit.data.DataSplit, for the classes, channels, image size and normalisation)."""
+    depth = max(int(k.split(".")[0]) for k in layer_state) - 1
+    write_export(path, timm_state_dict(layer_state, depth), model_name, data)
+
+
+def export_checkpoint(folder: str, path: str, model_name: str, data, ema: bool) -> None:
+    """--resume of a complete run with --export: the weights of its last checkpoint (the EMA's with --model-ema),
+    as the run's own --export would have written them (under ZeRO-3, partitioned, DeepSpeed's zero_to_fp32 joins
+    the fp32 weights: the same with fp32 training, unrounded with fp16 or bf16)."""
+    d = Path(folder)
+    if not ema and (d / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with library_prints():
+            state = get_fp32_state_dict_from_zero_checkpoint(str(d.parent), tag=d.name)
+        return export(path, state, model_name, data)
+    if not ema:
+        return write_export(path, read_state(folder), model_name, data)
+    files = sorted(d.glob("ema_rank*.pt"))
+    if not files:
+        raise ConfigError(f"--export: checkpoint {folder} holds no EMA weights (written without --model-ema)")
+    layer_state = {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
+    export(path, layer_state, model_name, data)
+
+
+def write_export(path: str, timm_state: dict, model_name: str, data) -> None:
+    """PATH (.safetensors) and PATH.json from timm-keyed weights, each put in place whole."""
     from safetensors.torch import save_file
 
     num_classes, in_chans, img_size, mean, std = data.num_classes, data.in_chans, data.img_size, data.mean, data.std
-
-    depth = max(int(k.split(".")[0]) for k in layer_state) - 1
-    state = {k: v.detach().float().cpu().contiguous() for k, v in timm_state_dict(layer_state, depth).items()}
+    state = {k: v.detach().float().cpu().contiguous() for k, v in timm_state.items()}
     arch = check_model(model_name)
     args = {"img_size": img_size, "in_chans": in_chans}
     if arch in PRESETS:  # not a timm name: timm builds it as vit_base_patch16_224 with these arguments
@@ -250,9 +275,18 @@ def export(path: str, layer_state: dict, model_name: str, data) -> None:
                               "mean": list(mean), "std": list(std), "interpolation": "bicubic", "crop_pct": 1.0,
                               "classifier": "head", "first_conv": "patch_embed.proj"}}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file(state, path + ".tmp", metadata={"format": "pt"})
-    os.replace(path + ".tmp", path)
-    Path(path + ".json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tmp = f"{path}.tmp"
+    Path(tmp).unlink(missing_ok=True)  # a killed export's, with safetensors' mode
+    try:
+        with open(tmp, "wb") as f:  # created here, so with the umask's mode: safetensors' own file is 0600
+            mode = os.fstat(f.fileno()).st_mode & 0o777
+        save_file(state, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+        Path(tmp).write_text(json.dumps(cfg, indent=2) + "\n")
+        os.replace(tmp, f"{path}.json")
+    finally:
+        Path(tmp).unlink(missing_ok=True)  # left only by a failure
     print(f"exported {path} and {path}.json", flush=True)
 
 
