@@ -75,7 +75,7 @@ def run_reference(a, dev: torch.device) -> dict:
 
 def engine_args(name: str, a) -> tuple[list[str], str]:
     """vit.train options of one run at the global batch, and its layout (micro-batch x accum x data-parallel)."""
-    if name == "pipeline":
+    if name in ("pipeline", "async-pipeline"):
         stages = a.pipeline_stages or a.ranks
         if a.ranks % stages:
             sys.exit(f"bench train: --pipeline-stages {stages} does not divide --ranks {a.ranks}")
