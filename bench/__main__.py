@@ -3,11 +3,11 @@ import argparse
 import sys
 
 import bench
-from bench import allreduce, async_pipeline, finetune, freeze, hetero, monitor, peak, recipe, train
+from bench import allreduce, async_pipeline, finetune, freeze, gpu, hetero, monitor, peak, recipe, train
 from vit.cli import HelpFormatter
 from vit.train import prepare_environment
 
-MODULES = (train, allreduce, peak, hetero, monitor, recipe, finetune, freeze, async_pipeline)
+MODULES = (train, allreduce, peak, hetero, monitor, recipe, finetune, freeze, async_pipeline, gpu)
 
 
 def main(argv=None) -> int:

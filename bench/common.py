@@ -7,6 +7,7 @@ import shlex
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -131,12 +132,13 @@ class OthersCpu:
 def mpirun_train(train: list, ranks: int, log_dir: Path, timeout: float, mpirun_args: str = "") -> int | str:
     """`mpirun -np ranks ./entry_cn.sh TRAIN...`, its output in LOG_DIR/output.log; the exit code, or why it
     was killed. With a --hostfile in mpirun_args, no --oversubscribe: Open MPI 5 then puts every rank on the first
-    host (scripts/compare.sh)."""
+    host (scripts/compare.sh). One rank without mpirun options runs as one process of this python, no launcher."""
     extra = shlex.split(mpirun_args)
     mpirun = [str(ROOT / "scripts" / "mpirun"), "-np", str(ranks), *([] if "--hostfile" in extra else
                                                                      ["--oversubscribe"]), *extra]
+    cmd = [sys.executable, "-m", "vit.train"] if ranks == 1 and not extra else [*mpirun, str(ROOT / "entry_cn.sh")]
     with open(log_dir / "output.log", "w") as out:
-        p = subprocess.Popen([*mpirun, str(ROOT / "entry_cn.sh"), *map(str, train)], cwd=ROOT, stdout=out,
+        p = subprocess.Popen([*cmd, *map(str, train)], cwd=ROOT, stdout=out, env={**os.environ, "PYTHONPATH": str(ROOT)},
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             return p.wait(timeout=timeout)

@@ -6,7 +6,7 @@ import sys
 from vit.settings import ROOT
 
 CONFIGS = ROOT / "deepspeed_configs"
-RUNS = ("ddp", "zero0", "zero1", "zero2", "zero3", "pipeline")
+RUNS = ("ddp", "zero0", "zero1", "zero2", "zero3", "pipeline", "async-pipeline")
 
 
 def engine_options(name: str, pipeline_stages: int = 2, pipeline_config: str | None = None) -> list[str]:
@@ -15,8 +15,8 @@ def engine_options(name: str, pipeline_stages: int = 2, pipeline_config: str | N
         return ["--engine", "ddp", "--ds-config", str(CONFIGS / "zero0.json")]
     if name in ("zero0", "zero1", "zero2", "zero3"):
         return ["--engine", "zero", "--ds-config", str(CONFIGS / f"{name}.json")]
-    if name == "pipeline":
-        return ["--engine", "pipeline", "--pipeline-stages", str(pipeline_stages), "--ds-config",
+    if name in ("pipeline", "async-pipeline"):
+        return ["--engine", name, "--pipeline-stages", str(pipeline_stages), "--ds-config",
                 pipeline_config or str(CONFIGS / "pipeline.json")]
     raise ValueError(f"unknown run '{name}' (choose from {', '.join(RUNS)})")
 

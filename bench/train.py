@@ -75,7 +75,7 @@ def run_reference(a, dev: torch.device) -> dict:
 
 def engine_args(name: str, a) -> tuple[list[str], str]:
     """vit.train options of one run at the global batch, and its layout (micro-batch x accum x data-parallel)."""
-    if name == "pipeline":
+    if name in ("pipeline", "async-pipeline"):
         stages = a.pipeline_stages or a.ranks
         if a.ranks % stages:
             sys.exit(f"bench train: --pipeline-stages {stages} does not divide --ranks {a.ranks}")
@@ -100,8 +100,7 @@ def run_engine(name: str, a, log_dir: Path) -> dict:
              "--steps", a.warmup + a.steps, "--log-interval", a.warmup, "--no-save", "--monitor-interval", 0,
              "--log-dir", log_dir]
     train += ["--precision", a.precision]  # none given would be auto on GPUs
-    if a.fused_adam:
-        train.append("--fused-adam")
+    train += ["--fused-adam"] * a.fused_adam + ["--compile"] * a.compile
     log_dir.mkdir(parents=True)
     row = {"engine": name, "ranks": a.ranks, "layout": layout}
     others = OthersCpu()
@@ -128,7 +127,7 @@ def train_table(result: dict) -> str:
     lines = [
         f"{r['model']}, global batch {r['global_batch']}, {r['precision']}, {r['steps']} timed steps after "
         f"{r['warmup']} warm-up; step time: the median over windows of {r['warmup']} steps, the fastest of "
-        f"{r['repeat']} interleaved repeats; AdamW {'fused' if r['fused_adam'] else 'torch default'}; "
+        f"{r['repeat']} interleaved repeats; {'compiled' if r['compile'] else 'not compiled'}; AdamW {'fused' if r['fused_adam'] else 'torch default'}; "
         f"{r['device']}, reference on {r['reference_threads']} threads; "
         f"{r['flops_per_image'] / 1e9:.3f} GFLOP/image forward (x3 to train); peak {r['peak_tflops'] or '?'} "
         f"TFLOP/s per device; others: CPU cores busy with other processes during that run ({r['cpus']} CPUs; "
@@ -159,9 +158,6 @@ def run(a) -> int:
     unknown = [e for e in engines if e not in RUNS]
     if unknown:
         sys.exit(f"bench train: unknown engine(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
-    if a.compile:
-        print("bench train: --compile applies to the reference only; the engines run as vit.train runs them",
-              file=sys.stderr)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = device_name()
     peak = a.peak_tflops or peak_tflops(name, a.precision)
@@ -217,8 +213,8 @@ def add_arguments(t) -> None:
     t.add_argument("--engines", default=",".join(RUNS), help="comma-separated, from: " + ", ".join(RUNS))
     t.add_argument("--pipeline-stages", type=positive_int, help="pipeline stages (default: --ranks, one "
                    "data-parallel copy)")
-    t.add_argument("--compile", action="store_true", help="torch.compile the reference (the engines are not "
-                   "compiled)")
+    t.add_argument("--compile", action="store_true", help="torch.compile the reference and every engine "
+                   "(vit.train --compile); the warm-up steps take the compilation")
     t.add_argument("--fused-adam", action="store_true", help="torch's fused AdamW in the reference and in every "
                    "engine (vit.train --fused-adam)")
     t.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (default: from PEAK_TFLOPS)")

@@ -4,11 +4,12 @@ import json
 import sys
 
 import pytest
+import torch
 from helpers import MPIRUN, run_cmd
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
-ENGINES = ["ddp", "zero0", "zero1", "zero2", "zero3", "pipeline"]
+ENGINES = ["ddp", "zero0", "zero1", "zero2", "zero3", "pipeline", "async-pipeline"]
 
 
 # The suite's first multi-rank test: on a fresh clone its first engine also builds DeepSpeed's CPU op (1-3 min).
@@ -25,7 +26,8 @@ def test_train_table_has_a_row_and_a_ratio_per_engine(tmp_path):
     for row in rows.values():
         assert row["images_per_s"] > 0 and row["step_time_s"] > 0 and row["ratio"] > 0 and row["peak_mem_gib"] > 0
         assert row["ratio"] == pytest.approx(row["images_per_s"] / rows["reference"]["images_per_s"])
-    assert rows["pipeline"]["layout"] == "4 x 4 x 1" and rows["ddp"]["layout"] == "8 x 1 x 2"  # global batch 16
+    assert rows["pipeline"]["layout"] == rows["async-pipeline"]["layout"] == "4 x 4 x 1"  # global batch 16
+    assert rows["ddp"]["layout"] == "8 x 1 x 2"
     assert result["flops_per_image"] > 0
     table = (tmp_path / "train.md").read_text()
     assert "| ratio to ref |" in table and table in r.stdout
@@ -115,3 +117,22 @@ def test_async_pipeline_table_has_both_pipelines_their_ideals_and_the_accuracy_p
     table = (tmp_path / "async_pipeline.md").read_text()
     assert table in r.stdout and "median (seeds 0, 1)" in table
     assert "| async-pipeline |" in table and "| async, msnag |" in table
+
+
+@pytest.mark.timeout(60)
+def test_gpu_acceptance_refuses_a_machine_without_cuda_and_judges_its_rows(tmp_path):
+    from bench.gpu import learns, table
+
+    if not torch.cuda.is_available():
+        r = run_cmd([sys.executable, "-m", "bench", "gpu", "--out", str(tmp_path)], timeout=50)
+        assert r.returncode == 1 and r.stderr.strip() == ("bench gpu: no CUDA device here; --device cpu runs the "
+                                                          "checks that mean something on a CPU"), r
+        assert not list(tmp_path.iterdir())
+    assert learns([2.3, 2.2, 2.0, 1.9, 1.5]) and not learns([2.0, 2.1, 2.2, 2.3, 2.4])
+    assert not learns([2.3, float("nan"), 1.0, 0.5, 0.1]) and not learns([])
+    rows = [{"check": "zero2 bf16", "ok": True, "detail": "loss 2.3 -> 1.9"},
+            {"check": "async-pipeline fp16", "ok": None, "detail": "refused"},
+            {"check": "ddp fp16", "ok": False, "detail": "exit 1"}]
+    md = table({"device": "d", "host": "h", "torch": "t", "deepspeed": "x", "load_avg_before": 0.1,
+                "load_avg_after": 0.2, "rows": rows})
+    assert "| zero2 bf16 | pass |" in md and "| async-pipeline fp16 | not run |" in md and "| ddp fp16 | FAIL |" in md

@@ -49,6 +49,19 @@ def test_two_ranks_match_single_process_reference(tmp_path, engine, config):
     assert 0.0 <= summary["top1"] <= 1.0 and summary["images_per_s"] > 0 and summary["wall_s"] > 0
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["zero", "ddp"])
+def test_compiled_engines_match_the_reference(tmp_path, engine):
+    # --compile (inductor's C++ backend on CPU) fuses and reorders float work, so the losses agree with the
+    # uncompiled single-process loop to a tolerance, not bit for bit: 1e-3 relative over the steps
+    # (measured: equal to 4 decimals).
+    r = launch(["--engine", engine, "--compile", "--steps", STEPS, "--log-interval", 1, "--no-save",
+                "--log-dir", tmp_path], nprocs=2, timeout=540)
+    assert r.ok, r
+    assert json.loads((tmp_path / "config.json").read_text())["args"]["compile"] is True
+    assert_matches_reference(tmp_path, 64, rel=1e-3)
+
+
 # timm's augmentation (random-resized-crop, flip, RandAugment, random erasing), Mixup/CutMix with label smoothing
 # into soft targets, and layer-wise LR decay: the engines take each augmented, mixed global batch apart
 # (data-parallel ranks, micro-steps, pipeline stages) and must still train as the single-process loop does on the
@@ -184,6 +197,8 @@ BAD_INPUT = {
                         "ZeRO stage 2 does not work with the pipeline engine"),
     "resume from empty folder": (lambda t: ["--resume", str(t)], {}, "no complete checkpoint there"),
     "negative steps": (lambda t: ["--steps", "-3"], {}, "--steps must be positive"),
+    "compile with slowdown": (lambda t: ["--compile", "--simulate-slowdown", "1=2"], {"WORLD_SIZE": "2"},
+                              "--compile cannot run with --simulate-slowdown"),
     "missing hostfile": (lambda t: ["--hostfile", str(t / "hosts.txt")], {}, "hosts.txt: no such file"),
     "EMA decay of 1 or more": (lambda t: ["--model-ema", "--model-ema-decay", "1.5"], {},
                                "--model-ema-decay must be at least 0 and below 1, got 1.5"),

@@ -76,6 +76,9 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         requested = None  # none given: auto on GPUs, fp32 on CPUs
     precision.check_engine(requested, par.engine)
     slowdowns = slowdown.parse(par.simulate_slowdown, job.world_size)
+    if par.compile and slowdowns:
+        raise ConfigError("--compile cannot run with --simulate-slowdown: the slowdown times each layer on the host "
+                          "inside its forward and backward, which a compiled graph does not stop for; leave one out")
     preset = model_shape(s.model.model)
     norm = weights.pretrained_norm(s.model.model, s.model.pretrained, s.model.pretrained_path)
     data = load_dataset(dataset, s.data.data_path, s.model.img_size or preset.img_size, s.data.download,

@@ -92,6 +92,9 @@ class ParallelSettings:
                                    choices=PRECISIONS)
     tf32: str = option("on", "fp32 matmuls and convolutions in TF32 on Ampere and newer GPUs (no effect elsewhere)",
                        choices=("on", "off"))
+    compile: bool = option(False, "compile the model with torch.compile (inductor; timm's --torchcompile): "
+                           "DeepSpeed's engine.compile() for zero and pipeline, the DDP module, each async-pipeline "
+                           "stage. The first steps are slower while it compiles")
     loss_scale: str = option("config", "fp16: the JSON's initial_scale_power, or auto: a short fp32 probe of the "
                              "gradients picks it", choices=("config", "auto"))
 

@@ -129,7 +129,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     def make_engine(layers: list, layout: autopipe.Layout | None = None) -> Engine:  # layout: --freeze-replan's
         ctx = EngineContext(layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision,
                             s.parallel.pipeline_stages, s.parallel.partition, adapted.parts, adapted.loss_weight,
-                            s.recipe.smoothing, s.asynchrony)
+                            s.recipe.smoothing, s.asynchrony, s.parallel.compile)
         with console.library_prints():
             return build(s.parallel.engine, autopipe.with_layout(ctx, layout) if layout else ctx)
 

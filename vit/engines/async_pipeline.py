@@ -73,6 +73,8 @@ class AsyncPipelineEngine(Engine):
         held = range(parts[self.stage], parts[self.stage + 1])
         self.module = nn.Sequential(OrderedDict((str(i), ctx.layers[i]) for i in held)).to(self.device)
         self.params = dict(self.module.named_parameters())
+        if ctx.compile:
+            self.module.compile()  # in place: the names and functional_call's weights are unchanged
         self.first, self.last = self.stage == 0, self.stage == stages - 1
         self.reads_data = self.first or self.last  # images on the first, labels on the last: never sent along
         self.reads_images = self.first

@@ -31,6 +31,7 @@ class EngineContext:
     loss_weight: float = 1.0  # this rank's micro-batch x data-parallel size / the micro-step's samples
     smoothing: float = 0.0  # --smoothing, for hard labels (mixup's soft targets carry their own)
     asynchrony: AsyncSettings = AsyncSettings()  # --engine async-pipeline's update interval, stashing, prediction
+    compile: bool = False  # --compile: torch.compile the module this rank trains
 
 
 class Engine(ABC):

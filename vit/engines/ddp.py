@@ -32,6 +32,8 @@ class DDPEngine(Engine):
         self.device = ctx.device
         model = nn.Sequential(*ctx.layers).to(self.device)
         self.model = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None)
+        if ctx.compile:
+            self.model.compile()  # the DDP module, so that dynamo splits graphs at its buckets
         self.optimizer = make_optimizer(model, ctx.optim, num_layers=len(ctx.layers))
         self.loss = Loss(ctx.smoothing)
         self.dtype = DTYPES.get(ctx.precision)

@@ -61,6 +61,8 @@ class PipelineEngine(DeepSpeedEngine):
         sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
         self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)
+        if ctx.compile:
+            self.ds_engine.compile()  # PipelineModule.compile: each layer of this stage
         self.device = self.ds_engine.device
         grid = self.ds_engine.grid
         self.dp_rank, self.dp_size = grid.data_parallel_id, grid.data_parallel_size

@@ -20,6 +20,8 @@ class ZeroEngine(DeepSpeedEngine):
         sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
         self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)
+        if ctx.compile:
+            self.ds_engine.compile()
         self.device = self.ds_engine.device
         self.grad_accum, self.loss_weight = ctx.batch.grad_accum, ctx.loss_weight
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
