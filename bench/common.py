@@ -138,8 +138,8 @@ def mpirun_train(train: list, ranks: int, log_dir: Path, timeout: float, mpirun_
                                                                      ["--oversubscribe"]), *extra]
     cmd = [sys.executable, "-m", "vit.train"] if ranks == 1 and not extra else [*mpirun, str(ROOT / "entry_cn.sh")]
     with open(log_dir / "output.log", "w") as out:
-        p = subprocess.Popen([*cmd, *map(str, train)], cwd=ROOT, stdout=out, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen([*cmd, *map(str, train)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             return p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -127,7 +127,8 @@ def train_table(result: dict) -> str:
     lines = [
         f"{r['model']}, global batch {r['global_batch']}, {r['precision']}, {r['steps']} timed steps after "
         f"{r['warmup']} warm-up; step time: the median over windows of {r['warmup']} steps, the fastest of "
-        f"{r['repeat']} interleaved repeats; {'compiled' if r['compile'] else 'not compiled'}; AdamW {'fused' if r['fused_adam'] else 'torch default'}; "
+        f"{r['repeat']} interleaved repeats; {'compiled' if r['compile'] else 'not compiled'}; "
+        f"AdamW {'fused' if r['fused_adam'] else 'torch default'}; "
         f"{r['device']}, reference on {r['reference_threads']} threads; "
         f"{r['flops_per_image'] / 1e9:.3f} GFLOP/image forward (x3 to train); peak {r['peak_tflops'] or '?'} "
         f"TFLOP/s per device; others: CPU cores busy with other processes during that run ({r['cpus']} CPUs; "

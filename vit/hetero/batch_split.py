@@ -2,8 +2,8 @@
 import math
 
 from vit.errors import ConfigError
-from vit.precision import who
 from vit.hetero.profile import BYTES_PER_PARAM, plan_bytes
+from vit.precision import who
 
 
 def proportional_split(total: int, speed: list[float], cap: list[int]) -> list[int]:
