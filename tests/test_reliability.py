@@ -298,4 +298,3 @@ def test_retry_wrapper_relaunches_from_last_checkpoint(tmp_path):
     assert "attempt 2 of 3" in log and "--resume" in log, log[-3000:]
     assert "resumed from step" in log
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 30
-

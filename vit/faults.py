@@ -105,7 +105,7 @@ class Watchdog(threading.Thread):
     def __init__(self, rank: int, timeout_s: float, poll_s: float = 1.0):
         super().__init__(name="vit-watchdog", daemon=True)
         self.rank, self.host, self.timeout_s, self.poll_s = rank, socket.gethostname(), timeout_s, poll_s
-        self.name, self.world_size = f"rank {rank} ({self.host})", dist.get_world_size()
+        self.who, self.world_size = f"rank {rank} ({self.host})", dist.get_world_size()
         self.step, self.last_beat = 0, None  # armed by the first beat: start-up (JIT builds) can be slow
         self.peers: dict[int, Peer] = {}
         self._stop_event = threading.Event()
@@ -121,7 +121,7 @@ class Watchdog(threading.Thread):
         self._stop_event.set()
 
     def _die(self, why: str) -> NoReturn:
-        self._exit(f"{self.name} stops at step {self.step}: {why}")
+        self._exit(f"{self.who} stops at step {self.step}: {why}")
 
     def _exit(self, line: str) -> NoReturn:
         """Print line and end the process, once: a report from the other thread waits here until then. Rank 0 holds
@@ -138,11 +138,11 @@ class Watchdog(threading.Thread):
         (unless e explains itself) prints with this rank's own failure, and goes to the warnings log with another's."""
         elsewhere = failure_elsewhere()
         if elsewhere is not None:
-            self._exit(f"{self.name} stops: {elsewhere}")
+            self._exit(f"{self.who} stops: {elsewhere}")
         died = self.lost_peer(e)
         if not explained:
             (console.aside if died else sys.stderr.write)("".join(traceback.format_exception(e)))
-        message = died or f"{self.name} failed at step {self.step}: {e}"
+        message = died or f"{self.who} failed at step {self.step}: {e}"
         announce_failure(message)
         self._exit(message)
 
@@ -153,7 +153,7 @@ class Watchdog(threading.Thread):
         kind, or every rank still beats."""
         if not CLOSED.search(str(e)):
             return None
-        why = f"its connection to {self.name} closed"
+        why = f"its connection to {self.who} closed"
         if self.rank != 0 and store_gone():
             return self._died([0], f"{why}, and the job's store, in its process, is gone")
         seqs = {r: p.seq for r, p in dict(self.peers).items()}
@@ -228,7 +228,7 @@ class Watchdog(threading.Thread):
             abort, beats = done.result()
         except Exception as e:
             if not self._stop_event.is_set():
-                self._exit(self._died([0], f"the job's store, in its process, closed its connection to {self.name} "
+                self._exit(self._died([0], f"the job's store, in its process, closed its connection to {self.who} "
                                            f"({type(e).__name__})"))
             return
         if abort is not None:
