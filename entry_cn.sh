@@ -18,4 +18,9 @@ if [ -f "$here/setup/cluster.env" ]; then
   source "$here/setup/cluster.env"
 fi
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+# Once a rank has died, c10d logs each failing call to the job's store as a warning with its C++ stack frames; every
+# rank says what happened in one line instead. --verbose (or TORCH_CPP_LOG_LEVEL set) shows them.
+cpp_log_level=ERROR
+for arg in "$@"; do [ "$arg" != --verbose ] || cpp_log_level=WARNING; done
+export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-$cpp_log_level}"
 exec python -m vit.train "$@"

@@ -14,13 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, Ranks, base_env, last_step, launch, read_jsonl, run_cmd, train_losses, wait_for
+from helpers import ROOT, base_env, launch, read_jsonl, run_cmd, train_losses
 from torch.func import functional_call
 
 from vit.augment import train_batches
@@ -251,20 +250,6 @@ def test_resume_is_exact(tmp_path):
     from vit.weights import read_state
     state = read_state(str(full / "checkpoints" / "step8"))
     assert {"cls_token", "patch_embed.proj.weight", "head.weight"} <= set(state)
-
-
-@pytest.mark.ranks
-@pytest.mark.timeout(180)
-def test_a_killed_rank_ends_the_job(tmp_path):
-    ranks = Ranks(["--engine", "async-pipeline", "--pipeline-stages", 2, "--steps", 100000, "--log-interval", 1,
-                   "--no-save", "--dist-timeout", 30, "--log-dir", tmp_path])
-    wait_for(lambda: last_step(tmp_path, 1) >= 3, 150, "rank 1 to train 3 steps")
-    killed_at = time.monotonic()
-    os.kill(ranks.procs[1].pid, signal.SIGKILL)
-    r = ranks.wait(timeout=90)
-    assert time.monotonic() - killed_at < 60
-    assert r.returncodes[0] != 0 and r.returncodes[1] == -signal.SIGKILL
-    assert "rank 0 (" in r.outputs[0] and ("failed at step" in r.outputs[0] or "stops" in r.outputs[0]), r
 
 
 def partial_batch_worker(out: str) -> None:

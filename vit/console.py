@@ -68,6 +68,15 @@ def to_file(log_dir: str, rank: int) -> str | None:
     return path
 
 
+def aside(text: str) -> None:
+    """What a one-line report stands for (its traceback): into the warnings log, or printed with --verbose or
+    before the log dir is known."""
+    if CAPTURE.file:
+        CAPTURE.add(text)
+    else:
+        sys.stderr.write(text)
+
+
 def where(path: str | None) -> str | None:
     """Rank 0's one line about the hidden messages, or None when there is nothing to say."""
     if path is None or not CAPTURE.count:

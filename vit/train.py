@@ -5,7 +5,6 @@ import logging
 import os
 import socket
 import sys
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from vit.ema import Ema
 from vit.engines import Engine, EngineContext, build
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
-from vit.faults import Watchdog, announce_failure, failure_elsewhere
+from vit.faults import Watchdog, announce_failure
 from vit.freeze import Freezer
 from vit.gpu import set_tf32
 from vit.hetero.profile import gpu_reserved_bytes
@@ -257,22 +256,12 @@ def run(plan: Plan, start_time: float) -> int:
     except Exception as e:
         if is_oom(e):
             e = out_of_memory(plan, device(plan.job), watchdog.step, e)
-        where = f"rank {plan.job.rank} ({socket.gethostname()})"
-        elsewhere = failure_elsewhere()
         if isinstance(e, ConfigError):  # a collective finding (preflight, census, lock): the same on every rank
-            announce_failure(f"{where}: {e}")
+            announce_failure(f"rank {plan.job.rank} ({socket.gethostname()}): {e}")
             print(f"entry_cn.sh: error: {e}", file=sys.stderr, flush=True)
             os._exit(2)
-        if elsewhere is None:
-            # those say all there is to say
-            if not isinstance(e, (NonFiniteLoss, OutOfMemory, checkpoint.CheckpointError)):
-                traceback.print_exc()
-            message = f"{where} failed at step {watchdog.step}: {e}"
-            announce_failure(message)
-        else:
-            message = f"{where} stops: {elsewhere}"
-        print(message, file=sys.stderr, flush=True)
-        os._exit(1)  # not through atexit: DeepSpeed and MPI would wait on the ranks that are gone
+        # os._exit, not through atexit: DeepSpeed and MPI would wait on the ranks that are gone
+        watchdog.fail(e, explained=isinstance(e, (NonFiniteLoss, OutOfMemory, checkpoint.CheckpointError)))
     watchdog.stop()
     dist.destroy_process_group()
     return 0
