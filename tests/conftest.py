@@ -9,3 +9,4 @@ def _ranks_marker(request):
     helpers.CURRENT_TEST_STARTS_PROCESSES = request.node.get_closest_marker("ranks") is not None
     yield
     helpers.CURRENT_TEST_STARTS_PROCESSES = None
+    helpers.kill_leftovers()

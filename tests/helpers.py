@@ -23,6 +23,20 @@ MPIRUN = [str(ROOT / "scripts" / "mpirun"), "--oversubscribe"]
 
 # Set per test by conftest.py: True under @pytest.mark.ranks, False without, None outside a test.
 CURRENT_TEST_STARTS_PROCESSES = None
+# The process groups started for the current test; conftest.py kills what is left of them when it ends, so a test
+# that fails (or times out) before its own cleanup leaves no rank training on into the next tests.
+STARTED: list[subprocess.Popen] = []
+
+
+def kill_leftovers() -> None:
+    for p in STARTED:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    STARTED.clear()
 
 
 def require_ranks_mark() -> None:
@@ -80,6 +94,7 @@ class Ranks:
                          **(rank_env or {}).get(rank, {}))
             self.procs.append(subprocess.Popen([sys.executable, "-m", "vit.train", *map(str, args)], cwd=ROOT, env=e,
                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            STARTED.append(self.procs[-1])
             self.logs.append(log)
 
     def wait(self, timeout: float) -> Result:
@@ -136,6 +151,7 @@ def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.Complet
     require_ranks_mark()
     p = subprocess.Popen(cmd, cwd=cwd, env=env or base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
+    STARTED.append(p)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
