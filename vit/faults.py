@@ -103,9 +103,13 @@ class Peer:
 
 class Watchdog(threading.Thread):
     def __init__(self, rank: int, timeout_s: float, poll_s: float = 1.0):
+        """Collective: every rank makes its watchdog at the same point."""
         super().__init__(name="vit-watchdog", daemon=True)
         self.rank, self.host, self.timeout_s, self.poll_s = rank, socket.gethostname(), timeout_s, poll_s
         self.who, self.world_size = f"rank {rank} ({self.host})", dist.get_world_size()
+        # Every rank's host, known before any heartbeat: a rank that dies before its first one is still named.
+        self.hosts = [None] * self.world_size
+        dist.all_gather_object(self.hosts, self.host)
         self.step, self.last_beat = 0, None  # armed by the first beat: start-up (JIT builds) can be slow
         self.peers: dict[int, Peer] = {}
         self._stop_event = threading.Event()
@@ -165,7 +169,7 @@ class Watchdog(threading.Thread):
         return self._died(suspects, why) if suspects else None
 
     def _died(self, ranks: list[int], why: str) -> str:
-        names = ", ".join(f"rank {r} ({self.peers[r].host if r in self.peers else 'host unknown'})" for r in ranks)
+        names = ", ".join(f"rank {r} ({self.hosts[r]})" for r in ranks)
         return f"{names} died at step {self.step}: {why}"
 
     def _exchange(self, store, world_size: int, seq: int) -> tuple[str | None, dict]:
