@@ -9,8 +9,9 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from bench.common import device_name, load_avg, positive_int, publish
+from bench.common import device_name, load_avg, publish
 from vit.dist_env import MPI_LAUNCHERS, device, discover, init_process_group, resolve_master
+from vit.settings import positive_int
 
 
 def parse_bytes(text: str) -> int:

@@ -14,19 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import (
-    OthersCpu,
-    device_name,
-    failure_tail,
-    load_avg,
-    median_step_s,
-    mpirun_train,
-    positive_int,
-    publish,
-    seed_list,
-)
+from bench.common import OthersCpu, device_name, failure_tail, load_avg, median_step_s, mpirun_train, publish, seed_list
 from vit.jsonl import read_jsonl
-from vit.settings import ROOT
+from vit.settings import ROOT, positive_int
 
 COMPUTE = ("data_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s", "other_s")  # all but pipe_*_s
 PIPELINE_JSON = ROOT / "deepspeed_configs" / "pipeline.json"

@@ -74,17 +74,6 @@ def flops_per_image(model: nn.Module, img_size: int) -> float:
     return float(counter.get_total_flops())
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number above zero."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
 def seed_list(text: str) -> list[int]:
     """argparse type: comma-separated seeds, e.g. 0,1,2."""
     try:

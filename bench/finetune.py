@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.common import device_name, failure_tail, load_avg, mpirun_train, positive_int, publish
+from bench.common import device_name, failure_tail, load_avg, mpirun_train, publish
+from vit.settings import positive_int
 
 
 def write_parity_folder(root: Path, per_class: int, task: str = "parity") -> None:

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from bench import train as bench_train
-from bench.common import device_name, load_avg, positive_int, publish
+from bench.common import device_name, load_avg, publish
 from bench.runs import CONFIGS, engine_options
 from vit.jsonl import read_jsonl
-from vit.settings import ROOT
+from vit.settings import ROOT, positive_int
 
 ENGINES = ("zero0", "zero1", "zero2", "zero3", "ddp", "pipeline", "async-pipeline")
 SYNC_WARNING = "called a synchronizing CUDA operation"

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.common import failure_tail, median_step_s, mpirun_train, positive_int, publish
+from bench.common import failure_tail, median_step_s, mpirun_train, publish
 from vit import slowdown
 from vit.cli import defaults
+from vit.settings import positive_int
 
 MIXED_RUNS = [  # (row name, vit.train options)
     ("pipeline, --partition uniform", ["--engine", "pipeline", "--partition", "uniform"]),

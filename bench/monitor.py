@@ -14,9 +14,8 @@ import statistics
 import tempfile
 import time
 
-from bench.common import positive_int
 from vit.monitor import Monitor
-from vit.settings import ROOT
+from vit.settings import ROOT, positive_int
 
 
 def children_cpu_s() -> float:

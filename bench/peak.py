@@ -3,7 +3,8 @@ import time
 
 import torch
 
-from bench.common import device_name, load_avg, positive_int
+from bench.common import device_name, load_avg
+from vit.settings import positive_int
 
 
 def run(a) -> int:

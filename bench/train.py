@@ -21,7 +21,6 @@ from bench.common import (
     median_step_s,
     mpirun_train,
     peak_tflops,
-    positive_int,
     publish,
     total_peak_tflops,
 )
@@ -32,6 +31,7 @@ from vit.metrics import peak_mem_gib
 from vit.model import PRESETS, build_layers, check_model, model_shape
 from vit.optim import make_optimizer, make_scheduler
 from vit.reference import train_step
+from vit.settings import positive_int
 
 
 def run_reference(a, dev: torch.device) -> dict:

@@ -19,14 +19,15 @@ DEFAULT_EPOCHS = 40.0
 TRACKERS = ("tensorboard", "wandb", "csv")
 
 
-def _positive_int(v: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a whole number above zero."""
     try:
-        n = int(v)
+        value = int(text)
     except ValueError:
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {v!r}")
-    return n
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
 
 
 def option(default, help: str, check: str | None = None, needs: str | None = None, **cli):
@@ -84,7 +85,7 @@ class ParallelSettings:
     micro_batch_size: int | str | None = option(
         None, "override train_micro_batch_size_per_gpu of the JSON; auto: the largest whose forward and backward fit "
         "every rank's free memory with headroom (zero, ddp; with --batch-split proportional, one per rank)",
-        type=lambda v: v if v == "auto" else _positive_int(v), metavar="N|auto")
+        type=lambda v: v if v == "auto" else positive_int(v), metavar="N|auto")
     grad_accum: int | None = option(None, "override gradient_accumulation_steps of the JSON", "positive")
     precision: str | None = option(None, "override the JSON's fp16/bf16 setting; auto: bf16 if every rank supports "
                                    "it, else fp16 if every rank does under the engine (never async-pipeline), else "

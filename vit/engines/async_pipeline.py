@@ -10,7 +10,6 @@ otherwise, until the step's micro-batches are all forwarded. The micro-batches s
 finish in the next step. A checkpoint drains them first (and the last step does), so what is saved is weights,
 optimizer and counters, and a resumed run continues as the uninterrupted one does.
 """
-import contextlib
 import json
 import os
 import re
@@ -23,7 +22,7 @@ from torch import nn
 from torch.func import functional_call
 
 from vit.engines import p2p
-from vit.engines.base import Engine, EngineContext, merged_on_rank0
+from vit.engines.base import EngineContext, StagedEngine, save_atomic
 from vit.engines.msnag import predict
 from vit.errors import ConfigError
 from vit.model import Loss
@@ -60,7 +59,7 @@ class InFlight:
     fingerprint: float | None = None  # VIT_TEST_ASYNC_TRACE: a checksum of its forward's weights
 
 
-class AsyncPipelineEngine(Engine):
+class AsyncPipelineEngine(StagedEngine):
     def __init__(self, ctx: EngineContext):
         if ctx.precision == "fp16":
             raise ConfigError("--engine async-pipeline trains in fp32 or bf16 (it has no fp16 loss scaler); pass "
@@ -97,9 +96,6 @@ class AsyncPipelineEngine(Engine):
         trace = os.environ.get("VIT_TEST_ASYNC_TRACE")  # tests: which weights each pass used, per micro-batch
         self.trace = open(f"{trace}_rank{dist.get_rank()}.jsonl", "a", buffering=1) if trace else None
         self.timer = PhaseTimer(self.device)
-
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
 
     def train_step(self, batches):
         end = (self.steps + 1) * self.grad_accum
@@ -147,7 +143,7 @@ class AsyncPipelineEngine(Engine):
             t.lap("pipe_recv_s")
         x = x.to(self.device, non_blocking=True)
         weights, again = self._weights(k)
-        with torch.set_grad_enabled(not again), self._autocast():
+        with torch.set_grad_enabled(not again), self.autocast():
             out = functional_call(self.module, weights, (x,))
             if self.last:
                 out = self.loss_fn(out, y.to(self.device, non_blocking=True)) * self.loss_weight
@@ -171,7 +167,7 @@ class AsyncPipelineEngine(Engine):
         out, weights = rec.out, rec.weights
         if out is None:  # without stashing: the forward again, on the weights of now
             weights = self.params
-            with self._autocast():
+            with self.autocast():
                 out = functional_call(self.module, weights, (rec.x,))
         if self.last:
             out = out / self.interval  # an update's gradient is the mean over its micro-batches
@@ -232,28 +228,18 @@ class AsyncPipelineEngine(Engine):
     def eval_logits(self, x, y):
         if not self.first:
             x = self.links.recv_act.recv()
-        with self._autocast():
+        with self.autocast():
             out = self.module(x.to(self.device, non_blocking=True))
         if self.last:
             return out
         self.links.send_act.send(out)
         return None
 
-    @property
-    def lr(self) -> float:
-        return max(g["lr"] for g in self.optimizer.param_groups)
-
     def train_mode(self, training):
         self.module.train(training)
 
     def live_module(self):
         return self.module
-
-    def layer_state(self):
-        return merged_on_rank0(self.module.state_dict())
-
-    def export_state(self):
-        return merged_on_rank0(self.ema.state_dict()) if self.ema else self.layer_state()
 
     def _path(self, folder: str, tag: str) -> str:
         return os.path.join(folder, tag, f"async_stage{self.stage}.pt")
@@ -263,12 +249,10 @@ class AsyncPipelineEngine(Engine):
             self.drain()
         if self.dp_rank == 0:  # the copies of a stage are identical
             path = self._path(save_dir, tag)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
             state = {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "scheduler": self.scheduler.state_dict(), "client_state": client_state,
                      "counters": [self.steps, self.forwarded, self.backwarded, self.version]}
-            torch.save(state, path + ".tmp")
-            os.replace(path + ".tmp", path)
+            save_atomic(state, path)
         dist.barrier()
 
     def load(self, load_dir, tag):

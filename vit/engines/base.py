@@ -1,6 +1,7 @@
 """The engine contract: what the training loop sees of ZeRO, the pipeline or DDP (in the manner of Lightning's
 Strategy), with evaluation written once for all of them."""
 import contextlib
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +47,12 @@ class Engine(ABC):
     reads_images: bool = True  # False where only the labels are used (a pipeline's last stage)
     grad_accum: int  # micro-batches per step on each data-parallel copy
     ema = None  # a vit.ema.Ema when --model-ema is on
+    optimizer: torch.optim.Optimizer
+    dtype: torch.dtype | None = None  # engines that autocast themselves (ddp, async-pipeline): the half dtype
+
+    def autocast(self):
+        """Autocast to `dtype` where the engine trains in half precision by autocast; a no-op elsewhere."""
+        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
 
     @abstractmethod
     def live_module(self) -> nn.Module:
@@ -98,9 +105,12 @@ class Engine(ABC):
         """Release what the engine holds beyond Python references (DeepSpeed's hooks and buffers)."""
 
     @property
-    @abstractmethod
-    def lr(self) -> float:
-        """The learning rate of the next step."""
+    def lr(self) -> float | torch.Tensor:
+        """The learning rate of the next step: the head's under --layer-decay (the largest)."""
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        if isinstance(lrs[0], torch.Tensor):  # device tensors updated in place (ddp's fused fp16 Adam)
+            return torch.stack(lrs).max()
+        return max(lrs)
 
     @property
     def skipped_steps(self) -> int:
@@ -144,6 +154,23 @@ class Engine(ABC):
         dist.all_reduce(totals)
         loss_sum, correct, correct5, count = totals.tolist()
         return loss_sum, int(correct), int(correct5), int(count)
+
+
+class StagedEngine(Engine):
+    """An engine whose ranks each hold some of the layers (the pipelines): the whole state is gathered on rank 0."""
+
+    def layer_state(self):
+        return merged_on_rank0(self.live_module().state_dict())
+
+    def export_state(self):
+        return merged_on_rank0(self.ema.state_dict()) if self.ema else self.layer_state()
+
+
+def save_atomic(state: dict, path: str) -> None:
+    """torch.save into a temporary name, then rename: a killed save never leaves a half-written `path`."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def merged_on_rank0(local: dict) -> dict | None:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from vit.engines.base import Engine, EngineContext
+from vit.engines.base import Engine, EngineContext, save_atomic
 from vit.model import Loss
 from vit.optim import (
     SkipAwareSchedule,
@@ -53,13 +53,6 @@ class DDPEngine(Engine):
     counts_skips_on_device = True
 
     @property
-    def lr(self) -> float | torch.Tensor:
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        if isinstance(lrs[0], torch.Tensor):  # fp16: device tensors, updated in place; read on logging steps
-            return torch.stack(lrs).max()
-        return max(lrs)  # the head's, under --layer-decay
-
-    @property
     def skipped_steps(self) -> int:
         return int(self._skips[0])
 
@@ -72,9 +65,6 @@ class DDPEngine(Engine):
     def loss_scale(self) -> float | None:
         return self.scaler.get_scale() if self.scaler else None  # a host sync: read on logging steps only
 
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
-
     def train_step(self, batches):
         total, t = 0.0, self.timer
         t.start()
@@ -84,7 +74,7 @@ class DDPEngine(Engine):
                 x, y = next(batches)
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                 t.lap("data_s")
-                with self._autocast():
+                with self.autocast():
                     logits = self.model(x)
                 loss = self.loss(logits, y) * self.loss_weight  # DDP averages over ranks: see vit.engines.zero
                 t.lap("forward_s")
@@ -118,7 +108,7 @@ class DDPEngine(Engine):
                                     torch.clamp(in_a_row - self._skips[2], min=0)])
 
     def eval_logits(self, x, y):
-        with self._autocast():
+        with self.autocast():
             return self.model(x.to(self.device, non_blocking=True))
 
     def train_mode(self, training):
@@ -147,10 +137,7 @@ class DDPEngine(Engine):
     def save(self, save_dir, tag, client_state):
         # Replicas are identical: rank 0 writes, the others wait. vit.checkpoint makes it complete.
         if dist.get_rank() == 0:
-            os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
-            path = os.path.join(save_dir, tag, "ddp.pt")
-            torch.save({**self._state(), "client_state": client_state}, path + ".tmp")
-            os.replace(path + ".tmp", path)
+            save_atomic({**self._state(), "client_state": client_state}, os.path.join(save_dir, tag, "ddp.pt"))
         dist.barrier()
 
     def load(self, load_dir, tag):

@@ -26,10 +26,6 @@ class DeepSpeedEngine(Engine):
     def loss_scale(self) -> float | None:
         return float(self.ds_engine.optimizer.loss_scale) if self.ds_engine.fp16_enabled() else None
 
-    @property
-    def lr(self) -> float:
-        return max(g["lr"] for g in self.optimizer.param_groups)  # the head's, under --layer-decay
-
     def save(self, save_dir, tag, client_state):
         # No 'latest' from DeepSpeed: vit.checkpoint points at a checkpoint once it is complete.
         self.ds_engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)

@@ -6,7 +6,7 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 
 from vit.autopipe import Layout
-from vit.engines.base import EngineContext, merged_on_rank0
+from vit.engines.base import EngineContext, StagedEngine
 from vit.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_comm
 from vit.model import Loss
 from vit.optim import make_optimizer, make_scheduler
@@ -51,7 +51,7 @@ class PlannedPipeline(PipelineModule):
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
-class PipelineEngine(DeepSpeedEngine):
+class PipelineEngine(StagedEngine, DeepSpeedEngine):
     def __init__(self, ctx: EngineContext):
         deepspeed_comm()
         module = PlannedPipeline(ctx.parts, layers=ctx.layers, num_stages=ctx.pipeline_stages,
@@ -84,12 +84,6 @@ class PipelineEngine(DeepSpeedEngine):
 
     def live_module(self):
         return self.ds_engine.module
-
-    def layer_state(self):
-        return merged_on_rank0(self.live_module().state_dict())
-
-    def export_state(self):
-        return merged_on_rank0(self.ema.state_dict()) if self.ema else self.layer_state()
 
     def whole_weights(self):
         return all_stages(self.live_module().state_dict())
