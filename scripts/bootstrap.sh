@@ -19,8 +19,8 @@ this checkout as the package vit (pip install -e . --no-deps: entry_cn.sh runs t
 On a GPU host whose CUDA toolkit (CUDA_HOME, else nvcc on PATH, else /usr/local/cuda) matches the
 chosen build's CUDA version, DeepSpeed is installed with its CPU Adam op prebuilt
 (DS_BUILD_CPU_ADAM=1) for ZeRO-Offload; without one, it says which toolkit to install for that.
-The builds, their minimum drivers and GPUs are the table BUILDS in this script (see README.md,
-"GPU hosts"). Does nothing when .venv already matches requirement.txt and the chosen build and has this checkout
+The builds, their minimum drivers and GPUs are the table BUILDS in this script (see docs/gpu.md).
+Does nothing when .venv already matches requirement.txt and the chosen build and has this checkout
 installed; a different choice replaces torch and torchvision.
 
   --print-torch  print the choice and why (torch build, CPU Adam), and install nothing (no .venv is made)
