@@ -2,7 +2,8 @@
 # Per-rank entry point. Run it directly (one process) or once per rank under mpirun, srun or torchrun:
 #   mpirun -np 5 --hostfile setup/hosts.txt ./entry_cn.sh [options]
 # It activates the project's .venv when there is one, reads setup/cluster.env (the network interface)
-# when present, and runs `python -m vit.train` with its arguments. Rank, world size and rank 0's address
+# when present, and runs `python -m vit.train` with its arguments: the vit installed from this checkout
+# (pip install -e ., which scripts/bootstrap.sh does). Rank, world size and rank 0's address
 # (MASTER_ADDR/MASTER_PORT, never 127.0.0.1 across hosts) are found by vit/dist_env.py.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -17,7 +18,15 @@ if [ -f "$here/setup/cluster.env" ]; then
   # shellcheck disable=SC1091
   source "$here/setup/cluster.env"
 fi
-export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+# The vit that `python -m` will import (the current folder first, as -m has it) must be this checkout's: not
+# another clone's, not none.
+python -c 'import importlib.util as u, os, sys
+spec, want = u.find_spec("vit"), os.path.realpath(os.path.join(sys.argv[1], "vit"))
+found = spec and os.path.realpath(spec.submodule_search_locations[0])
+if found != want:
+    print(f"entry_cn.sh: error: {sys.executable} " + (f"imports vit from {found}, not from {want}" if found else
+          "has no vit package") + f": run scripts/bootstrap.sh (or pip install -e {sys.argv[1]})", file=sys.stderr)
+    sys.exit(2)' "$here"
 # Once a rank has died, c10d logs each failing call to the job's store as a warning with its C++ stack frames; every
 # rank says what happened in one line instead. --verbose (or TORCH_CPP_LOG_LEVEL set) shows them.
 cpp_log_level=ERROR

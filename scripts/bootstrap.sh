@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates the project's virtual environment (.venv) if missing and installs requirement.txt into it,
-# with the torch build that this host's NVIDIA driver and GPUs can run.
+# with the torch build that this host's NVIDIA driver and GPUs can run, and then this checkout (pip install -e .).
 # torch goes in first so that deepspeed, built without build isolation, compiles against it
 # instead of pulling a second torch into its build environment.
 set -euo pipefail
@@ -10,7 +10,8 @@ usage() {
 Usage: scripts/bootstrap.sh [--help] [--print-torch]
 
 Creates .venv (python from $PYTHON, default python3) if it is missing and installs the pinned
-packages of requirement.txt, with torch and torchvision in the build this host can run:
+packages of requirement.txt, with torch and torchvision in the build this host can run, and then
+this checkout as the package vit (pip install -e . --no-deps: entry_cn.sh runs the installed vit):
   - nvidia-smi reports a driver >= 580.65.06 and only Turing or newer GPUs: the PyPI wheel (cu130);
   - a driver from 525.60.13 on, or a GPU older than Turing: cu126 from download.pytorch.org;
   - no nvidia-smi: the PyPI wheel, which runs on the CPU too;
@@ -18,9 +19,9 @@ packages of requirement.txt, with torch and torchvision in the build this host c
 On a GPU host whose CUDA toolkit (CUDA_HOME, else nvcc on PATH, else /usr/local/cuda) matches the
 chosen build's CUDA version, DeepSpeed is installed with its CPU Adam op prebuilt
 (DS_BUILD_CPU_ADAM=1) for ZeRO-Offload; without one, it says which toolkit to install for that.
-The builds, their minimum drivers and GPUs are the table BUILDS in this script (see README.md,
-"GPU hosts"). Does nothing when .venv already matches requirement.txt and the chosen build; a
-different choice replaces torch and torchvision.
+The builds, their minimum drivers and GPUs are the table BUILDS in this script (see docs/gpu.md).
+Does nothing when .venv already matches requirement.txt and the chosen build and has this checkout
+installed; a different choice replaces torch and torchvision.
 
   --print-torch  print the choice and why (torch build, CPU Adam), and install nothing (no .venv is made)
 
@@ -160,6 +161,17 @@ choose_cpu_adam() {
   adam_reason+="; for ZeRO-Offload install NVIDIA's cuda-toolkit-${want/./-} and set CUDA_HOME to it, then rerun this script"
 }
 
+# install_project: this checkout into the venv, editable (pyproject.toml), unless python -I (no current
+# folder, no PYTHONPATH) already finds vit here; entry_cn.sh runs that package.
+install_project() {
+  local found
+  found=$("$VENV/bin/python" -I -c 'import importlib.util as u, os; s = u.find_spec("vit")
+print(os.path.realpath(s.submodule_search_locations[0]) if s else "")' 2>/dev/null) || true
+  [ "$found" != "$(pwd -P)/vit" ] || return 0
+  echo "$PROG: installing this checkout into $VENV (pip install -e .)"
+  "$VENV/bin/python" -m pip install --disable-pip-version-check --quiet --no-deps --no-build-isolation -e .
+}
+
 choose_torch
 choose_cpu_adam
 torch_pins=("$(pin torch)" "$(pin torchvision)")
@@ -184,6 +196,7 @@ installed=${installed:-${have_hash:+torch=cu130}}
 installed=${installed#torch=}
 want_adam=cpu_adam=${adam_home:--}
 if [ "${have_hash:-}" = "$want_hash" ] && [ "$installed" = "$build" ] && [ "${have_adam:-cpu_adam=-}" = "$want_adam" ]; then
+  install_project  # a .venv made before pyproject.toml has the packages but not the project
   exit 0
 fi
 echo "$PROG: torch $build: $reason"
@@ -205,5 +218,6 @@ if [ -n "$adam_home" ]; then
   DS_BUILD_CPU_ADAM=1 CUDA_HOME=$adam_home "${pip[@]}" --no-build-isolation --no-deps --force-reinstall \
     --no-cache-dir "$(pin deepspeed)"
 fi
+install_project
 echo "$want_hash torch=$build $want_adam" > "$stamp"
 echo "$PROG: $VENV is ready ($("$VENV/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null))"

@@ -21,8 +21,8 @@ localhost slots=2) is checked here without ssh, as mpirun starts its ranks witho
 
 --link also measures each host's link: one TCP stream of LINK_MB MB (default 100) from this machine
 to every other host (setup/link_speed.py, the transfer the simulated-cluster tests measure with),
-then prints the Mbit/s per host and the engine that README's "Which engine on which network"
-table gives for the slowest link.
+then prints the Mbit/s per host and the engine that the table of docs/ethernet.md ("Which engine
+on which network") gives for the slowest link.
 
 Environment: HOSTFILE (default setup/hosts.txt), NP, MASTER_ADDR, IFACE (see setup/cluster.env),
 SSH_TIMEOUT, HOST_TIMEOUT, LINK_MB.
@@ -122,14 +122,14 @@ for host in "${HOSTS[@]}"; do
   [ -n "$slowest" ] && [ "$slowest" -le "$mbit" ] || slowest=$mbit
 done
 [ -n "$slowest" ] || die "--link: no host other than this one ($(hostname)) to measure"
-# The rows of README's table "Which engine on which network" (docs/benchmarks.md, "Which engine wins on Ethernet").
+# The rows of the table in docs/ethernet.md (measured in docs/benchmarks.md, "Which engine wins on Ethernet").
 if [ "$slowest" -lt 2000 ]; then
   echo "$PROG: slowest link $slowest Mbit/s (1 GbE or slower): use --engine pipeline --pipeline-stages ${#HOSTS[@]}" \
-    "for ViT-B/16-like models; DDP and ZeRO send every gradient through each link (README: Which engine on which network)"
+    "for ViT-B/16-like models; DDP and ZeRO send every gradient through each link (docs/ethernet.md)"
 elif [ "$slowest" -lt 8000 ]; then
   echo "$PROG: slowest link $slowest Mbit/s (2.5 to 5 GbE): not measured; compare the two with" \
-    "RUNS=\"ddp pipeline\" scripts/compare.sh (README: Which engine on which network)"
+    "RUNS=\"ddp pipeline\" scripts/compare.sh (docs/ethernet.md)"
 else
   echo "$PROG: slowest link $slowest Mbit/s (10 GbE or faster): use --engine ddp, or --engine zero with zero0.json;" \
-    "zero2.json or the pipeline when the model does not fit (README: Which engine on which network)"
+    "zero2.json or the pipeline when the model does not fit (docs/ethernet.md)"
 fi

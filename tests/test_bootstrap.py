@@ -164,6 +164,7 @@ def test_a_different_choice_replaces_torch(tmp_path):
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         (info / "RECORD").write_text(f"{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+    (site / "project.pth").write_text(f"{ROOT}\n")  # a stand-in for the project's editable install
     stamp = venv / ".requirement.sha256"
     requirement_hash = hashlib.sha256((ROOT / "requirement.txt").read_bytes()).hexdigest()
     stamp.write_text(f"{requirement_hash}\n")
@@ -178,3 +179,49 @@ def test_a_different_choice_replaces_torch(tmp_path):
     assert r.returncode != 0, r
     assert not list(site.glob("torch*.dist-info")), "torch and torchvision are still installed"
     assert stamp.read_text() == f"{requirement_hash}\n"
+
+
+def entry_help(cwd, env):
+    """./entry_cn.sh --help, from outside the checkout (so that `python -m` cannot find vit in the current folder)."""
+    return run_cmd([str(ROOT / "entry_cn.sh"), "--help"], timeout=100, env=env, cwd=cwd)
+
+
+@pytest.mark.timeout(300)
+def test_the_checkout_is_installed_and_entry_cn_runs_it(tmp_path):
+    """A venv made before pyproject.toml (stamp up to date, project not installed): entry_cn.sh says in one line that
+    its python has no vit; bootstrap.sh installs this checkout (pip install -e ., offline: no index), after which
+    entry_cn.sh runs the installed package from any folder; a second bootstrap.sh does nothing. The venv sees the
+    test's own site-packages through a .pth (torch, deepspeed, setuptools: the 2 GB that an offline test cannot
+    install), never this checkout."""
+    venv = tmp_path / "venv"
+    run_cmd([sys.executable, "-m", "venv", str(venv)], timeout=120).check_returncode()
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "zz_deps.pth").write_text("".join(f"{p}\n" for p in sys.path if p.endswith("site-packages")))
+    requirement_hash = hashlib.sha256((ROOT / "requirement.txt").read_bytes()).hexdigest()
+    (venv / ".requirement.sha256").write_text(f"{requirement_hash} torch=cu130 cpu_adam=-\n")
+    env = {k: v for k, v in base_env().items() if not k.startswith("PIP_") and k not in ("PYTHONPATH", "CUDA_HOME")}
+    env = dict(env, PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, TORCH_CUDA="cu130", VENV=str(venv))
+    active = dict(env, VIRTUAL_ENV=str(venv), PATH=f"{venv}/bin:{env['PATH']}")
+
+    r = entry_help(tmp_path, active)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr == \
+        f"entry_cn.sh: error: {venv}/bin/python has no vit package: run scripts/bootstrap.sh (or pip install -e {ROOT})\n", r
+
+    r = run_cmd([BOOTSTRAP], timeout=180, env=env)
+    assert r.returncode == 0 and r.stdout == f"bootstrap.sh: installing this checkout into {venv} (pip install -e .)\n", r
+    r = entry_help(tmp_path, active)
+    assert r.returncode == 0 and r.stdout.startswith("usage: entry_cn.sh") and "--engine" in r.stdout, r
+    r = run_cmd([BOOTSTRAP], timeout=60, env=env)
+    assert r.returncode == 0 and r.stdout == r.stderr == "", r
+
+
+@pytest.mark.timeout(60)
+def test_entry_cn_refuses_another_checkouts_vit(tmp_path):
+    """A vit found first elsewhere (another clone on PYTHONPATH, or its editable install) is not run."""
+    (tmp_path / "vit").mkdir()
+    (tmp_path / "vit" / "__init__.py").write_text("")
+    r = entry_help(ROOT / "tests", dict(base_env(), PYTHONPATH=str(tmp_path)))
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r
+    assert r.stderr.startswith("entry_cn.sh: error: ") and r.stderr.endswith(
+        f"/python imports vit from {tmp_path}/vit, not from {ROOT}/vit: run scripts/bootstrap.sh (or pip install -e "
+        f"{ROOT})\n"), r

@@ -126,3 +126,30 @@ def test_every_docs_file_named_exists():
              for ref in re.findall(r"docs/[\w./-]*\.md", p.read_text(errors="replace"))}
     assert ("setup/hosts.txt", "docs/cluster.md") not in named
     assert not [f"{p} names {ref}" for p, ref in sorted(named) if not (ROOT / ref).is_file()]
+
+
+def heading_anchors(md) -> set:
+    """The anchors GitHub gives a markdown file's headings: lower case, punctuation dropped, spaces to dashes, a
+    repeated one numbered."""
+    seen, anchors = {}, set()
+    for title in re.findall(r"^#{1,6} (.*)$", md.read_text(), flags=re.M):
+        anchor = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        anchors.add(f"{anchor}-{seen[anchor]}" if anchor in seen else anchor)
+        seen[anchor] = seen.get(anchor, 0) + 1
+    return anchors
+
+
+@pytest.mark.timeout(30)
+def test_every_markdown_link_resolves():
+    # The README's sections moved into docs/ pages: every relative link, and its #heading, must still land.
+    broken = []
+    for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (md.parent / path).resolve() if path else md
+            if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest)):
+                broken.append(f"{md.relative_to(ROOT)}: {target}")
+    assert not broken
