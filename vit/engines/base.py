@@ -46,6 +46,7 @@ class Engine(ABC):
     reads_images: bool = True  # False where only the labels are used (a pipeline's last stage)
     grad_accum: int  # micro-batches per step on each data-parallel copy
     ema = None  # a vit.ema.Ema when --model-ema is on
+    layout = None  # a pipeline's stages (vit.autopipe.Layout), which --freeze may re-plan; None without stages
 
     @abstractmethod
     def live_module(self) -> nn.Module:
