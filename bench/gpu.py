@@ -14,11 +14,10 @@ import torch
 
 from bench import train as bench_train
 from bench.common import device_name, load_avg, publish
-from bench.runs import CONFIGS, engine_options
+from bench.runs import CONFIGS, RUNS, engine_options
 from vit.jsonl import read_jsonl
 from vit.settings import ROOT, positive_int
 
-ENGINES = ("zero0", "zero1", "zero2", "zero3", "ddp", "pipeline", "async-pipeline")
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
@@ -54,7 +53,7 @@ def learns(values: list[float]) -> bool:
 def engine_runs(a, tmp: Path) -> list[dict]:
     """Every engine for --steps steps in bf16 and fp16: losses finite and falling; a refusal is recorded as such."""
     rows = []
-    for name in ENGINES:
+    for name in RUNS:
         for precision in ("bf16", "fp16"):
             opts = engine_options(name, pipeline_stages=1)
             log_dir = tmp / f"{name}-{precision}"

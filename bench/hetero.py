@@ -20,6 +20,7 @@ from torch import nn
 from bench.common import failure_tail, median_step_s, mpirun_train, publish
 from vit import slowdown
 from vit.cli import defaults
+from vit.engines.registry import spec
 from vit.settings import positive_int
 
 MIXED_RUNS = [  # (row name, vit.train options)
@@ -58,7 +59,8 @@ def mixed(a) -> int:
         logs = Path(a.out or tmp) / "logs"
         for rep in range(a.repeat):
             for name, opts in chosen:
-                if "pipeline" in name:  # the whole global batch per pipeline, in 4 micro-batches
+                # a pipeline takes the whole global batch, in 4 micro-batches
+                if spec(opts[opts.index("--engine") + 1]).pipeline:
                     extra = ["--pipeline-stages", a.ranks, "--micro-batch-size", a.global_batch // 4, "--grad-accum", 4]
                 else:
                     extra = []

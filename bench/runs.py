@@ -1,24 +1,40 @@
 """The runs that compare the engines, by name, and the vit.train options of each: one map for the training
-benchmark and scripts/compare.sh (which asks `python -m bench.runs NAME`, one option per line)."""
+benchmark and scripts/compare.sh (which asks `python -m bench.runs NAME`, one option per line). Made from the engine
+registry: the ZeRO engine once per stage (zero0..zero3, each with its zeroN.json), every other engine once."""
 import argparse
 import sys
 
+from vit.engines.registry import SPECS, EngineSpec
 from vit.settings import ROOT
 
 CONFIGS = ROOT / "deepspeed_configs"
-RUNS = ("ddp", "zero0", "zero1", "zero2", "zero3", "pipeline", "async-pipeline")
+
+
+def _runs() -> dict[str, tuple[EngineSpec, str]]:
+    """Run name -> (its engine, its DeepSpeed JSON under CONFIGS): the plain data-parallel baseline first, then
+    ZeRO's stages, then the pipelines."""
+    runs = {}
+    for engine in sorted(SPECS.values(), key=lambda e: (e.pipeline, not e.pipeline and e.zero_stage is None)):
+        if engine.zero_stage is None and not engine.pipeline:  # its ZeRO stage comes from the JSON: one run each
+            runs.update({f"{engine.name}{n}": (engine, f"{engine.name}{n}.json") for n in engine.zero_stages})
+        else:
+            runs[engine.name] = (engine, engine.default_ds_config)
+    return runs
+
+
+RUN_ENGINES = _runs()
+RUNS = tuple(RUN_ENGINES)
 
 
 def engine_options(name: str, pipeline_stages: int = 2, pipeline_config: str | None = None) -> list[str]:
     """vit.train's engine options for run `name`; ValueError for a name that is not one of RUNS."""
-    if name == "ddp":
-        return ["--engine", "ddp", "--ds-config", str(CONFIGS / "zero0.json")]
-    if name in ("zero0", "zero1", "zero2", "zero3"):
-        return ["--engine", "zero", "--ds-config", str(CONFIGS / f"{name}.json")]
-    if name in ("pipeline", "async-pipeline"):
-        return ["--engine", name, "--pipeline-stages", str(pipeline_stages), "--ds-config",
-                pipeline_config or str(CONFIGS / "pipeline.json")]
-    raise ValueError(f"unknown run '{name}' (choose from {', '.join(RUNS)})")
+    if name not in RUN_ENGINES:
+        raise ValueError(f"unknown run '{name}' (choose from {', '.join(RUNS)})")
+    engine, config = RUN_ENGINES[name]
+    if engine.pipeline:
+        return ["--engine", engine.name, "--pipeline-stages", str(pipeline_stages), "--ds-config",
+                pipeline_config or str(CONFIGS / config)]
+    return ["--engine", engine.name, "--ds-config", str(CONFIGS / config)]
 
 
 def main(argv=None) -> int:

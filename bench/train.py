@@ -24,7 +24,7 @@ from bench.common import (
     publish,
     total_peak_tflops,
 )
-from bench.runs import CONFIGS, RUNS, engine_options
+from bench.runs import CONFIGS, RUN_ENGINES, RUNS, engine_options
 from vit.cli import defaults
 from vit.errors import ConfigError
 from vit.metrics import peak_mem_gib
@@ -75,12 +75,13 @@ def run_reference(a, dev: torch.device) -> dict:
 
 def engine_args(name: str, a) -> tuple[list[str], str]:
     """vit.train options of one run at the global batch, and its layout (micro-batch x accum x data-parallel)."""
-    if name in ("pipeline", "async-pipeline"):
+    engine, config = RUN_ENGINES[name]
+    if engine.pipeline:
         stages = a.pipeline_stages or a.ranks
         if a.ranks % stages:
             sys.exit(f"bench train: --pipeline-stages {stages} does not divide --ranks {a.ranks}")
         dp = a.ranks // stages
-        grad_accum = json.loads((CONFIGS / "pipeline.json").read_text())["gradient_accumulation_steps"]
+        grad_accum = json.loads((CONFIGS / config).read_text())["gradient_accumulation_steps"]
         opts = engine_options(name, stages)
     else:
         dp, grad_accum = a.ranks, 1

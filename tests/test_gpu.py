@@ -10,11 +10,12 @@ from helpers import launch
 
 from vit import dist_env, gpu
 from vit.cli import parse
+from vit.compat import check_precision
 from vit.dist_env import Job
 from vit.errors import ConfigError
 from vit.hetero import census
 from vit.plan import make_plan
-from vit.precision import check_engine, choose
+from vit.precision import choose
 
 ARCH_CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
 
@@ -195,7 +196,7 @@ def test_the_async_pipeline_settles_on_bf16_else_fp32():
         precision, why = choose(requested, "async-pipeline", [ampere, turing])
         assert precision == "fp32" and why.endswith("no bf16 on rank 1 (h, GPU)"), why
     with pytest.raises(ConfigError, match=r"^--engine async-pipeline trains in fp32 or bf16 .*pass --precision bf16"):
-        check_engine("fp16", "async-pipeline")
+        check_precision("fp16", "async-pipeline")
     with pytest.raises(ConfigError, match=r"^--engine async-pipeline trains in fp32 or bf16"):
         make_plan(parse(["--engine", "async-pipeline", "--pipeline-stages", "2", "--ds-config",
                          "deepspeed_configs/pipeline_fp16.json"]), Job(0, 2, 0, 2, "single"))

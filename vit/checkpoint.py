@@ -87,15 +87,14 @@ def check_layout(saved: dict, current: dict, where: str) -> None:
     if saved["engine"] != current["engine"]:
         raise ConfigError(f"{where} was written by --engine {saved['engine']}, this run uses --engine "
                           f"{current['engine']}; resume with --engine {saved['engine']}")
-    if saved["engine"] in ("pipeline", "async-pipeline") and saved["pipeline_stages"] != current["pipeline_stages"]:
+    if saved["pipeline_stages"] != current["pipeline_stages"]:  # 1 for an engine without stages
         raise ConfigError(f"{where} has {saved['pipeline_stages']} pipeline stages, this run "
                           f"{current['pipeline_stages']}; resume with --pipeline-stages {saved['pipeline_stages']}")
-    sharded = saved["engine"] != "ddp" and saved["zero_stage"] > 0
-    if sharded and saved["data_parallel_size"] != current["data_parallel_size"]:
+    if saved["zero_stage"] > 0 and saved["data_parallel_size"] != current["data_parallel_size"]:
         raise ConfigError(f"{where} holds ZeRO-{saved['zero_stage']} state sharded over {saved['data_parallel_size']} "
                           f"data-parallel ranks, this run has {current['data_parallel_size']}; resume with the same "
                           f"number of ranks, or convert it with DeepSpeed's ds_to_universal.py")
-    if saved["zero_stage"] != current["zero_stage"] and saved["engine"] != "ddp":
+    if saved["zero_stage"] != current["zero_stage"]:
         raise ConfigError(f"{where} was written with ZeRO stage {saved['zero_stage']}, this run uses stage "
                           f"{current['zero_stage']}; resume with the same DeepSpeed config")
 

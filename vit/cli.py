@@ -7,8 +7,10 @@ import typing
 from dataclasses import fields, replace
 from pathlib import Path
 
+from vit.compat import NEEDS, check_settings
+from vit.engines.registry import spec
 from vit.errors import ConfigError
-from vit.settings import DEFAULT_DS_CONFIG, DEFAULT_EPOCHS, GROUPS, PIPELINES, ROOT, TRACKERS, Settings
+from vit.settings import DEFAULT_EPOCHS, GROUPS, ROOT, TRACKERS, Settings
 
 
 def flag(f) -> tuple[str, ...]:
@@ -97,43 +99,24 @@ def validate(s: Settings) -> Settings:
         raise ConfigError(f"--min-lr {opt.min_lr:g} is above --lr {opt.lr:g}")
     if par.partition not in ("uniform", "parameters", "balanced") and not par.partition.startswith("type:"):
         raise ConfigError(f"--partition must be uniform, parameters, balanced or type:REGEX, got '{par.partition}'")
-    if par.micro_batch_size == "auto" and (par.engine in PIPELINES or s.checkpoint.resume):
-        raise ConfigError("--micro-batch-size auto applies to --engine zero or ddp, and not to --resume (pass the "
-                          "micro-batch the run chose: its config.json says)")
-    if par.partition == "balanced" and par.engine not in PIPELINES:
-        raise ConfigError("--partition balanced applies to --engine pipeline or async-pipeline")
     if s.recipe.scale and not 0 < s.recipe.scale[0] <= s.recipe.scale[1] <= 1:
         raise ConfigError(f"--scale MIN MAX: a share of the image's area, 0 < MIN <= MAX <= 1, got "
                           f"{' '.join(map(str, s.recipe.scale))}")
     if opt.nesterov and (opt.opt != "sgd" or opt.momentum == 0):
         raise ConfigError("--nesterov needs --opt sgd with a --momentum above 0")
-    if par.batch_split == "proportional" and par.engine in PIPELINES:
-        raise ConfigError("--batch-split proportional applies to --engine zero or ddp (a pipeline balances its "
-                          "stages with --partition balanced)")
     if s.cluster.hostfile and not Path(s.cluster.hostfile).is_file():
         raise ConfigError(f"--hostfile {s.cluster.hostfile}: no such file")
     if s.checkpoint.resume == "auto" and not (s.checkpoint.save_dir or s.log.log_dir):
         raise ConfigError("--resume needs the run's --log-dir (or --save-dir), or --resume PATH")
     if s.freeze.freeze_alpha > 1:
         raise ConfigError(f"--freeze-alpha must be at most 1, got {s.freeze.freeze_alpha:g}")
-    if s.freeze.freeze != "none" and par.engine == "pipeline" and s.recipe.model_ema:
-        raise ConfigError("--model-ema does not follow a pipeline whose stages --freeze re-plans; use --engine zero "
-                          "or ddp")
+    check_settings(s)
     check_effect(s)
     report_to = report_trackers(s.log.report_to)
-    ds_config = par.ds_config or str(ROOT / "deepspeed_configs" / DEFAULT_DS_CONFIG[par.engine])
+    ds_config = par.ds_config or str(ROOT / "deepspeed_configs" / spec(par.engine).default_ds_config)
     epochs = DEFAULT_EPOCHS if s.train.epochs is None and s.train.steps is None else s.train.epochs
     return replace(s, parallel=replace(par, ds_config=ds_config), train=replace(s.train, epochs=epochs),
                    log=replace(s.log, report_to=",".join(report_to) or "none"))
-
-
-# What an option with `needs` has no effect without: (whether the settings have it, how to say it).
-NEEDS = {
-    "async-pipeline": (lambda s: s.parallel.engine == "async-pipeline", "--engine async-pipeline"),
-    "freeze": (lambda s: s.freeze.freeze != "none", "--freeze schedule or grad"),
-    "pipeline freeze": (lambda s: s.freeze.freeze != "none" and s.parallel.engine == "pipeline",
-                        "--freeze schedule or grad on --engine pipeline"),
-}
 
 
 def check_effect(s: Settings) -> None:

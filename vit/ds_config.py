@@ -3,14 +3,15 @@ and the batch arithmetic checked, before any process group starts. Functions ret
 edits a config in place."""
 import copy
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from vit.compat import check_zero_stage
 from vit.ds_schema import deepspeed_parses
 from vit.ds_schema import validate as validate_ds_schema
+from vit.engines.registry import spec
 from vit.errors import ConfigError
-from vit.settings import PIPELINES, ParallelSettings
+from vit.settings import ParallelSettings
 
 DEFAULT_FP16_SCALE_POWER = 12  # 2^16, DeepSpeed's default, overflowed on every step in users' ViT runs
 
@@ -103,13 +104,9 @@ def resolve(par: ParallelSettings, world_size: int) -> tuple[dict, Batch]:
     stage = zero_stage(cfg)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ConfigError(f"DeepSpeed config {name}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
-    if par.engine in PIPELINES and stage > 1:
-        raise ConfigError(f"DeepSpeed config {name}: ZeRO stage {stage} does not work with the pipeline engine "
-                          "(DeepSpeed pipelines accept ZeRO 0 or 1)")
-    if par.engine == "ddp" and stage > 0:
-        print(f"warning: --engine ddp ignores zero_optimization (stage {stage}) in {name}", file=sys.stderr)
+    check_zero_stage(par.engine, stage, name)
 
-    stages = par.pipeline_stages if par.engine in PIPELINES else 1
+    stages = par.pipeline_stages if spec(par.engine).pipeline else 1
     if world_size % stages:
         raise ConfigError(f"--pipeline-stages {stages} does not divide the world size {world_size}")
     if par.micro_batch_size or par.grad_accum:

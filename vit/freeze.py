@@ -148,7 +148,7 @@ class Freezer:
 
     def after_step(self, step: int, engine, metrics) -> "object | None":
         """Collective: at a freeze point, the engine rebuilt with the longer frozen prefix (else None)."""
-        current = getattr(engine, "layout", None)  # a pipeline's
+        current = engine.layout  # a pipeline's stages, else None
         # Without re-planning a pipeline's first stage must keep an active layer (it would have no backward).
         frozen = self.decide(step, cap=current.parts[1] - 1 if current and not self.replan else None)
         if frozen is None:

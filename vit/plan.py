@@ -7,15 +7,17 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from vit import checkpoint, precision, slowdown, tracking, weights
+from vit import checkpoint, slowdown, tracking, weights
 from vit.augment import data_recipe
+from vit.compat import check_freeze, check_precision
 from vit.data import DataSplit, dataset_for, load_dataset, steps_per_epoch
 from vit.dist_env import Job, resolve_master
-from vit.ds_config import Batch, precision_of, resolve, zero_stage
+from vit.ds_config import Batch, precision_of, resolve
+from vit.engines.registry import spec
 from vit.errors import ConfigError, NothingToDo
 from vit.model import check_img_size, model_shape
 from vit.rundir import check_export, check_unused, check_writable
-from vit.settings import PIPELINES, ROOT, Settings
+from vit.settings import ROOT, Settings
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     requested = par.precision or precision_of(ds_config)  # settled by vit.precision.choose
     if par.precision is None and not any(ds_config.get(k, {}).get("enabled") for k in ("fp16", "bf16")):
         requested = None  # none given: auto on GPUs, fp32 on CPUs
-    precision.check_engine(requested, par.engine)
+    check_precision(requested, par.engine)
     slowdowns = slowdown.parse(par.simulate_slowdown, job.world_size)
     if par.compile and slowdowns:
         raise ConfigError("--compile cannot run with --simulate-slowdown: the slowdown times each layer on the host "
@@ -92,7 +94,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         raise ConfigError("--freeze-cache on needs the same sample every epoch, and this run's training data is "
                           "augmented or mixed: add --no-aug (and leave out --mixup/--cutmix), or use --freeze-cache "
                           "auto or off")
-    if par.engine in PIPELINES and par.pipeline_stages > preset.depth + 2:
+    if spec(par.engine).pipeline and par.pipeline_stages > preset.depth + 2:
         raise ConfigError(f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} layers of "
                           f"{s.model.model} (embedding, {preset.depth} blocks, head)")
     per_epoch, total_steps = run_length(s, data, batch)
@@ -104,15 +106,10 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     save_dir = ckpt.save_dir or (os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None)
     layout = {"model": s.model.model, "engine": par.engine, "world_size": job.world_size,
               "data_parallel_size": batch.dp_size,
-              "pipeline_stages": par.pipeline_stages if par.engine in PIPELINES else 1,
-              "zero_stage": zero_stage(ds_config) if par.engine not in ("ddp", "async-pipeline") else 0,
+              "pipeline_stages": par.pipeline_stages if spec(par.engine).pipeline else 1,
+              "zero_stage": spec(par.engine).zero_stage_of(ds_config),
               "global_batch": batch.global_size}
-    if s.freeze.freeze != "none" and par.engine == "async-pipeline":
-        raise ConfigError("--freeze works with --engine zero, ddp and pipeline, not async-pipeline")
-    if s.freeze.freeze != "none" and par.engine == "zero" and (
-            layout["zero_stage"] == 3 or ds_config.get("zero_optimization", {}).get("offload_optimizer")):
-        raise ConfigError("--freeze works with ZeRO stages 0-2 without optimizer offload (it moves the optimizer "
-                          "state into the rebuilt engine itself); use such a --ds-config or --engine ddp")
+    check_freeze(s, ds_config)
     resume = find_resume(s, save_dir, layout, batch) if ckpt.resume else None
     resolve_master(job)
     plan = Plan(s, job, ds_config, batch, requested, data, per_epoch, total_steps, save_dir, resume, layout,

@@ -6,19 +6,12 @@ Every rank reaches the same choice from every rank's report: before the process 
 (vit.gpu), and at the census (vit.hetero)."""
 import torch
 
+from vit.compat import check_precision
+from vit.engines.registry import spec
 from vit.errors import ConfigError
 
 BF16_NATIVE = (8, 0)  # Ampere: sm_70/75 emulate bf16, which torch.cuda.is_bf16_supported() also calls supported
 FP16_FAST = (7, 0)  # Volta: tensor cores; older cards run fp16 far slower than fp32
-DEEPSPEED_ENGINES = ("zero", "pipeline")
-ASYNC_PRECISIONS = ("bf16", "fp32")  # the async pipeline has no fp16 loss scaler
-
-
-def check_engine(requested: str | None, engine: str) -> None:
-    """Before the process group: a precision the engine cannot train in at all."""
-    if engine == "async-pipeline" and requested == "fp16":
-        raise ConfigError("--engine async-pipeline trains in fp32 or bf16 (it has no fp16 loss scaler); pass "
-                          "--precision bf16 or fp32 (or a --ds-config without fp16)")
 
 
 def deepspeed_fp16(local_rank: int) -> bool:
@@ -31,7 +24,7 @@ def deepspeed_fp16(local_rank: int) -> bool:
 
 def gpu_precisions(capability: tuple[int, int], engine: str, ds_fp16: bool) -> dict:
     """What a CUDA card of this compute capability trains in under `engine` (ds_fp16: deepspeed_fp16's verdict)."""
-    return {"fp16": ds_fp16 if engine in DEEPSPEED_ENGINES else True, "bf16": tuple(capability) >= BF16_NATIVE}
+    return {"fp16": ds_fp16 if spec(engine).deepspeed else True, "bf16": tuple(capability) >= BF16_NATIVE}
 
 
 def likely(requested: str | None, engine: str, dev: torch.device) -> str:
@@ -41,11 +34,7 @@ def likely(requested: str | None, engine: str, dev: torch.device) -> str:
     if dev.type != "cuda":
         return "fp32"
     runs = gpu_precisions(torch.cuda.get_device_capability(dev), engine, deepspeed_fp16(dev.index or 0))
-    return next(p for p in _order(engine) if p == "fp32" or runs[p])
-
-
-def _order(engine: str) -> tuple[str, ...]:
-    return ASYNC_PRECISIONS if engine == "async-pipeline" else ("bf16", "fp16", "fp32")
+    return next(p for p in spec(engine).precisions if p == "fp32" or runs[p])
 
 
 def who(rank: int, report: dict) -> str:
@@ -62,7 +51,7 @@ def choose(requested: str | None, engine: str, reports: list[dict]) -> tuple[str
     trains in under `engine`: fp16, bf16). requested None (none given): auto on GPUs, fp32 on CPUs. An explicit
     precision some rank lacks is one ConfigError naming those ranks and the fix; fp16 on a card before Volta
     comes with a warning."""
-    check_engine(requested, engine)
+    check_precision(requested, engine)
     if requested is None:
         if reports[0].get("capability") is None:
             return "fp32", "no precision given: fp32 on CPUs"
@@ -87,13 +76,13 @@ def _choose(requested: str, engine: str, reports: list[dict]) -> tuple[str, str]
     if requested != "auto":
         missing = lacking(requested)
         if missing:
-            every = [p for p in _order(engine) if not lacking(p)]
+            every = [p for p in spec(engine).precisions if not lacking(p)]
             raise ConfigError(f"precision {requested} is not supported by {named(missing)}"
                               f"{_deepspeed_fp16_hint(requested, engine, [reports[r] for r in missing])}; every "
                               f"rank can run {', '.join(every)}: use --precision auto or one of those")
         return requested, "every rank supports it"
     why = []
-    for p in _order(engine)[:-1]:
+    for p in spec(engine).precisions[:-1]:
         missing = lacking(p)
         if not missing:
             return p, "; ".join([*why, f"every rank supports {p}"])
@@ -104,7 +93,7 @@ def _choose(requested: str, engine: str, reports: list[dict]) -> tuple[str, str]
 def _deepspeed_fp16_hint(requested: str, engine: str, missing: list[dict]) -> str:
     """Why DeepSpeed refuses fp16 on these GPUs, and what runs it there."""
     caps = [_cc(rep["capability"]) for rep in missing if rep.get("capability")]
-    if requested != "fp16" or engine not in DEEPSPEED_ENGINES or not caps:
+    if requested != "fp16" or not spec(engine).deepspeed or not caps:
         return ""
     allow = " (6.x with DS_ALLOW_DEPRECATED_FP16=1 set for every rank)" if all(m == 6 for m, _ in caps) else ""
     return (f": DeepSpeed runs fp16 from compute capability {FP16_FAST[0]}.{FP16_FAST[1]} on{allow}, "

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from vit import jsonl  # the one reader of our logs
+from vit.engines.registry import SPECS
 
 # Step phases of the train records in stacking order; then pipe_*_s, other_s, and the unaccounted rest.
 PHASES = ("data_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s")
@@ -92,10 +93,11 @@ class Run:
         s, ds = self.summary, self.config.get("deepspeed", {})
         engine = s.get("engine") or self.config.get("args", {}).get("engine")
         stage = s.get("zero_stage", ds.get("zero_optimization", {}).get("stage") if ds else None)
-        if engine == "zero" and stage is not None:
-            engine = f"zero{stage}"
-        elif engine == "pipeline" and s.get("pipeline_stages"):
-            engine = f"pipeline ({s['pipeline_stages']} stages)"
+        known = SPECS.get(engine)  # None: an engine this version does not know
+        if known and known.pipeline and s.get("pipeline_stages"):
+            engine = f"{engine} ({s['pipeline_stages']} stages)"
+        elif known and not known.pipeline and known.zero_stage is None and stage is not None:
+            engine = f"{engine}{stage}"  # the ZeRO engine's stage, from its DeepSpeed JSON: zero2
         ips = s.get("images_per_s")
         if ips is None:  # killed before the summary: the mean of the logged windows
             values = [r["images_per_s"] for r in self.records("train")

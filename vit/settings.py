@@ -8,11 +8,9 @@ import argparse
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from vit.engines.registry import NAMES, SPECS
+
 ROOT = Path(__file__).resolve().parent.parent
-ENGINES = ("zero", "pipeline", "async-pipeline", "ddp")
-PIPELINES = ("pipeline", "async-pipeline")  # the engines that cut the layer list into --pipeline-stages stages
-DEFAULT_DS_CONFIG = {"zero": "zero2.json", "pipeline": "pipeline.json", "async-pipeline": "pipeline.json",
-                     "ddp": "zero0.json"}
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
@@ -33,7 +31,7 @@ def positive_int(text: str) -> int:
 def option(default, help: str, check: str | None = None, needs: str | None = None, **cli):
     """A settings field: its default, its --help text, `check` ('positive', 'non_negative', 'probability': 0 to 1,
     or 'below_one': 0 up to 1; every float must also be finite), `needs`: what it has no effect without (a key of
-    vit.cli.NEEDS; changed from its default without that, it is refused) and extra argparse arguments (choices,
+    vit.compat.NEEDS; changed from its default without that, it is refused) and extra argparse arguments (choices,
     metavar, flag, ...)."""
     return field(default=default, metadata={"help": help, "check": check, "needs": needs, "cli": cli})
 
@@ -68,9 +66,9 @@ class DataSettings:
 
 @dataclass(frozen=True)
 class ParallelSettings:
-    engine: str = option("zero", "training engine", choices=ENGINES)
+    engine: str = option("zero", "training engine", choices=NAMES)
     ds_config: str | None = option(None, "DeepSpeed JSON (batch, precision, ZeRO); default deepspeed_configs/"
-                                   + ", ".join(f"{v} for {k}" for k, v in DEFAULT_DS_CONFIG.items()))
+                                   + ", ".join(f"{e.default_ds_config} for {e.name}" for e in SPECS.values()))
     pipeline_stages: int = option(2, "pipeline engines: number of stages", "positive")
     partition: str = option("parameters", "pipeline engines: how layers are cut into stages: uniform, parameters, "
                             "type:REGEX, or balanced (by the census: each layer's forward and backward time "
@@ -122,12 +120,12 @@ class AsyncSettings:
     """--engine async-pipeline: PipeDream-2BW's 1F1B without a flush, and what offsets its staleness."""
     async_update_interval: int | None = option(None, "micro-batches between a stage's updates (default: the "
                                                "gradient-accumulation count, which it must divide)", "positive",
-                                               needs="async-pipeline")
+                                               needs="async")
     weight_stashing: str = option("on", "each backward uses the weights its forward used (off: the current ones)",
-                                  choices=("on", "off"), needs="async-pipeline")
+                                  choices=("on", "off"), needs="async")
     weight_prediction: str = option("msnag", "before a forward, predict the weights d updates ahead (d: the "
                                     "stage's staleness) from the optimizer's momentum (FTPipe's multi-step NAG), "
-                                    "or none", choices=("msnag", "none"), needs="async-pipeline")
+                                    "or none", choices=("msnag", "none"), needs="async")
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,9 @@ summary.json at the end."""
 import os
 import time
 
-from vit.ds_config import zero_stage
+from vit.engines.registry import spec
 from vit.metrics import write_json
 from vit.monitor import gpu_util_mean_per_host
-from vit.settings import PIPELINES
 
 
 def start_record(log_dir: str, plan, *, ds_config: dict, precision: str, cluster: dict, start_step: int,
@@ -35,8 +34,8 @@ def write_summary(log_dir: str, plan, *, precision: str, ds_config: dict, start_
     engine = s.parallel.engine
     summary = {
         "engine": engine, "model": s.model.model, "dataset": s.data.dataset, "precision": precision,
-        "zero_stage": zero_stage(ds_config) if engine not in ("ddp", "async-pipeline") else None,
-        "pipeline_stages": s.parallel.pipeline_stages if engine in PIPELINES else None,
+        "zero_stage": spec(engine).zero_stage_of(ds_config),  # as the checkpoints' layout (vit.plan)
+        "pipeline_stages": s.parallel.pipeline_stages if spec(engine).pipeline else None,
         "world_size": plan.job.world_size, "data_parallel_size": batch.dp_size, "micro_batch": batch.micro_batch,
         "grad_accum": batch.grad_accum, "global_batch": batch.global_size, "steps": total,
         "steps_this_run": total - start_step, "final_loss": totals["final_loss"], **evaluation,

@@ -18,9 +18,10 @@ from vit.checkpoint import Checkpointer
 from vit.cli import parse
 from vit.data import TrainBatches, loader_workers, make_loader
 from vit.dist_env import device, discover, init_process_group, rank0_decides, rank_cores
-from vit.ds_config import with_precision, zero_stage
+from vit.ds_config import with_precision
 from vit.ema import Ema
 from vit.engines import Engine, EngineContext, build
+from vit.engines.registry import spec
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure
@@ -33,7 +34,6 @@ from vit.model import build_layers
 from vit.monitor import Monitor
 from vit.plan import Plan, choose_resume, make_plan
 from vit.rundir import RunLock, agree_log_dir, lock_run_dirs
-from vit.settings import PIPELINES
 from vit.stats import StepStats
 from vit.summary import start_record, write_summary
 
@@ -159,6 +159,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
 def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> hetero.Adapted:
     """The census and the plans for mixed GPUs (vit.hetero), from this run's settings."""
     s, job, batch, data, par = plan.settings, plan.job, plan.batch, plan.data, plan.settings.parallel
+    pipeline = spec(par.engine).pipeline
 
     def probe_batches():  # two steps of this rank's real batches, from where training starts
         probe = TrainBatches(len(data.train), batch.micro_batch, batch.grad_accum, job.rank % batch.dp_size,
@@ -168,13 +169,13 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
     return hetero.adapt(
         job, dev, layers, requested_precision=plan.requested_precision, engine=par.engine,
         micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, sample=data.train[0][0][None],
-        balanced_stages=par.pipeline_stages if par.engine in PIPELINES and par.partition == "balanced" else None,
+        balanced_stages=par.pipeline_stages if pipeline and par.partition == "balanced" else None,
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
         reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan, dev)),
-        probe_on_cpu=par.engine in PIPELINES or zero_stage(plan.ds_config) == 3,
-        layer_times=par.engine in PIPELINES and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
+        probe_on_cpu=pipeline or plan.layout["zero_stage"] == 3,
+        layer_times=pipeline and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
 
 
 def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,

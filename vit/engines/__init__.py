@@ -1,18 +1,21 @@
-"""Training engines, one module each, behind one interface (vit.engines.base.Engine):
+"""Training engines, one module each, behind one interface (vit.engines.base.Engine), each declared with what it
+supports in vit.engines.registry:
 
     engine = build(name, ctx)          # ctx: EngineContext
     loss = engine.train_step(batches)  # one optimizer step; this rank's share of the loss, no host sync
     engine.mean_loss(loss); engine.evaluate(batches); engine.save(...); engine.load(...); engine.breakdown(steps)
     rebuilt.take_over(engine.handover())  # --freeze: an engine on other trainable layers goes on (vit.freeze)
 
-Nothing outside this package knows which engine runs.
+Nothing outside this package and vit.compat knows which engine runs: the rest asks the engine's spec. Importing the
+package is light (the registry needs no torch); Engine, EngineContext and build load on first use.
 """
 import importlib
 
-from vit.engines.base import Engine, EngineContext
-
 __all__ = ["Engine", "EngineContext", "build"]
+_WHERE = {"Engine": "vit.engines.base", "EngineContext": "vit.engines.base", "build": "vit.engines.registry"}
 
 
-def build(name: str, ctx: EngineContext) -> Engine:
-    return importlib.import_module(f"vit.engines.{name.replace('-', '_')}").build(ctx)
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'vit.engines' has no attribute {name!r}")

@@ -53,6 +53,7 @@ class Engine(ABC):
     def autocast(self):
         """Autocast to `dtype` where the engine trains in half precision by autocast; a no-op elsewhere."""
         return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+    layout = None  # a pipeline's stages (vit.autopipe.Layout), which --freeze may re-plan; None without stages
 
     @abstractmethod
     def live_module(self) -> nn.Module:

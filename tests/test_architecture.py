@@ -1,0 +1,90 @@
+"""The design's rules that a reading of one module cannot see: outside vit/engines/ and vit/compat.py no code
+branches on an engine's name; it asks the engine's spec (vit.engines.registry)."""
+import ast
+from pathlib import Path
+
+import pytest
+
+from vit.engines.registry import NAMES
+from vit.settings import ROOT
+
+ENGINE_NAMES = frozenset(NAMES) | {n.replace("-", "_") for n in NAMES}  # as --engine and as a module name
+MAY_NAME_ENGINES = ("vit/engines/", "vit/compat.py")
+# Literals equal to an engine name that are not a dispatch on --engine, each with why.
+NOT_DISPATCH = {
+    ("bench/async_pipeline.py", "async-pipeline"): "the bench command and its table row named after what they measure",
+    ("vit/ds_schema.py", "pipeline"): "DeepSpeed's own JSON section 'pipeline'",
+}
+
+
+def _literals(node: ast.AST) -> list[str]:
+    """The string constants a comparison operand or key is, or holds (a tuple, list or set of them)."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+
+
+def engine_name_uses(source: str) -> list[tuple[int, str, str]]:
+    """(line, how, name) for each engine name compared (==, !=, in, is, match/case), used as a key (a dict
+    literal's, a subscript's) or named in a constant list of engines, in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            uses = [("compared", v) for operand in [node.left, *node.comparators] for v in _literals(operand)]
+        elif isinstance(node, ast.MatchValue):
+            uses = [("matched", v) for v in _literals(node.value)]
+        elif isinstance(node, ast.Dict):
+            uses = [("a dict key", v) for key in node.keys if key is not None for v in _literals(key)]
+        elif isinstance(node, ast.Subscript):
+            uses = [("a subscript", v) for v in _literals(node.slice)]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, (ast.Tuple, ast.List, ast.Set)):
+            names = _literals(node.value)  # PIPELINES = ("pipeline", "async-pipeline"), for `engine in PIPELINES`
+            every = len(names) == len(node.value.elts) and set(names) <= ENGINE_NAMES
+            uses = [("in a list of engines", v) for v in names] if every else []
+        else:
+            continue
+        found += [(node.lineno, how, v) for how, v in uses if v in ENGINE_NAMES]
+    return found
+
+
+def checked_files() -> list[Path]:
+    files = [*(ROOT / "vit").rglob("*.py"), *(ROOT / "bench").rglob("*.py"), *ROOT.glob("*.py")]
+    return [f for f in files if not f.relative_to(ROOT).as_posix().startswith(MAY_NAME_ENGINES)]
+
+
+def test_no_module_outside_the_engines_and_the_compatibility_table_branches_on_an_engine_name():
+    files = checked_files()
+    assert ROOT / "vit" / "train.py" in files and ROOT / "bench" / "runs.py" in files
+    assert not any(f.is_relative_to(ROOT / "vit" / "engines") for f in files)
+    offences, excused = [], set()
+    for f in files:
+        rel = f.relative_to(ROOT).as_posix()
+        for line, how, name in engine_name_uses(f.read_text()):
+            if (rel, name) in NOT_DISPATCH:
+                excused.add((rel, name))
+            else:
+                offences.append(f"{rel}:{line}: '{name}' {how}")
+    assert excused == NOT_DISPATCH.keys(), "an exception no longer needed: remove it from NOT_DISPATCH"
+    assert not offences, ("engine names branched on outside vit/engines/ and vit/compat.py; ask the engine's spec "
+                          "(vit.engines.registry) instead:\n" + "\n".join(offences))
+
+
+@pytest.mark.parametrize("code, how", [
+    ("if engine == 'ddp': pass", "compared"),
+    ("ok = 'zero' != engine", "compared"),
+    ("if par.engine in ('pipeline', 'async-pipeline'): pass", "compared"),
+    ("if 'pipeline' in name: pass", "compared"),
+    ("match engine:\n    case 'async-pipeline':\n        pass", "matched"),
+    ("CONFIGS = {'ddp': 'zero0.json'}", "a dict key"),
+    ("x = DEFAULTS['zero']", "a subscript"),
+    ("DEEPSPEED_ENGINES = ('zero', 'pipeline')", "in a list of engines"),
+    ("import_module('vit.engines.' + name) if name == 'async_pipeline' else None", "compared"),
+])
+def test_the_check_finds_each_way_of_branching_on_a_name(code, how):
+    assert {u[1] for u in engine_name_uses(code)} == {how}
+
+
+def test_the_check_leaves_spec_questions_and_other_strings_alone():
+    code = ("if spec(engine).pipeline and par.partition == 'balanced': pass\n"
+            "opts = ['--engine', 'pipeline']\nfor name in ('zero2', 'ddp'): pass\nprint(f'--engine {engine}')\nd = {'zero_stage': 0}\n"
+            "name.startswith('pipeline')")
+    assert engine_name_uses(code) == []
