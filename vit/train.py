@@ -27,7 +27,7 @@ from vit.faults import Watchdog, announce_failure
 from vit.freeze import Freezer
 from vit.gpu import set_tf32
 from vit.hetero.profile import gpu_reserved_bytes
-from vit.memory import fit_micro_batch, inject_oom_for_tests, is_oom, likely_precision, out_of_memory
+from vit.memory import fit_micro_batch, inject_oom_for_tests, is_oom, likely_precision, nccl_out_of_memory, out_of_memory
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
@@ -113,8 +113,11 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
         earlier = {k: manifest[k] for k in ("train_s", "segments") if k in manifest}  # older ones: this run's alone
         frozen, layout = freeze_state["frozen"], freeze_state.get("layout")
     data = plan.data
+    path = None if plan.resume else s.model.pretrained_path  # resumed: the checkpoint holds the weights
+    state = weights.pretrained_state(path, s.model.model, data.num_classes, data.in_chans, data.img_size)[0] \
+        if path else None
     layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
-                          s.model.drop_path, None if plan.resume else s.model.pretrained_path)
+                          s.model.drop_path, state)
     ema_layers = copy.deepcopy(layers) if s.recipe.model_ema else None  # before ZeRO-3 partitions them
     adapted = adapt(plan, dev, layers, start)
     tf32 = set_tf32(dev, s.parallel.tf32 == "on")
@@ -241,8 +244,11 @@ def run(plan: Plan, start_time: float) -> int:
     except ConfigError as e:
         print(f"entry_cn.sh: error: {e}", file=sys.stderr, flush=True)
         return 2
-    except OutOfMemory as e:  # NCCL's communicators did not fit (vit.dist_env)
-        print(f"rank {plan.job.rank} ({socket.gethostname()}) failed at start: {e}", file=sys.stderr, flush=True)
+    except RuntimeError as e:  # a full GPU: NCCL's communicators did not fit
+        if not is_oom(e):
+            raise
+        print(f"rank {plan.job.rank} ({socket.gethostname()}) failed at start: "
+              f"{nccl_out_of_memory(device(plan.job), e)}", file=sys.stderr, flush=True)
         return 1
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
