@@ -113,11 +113,8 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
         earlier = {k: manifest[k] for k in ("train_s", "segments") if k in manifest}  # older ones: this run's alone
         frozen, layout = freeze_state["frozen"], freeze_state.get("layout")
     data = plan.data
-    path = None if plan.resume else s.model.pretrained_path  # resumed: the checkpoint holds the weights
-    state = weights.pretrained_state(path, s.model.model, data.num_classes, data.in_chans, data.img_size)[0] \
-        if path else None
-    layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
-                          s.model.drop_path, state)
+    layers = weights.initial_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
+                                    s.model.drop_path, None if plan.resume else s.model.pretrained_path)
     ema_layers = copy.deepcopy(layers) if s.recipe.model_ema else None  # before ZeRO-3 partitions them
     adapted = adapt(plan, dev, layers, start)
     tf32 = set_tf32(dev, s.parallel.tf32 == "on")
