@@ -19,6 +19,7 @@ from vit.jsonl import read_jsonl  # noqa: F401  (the one reader of our logs, for
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = [str(ROOT / "scripts" / "mpirun"), "--oversubscribe"]
+PLUGINS = ROOT / "tests" / "plugins"
 
 
 # Set per test by conftest.py: True under @pytest.mark.ranks, False without, None outside a test.
@@ -47,8 +48,16 @@ def require_ranks_mark() -> None:
 def base_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_")) and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update(extra)
     return env
+
+
+def plugin_env(**settings: str) -> dict:
+    """The variables that make a run import tests/plugins/NAME.py (vit.plugins) for each NAME=value given, with
+    VIT_TEST_NAME=value, the plugin's setting: plugin_env(crash_in_save="step4")."""
+    return {"VIT_PLUGINS": ",".join(settings), "PYTHONPATH": f"{ROOT}{os.pathsep}{PLUGINS}",
+            **{f"VIT_TEST_{name.upper()}": value for name, value in settings.items()}}
 
 
 class Result:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, base_env, launch, read_jsonl, run_cmd, train_losses
+from helpers import ROOT, base_env, launch, plugin_env, read_jsonl, run_cmd, train_losses
 from torch.func import functional_call
 
 from vit.augment import train_batches
@@ -208,7 +208,7 @@ def test_stages_match_the_emulator(tmp_path, case):
     trace = tmp_path / "trace"
     r = launch(["--engine", "async-pipeline", "--pipeline-stages", stages, "--steps", STEPS, "--log-interval", 1,
                 "--no-save", "--log-dir", tmp_path / "run", *options], nprocs=stages, timeout=240,
-               env={"VIT_TEST_ASYNC_TRACE": str(trace)})
+               env=plugin_env(async_trace=str(trace)))
     assert r.ok, r
     s = parse(["--engine", "async-pipeline", *map(str, options)])
     want = emulate(s, digits_batches(s, STEPS), stages, STEPS, **emulated)

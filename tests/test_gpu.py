@@ -154,7 +154,6 @@ def test_bf16_only_where_native_and_fp16_as_the_engine_runs_it(monkeypatch):
     """DeepSpeed's engines refuse fp16 below compute capability 7.0 unless DS_ALLOW_DEPRECATED_FP16=1 (its CUDA
     accelerator's is_fp16_supported, asked here with torch.cuda answering as the card would); DDP's autocast runs
     it on every card, with a warning before Volta."""
-    monkeypatch.delenv("VIT_CENSUS_OVERRIDE", raising=False)
     monkeypatch.delenv("DS_ALLOW_DEPRECATED_FP16", raising=False)
     caps = {}
     for engine in ("zero", "ddp"):

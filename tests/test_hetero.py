@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import base_env, launch, run_cmd, train_losses
+from helpers import base_env, launch, plugin_env, run_cmd, train_losses
 
 from vit import slowdown
 from vit.cli import defaults
@@ -330,7 +330,7 @@ def test_balanced_pipeline_gives_the_slow_rank_less_and_trains_the_same_network(
 @pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_explicit_precision_a_rank_lacks_is_refused_naming_it(tmp_path):
-    no_bf16 = {1: {"VIT_CENSUS_OVERRIDE": json.dumps({"bf16": False, "device": "GTX 1080"})}}
+    no_bf16 = {1: plugin_env(census=json.dumps({"bf16": False, "device": "GTX 1080"}))}
     r = launch(["--precision", "bf16", *COMMON, "--log-dir", tmp_path / "run"], timeout=180, rank_env=no_bf16)
     assert all(rc != 0 for rc in r.returncodes)
     assert "precision bf16 is not supported by rank 1 (" in r.outputs[0] and "GTX 1080)" in r.outputs[0]
@@ -338,7 +338,7 @@ def test_explicit_precision_a_rank_lacks_is_refused_naming_it(tmp_path):
     assert not (tmp_path / "run").exists()
     # fp16 that no rank has: every rank is named. (DeepSpeed's CPU accelerator says fp16 on CPUs with AVX-512 FP16
     # or AMX, and not on others: the reports are pinned so that the test does not depend on this machine's CPU.)
-    no_fp16 = {rank: {"VIT_CENSUS_OVERRIDE": json.dumps({"fp16": False})} for rank in (0, 1)}
+    no_fp16 = {rank: plugin_env(census=json.dumps({"fp16": False})) for rank in (0, 1)}
     r = launch(["--precision", "fp16", *COMMON, "--log-dir", tmp_path / "run"], timeout=180, rank_env=no_fp16)
     assert not r.ok and "precision fp16 is not supported by rank 0 (" in r.outputs[0] and ", rank 1 (" in r.outputs[0]
     assert not (tmp_path / "run").exists()
@@ -347,8 +347,8 @@ def test_explicit_precision_a_rank_lacks_is_refused_naming_it(tmp_path):
 @pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_auto_precision_settles_on_what_every_rank_can_run(tmp_path):
-    no_bf16 = {0: {"VIT_CENSUS_OVERRIDE": json.dumps({"bf16": True, "fp16": False})},  # this CPU's fp16 pinned
-               1: {"VIT_CENSUS_OVERRIDE": json.dumps({"bf16": False, "fp16": False})}}
+    no_bf16 = {0: plugin_env(census=json.dumps({"bf16": True, "fp16": False})),  # this CPU's fp16 pinned
+               1: plugin_env(census=json.dumps({"bf16": False, "fp16": False}))}
     r = launch(["--precision", "auto", "--steps", 2, "--no-save", "--monitor-interval", 0, "--log-dir", tmp_path],
                timeout=180, rank_env=no_bf16)
     assert r.ok, r
@@ -453,7 +453,7 @@ def test_lossscale_benchmark_emulates_deepspeeds_scaler(tmp_path):
 def test_loss_scale_auto_writes_the_probed_power_into_the_resolved_config(tmp_path):
     # fp16 does not run on a CPU under DeepSpeed; the override stands in for a GPU that has it, and the ddp
     # engine runs fp16 autocast on the CPU.
-    env = base_env(VIT_CENSUS_OVERRIDE=json.dumps({"fp16": True}))
+    env = base_env(**plugin_env(census=json.dumps({"fp16": True})))
     r = run_cmd([sys.executable, "-m", "vit.train", "--engine", "ddp", "--precision", "fp16", "--loss-scale", "auto",
                  "--steps", "2", "--no-save", "--monitor-interval", "0", "--log-dir", str(tmp_path)], env=env,
                 timeout=180)

@@ -5,7 +5,7 @@ import types
 
 import pytest
 import torch
-from helpers import launch
+from helpers import launch, plugin_env
 
 from vit import memory
 from vit.cli import parse
@@ -100,11 +100,11 @@ def test_the_message_keeps_its_hints_when_its_estimate_fails(monkeypatch, tmp_pa
 def test_out_of_memory_on_rank_1_ends_every_rank_with_one_message(tmp_path):
     # 35 s alone; it failed twice in whole-file runs at load 15 on 2 cores, probably at the former 200 s limit
     r = launch(["--steps", 6, "--no-save", "--monitor-interval", 0, "--log-interval", 1, "--log-dir", tmp_path],
-               timeout=300, rank_env={1: {"VIT_TEST_OOM_AT": "1:3"}})
+               timeout=300, rank_env={1: plugin_env(oom_at="1:3")})
     assert all(rc != 0 for rc in r.returncodes), r
     said = "out of memory during step 3 on cpu ("
     mine = [line for line in r.outputs[1].splitlines() if said in line]
-    # cuBLAS's failed allocation, a RuntimeError as torch raises it (VIT_TEST_OOM_AT), is an out-of-memory error too
+    # cuBLAS's failed allocation, a RuntimeError as torch raises it (tests/plugins/oom_at.py), is out of memory too
     assert len(mine) == 1 and mine[0].startswith("rank 1 (") and f"at micro-batch 32 (fp32): {CUBLAS_OOM} (" \
         in mine[0] and "Estimated to fit: " in mine[0], r
     assert "--micro-batch-size" in mine[0] and "zero2_offload" in mine[0] and "Traceback" not in r.outputs[1], r

@@ -1,5 +1,5 @@
-"""plot_logs.py on the logs of real 2-rank runs (ZeRO-2 and the pipeline, CPU and gloo), trained once for the
-module; and on broken or odd folders."""
+"""plot_logs.py (the command line of vit.charts) on the logs of real 2-rank runs (ZeRO-2 and the pipeline, CPU and
+gloo), trained once for the module; and on broken or odd folders."""
 import csv
 import json
 import shutil
@@ -8,9 +8,9 @@ import sys
 import matplotlib.image
 import matplotlib.pyplot as plt
 import pytest
-from helpers import ROOT, base_env, launch, run_cmd
+from helpers import ROOT, base_env, launch, plugin_env, run_cmd
 
-import plot_logs
+from vit import charts, runlogs
 from vit.cli import parser
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
@@ -83,22 +83,22 @@ def test_one_run_default_output_folder(runs, tmp_path):
         [f"{c}.png" for c in CHARTS] + ["comparison.csv", "comparison.md", "report.html"])
     for name in CHARTS:
         assert_png(run / "plots" / f"{name}.png")
-    evals = [rec for rec in plot_logs.Run(run).records("eval")]
+    evals = [rec for rec in runlogs.Run(run).records("eval")]
     assert [rec["step"] for rec in evals] == [10, 20]
     # Every rank appears in the step-time chart.
-    assert {rank for rank in plot_logs.Run(run).metrics} == {0, 1}
+    assert {rank for rank in runlogs.Run(run).metrics} == {0, 1}
 
 
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.skipif(not MONITOR_WIRED, reason="vit/train.py has no --monitor-interval yet")
 def test_monitor_logs_of_real_runs(runs):
     for name, run_dir in runs.items():
-        run = plot_logs.Run(run_dir)
+        run = runlogs.Run(run_dir)
         assert sorted(run.monitor) == [0, 1]
         for rank, records in run.monitor.items():
             assert records and all(rec["rank"] == rank and rec["host"] and rec["rss_mib"] > 0 for rec in records)
             assert max(rec["step"] for rec in records) == 20  # the last sample comes after the last step
-        gpus, cpus, rss = plot_logs.series(run)
+        gpus, cpus, rss = charts.series(run)
         assert len(cpus) == 1 and sorted(rss) == [f"{name} rank 0", f"{name} rank 1"]  # one host, two ranks
         summary = json.loads((run_dir / "summary.json").read_text())
         assert [m["rank"] for m in summary["monitor"]] == [0, 1]
@@ -130,7 +130,7 @@ def test_run_killed_mid_write_then_resumed(tmp_path):
     # checkpoint: the resumed run's records start on a line of their own, and the run plots whole.
     run, out = tmp_path / "run", tmp_path / "plots"
     args = ["--steps", 8, "--log-interval", 1, "--save-interval", 2, "--log-dir", run]
-    r = launch(args, env={"VIT_TEST_CRASH_IN_SAVE": "step4"}, timeout=400)
+    r = launch(args, env=plugin_env(crash_in_save="step4"), timeout=400)
     assert 3 in r.returncodes, r
     for log in run.glob("*_rank*.jsonl"):
         log.write_text(log.read_text()[:-15])
@@ -142,7 +142,7 @@ def test_run_killed_mid_write_then_resumed(tmp_path):
     r = plot(run, "--out", out)
     assert r.returncode == 0 and "truncated" not in r.stderr, r.stdout + r.stderr
     assert next(csv.DictReader(open(out / "comparison.csv")))["status"] == "complete"
-    assert max(rec["step"] for rec in plot_logs.Run(run).records("train")) == 8
+    assert max(rec["step"] for rec in runlogs.Run(run).records("train")) == 8
 
 
 def write_jsonl(path, records):
@@ -165,12 +165,12 @@ def test_step_time_breakdown_with_unknown_fields(tmp_path):
         {"time": 100.0 + t, "host": "cn0", "rank": 0, "step": t, "cpu_percent": 50.0, "rss_mib": 900.0, "gpus": [
             {"index": 0, "util_pct": 90.0, "mem_used_mib": 8000.0, "mem_total_mib": 12288.0}], "new": True}
         for t in range(3)])
-    got, step_s = plot_logs.breakdown(plot_logs.Run(run).records("train", 1))
+    got, step_s = runlogs.breakdown(runlogs.Run(run).records("train", 1))
     assert list(got) == ["data_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s", "pipe_recv_s",
                          "pipe_send_s", "other_s", "unaccounted"]
     assert got["pipe_send_s"] == pytest.approx(0.030) and got["unaccounted"] == pytest.approx(0.0, abs=1e-9)
     assert step_s == pytest.approx(0.100)
-    assert plot_logs.breakdown(plot_logs.Run(run).records("train", 0))[0]["unaccounted"] == pytest.approx(0.007)
+    assert runlogs.breakdown(runlogs.Run(run).records("train", 0))[0]["unaccounted"] == pytest.approx(0.007)
     r = plot(run)
     assert r.returncode == 0, r.stdout + r.stderr
     for name in CHARTS:
@@ -196,7 +196,7 @@ def test_frozen_layers_and_throughput_per_freeze_phase(tmp_path):
     freezes = [{"step": 6, "frozen": 2, "stages": 2, "dp": 1, "cache": False},
                {"step": 12, "frozen": 4, "stages": 1, "dp": 2, "cache": True}]
     run = freeze_run(tmp_path / "autofreeze", freezes)
-    phases = plot_logs.freeze_phases(plot_logs.Run(run))
+    phases = runlogs.freeze_phases(runlogs.Run(run))
     assert [(p["first"], p["last"], p["frozen"], p["stages"], p["dp"], p["cache"]) for p in phases] == [
         (0, 6, 0, None, None, None), (6, 12, 2, 2, 1, False), (12, 18, 4, 1, 2, True)]
     assert [p["images_per_s"] for p in phases] == pytest.approx([110.0, 470 / 3, 250.0])
@@ -223,7 +223,7 @@ def test_frozen_layers_and_throughput_per_freeze_phase(tmp_path):
     assert "freeze" not in (tmp_path / "plain-out" / "comparison.md").read_text()
     # A freeze at step 0 starts the first phase itself.
     run0 = freeze_run(tmp_path / "from-start", [{"step": 0, "frozen": 1, "stages": 2, "dp": 1, "cache": False}])
-    assert [(p["first"], p["last"], p["frozen"]) for p in plot_logs.freeze_phases(plot_logs.Run(run0))] == [
+    assert [(p["first"], p["last"], p["frozen"]) for p in runlogs.freeze_phases(runlogs.Run(run0))] == [
         (0, 18, 1)]
 
 
@@ -300,16 +300,16 @@ def test_charts_stay_readable_and_a_resumed_run_is_split_where_it_restarted(tmp_
     # Died after step 30, resumed from its step-24 checkpoint after 300 s: 2 segments.
     folders.append(plain_run(tmp_path / names[5], [(2, 30, 0), (26, 40, 300)],
                              {"train_s": 9.0, "train_s_this_run": 2.5, "segments": 2}))
-    runs = [plot_logs.Run(f) for f in folders]
+    runs = [runlogs.Run(f) for f in folders]
 
     train = runs[5].records("train")  # the redone steps 26-30 once, from the attempt that went on
     assert [r["step"] for r in train] == list(range(2, 42, 2)) and train[-1]["loss"] == pytest.approx(2.6)
-    rss = next(line for line in plot_logs.plot_resources(runs, None).axes[-1].lines
+    rss = next(line for line in charts.plot_resources(runs, None).axes[-1].lines
                if line.get_label() == f"{names[5]} rank 0")
     x = np.asarray(rss.get_xdata(), dtype=float)
     assert np.isnan(x).sum() == 1 and x[np.flatnonzero(np.isnan(x))[0] + 1] - np.nanmax(x[:15]) > 300
 
-    for chart in (plot_logs.plot_resources, plot_logs.plot_compare, plot_logs.plot_loss):
+    for chart in (charts.plot_resources, charts.plot_compare, charts.plot_loss):
         fig = chart(runs, None)
         fig.canvas.draw()
         legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + fig.legends
@@ -317,11 +317,11 @@ def test_charts_stay_readable_and_a_resumed_run_is_split_where_it_restarted(tmp_
         for legend in legends:  # beside or under the charts, never over one (the memory panel's, the top-1's)
             box = legend.get_window_extent()
             assert not any(overlaps(box, ax.get_window_extent()) for ax in fig.axes), chart.__name__
-        if chart is plot_logs.plot_compare:  # numbered bars; the legend names the runs
+        if chart is charts.plot_compare:  # numbered bars; the legend names the runs
             assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["1", "2", "3", "4", "5", "6"]
             assert [t.get_text() for t in fig.legends[0].get_texts()] == [
                 f"{k}  {n} (zero2)" for k, n in enumerate(names, 1)]
-        if chart is plot_logs.plot_loss:  # six runs' top-5 at 100%: one line, said so, below the frame's top
+        if chart is charts.plot_loss:  # six runs' top-5 at 100%: one line, said so, below the frame's top
             top5 = [line for line in fig.axes[1].lines if line.get_marker() == "x"]
             assert [line.get_label() for line in top5] == ["top-5, the same for 6 runs"]
             assert fig.axes[1].get_ylim()[1] > 100
@@ -330,6 +330,6 @@ def test_charts_stay_readable_and_a_resumed_run_is_split_where_it_restarted(tmp_
     r = plot(*folders, "--out", tmp_path / "out")
     assert r.returncode == 0, r.stdout + r.stderr
     report = (tmp_path / "out" / "report.html").read_text()
-    assert plot_logs.PHASE_TITLE in report and f"<td>{names[4]}</td><td>20-40</td><td>2</td><td>1 x 2</td>" in report
+    assert runlogs.PHASE_TITLE in report and f"<td>{names[4]}</td><td>20-40</td><td>2</td><td>1 x 2</td>" in report
     row = next(row for row in csv.DictReader(open(tmp_path / "out" / "comparison.csv")) if row["run"] == names[5])
     assert row["training time (train_s)"] == "9.00 (2 segments)"

@@ -12,7 +12,19 @@ import time
 
 import psutil
 import pytest
-from helpers import MPIRUN, ROOT, Ranks, base_env, last_step, launch, mpi_rank_process, run_cmd, train_losses, wait_for
+from helpers import (
+    MPIRUN,
+    ROOT,
+    Ranks,
+    base_env,
+    last_step,
+    launch,
+    mpi_rank_process,
+    plugin_env,
+    run_cmd,
+    train_losses,
+    wait_for,
+)
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
@@ -129,7 +141,7 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path):
 def test_interrupted_save_is_never_loaded(tmp_path):
     ckpt = tmp_path / "checkpoints"
     r = launch(["--steps", 8, "--log-interval", 1, "--save-interval", 2, "--log-dir", tmp_path],
-               env={"VIT_TEST_CRASH_IN_SAVE": "step4"}, timeout=200)
+               env=plugin_env(crash_in_save="step4"), timeout=200)
     # Both die between writing step4's files and its manifest (exit 3); a rank that gets there second may
     # already have been ended by its watchdog when rank 0, which holds the job's store, went away (exit 1).
     assert 3 in r.returncodes and all(rc in (1, 3) for rc in r.returncodes), r

@@ -5,7 +5,7 @@ import os
 import re
 
 import pytest
-from helpers import MPIRUN, ROOT, base_env, run_cmd
+from helpers import MPIRUN, ROOT, base_env, plugin_env, run_cmd
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
@@ -22,7 +22,7 @@ def retry(*args, env=None, timeout=180):
 def crashing_run(log_dir, steps: int, crash_at: str):
     """retry.sh -n 1 around a direct run that saves every 2 steps and dies (exit 3) while saving crash_at."""
     return retry("-n", 1, "--", "./entry_cn.sh", "--steps", steps, "--save-interval", 2, *SHORT_RUN,
-                 "--log-dir", log_dir, env={"VIT_TEST_CRASH_IN_SAVE": crash_at})
+                 "--log-dir", log_dir, env=plugin_env(crash_in_save=crash_at))
 
 
 @pytest.mark.timeout(240)
@@ -44,7 +44,7 @@ def test_retry_does_not_retry_a_configuration_error(tmp_path, launch):
 
 @pytest.mark.timeout(240)
 def test_retry_names_the_checkpoint_it_resumes_from(tmp_path):
-    """The run saves step 2, then dies while saving step 4 (VIT_TEST_CRASH_IN_SAVE, exit 3): the relaunch names
+    """The run saves step 2, then dies while saving step 4 (tests/plugins/crash_in_save.py, exit 3): the relaunch names
     step 2 and resumes from it; it dies again at step 4 and retry.sh gives up with that status."""
     r, out = crashing_run(tmp_path, 6, "step4")
     assert r.returncode == 3, out[-3000:]

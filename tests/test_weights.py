@@ -12,6 +12,7 @@ from torch import nn
 
 from vit.data import load_dataset
 from vit.model import build_layers, timm_state_dict
+from vit.weights import initial_layers
 
 NAME = "vit_tiny_patch16_224"
 
@@ -55,7 +56,7 @@ def test_normalisation_comes_from_the_pretrained_config(tmp_path):
 
 def test_pretrained_path_adapts_pos_embed_and_head_and_keeps_the_rest(timm_file):
     path, want = timm_file
-    layers = build_layers(NAME, num_classes=10, in_chans=3, img_size=48, seed=0, pretrained_path=str(path))
+    layers = initial_layers(NAME, num_classes=10, in_chans=3, img_size=48, seed=0, drop_path=0.0, path=str(path))
     got = timm_state_dict(nn.Sequential(*layers).state_dict(), depth=12)
     fresh = timm_state_dict(nn.Sequential(*build_layers(NAME, 10, 3, 48, seed=0)).state_dict(), depth=12)
     assert got.keys() == want.keys()
@@ -76,7 +77,7 @@ def test_grey_weights_fine_tune_on_rgb_and_embed_a_grey_image_alike(tmp_path):
     grey = timm.create_model(NAME, pretrained=False, img_size=32, num_classes=5, in_chans=1)
     path = tmp_path / "grey.safetensors"
     save_file({k: v.contiguous() for k, v in grey.state_dict().items()}, str(path))
-    layers = build_layers(NAME, num_classes=5, in_chans=3, img_size=32, seed=0, pretrained_path=str(path))
+    layers = initial_layers(NAME, num_classes=5, in_chans=3, img_size=32, seed=0, drop_path=0.0, path=str(path))
     image = torch.rand(2, 1, 32, 32)
     rgb = timm_state_dict(nn.Sequential(*layers).state_dict(), depth=12)["patch_embed.proj.weight"]
     assert rgb.shape == (192, 3, 16, 16)

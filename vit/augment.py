@@ -17,10 +17,10 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from PIL import Image
 from timm.data import Mixup, create_transform
 from torch.utils.data import Dataset, TensorDataset
 
+from vit.data import TrainBatches, make_loader
 from vit.errors import ConfigError
 from vit.settings import RecipeSettings
 
@@ -61,21 +61,6 @@ class Augmented(Dataset):
         random.setstate(py)
         np.random.set_state(npy)
         return samples
-
-
-class PILImages(Dataset):
-    """uint8 images (N, C, H, W) with their labels as PIL images, what timm's transforms take."""
-
-    def __init__(self, images: np.ndarray, labels):
-        self.images, self.labels = images, labels
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, i):
-        img = self.images[i]
-        img = Image.fromarray(img[0]) if img.shape[0] == 1 else Image.fromarray(img.transpose(1, 2, 0))
-        return img, int(self.labels[i])
 
 
 class LabelsOnly(Dataset):
@@ -172,8 +157,6 @@ def train_batches(data, r: RecipeSettings, seed: int, *, partners: bool = True, 
     when --mixup or --cutmix is on. partners=False: the single-process reference, which mixes whole global
     batches. labels_only: the same labels (and mixed targets) with blank images, where the data set can give its
     labels without its images (without_images)."""
-    from vit.data import TrainBatches, make_loader
-
     r = data_recipe(r, data)
     dataset, keyed = train_dataset(data, r, seed)
     if labels_only:

@@ -12,6 +12,8 @@ from vit.engines.registry import spec
 from vit.errors import ConfigError
 from vit.settings import DEFAULT_EPOCHS, GROUPS, ROOT, TRACKERS, Settings
 
+PROG = "entry_cn.sh"  # the launcher users run: the usage and the training's messages name it
+
 
 def flag(f) -> tuple[str, ...]:
     given = f.metadata["cli"].get("flag")
@@ -40,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="entry_cn.sh", description="Train a Vision Transformer with DeepSpeed ZeRO, a DeepSpeed "
+    p = _Parser(prog=PROG, description="Train a Vision Transformer with DeepSpeed ZeRO, a DeepSpeed "
                 "pipeline, or plain PyTorch DDP. With no options: the tiny ViT on the embedded digits data set.",
                 formatter_class=HelpFormatter)
     for cls, title in GROUPS.values():

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from vit.errors import ConfigError
+from vit.imagefolder import load_imagefolder
 from vit.settings import DATASETS, DataSettings
 
 READS_DATA_PATH = ("cifar10", "cifar100", "imagefolder")
@@ -45,8 +47,6 @@ def load_digits() -> DataSplit:
     from sklearn.datasets import load_digits as sk_digits
     from sklearn.model_selection import train_test_split
 
-    from vit.augment import PILImages
-
     d = sk_digits()
     x = d.images.astype(np.float32)[:, None] / 16.0
     x_tr, x_te, y_tr, y_te = train_test_split(x, d.target, test_size=0.2, random_state=0, stratify=d.target)
@@ -74,6 +74,21 @@ class _UInt8Images(Dataset):
 
     def __getitem__(self, i):
         return (torch.from_numpy(self.images[i]).float() - self.mean) / self.std, self.targets[i]
+
+
+class PILImages(Dataset):
+    """uint8 images (N, C, H, W) with their labels as PIL images, what timm's transforms take."""
+
+    def __init__(self, images: np.ndarray, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        img = self.images[i]
+        img = Image.fromarray(img[0]) if img.shape[0] == 1 else Image.fromarray(img.transpose(1, 2, 0))
+        return img, int(self.labels[i])
 
 
 CIFAR = {  # folder inside --data-path, training files, test file, label key, mean, std
@@ -109,8 +124,6 @@ def load_cifar(name: str, data_path: str, download: bool, norm: tuple | None = N
             xs.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
             ys.append(np.asarray(batch[label_key], dtype=np.int64))
         return np.concatenate(xs), np.concatenate(ys)
-
-    from vit.augment import PILImages
 
     (x_tr, y_tr), (x_te, y_te) = read(train_files), read([test_file])
     return DataSplit(_UInt8Images(x_tr, y_tr, mean, std), _UInt8Images(x_te, y_te, mean, std),
@@ -174,9 +187,10 @@ def load_dataset(name: str, data_path: str | None, img_size: int, download: bool
     if name == "imagefolder":
         if not data_path:
             raise ConfigError("imagefolder needs --data-path DATA (with DATA/train and DATA/val)")
-        from vit.imagefolder import load_imagefolder  # it builds a DataSplit of this module
-
-        return load_imagefolder(data_path, img_size, norm)
+        mean, std = norm or (DataSplit.mean, DataSplit.std)  # ImageNet's statistics
+        train, test, raw = load_imagefolder(data_path, img_size, mean, std)
+        return DataSplit(train, test, num_classes=len(train.classes), in_chans=3, img_size=img_size, mean=mean,
+                         std=std, raw_train=raw)
     if name == "synthetic":
         return DataSplit(_Synthetic(synthetic_size, img_size, 10, seed), _Synthetic(256, img_size, 10, seed + 1),
                          num_classes=10, in_chans=3, img_size=img_size, mean=(0.0,) * 3, std=(1.0,) * 3)

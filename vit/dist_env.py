@@ -205,15 +205,9 @@ def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto", 
     os.environ.update(RANK=str(job.rank), WORLD_SIZE=str(job.world_size), LOCAL_RANK=str(job.local_rank),
                       MASTER_ADDR=job.master_addr, MASTER_PORT=str(job.master_port))
     backend = "nccl" if job.device_type == "cuda" else "gloo"
-    try:  # with device_id NCCL creates its communicators here, and a full GPU fails it
-        dist.init_process_group(backend, store=store, rank=job.rank, world_size=job.world_size, timeout=timeout,
-                                device_id=device_id)
-    except RuntimeError as e:
-        from vit.memory import is_oom, nccl_out_of_memory
-
-        if not is_oom(e):
-            raise
-        raise nccl_out_of_memory(device_id, e) from e
+    # With device_id NCCL creates its communicators here, and a full GPU fails it (vit.train words that error).
+    dist.init_process_group(backend, store=store, rank=job.rank, world_size=job.world_size, timeout=timeout,
+                            device_id=device_id)
     return backend
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from PIL import Image
 
-from vit.data import DataSplit
 from vit.errors import ConfigError
 
 SHOWN = 3  # unreadable files named in the message; the rest are counted
@@ -43,12 +42,11 @@ def check_images(root: Path, paths: list[str]) -> None:
                           "training)")
 
 
-def load_imagefolder(data_path: str, img_size: int, norm: tuple | None = None) -> DataSplit:
-    """ImageNet-style tree: DATA/train/<class>/*.jpg and DATA/val/<class>/*.jpg, normalised with `norm` (mean, std)
-    when given, else with ImageNet's statistics."""
+def load_imagefolder(data_path: str, img_size: int, mean: tuple, std: tuple) -> tuple:
+    """ImageNet-style tree: DATA/train/<class>/*.jpg and DATA/val/<class>/*.jpg. (the training set, the validation
+    set), normalised with (mean, std), and the training images as they are, for augmentation (vit.data.DataSplit)."""
     from torchvision import datasets, transforms
 
-    mean, std = norm or (DataSplit.mean, DataSplit.std)
     root = Path(data_path)
     splits = [root / "train", root / "val"]
     for s in splits:
@@ -65,6 +63,4 @@ def load_imagefolder(data_path: str, img_size: int, norm: tuple | None = None) -
     if train.classes != test.classes:
         raise ConfigError(f"imagefolder: the class folders of {splits[0]} and {splits[1]} differ")
     check_images(root, [p for ds in (train, test) for p, _label in ds.samples])
-    raw = datasets.ImageFolder(str(splits[0]), loader=read_rgb)
-    return DataSplit(train, test, num_classes=len(train.classes), in_chans=3, img_size=img_size, mean=mean, std=std,
-                     raw_train=raw)
+    return train, test, datasets.ImageFolder(str(splits[0]), loader=read_rgb)

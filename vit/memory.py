@@ -1,6 +1,5 @@
 """What fits in a rank's memory: the message of a rank that ran out of it (with what would fit), and
 --micro-batch-size auto (the largest micro-batch whose forward and backward fit every rank)."""
-import os
 import re
 import socket
 from collections.abc import Callable
@@ -113,23 +112,6 @@ def nccl_out_of_memory(dev: torch.device, error: Exception) -> OutOfMemory:
     return OutOfMemory(f"out of memory on {dev} as NCCL created its communicators: {_first_line(error)}. Another "
                        "process may hold this GPU's memory (nvidia-smi lists them); NCCL_BUFFSIZE smaller than its "
                        "4 MiB default needs less")
-
-
-def inject_oom_for_tests(rank: int, watchdog) -> None:
-    """VIT_TEST_OOM_AT=RANK:STEP (STEP >= 2) makes rank RANK's forward raise cuBLAS's out-of-memory error (a
-    RuntimeError, as torch raises it) during step STEP, so that tests reach the real handling without a GPU."""
-    at = os.environ.get("VIT_TEST_OOM_AT")
-    if not at or int(at.split(":")[0]) != rank:
-        return
-    step = int(at.split(":")[1])
-
-    def hook(module, args):
-        if watchdog.step >= step - 1:  # the census and step 1 have run forwards already
-            handle.remove()  # once: the message's estimate runs forwards too
-            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` "
-                               "(injected by VIT_TEST_OOM_AT)")
-
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
 
 
 def largest_fitting(need: Callable[[int], float | None], budget: float, upper: int) -> int:

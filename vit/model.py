@@ -154,13 +154,11 @@ def to_layers(vit: VisionTransformer) -> list[nn.Module]:
 
 
 def build_layers(model_name: str, num_classes: int, in_chans: int, img_size: int | None = None,
-                 seed: int = 0, drop_path: float = 0.0, pretrained_path: str | None = None) -> list[nn.Module]:
-    """The layer list, from `seed`, or from the weights at `pretrained_path` adapted to this model."""
+                 seed: int = 0, drop_path: float = 0.0, state: dict | None = None) -> list[nn.Module]:
+    """The layer list, from `seed`, with `state` (timm's keys: vit.weights.pretrained_state) loaded over it."""
     vit = create_vit(model_name, num_classes, in_chans, img_size, seed, drop_path)
-    if pretrained_path:
-        from vit.weights import load_pretrained  # it reads this module's key maps
-
-        load_pretrained(vit, pretrained_path)
+    if state is not None:
+        vit.load_state_dict(state, strict=False)
     return to_layers(vit)
 
 

@@ -5,7 +5,6 @@ import csv
 import json
 import os
 import secrets
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import torch.distributed as dist
 from vit.dist_env import rank0_decides
 from vit.errors import ConfigError
 from vit.metrics import MetricsLog
-from vit.settings import ROOT
 
 RENAMES = {"eval_loss": "loss"}  # eval/loss beside train/loss
 
@@ -178,15 +176,15 @@ class TrackedMetrics(MetricsLog):
 
 
 def plot(log_dir: str) -> list[Path]:
-    """The run's charts (plot_logs.py into <log-dir>/plots), for the trackers to keep beside the curves."""
-    out = Path(log_dir) / "plots"
-    r = subprocess.run([sys.executable, str(ROOT / "plot_logs.py"), log_dir, "--out", str(out)], capture_output=True,
-                       text=True, timeout=300)
-    if r.returncode:
-        print(f"warning: no charts for the trackers: {(r.stderr.strip().splitlines() or ['plot_logs.py failed'])[-1]}",
-              file=sys.stderr, flush=True)
+    """The run's charts (vit.charts, into <log-dir>/plots), for the trackers to keep beside the curves."""
+    from vit.charts import write  # matplotlib: imported only by a run that reports to a tracker
+    from vit.runlogs import Run
+
+    try:
+        return sorted(write([Run(log_dir)], Path(log_dir) / "plots")[1])
+    except Exception as e:  # the charts are an extra: the run and its curves stand without them
+        print(f"warning: no charts for the trackers: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return []
-    return sorted(out.glob("*.png"))
 
 
 def _read_json(path: str):

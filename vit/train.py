@@ -12,10 +12,10 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from vit import autocache, autopipe, checkpoint, console, hetero, preflight, slowdown, tracking, weights
+from vit import autocache, autopipe, checkpoint, console, hetero, plugins, preflight, slowdown, tracking, weights
 from vit.augment import train_batches
 from vit.checkpoint import Checkpointer
-from vit.cli import parse
+from vit.cli import PROG, parse
 from vit.data import TrainBatches, loader_workers, make_loader
 from vit.dist_env import device, discover, init_process_group, rank0_decides, rank_cores
 from vit.ds_config import with_precision
@@ -28,7 +28,7 @@ from vit.faults import Watchdog, announce_failure
 from vit.freeze import Freezer
 from vit.gpu import set_tf32
 from vit.hetero.profile import gpu_reserved_bytes
-from vit.memory import fit_micro_batch, inject_oom_for_tests, is_oom, likely_precision, out_of_memory
+from vit.memory import fit_micro_batch, is_oom, likely_precision, nccl_out_of_memory, out_of_memory
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
@@ -113,8 +113,8 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
         earlier = {k: manifest[k] for k in ("train_s", "segments") if k in manifest}  # older ones: this run's alone
         frozen, layout = freeze_state["frozen"], freeze_state.get("layout")
     data = plan.data
-    layers = build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
-                          s.model.drop_path, None if plan.resume else s.model.pretrained_path)
+    layers = weights.initial_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
+                                    s.model.drop_path, None if plan.resume else s.model.pretrained_path)
     ema_layers = copy.deepcopy(layers) if s.recipe.model_ema else None  # before ZeRO-3 partitions them
     adapted = adapt(plan, dev, layers, start)
     tf32 = set_tf32(dev, s.parallel.tf32 == "on")
@@ -240,26 +240,29 @@ def run(plan: Plan, start_time: float) -> int:
         init_process_group(plan.job, plan.settings.cluster.dist_timeout, plan.settings.cluster.device,
                            plan.requested_precision, plan.settings.parallel.engine)
     except ConfigError as e:
-        print(f"entry_cn.sh: error: {e}", file=sys.stderr, flush=True)
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
-    except OutOfMemory as e:  # NCCL's communicators did not fit (vit.dist_env)
-        print(f"rank {plan.job.rank} ({socket.gethostname()}) failed at start: {e}", file=sys.stderr, flush=True)
+    except RuntimeError as e:  # a full GPU: NCCL's communicators did not fit
+        if not is_oom(e):
+            raise
+        print(f"rank {plan.job.rank} ({socket.gethostname()}) failed at start: "
+              f"{nccl_out_of_memory(device(plan.job), e)}", file=sys.stderr, flush=True)
         return 1
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
-    inject_oom_for_tests(plan.job.rank, watchdog)
+    plugins.call("start", plan.job.rank, watchdog)
     try:
         plan = fit_micro_batch(plan)
         train(plan, start_time, watchdog)
     except NothingToDo as e:  # decided on rank 0 before anything was written
         if plan.job.is_main:
-            print(f"entry_cn.sh: {e}", flush=True)
+            print(f"{PROG}: {e}", flush=True)
     except Exception as e:
         if is_oom(e):
             e = out_of_memory(plan, device(plan.job), watchdog.step, e)
         if isinstance(e, ConfigError):  # a collective finding (preflight, census, lock): the same on every rank
             announce_failure(f"rank {plan.job.rank} ({socket.gethostname()}): {e}")
-            print(f"entry_cn.sh: error: {e}", file=sys.stderr, flush=True)
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
             os._exit(2)
         # os._exit, not through atexit: DeepSpeed and MPI would wait on the ranks that are gone
         watchdog.fail(e, explained=isinstance(e, (NonFiniteLoss, OutOfMemory, checkpoint.CheckpointError)))
@@ -274,12 +277,13 @@ def main(argv=None) -> int:
     try:
         settings = parse(argv)
         console.capture(settings.log.verbose)  # before DeepSpeed is imported
+        plugins.load()  # VIT_PLUGINS: the tests' fault injection
         plan = make_plan(settings, discover())
     except NothingToDo as e:
-        print(f"entry_cn.sh: {e}", flush=True)
+        print(f"{PROG}: {e}", flush=True)
         return 0
     except ConfigError as e:
-        print(f"entry_cn.sh: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     return run(plan, start_time)
 

@@ -29,7 +29,7 @@ from torch import nn
 from vit import weightfile
 from vit.console import library_prints
 from vit.errors import ConfigError
-from vit.model import PRESETS, check_model, layer_state_dict, timm_state_dict
+from vit.model import PRESETS, build_layers, check_model, create_vit, layer_state_dict, timm_state_dict
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")  # a DeepSpeed pipeline checkpoint's per-layer files
 ASYNC_STAGE_FILE = re.compile(r"^async_stage\d+\.pt$")  # an async-pipeline checkpoint's stages (layer keys)
@@ -172,20 +172,23 @@ def adapt(state: dict, model: nn.Module, path: str) -> tuple[dict, list[str]]:
     return {k: v for k, v in out.items() if k in want}, notes
 
 
-def load_pretrained(model: nn.Module, path: str) -> list[str]:
-    """Load `path` into the timm model; the notes say what was adapted."""
-    state, notes = adapt(read_state(path), model, path)
-    model.load_state_dict(state, strict=False)
-    return notes
+def pretrained_state(path: str, model_name: str, num_classes: int, in_chans: int, img_size: int | None) -> tuple:
+    """(the tensors of `path` adapted to the model, notes on what was adapted): shapes only, on the meta device."""
+    with torch.device("meta"):
+        vit = create_vit(model_name, num_classes, in_chans, img_size)
+    return adapt(read_state(path), vit, path)
+
+
+def initial_layers(model_name: str, num_classes: int, in_chans: int, img_size: int | None, seed: int,
+                   drop_path: float, path: str | None) -> list[nn.Module]:
+    """vit.model.build_layers, with the tensors of `path` (when given) adapted and loaded over the seed's."""
+    state = pretrained_state(path, model_name, num_classes, in_chans, img_size)[0] if path else None
+    return build_layers(model_name, num_classes, in_chans, img_size, seed, drop_path, state)
 
 
 def check(path: str, model_name: str, num_classes: int, in_chans: int, img_size: int) -> list[str]:
-    """Before any process group: does `path` fit the model (shapes only, on the meta device)? Its notes."""
-    from vit.model import create_vit
-
-    with torch.device("meta"):
-        vit = create_vit(model_name, num_classes, in_chans, img_size)
-    notes = adapt(read_state(path), vit, path)[1]
+    """Before any process group: does `path` fit the model? Its notes."""
+    notes = pretrained_state(path, model_name, num_classes, in_chans, img_size)[1]
     return [f"--pretrained-path {path}: " + "; ".join(notes or ["every tensor fits"])]
 
 

@@ -10,7 +10,6 @@ otherwise, until the step's micro-batches are all forwarded. The micro-batches s
 finish in the next step. A checkpoint drains them first (and the last step does), so what is saved is weights,
 optimizer and counters, and a resumed run continues as the uninterrupted one does.
 """
-import json
 import os
 import re
 from collections import OrderedDict
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from vit import plugins
 from vit.engines import p2p
 from vit.engines.base import EngineContext, StagedEngine, save_atomic
 from vit.engines.msnag import predict
@@ -56,7 +56,6 @@ class InFlight:
     weights: dict | None  # the weights its forward used, by name
     version: int  # updates this stage had applied when it was forwarded
     staleness: int  # updates that land before its own
-    fingerprint: float | None = None  # VIT_TEST_ASYNC_TRACE: a checksum of its forward's weights
 
 
 class AsyncPipelineEngine(StagedEngine):
@@ -93,8 +92,6 @@ class AsyncPipelineEngine(StagedEngine):
         self.inflight: dict[int, InFlight] = {}
         self.cached = None  # (version, staleness, weights): the stashed or predicted weights forwards share
         self.losses: list[torch.Tensor] = []
-        trace = os.environ.get("VIT_TEST_ASYNC_TRACE")  # tests: which weights each pass used, per micro-batch
-        self.trace = open(f"{trace}_rank{dist.get_rank()}.jsonl", "a", buffering=1) if trace else None
         self.timer = PhaseTimer(self.device)
 
     def train_step(self, batches):
@@ -154,7 +151,8 @@ class AsyncPipelineEngine(StagedEngine):
             self.links.send_act.send(out)
             t.lap("pipe_send_s")
         self.inflight[k] = InFlight(x, None if again else out, None if again else weights, self.version,
-                                    self.staleness(k), checksum(weights) if self.trace else None)
+                                    self.staleness(k))
+        plugins.call("async_forward", self, k, weights)  # tests: which weights each pass used
         self.forwarded += 1
 
     def _backward(self) -> None:
@@ -177,11 +175,7 @@ class AsyncPipelineEngine(StagedEngine):
         for p, g in zip(self.params.values(), grads[len(inputs):]):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
-        if self.trace:
-            self.trace.write(json.dumps({
-                "stage": self.stage, "k": k, "forward_version": rec.version, "backward_version": self.version,
-                "staleness": rec.staleness, "forward_weights": rec.fingerprint,
-                "backward_weights": checksum(weights)}) + "\n")
+        plugins.call("async_backward", self, k, rec, weights)
         t.lap("backward_s")
         if not self.first:
             self.links.send_grad.send(grads[0])
@@ -266,10 +260,6 @@ class AsyncPipelineEngine(StagedEngine):
         self.steps, self.forwarded, self.backwarded, self.version = state["counters"]
         self.inflight, self.cached = {}, None
         return state["client_state"]
-
-
-def checksum(weights: dict) -> float:
-    return float(sum(w.detach().double().sum() for w in weights.values()))
 
 
 def build(ctx: EngineContext):

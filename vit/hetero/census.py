@@ -1,13 +1,11 @@
 """The census: what every rank's device is and can run, and how fast it is (vit.precision settles the precision)."""
-import json
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from vit.errors import ConfigError
+from vit import plugins
 from vit.precision import deepspeed_fp16, gpu_precisions
 from vit.slowdown import Clock
 
@@ -18,8 +16,8 @@ def capabilities(dev: torch.device, local_world_size: int, engine: str) -> dict:
     """This rank's device: name, memory, compute capability and what it trains in under `engine`
     (vit.precision.gpu_precisions; on a CPU, what DeepSpeed's accelerator says).
 
-    VIT_CENSUS_OVERRIDE (a JSON object) replaces fields of the report, so that tests can stand in for a GPU
-    without bf16 on a machine that has none."""
+    A plugin may change the report (vit.plugins' "census" hook), so that tests can stand in for a GPU without
+    bf16 on a machine that has none."""
     from deepspeed.accelerator import get_accelerator
 
     from vit.memory import device_memory
@@ -35,12 +33,7 @@ def capabilities(dev: torch.device, local_world_size: int, engine: str) -> dict:
         native = {"fp16": bool(acc.is_fp16_supported()), "bf16": bool(acc.is_bf16_supported())}
     report = {"host": socket.gethostname(), "device": name, "capability": capability,
               "mem_total_gib": total / 2**30, "mem_free_gib": free / 2**30, **native}
-    override = os.environ.get("VIT_CENSUS_OVERRIDE")
-    if override:
-        try:
-            report.update(json.loads(override))
-        except (json.JSONDecodeError, TypeError, ValueError):
-            raise ConfigError(f"VIT_CENSUS_OVERRIDE is not a JSON object: {override!r}") from None
+    plugins.call("census", report)
     return report
 
 
