@@ -30,9 +30,10 @@ def main() -> None:
     dev = dist_env.device(de)
     t = torch.tensor([float(rank + 1)], device=dev)
     dist.all_reduce(t)
+    got = t.item()  # before the group goes: on NCCL the all_reduce may still be queued on its stream
     dist.destroy_process_group()
-    if t.item() != expected:
-        sys.exit(f"rank {rank} on {host}: {backend} all_reduce on {dev} gave {t.item()}, expected {expected}")
+    if got != expected:
+        sys.exit(f"rank {rank} on {host}: {backend} all_reduce on {dev} gave {got}, expected {expected}")
     print(f"rank {rank} of {size} on {host}: mpi4py allreduce ok, {backend} all_reduce on {dev} ok "
           f"(rank 0 at {de.master_addr}:{de.master_port}, {time.perf_counter() - start:.1f}s)", flush=True)
 

@@ -1,7 +1,8 @@
 """GPUs, decided before the process group starts: every rank reports its CUDA device through the launcher's store,
 and every rank reads all reports and reaches the same verdict: one backend for the job, one GPU per rank (the one
 at LOCAL_RANK, as DeepSpeed picks), one torch build with kernels for every card, and a precision every card runs
-(vit.precision). Also TF32."""
+(vit.precision). Also TF32, and two habits for code that runs beside NCCL: fork the random state of this rank's GPU
+only, and wait for this rank's queued work only."""
 import json
 import os
 import re
@@ -205,3 +206,19 @@ def set_tf32(device: torch.device, on: bool) -> str | None:
     torch.backends.cuda.matmul.fp32_precision = mode
     torch.backends.cudnn.conv.fp32_precision = mode
     return f"fp32 matmuls and convolutions in {mode} (--tf32 {'on' if on else 'off'})"
+
+
+def fork_rng(device: torch.device):
+    """torch.random.fork_rng for this rank's device alone: without `devices` it saves and restores the state of every
+    visible GPU, creating a context on each (memory on GPUs other ranks train on)."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def wait_for_queued(device: torch.device) -> None:
+    """The host waits for the work queued so far on this device's current stream (nothing to wait for on a CPU).
+    Not device-wide: torch.cuda.synchronize() would also wait for NCCL receives posted ahead on their own streams,
+    which may need this very rank to send first (a deadlock)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        event.synchronize()

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.errors import ConfigError, OutOfMemory
+from vit.gpu import fork_rng
 from vit.hetero.profile import BYTES_PER_PARAM, USABLE_MEMORY, gpu_reserved_bytes
 from vit.model import build_layers
 from vit.precision import likely
@@ -195,7 +196,7 @@ def fit_micro_batch(plan):
     dev = device(job)
     name, free, _ = device_memory(dev, job.local_world_size)
     precision = likely_precision(plan, dev)
-    with torch.random.fork_rng():
+    with fork_rng(dev):
         model = nn.Sequential(*_layers(plan)).to(dev, DTYPES[precision])
     params = sum(p.numel() for p in model.parameters())
     budget = USABLE_MEMORY * free - reserved_on(dev, plan, precision) - params * OPTIMIZER_BYTES_PER_PARAM

@@ -7,6 +7,7 @@ import time
 import torch
 
 from vit.errors import NonFiniteLoss
+from vit.gpu import wait_for_queued
 from vit.metrics import log_line, peak_mem_gib, progress
 
 
@@ -146,7 +147,9 @@ class StepStats:
 
     @contextlib.contextmanager
     def paused(self):
-        """Time spent inside (evaluation, checkpoints) counts in no step time, images/s or breakdown."""
+        """Time spent inside (evaluation, checkpoints) counts in no step time, images/s or breakdown. The steps' work
+        still queued on the GPU is waited for first, so that it counts as training."""
+        wait_for_queued(self.engine.device)
         start = self.paused_at = time.perf_counter()
         try:
             yield

@@ -116,10 +116,10 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     layers = weights.initial_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
                                     s.model.drop_path, None if plan.resume else s.model.pretrained_path)
     ema_layers = copy.deepcopy(layers) if s.recipe.model_ema else None  # before ZeRO-3 partitions them
-    adapted = adapt(plan, dev, layers, start)
-    tf32 = set_tf32(dev, s.parallel.tf32 == "on")
+    tf32 = set_tf32(dev, s.parallel.tf32 == "on")  # before the census: it measures fp32 speed as training runs
     if tf32 and job.is_main:
         print(tf32, flush=True)
+    adapted = adapt(plan, dev, layers, start)
     slowdown.attach_all(layers, plan.slowdowns.get(job.rank, 1.0), dev)
     locks = lock_run_dirs(log_dir, save_dir, s.checkpoint.no_save)
     hidden_to = console.to_file(log_dir, job.rank)

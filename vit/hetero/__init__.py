@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.dist_env import Job
+from vit.gpu import fork_rng
 from vit.hetero.batch_split import split_batches
 from vit.hetero.census import capabilities, census_table, gather, measure_speed
 from vit.hetero.loss_scale import FP16_MAX, SCALE_MARGIN, probe_grad_max, scale_power
@@ -51,7 +52,7 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
     caps = gather({**capabilities(device, job.local_world_size, engine), "mem_reserved_gib": reserved_gib})
     precision, why = choose(requested_precision, engine, caps)
-    with torch.no_grad(), torch.random.fork_rng():
+    with torch.no_grad(), fork_rng(device):
         block_input = (micro_batch, *layers[0](sample).shape[1:])
     timing = bool(balanced_stages or layer_times)
     # One rank at a time: ranks that share a host's cores would slow each other. Layer times take LAYER_TURNS

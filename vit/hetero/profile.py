@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from vit.gpu import fork_rng
+
 BYTES_PER_PARAM = 16  # fp32 weights, gradients and two AdamW moments; or half weights + grads + fp32 master
 USABLE_MEMORY = 0.9  # plans leave 10% of the free memory for the allocator's fragmentation and the unforeseen
 # What a GPU rank holds outside the weights, gradients, optimizer state and activations a plan counts: NCCL's
@@ -48,7 +50,7 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str
         layers = [copy.deepcopy(layer).to(DTYPES[precision]) for layer in layers]
         sample = sample.to(DTYPES[precision])
     out, x = [], sample
-    with torch.random.fork_rng():
+    with fork_rng(sample.device):
         for layer in layers:
             own = {p.untyped_storage().data_ptr() for p in layer.parameters()}
             saved = {}
@@ -89,7 +91,7 @@ def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int,
     copies = [copy.deepcopy(layer).to(dev, dtype) for layer in layers]
     inputs, grads = [], []
     x = sample.to(dev, dtype).expand(micro_batch, *sample.shape[1:]).contiguous()
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+    with fork_rng(dev):
         with torch.no_grad():
             for i, layer in enumerate(copies):
                 inputs.append(x.requires_grad_(i > 0))  # the images need no gradient; a later stage's input does
