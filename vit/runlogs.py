@@ -26,7 +26,7 @@ class LogError(Exception):
 def read_jsonl(path: Path) -> list[dict]:
     """Records of a JSON-lines file (vit.jsonl's rule); a truncated last line (a run killed mid-write) is dropped."""
     def note(p):
-        print(f"plot_logs.py: note: {p}: ignoring a truncated last line", file=sys.stderr)
+        print(f"note: {p}: ignoring a truncated last line", file=sys.stderr)  # plot_logs.py, or the trackers' charts
 
     try:
         return jsonl.read_jsonl(path, on_torn_tail=note)
