@@ -78,6 +78,11 @@ class PipelineEngine(DeepSpeedEngine):
         self.groups = pipeline_groups(module)
 
     def close(self):
+        # The last stage keeps its last forward's outputs and loss; their autograd hooks hold DeepSpeed's engine in
+        # a cycle through autograd that gc cannot see.
+        for buffers in self.ds_engine.pipe_buffers.values():
+            buffers.clear()
+        self.ds_engine.loss = self.ds_engine.total_loss = None
         super().close()
         destroy_groups(self.groups)
         self.groups = []
