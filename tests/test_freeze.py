@@ -73,6 +73,15 @@ def freeze_records(log_dir, rank: int = 0) -> list[dict]:
     return [r for r in read_jsonl(log_dir / f"metrics_rank{rank}.jsonl") if r["kind"] == "freeze"]
 
 
+def assert_released(log_dir) -> None:
+    """Every freeze point freed the old engine's module before it built the new one, and left no more process groups
+    than the first freeze point did, on both ranks."""
+    for rank in (0, 1):
+        records = freeze_records(log_dir, rank)
+        assert records and all(x["old_engine_freed"] for x in records), records
+        assert len({x["process_groups"] for x in records}) == 1, records
+
+
 def assert_losses(got: dict, want: list[float], steps, rel: float = 2e-4) -> None:
     assert sorted(got) == list(steps)
     for step in steps:
@@ -91,6 +100,7 @@ def test_freeze_schedule_matches_single_process_loop(tmp_path, engine, config):
     for rank in (0, 1):
         assert [(x["step"], x["frozen"], x["stages"], x["dp"], x["cache"]) for x in freeze_records(tmp_path, rank)] \
             == [(2, 2, 1, 2, False), (4, 3, 1, 2, False)]  # the digits' default crop: auto does not cache
+    assert_released(tmp_path)
     want = reference(6, {2: 2, 4: 3}, layer_decay=0.8)
     assert_losses(train_losses(tmp_path), want, range(1, 7))
     assert want[4:] != pytest.approx(reference(6, {}, layer_decay=0.8)[4:], rel=2e-4)  # freezing shows
@@ -169,6 +179,7 @@ def test_freeze_in_bf16_moves_deepspeeds_fp32_weights_and_adam_state(tmp_path, e
     assert r.ok, r
     assert "precision bf16" in r.outputs[0], r.outputs[0]
     assert [(x["step"], x["frozen"]) for x in freeze_records(tmp_path)] == [(2, 2), (4, 3)]
+    assert_released(tmp_path)
     # bf16 weights and activations against the fp32 loop: within 0.5% (measured: at most 0.3%).
     assert_losses(train_losses(tmp_path), reference(6, {2: 2, 4: 3}), range(1, 7), rel=5e-3)
 
@@ -215,6 +226,7 @@ def test_pipeline_shrinks_to_data_parallel_and_matches_the_loop_and_resumes(tmp_
         assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in records] == points
         assert all(x["parts"] == [0, 6] and x["predicted_ms"] > 0 for x in records)
     assert "freeze at step 2: 2 layers frozen; 1 stages x 2 data-parallel, layers [0, 6]" in r.outputs[0]
+    assert_released(full)
     want = reference(8, {2: 2, 4: 3, 6: 4})
     assert_losses(train_losses(full), want, range(1, 9))
     for start in (3, 6):  # in the 1 x 2 layout the checkpoint records, across the freeze points at 4 and 6
@@ -237,6 +249,25 @@ def test_pipeline_without_replan_keeps_its_layout(tmp_path):
 
 
 @pytest.mark.ranks
+@pytest.mark.timeout(200)
+def test_pipeline_rebuilds_leave_no_process_groups_and_no_engine_behind(tmp_path):
+    # Two freeze points at 2 stages (alpha 0.2 freezes 1, then 2 layers; the first stage keeps its third layer).
+    # Each DeepSpeed PipelineModule creates five process groups of its own (world, model, data, pipe and slice
+    # parallel); the old pipeline's must be destroyed at each rebuild (before: 11, then 16 groups live). On the last
+    # stage DeepSpeed keeps the last forward's outputs, whose autograd hooks held the old engine.
+    r = launch(["--engine", "pipeline", "--freeze-replan", "off", "--freeze", "schedule", "--freeze-alpha", 0.2,
+                "--freeze-interval-epochs", 0.1, "--steps", 5, "--log-interval", 1, "--no-save",
+                "--log-dir", tmp_path], timeout=160)
+    assert r.ok, r
+    for rank in (0, 1):
+        records = freeze_records(tmp_path, rank)
+        assert [(x["step"], x["frozen"], x["stages"]) for x in records] == [(2, 1, 2), (4, 2, 2)]
+        assert [x["process_groups"] for x in records] == [6, 6]  # the default group and the live pipeline's five
+        assert [x["old_engine_freed"] for x in records] == [True, True]
+    assert_losses(train_losses(tmp_path), reference(5, {2: 1, 4: 2}), range(1, 6))
+
+
+@pytest.mark.ranks
 @pytest.mark.timeout(420)
 def test_cache_gives_the_same_losses(tmp_path):
     # 128 samples, 2 steps an epoch; a freeze point every 2 epochs: the cache fills in the epoch after each one
@@ -250,6 +281,7 @@ def test_cache_gives_the_same_losses(tmp_path):
         losses[cache] = train_losses(tmp_path / cache)
         assert [(x["step"], x["frozen"], x["cache"]) for x in freeze_records(tmp_path / cache)] == [
             (4, 2, cache == "on"), (8, 3, cache == "on")]
+        assert_released(tmp_path / cache)
     assert sorted(losses["on"]) == list(range(1, 11))
     for step, loss in losses["on"].items():
         assert loss == pytest.approx(losses["off"][step], rel=1e-5), (step, losses)

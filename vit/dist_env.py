@@ -229,3 +229,16 @@ def rank0_decides(decide):
     if isinstance(answer[0], Exception):
         raise answer[0]
     return answer[0]
+
+
+def live_process_groups() -> int:
+    """The process groups alive in this process, the default one included (torch's public get_pg_count() counts
+    every group ever created, destroyed ones too)."""
+    return len(dist.distributed_c10d._world.pg_map)  # noqa: SLF001
+
+
+def destroy_groups(groups: list) -> None:
+    """Destroy process groups nothing uses again (NCCL: their communicators and the GPU memory these hold), in the
+    order given, the same on every rank."""
+    for group in groups:
+        dist.destroy_process_group(group)

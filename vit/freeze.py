@@ -5,8 +5,10 @@ The freezable layers are the embedding and the blocks (layer list indices 0 .. L
 Decisions are taken every --freeze-interval-epochs, at the end of a step, from values every rank holds alike (the
 step, or gradient norms summed over all ranks), so every rank rebuilds its engine at the same step.
 """
+import gc
 import math
 import statistics
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -14,6 +16,7 @@ from torch import nn
 
 from vit.autocache import FeatureCache, cached_batches
 from vit.autopipe import Layout, replan
+from vit.dist_env import live_process_groups
 from vit.settings import FreezeSettings
 
 
@@ -163,8 +166,9 @@ class Freezer:
             self.layout, self.planned = replan(self.census, frozen, current, self.micro_batch)
             return self.layout
 
-        rebuilt = rebuild(engine, lambda layers: self.freeze(layers, frozen), self.make_layers, self.make_engine,
-                          plan)
+        self.layers = None  # the old engine's: nothing may keep them alive while the new one is built
+        rebuilt, freed = rebuild(engine, lambda layers: self.freeze(layers, frozen), self.make_layers,
+                                 self.make_engine, plan)
         self.watch(rebuilt.live_module())
         if self.cache is not None:
             self.cache.clear()  # a new boundary
@@ -173,7 +177,7 @@ class Freezer:
         if current and self.replan:
             planned["predicted_ms"] = 1e3 * max(self.planned.times)
         metrics.write("freeze", step, frozen=frozen, stages=stages, dp=rebuilt.dp_size, cache=self.cache is not None,
-                      **planned)
+                      old_engine_freed=freed, process_groups=live_process_groups(), **planned)
         if dist.get_rank() == 0:
             plan = f", layers {planned['parts']}" if planned else ""
             plan += f", slowest stage {planned['predicted_ms']:.2f} ms predicted" if "predicted_ms" in planned else ""
@@ -229,22 +233,35 @@ class Freezer:
             self.norms.load_state_dict(state["sums"])
 
 
-def rebuild(engine, freeze, make_layers, make_engine, plan=lambda layers: None):
+def rebuild(engine, freeze, make_layers, make_engine, plan=lambda layers: None) -> tuple["object", bool]:
     """Collective: a new engine on fresh layers holding the old one's weights, freeze(layers) freezing a prefix,
     continuing the old one's optimizer state, LR schedule, loss scaler and EMA; plan(layers): a pipeline's new
     vit.autopipe.Layout (None: the engine's layout as it was). DeepSpeed and DDP fix their
-    parameters, buckets and hooks at construction, so freezing means building them again."""
+    parameters, buckets and hooks at construction, so freezing means building them again. The old engine is closed
+    and its memory freed first, its state held on the host meanwhile: (the new engine, whether the old one's module
+    was gone before the new one was built)."""
     state, weights = engine.handover(), engine.whole_weights()
+    device, ema, module = engine.device, engine.ema, weakref.ref(engine.live_module())
     engine.close()
+    freed = free_memory(device, module)
     # Building layers re-seeds torch's generator; dropout and drop-path must go on drawing as before.
-    with torch.random.fork_rng(devices=[engine.device] if engine.device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         layers = make_layers()
     with torch.no_grad():
         nn.Sequential(*layers).load_state_dict(weights)
     freeze(layers)
     rebuilt = make_engine(layers, plan(layers))
     rebuilt.take_over(state)
-    rebuilt.ema = engine.ema
-    if rebuilt.ema is not None:
-        rebuilt.ema.engine = rebuilt
-    return rebuilt
+    rebuilt.ema = ema
+    if ema is not None:
+        ema.engine = rebuilt
+    return rebuilt, freed
+
+
+def free_memory(device: torch.device, module: weakref.ref) -> bool:
+    """Collect what a closed engine left (DeepSpeed's hooks hold its module in reference cycles) and hand the
+    GPU memory it held back to the driver; True when `module` is gone."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return module() is None

@@ -9,12 +9,14 @@ Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore u
   {"kind": "eval",  "step", "time", "rank", "host", "eval_loss", "top1", "top5"[, "ema_eval_loss", "ema_top1",
    "ema_top5"]}
   {"kind": "skip",  "step", "time", "rank", "host", "skipped_steps", "in_a_row"}: an fp16 step skipped on overflow
-  {"kind": "freeze", "step", "time", "rank", "host", "frozen", "stages", "dp", "cache"[, "parts",
-   "predicted_ms"]}: --freeze rebuilt the engine after `step`; "frozen" layers of the list (a prefix: embedding,
-   then blocks) train no more from the next step on, laid out as "stages" pipeline stages x "dp" data-parallel
-   copies, "cache" (bool) whether the frozen prefix's outputs are read from a cache instead of computed; a
-   pipeline's "parts" (stage boundaries) and, re-planned (--freeze-replan), "predicted_ms" (its slowest stage per
-   micro-batch from the measured layer times)
+  {"kind": "freeze", "step", "time", "rank", "host", "frozen", "stages", "dp", "cache", "old_engine_freed",
+   "process_groups"[, "parts", "predicted_ms"]}: --freeze rebuilt the engine after `step`; "frozen" layers of the
+   list (a prefix: embedding, then blocks) train no more from the next step on, laid out as "stages" pipeline stages
+   x "dp" data-parallel copies, "cache" (bool) whether the frozen prefix's outputs are read from a cache instead of
+   computed; a pipeline's "parts" (stage boundaries) and, re-planned (--freeze-replan), "predicted_ms" (its slowest
+   stage per micro-batch from the measured layer times); "old_engine_freed" (bool) whether the old engine's module was
+   gone before the new engine was built, "process_groups" the process groups alive after the rebuild (the same at
+   every freeze point)
 """
 import json
 import os

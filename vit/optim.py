@@ -128,13 +128,19 @@ def move_schedule(scheduler, position: float) -> None:
 
 
 def adam_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict:
-    """A torch optimizer's per-parameter state by parameter name."""
+    """A torch optimizer's per-parameter state by parameter name, on the host (--freeze holds it there while the
+    engine is rebuilt, so that the old engine's memory is free first)."""
     names = {p: n for n, p in module.named_parameters()}
-    return {names[p]: dict(st) for p, st in optimizer.state.items()}
+    return {names[p]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+            for p, st in optimizer.state.items()}
 
 
 def put_adam_state(optimizer: torch.optim.Optimizer, module: nn.Module, state: dict) -> None:
     """adam_state()'s values into the optimizer of a module with the same names, for the parameters it trains."""
+    groups = {p: g for g in optimizer.param_groups for p in g["params"]}
     for name, p in module.named_parameters():
         if p.requires_grad and name in state:
-            optimizer.state[p] = state[name]
+            # torch keeps AdamW's step on the host unless the optimizer is fused or capturable (torch.optim's rule).
+            step_on = p.device if groups[p].get("fused") or groups[p].get("capturable") else "cpu"
+            optimizer.state[p] = {k: v.to(step_on if k == "step" else p.device) if torch.is_tensor(v) else v
+                                  for k, v in state[name].items()}

@@ -99,11 +99,14 @@ class Engine(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot be rebuilt in place")
 
     def whole_weights(self) -> dict:
-        """Collective: the whole network's state dict (layer keys) on every rank, for a rebuilt engine."""
-        return {k: v.detach().clone() for k, v in self.live_module().state_dict().items()}
+        """Collective: the whole network's state dict (layer keys) on every rank, on the host, for a rebuilt
+        engine."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.live_module().state_dict().items()}
 
     def close(self) -> None:
-        """Release what the engine holds beyond Python references (DeepSpeed's hooks and buffers)."""
+        """Release everything the engine holds: DeepSpeed's hooks and buffers, the process groups it created and
+        every reference to its module, gradients and optimizer state (--freeze frees them before it builds the
+        next engine). The engine is unusable afterwards."""
 
     @property
     def lr(self) -> float | torch.Tensor:

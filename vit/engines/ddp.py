@@ -129,6 +129,9 @@ class DDPEngine(Engine):
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
 
+    def close(self):
+        self.model = self.optimizer = self.scheduler = None  # DDP's reducer and buckets go with the model
+
     def _state(self):
         return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),

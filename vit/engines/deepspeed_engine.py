@@ -40,12 +40,14 @@ class DeepSpeedEngine(Engine):
         ds, module = self.ds_engine, self.live_module()
         zopt = ds.optimizer
         names = {p: n for n, p in module.named_parameters()}
+        # Everything on the host: the old engine's memory is freed before the new one is built.
         if partitions(zopt):  # fp32 weights and Adam state flat and partitioned
-            adam = {names[p]: whole for i in range(len(partitions(zopt)[0]))
+            adam = {names[p]: {k: t.cpu() for k, t in whole.items()} for i in range(len(partitions(zopt)[0]))
                     for p, whole in whole_adam_state(zopt, i).items()}
-            step = next(iter(zopt.optimizer.state.values()))["step"]
+            step = next(iter(zopt.optimizer.state.values()))["step"].clone()
         elif hasattr(zopt, "fp32_groups"):  # FP16_UnfusedOptimizer: our AdamW steps an fp32 copy of each parameter
-            adam = {names[lp]: {"master": hp.detach().clone(), **zopt.optimizer.state[hp]}
+            adam = {names[lp]: {"master": hp.detach().cpu(), **{k: v.cpu() if k in ADAM_KEYS else v
+                                                                for k, v in zopt.optimizer.state[hp].items()}}
                     for lp, hp in fp32_copies(zopt)}
             step = None
         elif isinstance(zopt, torch.optim.Optimizer):  # no ZeRO, fp32: DeepSpeed steps our AdamW itself
@@ -68,7 +70,7 @@ class DeepSpeedEngine(Engine):
             with torch.no_grad():
                 for lp, hp in fp32_copies(zopt):
                     whole = dict(state["adam"][names[lp]])
-                    hp.copy_(whole.pop("master"))  # a pipeline's handover comes through the host
+                    hp.copy_(whole.pop("master"))  # handover() left it on the host
                     zopt.optimizer.state[hp] = {k: v.to(hp.device) if k in ADAM_KEYS else v for k, v in whole.items()}
         else:
             put_adam_state(zopt, self.live_module(), state["adam"])
@@ -79,6 +81,7 @@ class DeepSpeedEngine(Engine):
 
     def close(self):
         self.ds_engine.destroy()
+        self.ds_engine = self.optimizer = self.scheduler = None  # the module, its gradients, the optimizer state
 
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")

@@ -6,6 +6,7 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 
 from vit.autopipe import Layout
+from vit.dist_env import destroy_groups
 from vit.engines.base import EngineContext, StagedEngine
 from vit.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_comm
 from vit.model import Loss
@@ -74,6 +75,17 @@ class PipelineEngine(StagedEngine, DeepSpeedEngine):
         # DeepSpeed's own partition methods give numpy integers: plain ones for the freeze records and checkpoints.
         self.layout = Layout(ctx.pipeline_stages, [int(p) for p in module.parts], self.grad_accum)  # --freeze-replan
         self.ds_engine._INSTRUCTION_MAP = timed_instructions(type(self.ds_engine)._INSTRUCTION_MAP, self.timer)
+        self.groups = pipeline_groups(module)
+
+    def close(self):
+        # The last stage keeps its last forward's outputs and loss; their autograd hooks hold DeepSpeed's engine in
+        # a cycle through autograd that gc cannot see.
+        for buffers in self.ds_engine.pipe_buffers.values():
+            buffers.clear()
+        self.ds_engine.loss = self.ds_engine.total_loss = None
+        super().close()
+        destroy_groups(self.groups)
+        self.groups = []
 
     def train_step(self, batches):
         # Already the mean over micro-batches and data-parallel copies, broadcast to every stage.
@@ -97,6 +109,16 @@ class PipelineEngine(StagedEngine, DeepSpeedEngine):
         _, logits = self.ds_engine.eval_batch(iter([(x, y)]) if self.reads_data else None, return_logits=True,
                                               bcast_loss=False, num_micro_batches=1)
         return logits if self.ds_engine.is_last_stage() else None
+
+
+def pipeline_groups(module: PipelineModule) -> list:
+    """The process groups that DeepSpeed's PipelineModule and its grid (over the ProcessTopology) created for this
+    rank, in the order they were created. DeepSpeed never destroys them: without close() every pipeline rebuilt at
+    a freeze point would add its own."""
+    grid = module._grid  # noqa: SLF001
+    groups = [module.world_group, grid.ds_model_proc_group, grid.dp_proc_group, grid.pp_proc_group,
+              grid.slice_proc_group, *(comm["group"] for comm in module.tied_comms.values())]
+    return list({id(g): g for g in groups}.values())
 
 
 def all_stages(local: dict) -> dict:
