@@ -1,12 +1,13 @@
 """GPU rules at the library boundary (there is no GPU here): device reports as torch.cuda and a fake nvidia-smi
 would give them, and the verdicts every rank reaches from them; emulated bf16, TF32, device_id; and real 2-rank
 runs whose ranks disagree about CUDA."""
+import ast
 import contextlib
 import types
 
 import pytest
 import torch
-from helpers import launch
+from helpers import ROOT, launch
 
 from vit import dist_env, gpu
 from vit.cli import parse
@@ -245,6 +246,19 @@ def test_tf32_on_ampere_only(monkeypatch):
         assert torch.backends.cuda.matmul.fp32_precision == "ieee"
     finally:
         torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+
+
+def test_rng_forks_restore_the_state_and_name_their_devices():
+    before = torch.random.get_rng_state()
+    with gpu.fork_rng(torch.device("cpu")):
+        torch.rand(3)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    # torch.random.fork_rng() without `devices` saves and restores every visible GPU: none in vit/ is left so.
+    bare = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in (ROOT / "vit").rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fork_rng"
+            and not any(k.arg == "devices" for k in node.keywords)]
+    assert bare == []
 
 
 def test_the_process_group_binds_the_local_ranks_gpu(monkeypatch):
