@@ -209,7 +209,8 @@ def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto", 
         dist.init_process_group(backend, store=store, rank=job.rank, world_size=job.world_size, timeout=timeout,
                                 device_id=device_id)
     except RuntimeError as e:
-        from vit.memory import is_oom, nccl_out_of_memory
+        from vit.footprint import is_oom
+        from vit.memory import nccl_out_of_memory
 
         if not is_oom(e):
             raise

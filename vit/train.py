@@ -26,12 +26,12 @@ from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure
 from vit.freeze import Freezer
 from vit.gpu import set_tf32
-from vit.hetero.profile import gpu_reserved_bytes
-from vit.memory import fit_micro_batch, inject_oom_for_tests, is_oom, likely_precision, out_of_memory
+from vit.footprint import gpu_reserved_bytes, is_oom
+from vit.memory import fit_micro_batch, inject_oom_for_tests, likely_precision, out_of_memory, state_bytes_per_param
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
-from vit.plan import Plan, choose_resume, make_plan
+from vit.plan import Plan, choose_resume, make_plan, with_micro_batch
 from vit.rundir import RunLock, agree_log_dir, lock_run_dirs
 from vit.settings import PIPELINES
 from vit.stats import StepStats
@@ -172,6 +172,7 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
+        state_bytes=lambda precision: state_bytes_per_param(plan, precision),
         reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan, dev)),
         probe_on_cpu=par.engine in PIPELINES or zero_stage(plan.ds_config) == 3,
         layer_times=par.engine in PIPELINES and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
@@ -248,7 +249,8 @@ def run(plan: Plan, start_time: float) -> int:
     watchdog.start()
     inject_oom_for_tests(plan.job.rank, watchdog)
     try:
-        plan = fit_micro_batch(plan)
+        if plan.settings.parallel.micro_batch_size == "auto":
+            plan = with_micro_batch(plan, *fit_micro_batch(plan, device(plan.job)))
         train(plan, start_time, watchdog)
     except NothingToDo as e:  # decided on rank 0 before anything was written
         if plan.job.is_main:
