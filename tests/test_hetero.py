@@ -450,6 +450,84 @@ def test_lossscale_benchmark_emulates_deepspeeds_scaler(tmp_path):
     assert "| --loss-scale auto |" in (tmp_path / "lossscale.md").read_text()
 
 
+def probe_in_one_process(store, fn):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        return fn()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_the_probe_in_chunks_finds_the_gradients_of_the_whole_micro_batch(tmp_path):
+    """--loss-scale auto sized for fp16: the fp32 probe runs a micro-batch a few samples at a time, each chunk's
+    loss weighted by its share, so the largest gradient is the whole micro-batch's (parameters accumulate)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 6), torch.nn.GELU(), torch.nn.Linear(6, 3)]
+    batches = [(torch.randn(7, 6), torch.randint(0, 3, (7,))) for _ in range(2)]
+    whole = probe_in_one_process(tmp_path / "whole", lambda: loss_scale.probe_grad_max(layers, batches, torch.device(
+        "cpu"), grad_accum=2))
+    for chunk in (1, 3):
+        got = probe_in_one_process(tmp_path / str(chunk), lambda: loss_scale.probe_grad_max(
+            layers, batches, torch.device("cpu"), grad_accum=2, chunk=chunk))
+        assert got == pytest.approx(whole, rel=1e-5)
+
+
+def test_the_probe_chunk_fits_an_fp32_copy_or_goes_to_the_cpu(tmp_path):
+    # 1000 parameters (8000 bytes of fp32 weights and gradients), 100 bytes of fp32 activations per sample.
+    assert loss_scale.probe_chunk(8000 + 350, 1000, 100, micro_batch=64) == 3
+    assert loss_scale.probe_chunk(10**9, 1000, 100, micro_batch=64) == 64
+    assert loss_scale.probe_chunk(8000 + 99, 1000, 100, micro_batch=64) == 0  # not one sample: on the CPU
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)]
+    batches = [(torch.randn(5, 6), torch.randint(0, 3, (5,)))]
+    sample = torch.randn(1, 6)
+    for capacity, chunk in [(10**9, 5), (1.0, None)]:
+        power, record, line = probe_in_one_process(tmp_path / str(chunk), lambda: loss_scale.tune(
+            layers, batches, torch.device("cpu"), 1, sample, capacity, micro_batch=5, on_cpu=False))
+        assert record["probe_chunk"] == chunk and power == record["initial_scale_power"]
+        assert ("(on the CPU)" if chunk is None else f"({chunk} samples at a time)") in line
+
+
+def test_a_probe_that_runs_out_of_memory_says_so_in_one_line(tmp_path):
+    """cuBLAS's failed allocation in the probe's fp32 copy: the message names the probe, not step 1, and how to
+    skip it; the run's layers are left as they were."""
+    from vit.errors import OutOfMemory
+    from vit.memory import INJECTED_OOM
+
+    layers = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)]
+
+    def cublas(module, args):
+        raise RuntimeError(INJECTED_OOM)
+
+    layers[1].register_forward_pre_hook(cublas)  # the probe's copy keeps the hook
+    batches = [(torch.randn(5, 6), torch.randint(0, 3, (5,)))]
+    with pytest.raises(OutOfMemory) as e:
+        probe_in_one_process(tmp_path / "store", lambda: loss_scale.probe_grad_max(
+            layers, batches, torch.device("cpu"), 1, chunk=2))
+    assert str(e.value) == (
+        "out of memory in the --loss-scale auto probe on cpu (an fp32 copy of the model, 2 samples per forward and "
+        f"backward), before step 1: {INJECTED_OOM}. Skip the probe: --loss-scale config (the DeepSpeed JSON's "
+        "fp16.initial_scale_power, else 12), or --precision bf16 where every GPU has it")
+    assert all(p.grad is None for lay in layers for p in lay.parameters())
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(200)
+def test_an_out_of_memory_in_the_probe_stops_the_run_before_step_1(tmp_path):
+    env = base_env(VIT_CENSUS_OVERRIDE=json.dumps({"fp16": True}), VIT_TEST_OOM_AT="0:probe")
+    r = run_cmd([sys.executable, "-m", "vit.train", "--engine", "ddp", "--precision", "fp16", "--loss-scale", "auto",
+                 "--steps", "2", "--no-save", "--monitor-interval", "0", "--log-dir", str(tmp_path)], env=env,
+                timeout=180)
+    assert r.returncode != 0
+    said = [line for line in (r.stdout + r.stderr).splitlines() if "out of memory" in line]
+    assert said and all("in the --loss-scale auto probe on cpu" in line and "--loss-scale config" in line
+                        for line in said), r.stderr[-3000:]
+    assert "during step" not in r.stdout + r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_loss_scale_auto_writes_the_probed_power_into_the_resolved_config(tmp_path):

@@ -92,19 +92,31 @@ def nccl_out_of_memory(dev: torch.device, error: Exception) -> OutOfMemory:
                        "4 MiB default needs less")
 
 
+INJECTED_OOM = ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` (injected by "
+                "VIT_TEST_OOM_AT)")
+
+
 def inject_oom_for_tests(rank: int, watchdog) -> None:
     """VIT_TEST_OOM_AT=RANK:STEP (STEP >= 2) makes rank RANK's forward raise cuBLAS's out-of-memory error (a
-    RuntimeError, as torch raises it) during step STEP, so that tests reach the real handling without a GPU."""
+    RuntimeError, as torch raises it) during step STEP, so that tests reach the real handling without a GPU;
+    RANK:probe makes the --loss-scale auto probe's first loss raise it (vit.hetero.loss_scale)."""
     at = os.environ.get("VIT_TEST_OOM_AT")
     if not at or int(at.split(":")[0]) != rank:
+        return
+    if at.split(":")[1] == "probe":
+        from vit.hetero import loss_scale
+
+        def failing_loss(*args):
+            raise RuntimeError(INJECTED_OOM)
+
+        loss_scale.loss_fn = failing_loss
         return
     step = int(at.split(":")[1])
 
     def hook(module, args):
         if watchdog.step >= step - 1:  # the census and step 1 have run forwards already
             handle.remove()  # once: the message's estimate runs forwards too
-            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` "
-                               "(injected by VIT_TEST_OOM_AT)")
+            raise RuntimeError(INJECTED_OOM)
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
 
