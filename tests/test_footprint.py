@@ -1,6 +1,8 @@
 """The memory model (vit.footprint): the bytes per parameter each engine holds, term by term as DeepSpeed's and
 torch's sources allocate them, and one measurement of the real thing (a DDP model after one step)."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,12 @@ def test_the_estimate_covers_what_a_real_ddp_model_holds_after_one_step(tmp_path
     assert held / params > 16 + 3  # more than the one figure the planners used for every engine
     scalars = 1024  # per tensor or per model, not per parameter: AdamW's step counts, DDP's bookkeeping
     assert held - scalars <= estimate <= 1.12 * held, (held / params, estimate / params)
+
+
+def test_the_memory_model_is_a_lower_layer_than_the_plan_and_the_census():
+    """vit.footprint imports no other part of vit but its errors, and vit.memory (the out-of-memory message and
+    --micro-batch-size auto) not the plan it serves: nothing hides a cycle behind a function-level import."""
+    code = ("import sys, vit.footprint; print(sorted(m for m in sys.modules if m.startswith('vit.'))); "
+            "import vit.memory; print('vit.plan' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split("\n")[:2] == ["['vit.errors', 'vit.footprint']", "False"], out

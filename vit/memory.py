@@ -18,6 +18,7 @@ from vit.footprint import (
     gpu_reserved_bytes,
     largest_fitting,
 )
+from vit.hetero import loss_scale
 from vit.hetero.profile import profile_layers
 from vit.model import build_layers
 from vit.precision import DTYPES, likely
@@ -104,8 +105,6 @@ def inject_oom_for_tests(rank: int, watchdog) -> None:
     if not at or int(at.split(":")[0]) != rank:
         return
     if at.split(":")[1] == "probe":
-        from vit.hetero import loss_scale
-
         def failing_loss(*args):
             raise RuntimeError(INJECTED_OOM)
 
