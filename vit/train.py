@@ -24,9 +24,9 @@ from vit.engines import Engine, EngineContext, build
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure
+from vit.footprint import gpu_reserved_bytes, is_oom
 from vit.freeze import Freezer
 from vit.gpu import set_tf32
-from vit.footprint import gpu_reserved_bytes, is_oom
 from vit.memory import fit_micro_batch, inject_oom_for_tests, likely_precision, out_of_memory, state_bytes_per_param
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.dist_env import Job
+from vit.footprint import plan_bytes
 from vit.hetero.batch_split import split_batches
 from vit.hetero.census import capabilities, census_table, gather, measure_speed
-from vit.footprint import plan_bytes
 from vit.hetero.loss_scale import tune
 from vit.hetero.profile import LAYER_TURNS, profile_layers, time_layers
 from vit.hetero.stages import plan_stages, slowest_stage_s, stage_plan_text
