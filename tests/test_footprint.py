@@ -39,6 +39,8 @@ def test_zero_stages_divide_what_they_partition_by_the_data_parallel_size(stage)
     partitioned |= {"fp16 weights"} if stage == 3 else set()
     assert {k for k in one if four[k] == one[k] / 4} == partitioned
     assert all(four[k] == one[k] for k in one.keys() - partitioned)
+    fp32 = footprint.state_bytes("zero", "fp32", cfg, dp_size=4)  # stage3.py: the fp32 partition is the master
+    assert fp32["fp32 master weights"] == (0 if stage == 3 else 1)
     offload = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
     on_cpu = footprint.state_bytes("zero", "fp16", offload, dp_size=4)  # optimizer state in CPU memory
     assert on_cpu["fp32 master weights"] == on_cpu["AdamW moments"] == 0

@@ -82,11 +82,13 @@ def deepspeed_state(engine: str, precision: str, ds_config: dict, dp_size: int) 
         return {f"{precision} weights": 2, f"{precision} gradients": 2, "fp32 master weights": 4,
                 "fp32 master gradients": 4, "AdamW moments": 8}
     optimizer = 0 if offload else 1 / dp_size  # offload_optimizer: master weights, their gradients, moments on CPU
-    # stage_1_and_2.py: single_partition_of_fp32_groups (a copy even in fp32) and its .grad at step;
-    # stage 2 partitions the gradients (averaged_gradients), stage 3 the weights too (stage3.py)
+    # stage_1_and_2.py: single_partition_of_fp32_groups (a clone even in fp32) and its .grad at step; stage 2
+    # partitions the gradients (averaged_gradients), stage 3 the weights too (stage3.py, whose fp32 master is the
+    # weights' own partition when they are fp32 already)
+    master = 0 if stage == 3 and precision == "fp32" else 4 * optimizer
     return {f"{precision} weights": w / (dp_size if stage == 3 else 1),
             f"{precision} gradients": w / (dp_size if stage >= 2 else 1),
-            "fp32 master weights": 4 * optimizer, "fp32 master gradients": 4 * optimizer,
+            "fp32 master weights": master, "fp32 master gradients": 4 * optimizer,
             "AdamW moments": 8 * optimizer}
 
 
