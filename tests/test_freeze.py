@@ -190,7 +190,8 @@ def census(free_gib: float, layers: int = 6) -> dict:
     mib = 2**20
     reports = [{"host": f"cn{r}", "device": "CPU", "mem_free_gib": free_gib, "layer_ms": [[1.0, 2.0]] * layers,
                 "layer_ms_micro_batch": 4} for r in range(2)]
-    return {"census": reports, "layers": [{"name": "Block", "params": mib / 16, "act_bytes": mib / 4}] * layers}
+    return {"census": reports, "layers": [{"name": "Block", "params": mib / 16, "act_bytes": mib / 4}] * layers,
+            "state_bytes_per_param": 16}
 
 
 def test_replan_moves_the_cut_by_measured_times_and_halves_only_when_memory_allows():

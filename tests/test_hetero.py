@@ -103,18 +103,20 @@ def test_stage_plan_uses_measured_layer_times_and_says_when_nothing_fits():
     # Every layer takes 2 ms on rank 0 and 4 ms on rank 1, the tiny embedding and head included (their fixed
     # costs, which FLOPs call nearly free): 9 layers against 5.
     times = [[[1.0, 1.0] for _ in PROFILE], [[2.0, 2.0] for _ in PROFILE]]
-    plan = stages.plan_stages(PROFILE, census_of(layer_ms=times), stages=2, micro_batch=16, grad_accum=4)
+    plan = stages.plan_stages(PROFILE, census_of(layer_ms=times), stages=2, micro_batch=16, grad_accum=4,
+                              bytes_per_param=16)
     assert plan.parts == [0, 9, 14] and plan.times == pytest.approx([0.018, 0.020])
     # A slow embedding (12 ms on rank 0): the split moves one block to rank 1.
     times[0][0] = [6.0, 6.0]
-    plan = stages.plan_stages(PROFILE, census_of(layer_ms=times), stages=2, micro_batch=16, grad_accum=4)
+    plan = stages.plan_stages(PROFILE, census_of(layer_ms=times), stages=2, micro_batch=16, grad_accum=4,
+                              bytes_per_param=16)
     assert plan.parts == [0, 8, 14] and plan.times == pytest.approx([0.026, 0.024])
     text = stages.stage_plan_text(plan, PROFILE, census_of(), {"uniform": [0, 7, 14], "other": [0, 10, 14]})
     assert "stage 1 on rank 1 (cn1): layers 8-13 (Block x5, Head x1); predicted 24.00 ms" in text
     assert "slowest stage 26.00 ms; with --partition uniform (layers [0, 7, 14]) it would be 28.00 ms" in text
     assert "with --partition other (layers [0, 10, 14]) it would be 30.00 ms" in text
     with pytest.raises(ConfigError, match="no split of the 14 layers into 2 stages fits"):
-        stages.plan_stages(PROFILE, census_of(free_gib=(0.05, 0.05)), 2, 16, 4)
+        stages.plan_stages(PROFILE, census_of(free_gib=(0.05, 0.05)), 2, 16, 4, 16)
 
 
 def test_frozen_prefix_costs_its_forward_only_and_keeps_no_activations():
@@ -125,7 +127,7 @@ def test_frozen_prefix_costs_its_forward_only_and_keeps_no_activations():
     assert plan.parts == [0, 3, 6] and plan.times == [9.0, 9.0]
     plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=2, grad_accum=1, frozen=3)
     assert plan.parts == [0, 4, 6] and plan.times == [6.0, 6.0]  # 3 frozen x 1 s + 1 trained x 3 s | 2 x 3 s
-    assert plan.mems[0] == pytest.approx(3 * stages.FROZEN_STATIC_SHARE * gib + 2 * gib)
+    assert plan.mems[0] == pytest.approx(3 * 0.25 * gib + 2 * gib)  # frozen: weights only, 4 of 16 B/param
     # Re-planned onto one stage of 2 data-parallel ranks (AutoPipe's K -> K/2).
     plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=1, grad_accum=1, frozen=3)
     assert plan.parts == [0, 6] and plan.times == [12.0]
@@ -143,7 +145,7 @@ def test_frozen_prefix_costs_its_forward_only_and_keeps_no_activations():
     reports = census_of(layer_ms=[[[1.0, 2.0]] * 14] * 2)
     for r in reports:
         r["layer_ms_micro_batch"] = 16
-    plan = stages.plan_stages(PROFILE, reports, stages=2, micro_batch=8, grad_accum=1, frozen=4)
+    plan = stages.plan_stages(PROFILE, reports, stages=2, micro_batch=8, grad_accum=1, bytes_per_param=16, frozen=4)
     assert plan.parts == [0, 8, 14] and plan.times == pytest.approx([0.008, 0.009])
 
 
@@ -156,28 +158,28 @@ def test_proportional_split_follows_speed_within_memory():
     with pytest.raises(ValueError):
         batch_split.proportional_split(64, [1.0, 1.0], [30, 30])
     with pytest.raises(ConfigError, match="free memory holds"):
-        batch_split.split_batches(PROFILE, census_of(free_gib=(0.05, 0.05)), micro_batch=32)
+        batch_split.split_batches(PROFILE, census_of(free_gib=(0.05, 0.05)), micro_batch=32, bytes_per_param=16)
 
 
 def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
     from pathlib import Path
 
-    from vit.hetero import profile
+    from vit import footprint
 
     zero2 = json.loads((Path(__file__).parent.parent / "deepspeed_configs" / "zero2.json").read_text())
     z = zero2["zero_optimization"]
     buckets = (2 if z.get("overlap_comm") else 1) * z["reduce_bucket_size"] + z["allgather_bucket_size"]
-    fixed = profile.NCCL_BYTES + profile.CUBLAS_BYTES
+    fixed = footprint.NCCL_BYTES + footprint.CUBLAS_BYTES
     assert fixed >= 256 * 2**20
-    assert profile.gpu_reserved_bytes(zero2, "bf16") == fixed + 2 * buckets  # buckets in the run's precision
-    assert profile.gpu_reserved_bytes(zero2, "fp32") == fixed + 4 * buckets
-    assert profile.gpu_reserved_bytes({"zero_optimization": {"stage": 0}}, "fp16") == fixed  # no ZeRO buckets
+    assert footprint.gpu_reserved_bytes(zero2, "bf16") == fixed + 2 * buckets  # buckets in the run's precision
+    assert footprint.gpu_reserved_bytes(zero2, "fp32") == fixed + 4 * buckets
+    assert footprint.gpu_reserved_bytes({"zero_optimization": {"stage": 0}}, "fp16") == fixed  # no ZeRO buckets
     # Two equally fast ranks with the same free memory; rank 1 keeps 0.3 GiB for NCCL, buckets and cuBLAS.
     even = census_of(free_gib=(0.5, 0.5), block_ms=(10.0, 10.0))
-    assert batch_split.split_batches(PROFILE, even, micro_batch=150) == [150, 150]
+    assert batch_split.split_batches(PROFILE, even, micro_batch=150, bytes_per_param=16) == [150, 150]
     even[1]["mem_reserved_gib"] = 0.3
-    split = batch_split.split_batches(PROFILE, even, micro_batch=150)
-    assert sum(split) == 300 and split[1] == int((profile.plan_bytes(even[1]) - 16 * sum(
+    split = batch_split.split_batches(PROFILE, even, micro_batch=150, bytes_per_param=16)
+    assert sum(split) == 300 and split[1] == int((footprint.plan_bytes(even[1]) - 16 * sum(
         p["params"] for p in PROFILE)) // sum(p["act_bytes"] for p in PROFILE)) < 60
 
 
@@ -446,6 +448,85 @@ def test_lossscale_benchmark_emulates_deepspeeds_scaler(tmp_path):
     assert len(result["grad_max"]) == 4 and result["probe"] > 0
     assert [row[1] for row in result["rows"]] == [16, 12, loss_scale.scale_power(result["probe"])]
     assert "| --loss-scale auto |" in (tmp_path / "lossscale.md").read_text()
+
+
+def probe_in_one_process(store, fn):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        return fn()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_the_probe_in_chunks_finds_the_gradients_of_the_whole_micro_batch(tmp_path):
+    """--loss-scale auto sized for fp16: the fp32 probe runs a micro-batch a few samples at a time, each chunk's
+    loss weighted by its share, so the largest gradient is the whole micro-batch's (parameters accumulate)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 6), torch.nn.GELU(), torch.nn.Linear(6, 3)]
+    batches = [(torch.randn(7, 6), torch.randint(0, 3, (7,))) for _ in range(2)]
+    whole = probe_in_one_process(tmp_path / "whole", lambda: loss_scale.probe_grad_max(layers, batches, torch.device(
+        "cpu"), grad_accum=2))
+    for chunk in (1, 3):
+        got = probe_in_one_process(tmp_path / str(chunk), lambda: loss_scale.probe_grad_max(
+            layers, batches, torch.device("cpu"), grad_accum=2, chunk=chunk))
+        assert got == pytest.approx(whole, rel=1e-5)
+
+
+def test_the_probe_chunk_fits_an_fp32_copy_or_goes_to_the_cpu(tmp_path):
+    # 1000 parameters (8000 bytes of fp32 weights and gradients), 100 bytes of fp32 activations per sample.
+    assert loss_scale.probe_chunk(8000 + 350, 1000, 100, micro_batch=64) == 3
+    assert loss_scale.probe_chunk(10**9, 1000, 100, micro_batch=64) == 64
+    assert loss_scale.probe_chunk(8000 + 99, 1000, 100, micro_batch=64) == 0  # not one sample: on the CPU
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)]
+    batches = [(torch.randn(5, 6), torch.randint(0, 3, (5,)))]
+    sample = torch.randn(1, 6)
+    for capacity, chunk in [(10**9, 5), (1.0, None)]:
+        power, record, line = probe_in_one_process(tmp_path / str(chunk), lambda: loss_scale.tune(
+            layers, batches, torch.device("cpu"), 1, sample, capacity, micro_batch=5, on_cpu=False))
+        assert record["probe_chunk"] == chunk and power == record["initial_scale_power"]
+        assert ("(on the CPU)" if chunk is None else f"({chunk} samples at a time)") in line
+
+
+def test_a_probe_that_runs_out_of_memory_says_so_in_one_line(tmp_path):
+    """cuBLAS's failed allocation in the probe's fp32 copy: the message names the probe, not step 1, and how to
+    skip it; the run's layers are left as they were."""
+    from vit.errors import OutOfMemory
+
+    INJECTED_OOM = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+
+    layers = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)]
+
+    def cublas(module, args):
+        raise RuntimeError(INJECTED_OOM)
+
+    layers[1].register_forward_pre_hook(cublas)  # the probe's copy keeps the hook
+    batches = [(torch.randn(5, 6), torch.randint(0, 3, (5,)))]
+    with pytest.raises(OutOfMemory) as e:
+        probe_in_one_process(tmp_path / "store", lambda: loss_scale.probe_grad_max(
+            layers, batches, torch.device("cpu"), 1, chunk=2))
+    assert str(e.value) == (
+        "out of memory in the --loss-scale auto probe on cpu (an fp32 copy of the model, 2 samples per forward and "
+        f"backward), before step 1: {INJECTED_OOM}. Skip the probe: --loss-scale config (the DeepSpeed JSON's "
+        "fp16.initial_scale_power, else 12), or --precision bf16 where every GPU has it")
+    assert all(p.grad is None for lay in layers for p in lay.parameters())
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(200)
+def test_an_out_of_memory_in_the_probe_stops_the_run_before_step_1(tmp_path):
+    env = base_env(**plugin_env(census=json.dumps({"fp16": True}), oom_at="0:probe"))
+    r = run_cmd([sys.executable, "-m", "vit.train", "--engine", "ddp", "--precision", "fp16", "--loss-scale", "auto",
+                 "--steps", "2", "--no-save", "--monitor-interval", "0", "--log-dir", str(tmp_path)], env=env,
+                timeout=180)
+    assert r.returncode != 0
+    said = [line for line in (r.stdout + r.stderr).splitlines() if "out of memory" in line]
+    assert said and all("in the --loss-scale auto probe on cpu" in line and "--loss-scale config" in line
+                        for line in said), r.stderr[-3000:]
+    assert "during step" not in r.stdout + r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
 
 
 @pytest.mark.ranks

@@ -7,19 +7,20 @@ import pytest
 import torch
 from helpers import launch, plugin_env
 
-from vit import memory
+from vit import footprint, memory
 from vit.cli import parse
 from vit.dist_env import Job
 from vit.plan import make_plan
 
 
 def test_the_estimate_leaves_headroom_for_the_model_and_its_state():
-    # 8 GiB: 90% of it, less a GPU's reserved headroom and 16 bytes per parameter, over the activations of one
-    # sample (profiled in the run's precision).
-    assert memory.estimate_fit(8 * 2**30, 10**8, 2**20) == int((0.9 * 8 * 2**30 - 16e8) // 2**20)
+    # 8 GiB: 90% of it, less a GPU's reserved headroom and the engine's bytes per parameter, over the activations
+    # of one sample (profiled in the run's precision).
+    assert footprint.estimate_fit(8 * 2**30, 10**8, 2**20, 0, 16) == int((0.9 * 8 * 2**30 - 16e8) // 2**20)
     reserved = 2**30
-    assert memory.estimate_fit(8 * 2**30, 10**8, 2**20, reserved) == int((0.9 * 8 * 2**30 - reserved - 16e8) // 2**20)
-    assert memory.estimate_fit(2**30, 10**8, 2**20) < 0  # the model alone does not fit
+    assert footprint.estimate_fit(8 * 2**30, 10**8, 2**20, reserved, 22) == int(
+        (0.9 * 8 * 2**30 - reserved - 22e8) // 2**20)
+    assert footprint.estimate_fit(2**30, 10**8, 2**20, 0, 16) < 0  # the model alone does not fit
 
 
 def test_out_of_memory_message_names_the_card_and_what_fits(monkeypatch, tmp_path):
@@ -58,11 +59,11 @@ def test_every_form_of_a_gpu_out_of_memory_is_one():
             dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:2044, unhandled cuda error (run with "
                                   "NCCL_DEBUG=INFO for details), NCCL version 2.27.7\nncclUnhandledCudaError: Call to "
                                   "CUDA function failed.\nLast error:\nCuda failure 'out of memory'")]
-    assert [memory.is_oom(e) for e in ooms] == [True] * 5
+    assert [footprint.is_oom(e) for e in ooms] == [True] * 5
     others = [RuntimeError("CUDA error: an illegal memory access was encountered"), ValueError("out of memory"),
               dist.DistBackendError("NCCL error: remote process exited or there was a network error"),
               OutOfMemory("out of memory during step 3 on cuda:0 ...")]
-    assert [memory.is_oom(e) for e in others] == [False] * 4
+    assert [footprint.is_oom(e) for e in others] == [False] * 4
 
 
 def test_the_micro_batch_search_counts_a_cublas_allocation_failure_as_too_big():
@@ -76,8 +77,8 @@ def test_the_micro_batch_search_counts_a_cublas_allocation_failure_as_too_big():
 
     model[0].register_forward_pre_hook(cublas)
     sample = torch.randn(1, 8, 8)
-    assert memory.forward_backward_bytes(model, sample, 4) is None
-    assert memory.largest_fitting(lambda n: memory.forward_backward_bytes(model, sample, n), 1e12, 100) == 3
+    assert footprint.forward_backward_bytes(model, sample, 4) is None
+    assert footprint.largest_fitting(lambda n: footprint.forward_backward_bytes(model, sample, n), 1e12, 100) == 3
 
 
 def test_the_message_keeps_its_hints_when_its_estimate_fails(monkeypatch, tmp_path):
@@ -129,7 +130,7 @@ def test_the_micro_batch_search_finds_the_largest_that_fits_a_fake_memory_limit(
 
     fitting = [n for n in range(1, upper + 1) if (oom_from is None or n < oom_from) and static + per * n <= budget]
     expected = max(fitting, default=0)
-    assert memory.largest_fitting(need, budget, upper) == expected
+    assert footprint.largest_fitting(need, budget, upper) == expected
     assert len(tried) <= 2 * upper.bit_length() + 1 and len(set(tried)) == len(tried)
     over = [n for n in tried if static + per * n > budget]
     assert len(over) <= 1  # once two sizes are measured, sizes that would not fit are never tried
@@ -140,11 +141,11 @@ def test_the_search_measures_a_real_forward_and_backward_on_the_cpu():
 
     model = torch.nn.Sequential(*build_layers("vit_digits", 10, 1, 8, 0))
     sample = torch.randn(1, 8, 8)
-    one, two, four = (memory.forward_backward_bytes(model, sample, n) for n in (1, 2, 4))
+    one, two, four = (footprint.forward_backward_bytes(model, sample, n) for n in (1, 2, 4))
     assert one < two < four and four - two == pytest.approx(2 * (two - one), rel=0.05)  # affine in n
     assert all(p.grad is None for p in model.parameters())
     budget = two + (four - two) / 2  # room for 3 samples
-    assert memory.largest_fitting(lambda n: memory.forward_backward_bytes(model, sample, n), budget, 100) == 3
+    assert footprint.largest_fitting(lambda n: footprint.forward_backward_bytes(model, sample, n), budget, 100) == 3
 
 
 @pytest.mark.ranks

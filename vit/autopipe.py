@@ -23,8 +23,8 @@ def replan(census: dict, frozen: int, current: Layout, micro_batch: int) -> tupl
     batch, half the micro-batches each) when they fit, else K stages balanced again. census: hetero.adapt's
     record (its "layers" profile and "census" reports with layer_ms)."""
     def plan(stages: int, grad_accum: int) -> StagePlan:
-        return plan_stages(census["layers"], census["census"], stages, micro_batch, grad_accum, frozen,
-                           first_active=True)
+        return plan_stages(census["layers"], census["census"], stages, micro_batch, grad_accum,
+                           census["state_bytes_per_param"], frozen, first_active=True)
     if current.stages % 2 == 0 and current.grad_accum % 2 == 0:
         try:
             half = plan(current.stages // 2, current.grad_accum // 2)

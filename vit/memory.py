@@ -1,34 +1,26 @@
 """What fits in a rank's memory: the message of a rank that ran out of it (with what would fit), and
 --micro-batch-size auto (the largest micro-batch whose forward and backward fit every rank)."""
-import re
 import socket
-from collections.abc import Callable
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from vit.errors import ConfigError, OutOfMemory
+from vit.footprint import (
+    USABLE_MEMORY,
+    bytes_per_param,
+    device_memory,
+    estimate_fit,
+    first_line,
+    forward_backward_bytes,
+    gpu_reserved_bytes,
+    largest_fitting,
+)
 from vit.gpu import fork_rng
-from vit.hetero.profile import BYTES_PER_PARAM, USABLE_MEMORY, gpu_reserved_bytes
+from vit.hetero.profile import profile_layers
 from vit.model import build_layers
-from vit.precision import likely
-
-# What an engine holds per parameter beyond the weights and gradients a forward and backward already hold:
-# AdamW's two moments and, in half precision, the fp32 master weights.
-OPTIMIZER_BYTES_PER_PARAM = 12
-
-
-def device_memory(dev: torch.device, local_world_size: int) -> tuple[str, float, float]:
-    """(device name, free bytes, total bytes); ranks on one host share its RAM."""
-    if dev.type == "cuda":
-        free, total = torch.cuda.mem_get_info(dev)
-        return torch.cuda.get_device_properties(dev).name, free, total
-    mem = psutil.virtual_memory()
-    name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                "CPU")
-    return name, mem.available / local_world_size, mem.total / local_world_size
+from vit.precision import DTYPES, likely
 
 
 def likely_precision(plan, dev: torch.device) -> str:
@@ -40,48 +32,33 @@ def _layers(plan) -> list:
     return build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
 
 
-def estimate_fit(total_bytes: float, params: int, act_bytes_per_sample: float, reserved: float = 0.0) -> int:
-    """Samples per micro-batch that fit: parameters, gradients and AdamW state, and activations (profiled in the
-    run's precision), within USABLE_MEMORY of the device less `reserved` (a GPU's headroom for NCCL, ZeRO's
-    buckets and cuBLAS; a plan; negative when the model alone does not fit)."""
-    return int((USABLE_MEMORY * total_bytes - reserved - params * BYTES_PER_PARAM) // act_bytes_per_sample)
-
-
 def reserved_on(dev: torch.device, plan, precision: str) -> float:
     return gpu_reserved_bytes(plan.ds_config, precision) if dev.type == "cuda" else 0.0
 
 
-# The words CUDA's libraries put in their out-of-memory errors: CUDA itself ("CUDA error: out of memory", as
-# torch.AcceleratorError or RuntimeError), NCCL creating communicators (DistBackendError "Cuda failure 'out of
-# memory'"), cuBLAS and cuDNN creating handles and workspaces ("CUBLAS_STATUS_ALLOC_FAILED", "..._ALLOC_FAILED").
-OOM_WORDS = re.compile(r"out of memory|_ALLOC_FAILED")
-
-
-def is_oom(error: BaseException) -> bool:
-    """Whether `error` is a device that ran out of memory, in any of the forms torch and CUDA's libraries raise."""
-    if isinstance(error, OutOfMemory):  # ours: already the message
-        return False
-    return isinstance(error, torch.cuda.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and OOM_WORDS.search(str(error)) is not None)
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+def state_bytes_per_param(plan, precision: str) -> float:
+    """vit.footprint.bytes_per_param for this run's engine, DeepSpeed JSON, data-parallel size, EMA and the async
+    pipeline's weight stashing or prediction (one copy of the weights either way)."""
+    s = plan.settings
+    a = s.asynchrony
+    stashed = int(a.weight_stashing == "on" or a.weight_prediction == "msnag")
+    return bytes_per_param(s.parallel.engine, precision, plan.ds_config, plan.batch.dp_size,
+                           ema_on_gpu=s.recipe.model_ema, stashed_copies=stashed)
 
 
 def _estimate(plan, dev: torch.device) -> tuple[str, str, int, str]:
     """(the device and its memory, and the precision, as the message names them; the samples per micro-batch that
     fit; how that was estimated)."""
-    from vit.hetero.profile import profile_layers
-
     name, _, total = device_memory(dev, plan.job.local_world_size)
     precision = likely_precision(plan, dev)
     profile = profile_layers(_layers(plan), plan.data.train[0][0][None], precision)  # on the CPU: the GPU is full
     params, act = sum(p["params"] for p in profile), sum(p["act_bytes"] for p in profile)
-    fit = estimate_fit(total, params, act, reserved_on(dev, plan, precision))
+    per_param = state_bytes_per_param(plan, precision)
+    fit = estimate_fit(total, params, act, reserved_on(dev, plan, precision), per_param)
     return (f"{dev} ({name}, {total / 2**30:.1f} GiB)", f" ({precision})", fit,
-            f"Estimated to fit: {max(fit, 0)} samples per micro-batch (parameters, gradients and AdamW state "
-            f"{params * BYTES_PER_PARAM / 2**30:.2f} GiB + activations {act / 2**20:.2f} MiB per sample, in "
+            f"Estimated to fit: {max(fit, 0)} samples per micro-batch (weights, gradients and optimizer state, "
+            f"{per_param:g} bytes per parameter under {plan.settings.parallel.engine}: {params * per_param / 2**30:.2f}"
+            f" GiB + activations {act / 2**20:.2f} MiB per sample, in "
             f"{USABLE_MEMORY:.0%} of {total / 2**30:.1f} GiB)")
 
 
@@ -93,7 +70,7 @@ def out_of_memory(plan, dev: torch.device, step: int, error: Exception) -> OutOf
     try:
         where, precision, fit, estimate = _estimate(plan, dev)
     except Exception as e:
-        where, precision, fit, estimate = str(dev), "", None, f"No estimate ({type(e).__name__}: {_first_line(e)})"
+        where, precision, fit, estimate = str(dev), "", None, f"No estimate ({type(e).__name__}: {first_line(e)})"
     hints = []
     if fit is not None and 1 <= fit < micro:
         keep = f" --grad-accum {micro * accum // fit}" if micro * accum % fit == 0 else ""
@@ -105,106 +82,43 @@ def out_of_memory(plan, dev: torch.device, step: int, error: Exception) -> OutOf
     hints += ["--micro-batch-size auto", "deepspeed_configs/zero2_offload.json (optimizer state in CPU memory)",
               "--engine pipeline with more --pipeline-stages (each rank holds fewer layers)"]
     return OutOfMemory(f"out of memory during step {step + 1} on {where} at micro-batch {micro}{precision}: "
-                       f"{_first_line(error)}. {estimate}. Try " + ", or ".join(hints))
+                       f"{first_line(error)}. {estimate}. Try " + ", or ".join(hints))
 
 
 def nccl_out_of_memory(dev: torch.device, error: Exception) -> OutOfMemory:
     """NCCL ran out of GPU memory creating its communicators, before any training: what holds the memory."""
-    return OutOfMemory(f"out of memory on {dev} as NCCL created its communicators: {_first_line(error)}. Another "
+    return OutOfMemory(f"out of memory on {dev} as NCCL created its communicators: {first_line(error)}. Another "
                        "process may hold this GPU's memory (nvidia-smi lists them); NCCL_BUFFSIZE smaller than its "
                        "4 MiB default needs less")
 
 
-def largest_fitting(need: Callable[[int], float | None], budget: float, upper: int) -> int:
-    """The largest micro-batch n <= upper whose forward and backward need(n) bytes within budget (need returns None
-    when the device ran out of memory); 0 when not even 1 fits. n doubles from 1, then bisects. A size whose
-    need, extrapolated from two sizes already measured (it is affine in n), is over budget is not tried: on a CPU
-    trying would swap, or meet the out-of-memory killer."""
-    measured: dict[int, float] = {}
-
-    def fits(n: int) -> bool:
-        if len(measured) >= 2:
-            (n1, b1), (n2, b2) = sorted(measured.items())[-2:]
-            if b2 + (b2 - b1) / (n2 - n1) * (n - n2) > budget:
-                return False
-        got = need(n)
-        if got is None:
-            return False
-        measured[n] = got
-        return got <= budget
-
-    if upper < 1 or not fits(1):
-        return 0
-    lo, hi = 1, None
-    while lo < upper:
-        n = min(2 * lo, upper)
-        if not fits(n):
-            hi = n
-            break
-        lo = n
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-def forward_backward_bytes(model: nn.Module, sample: torch.Tensor, n: int) -> float | None:
-    """Bytes one forward and backward at micro-batch n holds at its peak (weights, gradients, activations and
-    input): the allocator's peak on a GPU (None if it ran out), the tensors kept for backward on a CPU."""
-    dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    try:
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-            before = torch.cuda.memory_allocated(dev) - weights
-            model(sample.to(dev, dtype).repeat(n, *[1] * sample.dim())).float().sum().backward()
-            return torch.cuda.max_memory_allocated(dev) - before
-        own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved: dict[int, int] = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in own:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        x = sample.to(dtype).repeat(n, *[1] * sample.dim())
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = model(x)
-        out.float().sum().backward()
-        return 2 * weights + x.nbytes + sum(saved.values())
-    except RuntimeError as e:
-        if not is_oom(e):
-            raise
-        return None
-    finally:
-        model.zero_grad(set_to_none=True)
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-
-
-def fit_micro_batch(plan):
-    """--micro-batch-size auto (collective): every rank finds the largest micro-batch whose forward and backward
-    fit its free memory less the optimizer's state and USABLE_MEMORY's headroom (up to one step per epoch); the
-    job takes the smallest, or with --batch-split proportional each rank its own. The plan follows."""
-    from vit.dist_env import device
-    from vit.hetero.census import DTYPES
-    from vit.plan import with_micro_batch
-
-    if plan.settings.parallel.micro_batch_size != "auto":
-        return plan
-    job, batch = plan.job, plan.batch
-    dev = device(job)
-    name, free, _ = device_memory(dev, job.local_world_size)
-    precision = likely_precision(plan, dev)
+def _my_largest(plan, dev: torch.device, precision: str) -> tuple[int, str, float]:
+    """(this rank's largest micro-batch, its device's name, its free bytes): forward and backward measured in
+    `precision` against its free memory less the engine's state beyond the weights and gradients measured
+    (vit.footprint.state_bytes; none where ZeRO partitions more than that away) and USABLE_MEMORY's headroom."""
+    name, free, _ = device_memory(dev, plan.job.local_world_size)
     with fork_rng(dev):
         model = nn.Sequential(*_layers(plan)).to(dev, DTYPES[precision])
     params = sum(p.numel() for p in model.parameters())
-    budget = USABLE_MEMORY * free - reserved_on(dev, plan, precision) - params * OPTIMIZER_BYTES_PER_PARAM
-    upper = len(plan.data.train) // (batch.dp_size * batch.grad_accum)
+    measured = 2 * DTYPES[precision].itemsize  # the weights and gradients forward_backward_bytes counts
+    beyond = max(0.0, state_bytes_per_param(plan, precision) - measured)
+    budget = USABLE_MEMORY * free - reserved_on(dev, plan, precision) - params * beyond
+    upper = len(plan.data.train) // (plan.batch.dp_size * plan.batch.grad_accum)
     mine = largest_fitting(lambda n: forward_backward_bytes(model, plan.data.train[0][0], n), budget, upper)
     model = None
     if dev.type == "cuda":  # the census reads free memory next
         torch.cuda.empty_cache()
+    return mine, name, free
+
+
+def fit_micro_batch(plan, dev: torch.device) -> tuple[int, list[int] | None, dict]:
+    """--micro-batch-size auto (collective): every rank finds the largest micro-batch that fits (_my_largest, up
+    to one step per epoch); the job takes the smallest, or with --batch-split proportional each rank its own.
+    (micro-batch, per-rank split or None, the search's record), which vit.plan.with_micro_batch applies."""
+    job, batch = plan.job, plan.batch
+    precision = likely_precision(plan, dev)
+    mine, name, free = _my_largest(plan, dev, precision)
+    upper = len(plan.data.train) // (batch.dp_size * batch.grad_accum)
     found = [None] * job.world_size
     dist.all_gather_object(found, (mine, job.rank, f"{socket.gethostname()}, {name}, {free / 2**30:.1f} GiB free"))
     sizes = [f[0] for f in found]
@@ -225,4 +139,4 @@ def fit_micro_batch(plan):
         chosen = f"micro-batches {split} (one per rank)" if split else f"micro-batch {micro}"
         print(f"--micro-batch-size auto: the largest forward and backward ({precision}) that fit each rank with "
               f"headroom: {sizes} (at most {upper}, one step per epoch) -> {chosen}", flush=True)
-    return with_micro_batch(plan, micro, split, search)
+    return micro, split, search

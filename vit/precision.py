@@ -10,6 +10,8 @@ from vit.compat import check_precision
 from vit.engines.registry import spec
 from vit.errors import ConfigError
 
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 BF16_NATIVE = (8, 0)  # Ampere: sm_70/75 emulate bf16, which torch.cuda.is_bf16_supported() also calls supported
 FP16_FAST = (7, 0)  # Volta: tensor cores; older cards run fp16 far slower than fp32
 

@@ -25,14 +25,14 @@ from vit.engines.registry import spec
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure
+from vit.footprint import gpu_reserved_bytes, is_oom
 from vit.freeze import Freezer
 from vit.gpu import set_tf32
-from vit.hetero.profile import gpu_reserved_bytes
-from vit.memory import fit_micro_batch, is_oom, likely_precision, nccl_out_of_memory, out_of_memory
+from vit.memory import fit_micro_batch, likely_precision, nccl_out_of_memory, out_of_memory, state_bytes_per_param
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers
 from vit.monitor import Monitor
-from vit.plan import Plan, choose_resume, make_plan
+from vit.plan import Plan, choose_resume, make_plan, with_micro_batch
 from vit.rundir import RunLock, agree_log_dir, lock_run_dirs
 from vit.stats import StepStats
 from vit.summary import start_record, write_summary
@@ -173,6 +173,7 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
+        state_bytes=lambda precision: state_bytes_per_param(plan, precision),
         reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan, dev)),
         probe_on_cpu=pipeline or plan.layout["zero_stage"] == 3,
         layer_times=pipeline and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
@@ -252,7 +253,8 @@ def run(plan: Plan, start_time: float) -> int:
     watchdog.start()
     plugins.call("start", plan.job.rank, watchdog)
     try:
-        plan = fit_micro_batch(plan)
+        if plan.settings.parallel.micro_batch_size == "auto":
+            plan = with_micro_batch(plan, *fit_micro_batch(plan, device(plan.job)))
         train(plan, start_time, watchdog)
     except NothingToDo as e:  # decided on rank 0 before anything was written
         if plan.job.is_main:

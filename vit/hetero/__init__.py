@@ -14,10 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.dist_env import Job
+from vit.footprint import plan_bytes
 from vit.gpu import fork_rng
 from vit.hetero.batch_split import split_batches
 from vit.hetero.census import capabilities, census_table, gather, measure_speed
-from vit.hetero.loss_scale import FP16_MAX, SCALE_MARGIN, probe_grad_max, scale_power
+from vit.hetero.loss_scale import tune
 from vit.hetero.profile import LAYER_TURNS, profile_layers, time_layers
 from vit.hetero.stages import plan_stages, slowest_stage_s, stage_plan_text
 from vit.precision import choose
@@ -37,12 +38,15 @@ class Adapted:
 def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str | None, engine: str,
           micro_batch: int, grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
           probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
-          reserved_bytes: float = 0.0, probe_on_cpu: bool = False, layer_times: bool = False) -> Adapted:
+          state_bytes: Callable[[str], float], reserved_bytes: float = 0.0, probe_on_cpu: bool = False,
+          layer_times: bool = False) -> Adapted:
     """Collective. `requested_precision`: --precision's, or the JSON's, or None (none given; vit.precision.choose);
     `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to be balanced;
     `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`:
-    the proportional micro-batches when --micro-batch-size auto measured them; `reserved_bytes`: a GPU's headroom
-    for NCCL, ZeRO's buckets and cuBLAS (vit.hetero.profile.gpu_reserved_bytes), which memory plans keep free;
+    the proportional micro-batches when --micro-batch-size auto measured them; `state_bytes`: the bytes per
+    parameter a rank holds in a precision (vit.footprint.bytes_per_param for the run's engine); `reserved_bytes`:
+    a GPU's headroom for NCCL, ZeRO's buckets and cuBLAS (vit.footprint.gpu_reserved_bytes), which memory plans
+    keep free;
     `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model);
     `layer_times`: measure every layer's forward and backward time and profile the layers even without balanced
     stages (record["census"][rank]["layer_ms"], record["layers"]), for stages.plan_stages(..., frozen=k) at a
@@ -68,7 +72,8 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
                 speed["layer_ms_micro_batch"] = micro_batch
         dist.barrier()
     reports = gather({**caps[job.rank], **speed, "slowdown": slowdown})
-    record = {"census": reports, "precision": precision, "precision_why": why}
+    per_param = state_bytes(precision)
+    record = {"census": reports, "precision": precision, "precision_why": why, "state_bytes_per_param": per_param}
     say = [census_table(reports, precision), f"precision {precision}: {why}"]
     decided = {}
 
@@ -76,7 +81,7 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
         profile = profile_layers(layers, sample, precision)
         record["layers"] = profile
     if balanced_stages:
-        plan = plan_stages(profile, reports, balanced_stages, micro_batch, grad_accum)
+        plan = plan_stages(profile, reports, balanced_stages, micro_batch, grad_accum, per_param)
         compare = {"parameters": ds_utils.partition_balanced([p["params"] for p in profile], balanced_stages),
                    "uniform": ds_utils.partition_uniform(len(profile), balanced_stages)}
         compare = {k: [int(i) for i in v] for k, v in compare.items()}
@@ -87,18 +92,16 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
         say.append(stage_plan_text(plan, profile, reports, compare))
     if proportional:
         how = "each rank's largest (--micro-batch-size auto)" if split else "proportional to block speed"
-        split = split or split_batches(profile, reports, micro_batch)
+        split = split or split_batches(profile, reports, micro_batch, per_param)
         decided.update(split=split, loss_weight=split[job.rank] * len(split) / sum(split))
         record["batch_split"] = split
         say.append(f"batch split ({how}): micro-batches {split} (sum {sum(split)} = {micro_batch} x {len(split)} "
                    "ranks)")
     if probe_batches is not None and precision == "fp16":
-        grad_max = probe_grad_max(layers, probe_batches(), device, grad_accum, on_cpu=probe_on_cpu)
-        decided["scale_power"] = power = scale_power(grad_max)
-        record["loss_scale"] = {"probe_grad_max": grad_max, "initial_scale_power": power}
-        say.append(f"fp16 loss scale: largest gradient of a {2 * grad_accum}-micro-batch fp32 probe {grad_max:.3g} "
-                   f"-> initial_scale_power {power} (2^{power} x {grad_max:.3g} x margin {SCALE_MARGIN} < "
-                   f"{FP16_MAX:g})")
+        decided["scale_power"], record["loss_scale"], line = tune(
+            layers, probe_batches(), device, grad_accum, sample, plan_bytes(reports[job.rank]),
+            max(split or [micro_batch]), probe_on_cpu)
+        say.append(line)
     elif probe_batches is not None:
         say.append(f"--loss-scale auto: nothing to tune in {precision}")
     if job.is_main:

@@ -2,7 +2,7 @@
 import math
 
 from vit.errors import ConfigError
-from vit.hetero.profile import BYTES_PER_PARAM, plan_bytes
+from vit.footprint import plan_bytes
 from vit.precision import who
 
 
@@ -33,10 +33,11 @@ def proportional_split(total: int, speed: list[float], cap: list[int]) -> list[i
     return [sizes[r] for r in range(n)]
 
 
-def split_batches(profile: list[dict], reports: list[dict], micro_batch: int) -> list[int]:
+def split_batches(profile: list[dict], reports: list[dict], micro_batch: int, bytes_per_param: float) -> list[int]:
     """Per-rank micro-batch for --batch-split proportional: the data-parallel total micro x ranks shared in
-    proportion to the measured block speed, within each rank's free memory."""
-    static = sum(p["params"] for p in profile) * BYTES_PER_PARAM
+    proportion to the measured block speed, within each rank's free memory less bytes_per_param per parameter
+    (vit.footprint.bytes_per_param)."""
+    static = sum(p["params"] for p in profile) * bytes_per_param
     per_sample = sum(p["act_bytes"] for p in profile)  # profiled in the run's precision
     caps = [int((plan_bytes(r) - static) // per_sample) for r in reports]
     total = micro_batch * len(reports)

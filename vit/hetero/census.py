@@ -6,10 +6,9 @@ import torch.distributed as dist
 from torch import nn
 
 from vit import plugins
-from vit.precision import deepspeed_fp16, gpu_precisions
+from vit.footprint import device_memory
+from vit.precision import DTYPES, deepspeed_fp16, gpu_precisions
 from vit.slowdown import Clock
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def capabilities(dev: torch.device, local_world_size: int, engine: str) -> dict:
@@ -19,8 +18,6 @@ def capabilities(dev: torch.device, local_world_size: int, engine: str) -> dict:
     A plugin may change the report (vit.plugins' "census" hook), so that tests can stand in for a GPU without
     bf16 on a machine that has none."""
     from deepspeed.accelerator import get_accelerator
-
-    from vit.memory import device_memory
 
     name, free, total = device_memory(dev, local_world_size)
     if dev.type == "cuda":

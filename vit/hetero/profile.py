@@ -1,5 +1,5 @@
-"""Per-layer cost of the network: forward FLOPs, activation bytes kept for backward, parameters; and the memory
-rules the planners share."""
+"""Per-layer cost of the network: forward FLOPs, activation bytes kept for backward, parameters, and each layer's
+measured forward and backward time (the memory rules the planners share are vit.footprint's)."""
 import copy
 import math
 
@@ -7,34 +7,9 @@ import torch
 from torch import nn
 
 from vit.gpu import fork_rng
-
-BYTES_PER_PARAM = 16  # fp32 weights, gradients and two AdamW moments; or half weights + grads + fp32 master
-USABLE_MEMORY = 0.9  # plans leave 10% of the free memory for the allocator's fragmentation and the unforeseen
-# What a GPU rank holds outside the weights, gradients, optimizer state and activations a plan counts: NCCL's
-# buffers (NCCL_BUFFSIZE 4 MiB per channel, send and receive, on the rings and trees of each communicator) and the
-# cuBLAS and cuBLASLt workspaces (up to 32 MiB each per stream in recent torch). ZeRO's buckets come from the JSON.
-NCCL_BYTES = 384 * 2**20
-CUBLAS_BYTES = 2 * 32 * 2**20
-ZERO_BUCKET_DEFAULT = 500_000_000  # DeepSpeed's reduce_bucket_size and allgather_bucket_size, in elements
-
-
-def gpu_reserved_bytes(ds_config: dict, precision: str) -> float:
-    """The headroom memory plans keep on a GPU rank: NCCL_BYTES + CUBLAS_BYTES, and with ZeRO its gradient buckets
-    in the run's precision: reduce_bucket_size elements (twice with overlap_comm, which fills one bucket while the
-    other is reduced) and allgather_bucket_size."""
-    zero = ds_config.get("zero_optimization", {})
-    buckets = 0
-    if zero.get("stage", 0) >= 1:
-        reduce = zero.get("reduce_bucket_size", ZERO_BUCKET_DEFAULT)
-        buckets = (2 if zero.get("overlap_comm") else 1) * reduce + zero.get("allgather_bucket_size",
-                                                                               ZERO_BUCKET_DEFAULT)
-    return NCCL_BYTES + CUBLAS_BYTES + buckets * (2 if precision in ("fp16", "bf16") else 4)
-
-
-def plan_bytes(report: dict) -> float:
-    """What a plan may fill on a rank of the census: USABLE_MEMORY of its free memory less its reserved headroom
-    (mem_reserved_gib: gpu_reserved_bytes on a GPU, 0 on a CPU)."""
-    return (USABLE_MEMORY * report["mem_free_gib"] - report.get("mem_reserved_gib", 0.0)) * 2**30
+from vit.hetero.census import WARMUP_S
+from vit.precision import DTYPES
+from vit.slowdown import Clock
 
 
 def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str = "fp32") -> list[dict]:
@@ -43,8 +18,6 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str
     stays in fp32 there, stays in fp32 here)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
-
-    from vit.hetero.census import DTYPES
 
     if precision != "fp32":
         layers = [copy.deepcopy(layer).to(DTYPES[precision]) for layer in layers]
@@ -84,9 +57,6 @@ def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int,
     (the blocks) get their group's fastest: they cost the same, and any difference is noise. The fixed costs of
     tiny layers (kernel launches, the embedding's reshapes) count, which FLOPs do not see. Runs a copy of the
     layers on `dev`."""
-    from vit.hetero.census import DTYPES, WARMUP_S
-    from vit.slowdown import Clock
-
     dtype, clock = DTYPES[precision], Clock(slowdown, dev)
     copies = [copy.deepcopy(layer).to(dev, dtype) for layer in layers]
     inputs, grads = [], []

@@ -6,10 +6,7 @@ import itertools
 from dataclasses import dataclass
 
 from vit.errors import ConfigError
-from vit.hetero.profile import BYTES_PER_PARAM, plan_bytes
-
-# A frozen layer keeps its fp32 weights only: no gradients, no optimizer state (4 of BYTES_PER_PARAM bytes).
-FROZEN_STATIC_SHARE = 4 / BYTES_PER_PARAM
+from vit.footprint import FROZEN_BYTES_PER_PARAM, plan_bytes
 
 
 @dataclass
@@ -61,11 +58,12 @@ def pipeline_inflight(stages: int, grad_accum: int) -> list[int]:
 
 def plan_layers(layer_s: list[list[tuple[float, float]]], static_bytes: list[float], act_bytes: list[float],
                 capacity_bytes: list[float], stages: int, grad_accum: int, frozen: int = 0,
-                first_active: bool = False) -> StagePlan:
+                first_active: bool = False, frozen_share: float = 0.25) -> StagePlan:
     """The balanced plan from measurements. layer_s[rank][i]: (forward, backward) seconds of layer i at the
     run's micro-batch on that rank; static_bytes[i]: its weights, gradients and optimizer state when trained;
     act_bytes[i]: its activations kept for backward per micro-batch; capacity_bytes[rank]: what a plan may fill.
-    The first `frozen` layers cost their forward only, keep no activations and their weights only; `first_active`:
+    The first `frozen` layers cost their forward only, keep no activations and their weights only (frozen_share of
+    static_bytes; 4 of fp32 AdamW's 16 bytes per parameter by default); `first_active`:
     the first stage holds an active layer (a stage of frozen layers only has no backward, which DeepSpeed's
     pipeline cannot skip). Stage s runs
     on ranks s*dp .. s*dp+dp-1 (DeepSpeed's pipe-major rank order, dp = ranks // stages). ConfigError when no
@@ -73,7 +71,7 @@ def plan_layers(layer_s: list[list[tuple[float, float]]], static_bytes: list[flo
     n, dp = len(static_bytes), len(layer_s) // stages
     time = [[[f + (b if i >= frozen else 0.0) for i, (f, b) in enumerate(layer_s[r])]
              for r in range(s * dp, (s + 1) * dp)] for s in range(stages)]
-    static = [m * (FROZEN_STATIC_SHARE if i < frozen else 1.0) for i, m in enumerate(static_bytes)]
+    static = [m * (frozen_share if i < frozen else 1.0) for i, m in enumerate(static_bytes)]
     act = [0.0 if i < frozen else a for i, a in enumerate(act_bytes)]
     capacity = [min(capacity_bytes[s * dp:(s + 1) * dp]) for s in range(stages)]
     plan = balanced_split(time, static, act, capacity, pipeline_inflight(stages, grad_accum),
@@ -87,16 +85,18 @@ def plan_layers(layer_s: list[list[tuple[float, float]]], static_bytes: list[flo
 
 
 def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int,
-                frozen: int = 0, first_active: bool = False) -> StagePlan:
+                bytes_per_param: float, frozen: int = 0, first_active: bool = False) -> StagePlan:
     """plan_layers from the census: each rank's measured layer times (layer_ms, at layer_ms_micro_batch) and free
-    memory, the profile's parameters and activations. A re-plan at another micro-batch (more data-parallel
-    copies after a freeze) scales the times in proportion, which keeps the fixed costs' share as measured."""
+    memory, the profile's parameters (bytes_per_param each: vit.footprint.bytes_per_param) and activations. A
+    re-plan at another micro-batch (more data-parallel copies after a freeze) scales the times in proportion,
+    which keeps the fixed costs' share as measured."""
     layer_s = [[(f / 1e3 * micro_batch / r.get("layer_ms_micro_batch", micro_batch),
                  b / 1e3 * micro_batch / r.get("layer_ms_micro_batch", micro_batch)) for f, b in r["layer_ms"]]
                for r in reports]
-    return plan_layers(layer_s, [p["params"] * BYTES_PER_PARAM for p in profile],
+    return plan_layers(layer_s, [p["params"] * bytes_per_param for p in profile],
                        [p["act_bytes"] * micro_batch for p in profile],  # profiled in the run's precision
-                       [plan_bytes(r) for r in reports], stages, grad_accum, frozen, first_active)
+                       [plan_bytes(r) for r in reports], stages, grad_accum, frozen, first_active,
+                       frozen_share=min(1.0, FROZEN_BYTES_PER_PARAM / bytes_per_param))
 
 
 def slowest_stage_s(plan: StagePlan, parts: list[int]) -> float:

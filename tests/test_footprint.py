@@ -1,0 +1,116 @@
+"""The memory model (vit.footprint): the bytes per parameter each engine holds, term by term as DeepSpeed's and
+torch's sources allocate them, and one measurement of the real thing (a DDP model after one step)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vit import footprint
+
+CONFIGS = Path(__file__).parent.parent / "deepspeed_configs"
+
+
+def config(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def test_ddp_holds_a_bucket_copy_and_autocasts_weight_cache_beyond_the_plain_state():
+    plain = footprint.bytes_per_param("zero", "fp32", config("zero0"))  # AdamW alone: weights, gradients, moments
+    assert plain == 4 + 4 + 8
+    assert footprint.bytes_per_param("ddp", "fp32", {}) == plain + 4  # + DDP's bucket copy of the gradients
+    assert footprint.bytes_per_param("ddp", "bf16", {}) == plain + 4 + 2 == 22  # + autocast's bf16 weight cache
+    assert footprint.bytes_per_param("ddp", "bf16", {}) / plain == pytest.approx(22 / 16)
+    # ZeRO is what DDP is not: at dp=2, zero2 holds half the gradients and half the fp32 optimizer state per rank.
+    zero2 = footprint.state_bytes("zero", "bf16", config("zero2"), dp_size=2)
+    assert zero2 == {"bf16 weights": 2, "bf16 gradients": 1, "fp32 master weights": 2, "fp32 master gradients": 2,
+                     "AdamW moments": 4}
+    assert footprint.bytes_per_param("ddp", "bf16", {}, dp_size=2) > sum(zero2.values())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_divide_what_they_partition_by_the_data_parallel_size(stage):
+    cfg = {"zero_optimization": {"stage": stage}}
+    one, four = (footprint.state_bytes("zero", "fp16", cfg, dp_size=dp) for dp in (1, 4))
+    partitioned = {"fp32 master weights", "fp32 master gradients", "AdamW moments"}
+    partitioned |= {"fp16 gradients"} if stage >= 2 else set()
+    partitioned |= {"fp16 weights"} if stage == 3 else set()
+    assert {k for k in one if four[k] == one[k] / 4} == partitioned
+    assert all(four[k] == one[k] for k in one.keys() - partitioned)
+    fp32 = footprint.state_bytes("zero", "fp32", cfg, dp_size=4)  # stage3.py: the fp32 partition is the master
+    assert fp32["fp32 master weights"] == (0 if stage == 3 else 1)
+    offload = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+    on_cpu = footprint.state_bytes("zero", "fp16", offload, dp_size=4)  # optimizer state in CPU memory
+    assert on_cpu["fp32 master weights"] == on_cpu["AdamW moments"] == 0
+
+
+def test_deepspeed_optimizers_as_the_engine_picks_them():
+    # zero0.json in half precision: FP16_UnfusedOptimizer (torch's AdamW is not DeepSpeed's FusedAdam), fp32
+    # masters and, at the step, fp32 copies of the gradients.
+    assert footprint.state_bytes("zero", "bf16", config("zero0"), dp_size=2) == {
+        "bf16 weights": 2, "bf16 gradients": 2, "fp32 master weights": 4, "fp32 master gradients": 4,
+        "AdamW moments": 8}
+    # pipeline.json in bf16 (ZeRO-1, fp32 gradient accumulation): BF16_Optimizer, whose fp32 accumulation buffer is
+    # the whole model's, while its masters and moments are partitioned.
+    bf16 = footprint.state_bytes("pipeline", "bf16", config("pipeline"), dp_size=2)
+    assert bf16 == {"bf16 weights": 2, "bf16 gradients": 2, "gradient accumulation": 4, "fp32 master weights": 2,
+                    "AdamW moments": 4}
+    # A bf16 pipeline without ZeRO is BF16_Optimizer too; zero0.json in bf16 outside a pipeline is not.
+    assert "gradient accumulation" in footprint.state_bytes("pipeline", "bf16", config("zero0"))
+    assert "gradient accumulation" not in footprint.state_bytes("zero", "bf16", config("zero0"))
+    # pipeline_fp16.json: fp16 with ZeRO-1 is DeepSpeed's ZeRO optimizer, not BF16_Optimizer.
+    assert "gradient accumulation" not in footprint.state_bytes("pipeline", "fp16", config("pipeline_fp16"))
+
+
+def test_the_async_pipelines_stash_and_a_gpu_ema_each_add_a_copy_of_the_weights():
+    bare = footprint.bytes_per_param("async-pipeline", "bf16", {})
+    assert bare == 4 + 4 + 8 + 2  # fp32 weights, gradients, moments, autocast's cache
+    assert footprint.bytes_per_param("async-pipeline", "bf16", {}, stashed_copies=1) == bare + 4
+    assert footprint.bytes_per_param("async-pipeline", "bf16", {}, dp_size=2) == bare + 4  # the all-reduce's cat
+    for engine, cfg in [("ddp", {}), ("zero", config("zero2")), ("zero", config("zero3")), ("pipeline", {})]:
+        without = footprint.bytes_per_param(engine, "bf16", cfg, dp_size=4)
+        assert footprint.bytes_per_param(engine, "bf16", cfg, dp_size=4, ema_on_gpu=True) == without + 4
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_estimate_covers_what_a_real_ddp_model_holds_after_one_step(tmp_path, precision):
+    """torch's own accounting (the profiler's record of every CPU allocation and free) of a DDP model built,
+    trained one step under autocast and its loss dropped: what stays is its weights, gradients, DDP's buckets and
+    AdamW's moments. The estimate is at least that, and not far above (autocast's cache is freed by then)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 256), torch.randint(0, 10, (8,))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 10))
+            ddp = DistributedDataParallel(model)
+            optimizer = torch.optim.AdamW(model.parameters())
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = torch.nn.functional.cross_entropy(ddp(x).float(), y)
+            loss.backward()
+            optimizer.step()
+            del loss
+        held = sum(e.self_cpu_memory_usage for e in prof.key_averages())
+    finally:
+        dist.destroy_process_group()
+    params = sum(p.numel() for p in model.parameters())
+    estimate = footprint.bytes_per_param("ddp", precision, {}) * params
+    assert held / params > 16 + 3  # more than the one figure the planners used for every engine
+    scalars = 1024  # per tensor or per model, not per parameter: AdamW's step counts, DDP's bookkeeping
+    assert held - scalars <= estimate <= 1.12 * held, (held / params, estimate / params)
+
+
+def test_the_memory_model_is_a_lower_layer_than_the_plan_and_the_census():
+    """vit.footprint imports no other part of vit but its errors, and vit.memory (the out-of-memory message and
+    --micro-batch-size auto) not the plan it serves: nothing hides a cycle behind a function-level import."""
+    code = ("import sys, vit.footprint; print(sorted(m for m in sys.modules if m.startswith('vit.'))); "
+            "import vit.memory; print('vit.plan' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split("\n")[:2] == ["['vit.errors', 'vit.footprint']", "False"], out
