@@ -8,6 +8,7 @@ import psutil
 import torch
 from torch import nn
 
+from vit.engines.registry import EngineSpec, spec
 from vit.errors import OutOfMemory
 
 USABLE_MEMORY = 0.9  # plans leave 10% of the free memory for the allocator's fragmentation and the unforeseen
@@ -28,34 +29,35 @@ def state_bytes(engine: str, precision: str, ds_config: dict, dp_size: int = 1, 
     dtype and optimizer offload come from the DeepSpeed JSON, and what ZeRO partitions is divided by `dp_size`.
     `ema_on_gpu`: timm's ModelEmaV3 in fp32 on the rank's device (vit/ema.py). `stashed_copies`: the async
     pipeline's weight copies kept for in-flight micro-batches. AdamW throughout (vit/optim.py)."""
-    if engine in ("ddp", "async-pipeline"):
-        terms = torch_state(engine, precision, dp_size, stashed_copies)
+    engine_spec = spec(engine)
+    if engine_spec.deepspeed:
+        terms = deepspeed_state(engine_spec, precision, ds_config, dp_size)
     else:
-        terms = deepspeed_state(engine, precision, ds_config, dp_size)
+        terms = torch_state(engine_spec, precision, dp_size, stashed_copies)
     if ema_on_gpu:
         terms["ema fp32 copy"] = 4  # vit/ema.py: ModelEmaV3(dtype=float32, device=engine.device), never partitioned
     return terms
 
 
-def torch_state(engine: str, precision: str, dp_size: int, stashed_copies: int) -> dict[str, float]:
+def torch_state(engine: EngineSpec, precision: str, dp_size: int, stashed_copies: int) -> dict[str, float]:
     """DDP and the async pipeline: fp32 parameters trained under torch.autocast, torch's AdamW."""
     terms = {"fp32 weights": 4, "fp32 gradients": 4, "AdamW moments": 8}  # torch/optim/adamw.py: exp_avg, exp_avg_sq
     if precision != "fp32":
         # torch/amp/autocast_mode.py (cache_enabled): each fp32 weight's half cast is cached until the autocast
         # region exits, and backward keeps it for the matmuls' weight gradients
         terms["autocast half weights"] = 2
-    if engine == "ddp":
+    if not engine.pipeline:  # ddp
         # torch/nn/parallel/distributed.py: gradient_as_bucket_view=False (our default) copies the gradients into
         # allreduce buckets as big as the gradients
         terms["DDP buckets"] = 4
     elif stashed_copies:  # vit/engines/async_pipeline.py _weights: p.detach().clone() (or msnag's prediction)
         terms["stashed weights"] = 4 * stashed_copies
-    if engine == "async-pipeline" and dp_size > 1:  # async_pipeline.py _update: torch.cat of every gradient
+    if engine.pipeline and dp_size > 1:  # async_pipeline.py _update: torch.cat of every gradient
         terms["allreduce flat gradients"] = 4
     return terms
 
 
-def deepspeed_state(engine: str, precision: str, ds_config: dict, dp_size: int) -> dict[str, float]:
+def deepspeed_state(engine: EngineSpec, precision: str, ds_config: dict, dp_size: int) -> dict[str, float]:
     """The optimizer DeepSpeed wraps around AdamW, as deepspeed/runtime/engine.py's _do_optimizer_sanity_check
     picks it: ZeRO (zero/stage_1_and_2.py, stage3.py), BF16_Optimizer (bf16_optimizer.py: bf16 with ZeRO-1 and
     fp32 gradient accumulation, and bf16 pipelines without ZeRO), FP16_UnfusedOptimizer (fp16/unfused_optimizer.py:
@@ -66,7 +68,7 @@ def deepspeed_state(engine: str, precision: str, ds_config: dict, dp_size: int) 
     offload = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
     w = ELEMENT_BYTES[precision]
     if precision == "bf16" and ((stage == 1 and accum == "fp32" and not offload)
-                                or (engine == "pipeline" and stage == 0 and accum in (None, "bf16"))):
+                                or (engine.pipeline and stage == 0 and accum in (None, "bf16"))):
         acc = ELEMENT_BYTES[accum or "bf16"]
         terms = {"bf16 weights": 2, "bf16 gradients": 2,
                  "gradient accumulation": acc,  # fp32_groups_gradients_flat: zeros_like(bf16_groups_flat)

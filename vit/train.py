@@ -12,7 +12,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from vit import autocache, autopipe, checkpoint, console, hetero, plugins, preflight, slowdown, tracking, weights
+from vit import autocache, autopipe, checkpoint, console, plugins, preflight, slowdown, tracking, weights
 from vit.augment import train_batches
 from vit.checkpoint import Checkpointer
 from vit.cli import PROG, parse
@@ -27,6 +27,7 @@ from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure
 from vit.footprint import gpu_reserved_bytes, is_oom
 from vit.freeze import Freezer
+from vit.hetero.adapt import Adapted, adapt
 from vit.gpu import set_tf32
 from vit.memory import fit_micro_batch, likely_precision, nccl_out_of_memory, out_of_memory, state_bytes_per_param
 from vit.metrics import MetricsLog, peak_mem_gib
@@ -119,7 +120,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     tf32 = set_tf32(dev, s.parallel.tf32 == "on")  # before the census: it measures fp32 speed as training runs
     if tf32 and job.is_main:
         print(tf32, flush=True)
-    adapted = adapt(plan, dev, layers, start)
+    adapted = adapt_to_cluster(plan, dev, layers, start)
     slowdown.attach_all(layers, plan.slowdowns.get(job.rank, 1.0), dev)
     locks = lock_run_dirs(log_dir, save_dir, s.checkpoint.no_save)
     hidden_to = console.to_file(log_dir, job.rank)
@@ -156,7 +157,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     return session(plan, engine, watchdog, log_dir, save_dir, start, adapted, ds_config, locks, freezer, earlier)
 
 
-def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> hetero.Adapted:
+def adapt_to_cluster(plan: Plan, dev: torch.device, layers: list, start_step: int) -> Adapted:
     """The census and the plans for mixed GPUs (vit.hetero), from this run's settings."""
     s, job, batch, data, par = plan.settings, plan.job, plan.batch, plan.data, plan.settings.parallel
     pipeline = spec(par.engine).pipeline
@@ -166,7 +167,7 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
                              batch.dp_size, s.train.seed, start_step, start_step + 2)
         return make_loader(data.train, probe, 0, False)
 
-    return hetero.adapt(
+    return adapt(
         job, dev, layers, requested_precision=plan.requested_precision, engine=par.engine,
         micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, sample=data.train[0][0][None],
         balanced_stages=par.pipeline_stages if pipeline and par.partition == "balanced" else None,
@@ -180,7 +181,7 @@ def adapt(plan: Plan, dev: torch.device, layers: list, start_step: int) -> heter
 
 
 def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,
-            adapted: hetero.Adapted, ds_config: dict, locks: list[RunLock], freezer: Freezer,
+            adapted: Adapted, ds_config: dict, locks: list[RunLock], freezer: Freezer,
             earlier: dict) -> Session:
     s, job, batch, data = plan.settings, plan.job, plan.batch, plan.data
     pin = engine.device.type == "cuda"

@@ -1,0 +1,109 @@
+"""Before the engine is built, adapt() takes a census of every rank (device, memory, what it can run,
+how fast it is), settles the precision, and where asked plans balanced pipeline stages, proportional batches and
+the fp16 loss scale. Rank 0 prints each decision; `record` goes to cluster.json.
+
+census: the measuring, collective part; profile: per-layer costs and times; stages, batch_split: the planners (pure,
+tested against brute force); loss_scale: the fp16 probe.
+"""
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vit.dist_env import Job
+from vit.footprint import plan_bytes
+from vit.gpu import fork_rng
+from vit.hetero.batch_split import split_batches
+from vit.hetero.census import capabilities, census_table, gather, measure_speed
+from vit.hetero.loss_scale import tune
+from vit.hetero.profile import LAYER_TURNS, profile_layers, time_layers
+from vit.hetero.stages import plan_stages, slowest_stage_s, stage_plan_text
+from vit.precision import choose
+
+
+@dataclass(frozen=True)
+class Adapted:
+    """What the census decided for this run."""
+    precision: str
+    scale_power: int | None = None  # fp16 initial_scale_power chosen by --loss-scale auto
+    loss_weight: float = 1.0  # this rank's share of a micro-step's samples x data-parallel size
+    split: list[int] | None = None  # every data-parallel rank's micro-batch (--batch-split proportional)
+    parts: list[int] | None = None  # pipeline stage boundaries (--partition balanced)
+    record: dict = field(default_factory=dict)  # cluster.json
+
+
+def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str | None, engine: str,
+          micro_batch: int, grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
+          probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
+          state_bytes: Callable[[str], float], reserved_bytes: float = 0.0, probe_on_cpu: bool = False,
+          layer_times: bool = False) -> Adapted:
+    """Collective. `requested_precision`: --precision's, or the JSON's, or None (none given; vit.precision.choose);
+    `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to be balanced;
+    `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`:
+    the proportional micro-batches when --micro-batch-size auto measured them; `state_bytes`: the bytes per
+    parameter a rank holds in a precision (vit.footprint.bytes_per_param for the run's engine); `reserved_bytes`:
+    a GPU's headroom for NCCL, ZeRO's buckets and cuBLAS (vit.footprint.gpu_reserved_bytes), which memory plans
+    keep free;
+    `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model);
+    `layer_times`: measure every layer's forward and backward time and profile the layers even without balanced
+    stages (record["census"][rank]["layer_ms"], record["layers"]), for stages.plan_stages(..., frozen=k) at a
+    freeze point."""
+    from deepspeed.runtime import utils as ds_utils
+
+    reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
+    caps = gather({**capabilities(device, job.local_world_size, engine), "mem_reserved_gib": reserved_gib})
+    precision, why = choose(requested_precision, engine, caps)
+    with torch.no_grad(), fork_rng(device):
+        block_input = (micro_batch, *layers[0](sample).shape[1:])
+    timing = bool(balanced_stages or layer_times)
+    # One rank at a time: ranks that share a host's cores would slow each other. Layer times take LAYER_TURNS
+    # alternations, so that every rank samples a shared host's load over the same span.
+    for turn in range(job.world_size * (LAYER_TURNS if timing else 1)):
+        if turn % job.world_size == job.rank:
+            if turn < job.world_size:
+                speed = measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown)
+            if timing:
+                now = time_layers(layers, sample, micro_batch, precision, device, slowdown)
+                speed["layer_ms"] = [[min(a, b) for a, b in zip(old, new)] for old, new in
+                                     zip(speed.get("layer_ms", now), now)]
+                speed["layer_ms_micro_batch"] = micro_batch
+        dist.barrier()
+    reports = gather({**caps[job.rank], **speed, "slowdown": slowdown})
+    per_param = state_bytes(precision)
+    record = {"census": reports, "precision": precision, "precision_why": why, "state_bytes_per_param": per_param}
+    say = [census_table(reports, precision), f"precision {precision}: {why}"]
+    decided = {}
+
+    if balanced_stages or proportional or layer_times:
+        profile = profile_layers(layers, sample, precision)
+        record["layers"] = profile
+    if balanced_stages:
+        plan = plan_stages(profile, reports, balanced_stages, micro_batch, grad_accum, per_param)
+        compare = {"parameters": ds_utils.partition_balanced([p["params"] for p in profile], balanced_stages),
+                   "uniform": ds_utils.partition_uniform(len(profile), balanced_stages)}
+        compare = {k: [int(i) for i in v] for k, v in compare.items()}
+        decided["parts"] = plan.parts
+        record["stages"] = {"parts": plan.parts, "predicted_s": plan.times, "predicted_bytes": plan.mems,
+                            "compare": compare, "compare_slowest_s": {k: slowest_stage_s(plan, v)
+                                                                      for k, v in compare.items()}}
+        say.append(stage_plan_text(plan, profile, reports, compare))
+    if proportional:
+        how = "each rank's largest (--micro-batch-size auto)" if split else "proportional to block speed"
+        split = split or split_batches(profile, reports, micro_batch, per_param)
+        decided.update(split=split, loss_weight=split[job.rank] * len(split) / sum(split))
+        record["batch_split"] = split
+        say.append(f"batch split ({how}): micro-batches {split} (sum {sum(split)} = {micro_batch} x {len(split)} "
+                   "ranks)")
+    if probe_batches is not None and precision == "fp16":
+        decided["scale_power"], record["loss_scale"], line = tune(
+            layers, probe_batches(), device, grad_accum, sample, plan_bytes(reports[job.rank]),
+            max(split or [micro_batch]), probe_on_cpu)
+        say.append(line)
+    elif probe_batches is not None:
+        say.append(f"--loss-scale auto: nothing to tune in {precision}")
+    if job.is_main:
+        print("\n".join(say), flush=True)
+    return Adapted(precision, record=record, **decided)
