@@ -27,8 +27,8 @@ from vit.evaluate import Evaluator
 from vit.faults import Watchdog, announce_failure
 from vit.footprint import gpu_reserved_bytes, is_oom
 from vit.freeze import Freezer
-from vit.hetero.adapt import Adapted, adapt
 from vit.gpu import set_tf32
+from vit.hetero.adapt import Adapted, adapt
 from vit.memory import fit_micro_batch, likely_precision, nccl_out_of_memory, out_of_memory, state_bytes_per_param
 from vit.metrics import MetricsLog, peak_mem_gib
 from vit.model import build_layers

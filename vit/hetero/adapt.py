@@ -42,17 +42,13 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
           layer_times: bool = False) -> Adapted:
     """Collective. `requested_precision`: --precision's, or the JSON's, or None (none given; vit.precision.choose);
     `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to be balanced;
-    `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`:
-    the proportional micro-batches when --micro-batch-size auto measured them; `state_bytes`: the bytes per
-    parameter a rank holds in a precision (vit.footprint.bytes_per_param for the run's engine); `reserved_bytes`:
-    a GPU's headroom for NCCL, ZeRO's buckets and cuBLAS (vit.footprint.gpu_reserved_bytes), which memory plans
-    keep free;
-    `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model);
-    `layer_times`: measure every layer's forward and backward time and profile the layers even without balanced
-    stages (record["census"][rank]["layer_ms"], record["layers"]), for stages.plan_stages(..., frozen=k) at a
-    freeze point."""
-    from deepspeed.runtime import utils as ds_utils
-
+    `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`: the
+    proportional micro-batches when --micro-batch-size auto measured them; `state_bytes`: precision -> bytes per
+    parameter (vit.footprint.bytes_per_param); `reserved_bytes`: a GPU's headroom for NCCL, ZeRO's buckets and
+    cuBLAS (vit.footprint.gpu_reserved_bytes), which memory plans keep free; `probe_on_cpu`: run the loss-scale
+    probe on the CPU (engines whose GPUs hold only part of the model); `layer_times`: measure every layer's forward
+    and backward time and profile the layers even without balanced stages (record["census"][rank]["layer_ms"],
+    record["layers"]), for stages.plan_stages(..., frozen=k) at a freeze point."""
     reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
     caps = gather({**capabilities(device, job.local_world_size, engine), "mem_reserved_gib": reserved_gib})
     precision, why = choose(requested_precision, engine, caps)
@@ -74,22 +70,14 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     reports = gather({**caps[job.rank], **speed, "slowdown": slowdown})
     per_param = state_bytes(precision)
     record = {"census": reports, "precision": precision, "precision_why": why, "state_bytes_per_param": per_param}
-    say = [census_table(reports, precision), f"precision {precision}: {why}"]
-    decided = {}
-
+    say, decided = [census_table(reports, precision), f"precision {precision}: {why}"], {}
     if balanced_stages or proportional or layer_times:
         profile = profile_layers(layers, sample, precision)
         record["layers"] = profile
     if balanced_stages:
-        plan = plan_stages(profile, reports, balanced_stages, micro_batch, grad_accum, per_param)
-        compare = {"parameters": ds_utils.partition_balanced([p["params"] for p in profile], balanced_stages),
-                   "uniform": ds_utils.partition_uniform(len(profile), balanced_stages)}
-        compare = {k: [int(i) for i in v] for k, v in compare.items()}
-        decided["parts"] = plan.parts
-        record["stages"] = {"parts": plan.parts, "predicted_s": plan.times, "predicted_bytes": plan.mems,
-                            "compare": compare, "compare_slowest_s": {k: slowest_stage_s(plan, v)
-                                                                      for k, v in compare.items()}}
-        say.append(stage_plan_text(plan, profile, reports, compare))
+        decided["parts"], record["stages"], text = balance(profile, reports, balanced_stages, micro_batch,
+                                                           grad_accum, per_param)
+        say.append(text)
     if proportional:
         how = "each rank's largest (--micro-batch-size auto)" if split else "proportional to block speed"
         split = split or split_batches(profile, reports, micro_batch, per_param)
@@ -107,3 +95,18 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     if job.is_main:
         print("\n".join(say), flush=True)
     return Adapted(precision, record=record, **decided)
+
+
+def balance(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int,
+            bytes_per_param: float) -> tuple[list[int], dict, str]:
+    """--partition balanced: the stage boundaries, cluster.json's record (with what DeepSpeed's `parameters` and
+    `uniform` splits would predict) and the plan as rank 0 prints it."""
+    from deepspeed.runtime import utils as ds_utils
+
+    plan = plan_stages(profile, reports, stages, micro_batch, grad_accum, bytes_per_param)
+    compare = {"parameters": ds_utils.partition_balanced([p["params"] for p in profile], stages),
+               "uniform": ds_utils.partition_uniform(len(profile), stages)}
+    compare = {k: [int(i) for i in v] for k, v in compare.items()}
+    record = {"parts": plan.parts, "predicted_s": plan.times, "predicted_bytes": plan.mems, "compare": compare,
+              "compare_slowest_s": {k: slowest_stage_s(plan, v) for k, v in compare.items()}}
+    return plan.parts, record, stage_plan_text(plan, profile, reports, compare)
