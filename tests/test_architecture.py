@@ -1,11 +1,15 @@
 """The design's rules that a reading of one module cannot see: outside vit/engines/ and vit/compat.py no code
 branches on an engine's name; it asks the engine's spec (vit.engines.registry)."""
 import ast
+import importlib
+import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_cmd
 
-from vit.engines.registry import NAMES
+from bench.runs import CONFIGS, RUN_ENGINES
+from vit.engines.registry import NAMES, SPECS
 from vit.settings import ROOT
 
 ENGINE_NAMES = frozenset(NAMES) | {n.replace("-", "_") for n in NAMES}  # as --engine and as a module name
@@ -88,3 +92,20 @@ def test_the_check_leaves_spec_questions_and_other_strings_alone():
             "opts = ['--engine', 'pipeline']\nfor name in ('zero2', 'ddp'): pass\nprint(f'--engine {engine}')\nd = {'zero_stage': 0}\n"
             "name.startswith('pipeline')")
     assert engine_name_uses(code) == []
+
+
+@pytest.mark.ranks
+def test_the_registry_and_the_compatibility_table_load_without_torch():
+    """The command line and its checks read the registry before anything heavy is imported."""
+    r = run_cmd([sys.executable, "-c", "import sys, vit.engines, vit.compat, vit.cli; from vit.engines import build; "
+                 "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')))"], timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_every_registered_engine_has_its_module_its_json_and_a_benchmark_run():
+    for spec in SPECS.values():
+        assert callable(importlib.import_module(spec.module).build), spec.module
+        assert (ROOT / "deepspeed_configs" / spec.default_ds_config).is_file(), spec.default_ds_config
+        assert spec.zero_stage is None or spec.zero_stage in spec.zero_stages, spec.name
+    assert {engine.name for engine, _ in RUN_ENGINES.values()} == set(NAMES)
+    assert all((CONFIGS / config).is_file() for _, config in RUN_ENGINES.values())

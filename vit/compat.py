@@ -27,8 +27,8 @@ NEEDS = {
 def check_settings(s) -> None:
     """The command line's options against its --engine (vit.cli.validate)."""
     par, engine = s.parallel, spec(s.parallel.engine)
-    if par.micro_batch_size == "auto" and (engine.pipeline or s.checkpoint.resume):
-        raise ConfigError(f"--micro-batch-size auto applies to {_engines(lambda e: not e.pipeline)}, and not to "
+    if par.micro_batch_size == "auto" and (not engine.micro_batch_auto or s.checkpoint.resume):
+        raise ConfigError(f"--micro-batch-size auto applies to {_engines(lambda e: e.micro_batch_auto)}, and not to "
                           "--resume (pass the micro-batch the run chose: its config.json says)")
     if par.partition == "balanced" and not engine.pipeline:
         raise ConfigError(f"--partition balanced applies to {_engines(lambda e: e.pipeline)}")

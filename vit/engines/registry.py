@@ -17,6 +17,7 @@ class EngineSpec:
     fp16: bool  # has an fp16 loss scaler (else it trains in bf16 or fp32)
     freeze: bool  # --freeze can rebuild it on a longer frozen prefix
     async_options: bool  # --async-update-interval, --weight-stashing and --weight-prediction apply
+    micro_batch_auto: bool  # --micro-batch-size auto can measure it (every rank holding the whole model)
     default_ds_config: str  # under deepspeed_configs/, when no --ds-config is given
 
     @property
@@ -34,13 +35,15 @@ class EngineSpec:
 ZERO_STAGES = (0, 1, 2, 3)
 SPECS = {spec.name: spec for spec in (
     EngineSpec("zero", "vit.engines.zero", pipeline=False, deepspeed=True, zero_stage=None, zero_stages=ZERO_STAGES,
-               fp16=True, freeze=True, async_options=False, default_ds_config="zero2.json"),
+               fp16=True, freeze=True, async_options=False, micro_batch_auto=True, default_ds_config="zero2.json"),
     EngineSpec("pipeline", "vit.engines.pipeline", pipeline=True, deepspeed=True, zero_stage=None,
-               zero_stages=(0, 1), fp16=True, freeze=True, async_options=False, default_ds_config="pipeline.json"),
+               zero_stages=(0, 1), fp16=True, freeze=True, async_options=False, micro_batch_auto=False,
+               default_ds_config="pipeline.json"),
     EngineSpec("async-pipeline", "vit.engines.async_pipeline", pipeline=True, deepspeed=False, zero_stage=0,
-               zero_stages=(0, 1), fp16=False, freeze=False, async_options=True, default_ds_config="pipeline.json"),
+               zero_stages=(0, 1), fp16=False, freeze=False, async_options=True, micro_batch_auto=False,
+               default_ds_config="pipeline.json"),
     EngineSpec("ddp", "vit.engines.ddp", pipeline=False, deepspeed=False, zero_stage=0, zero_stages=(0,),
-               fp16=True, freeze=True, async_options=False, default_ds_config="zero0.json"),
+               fp16=True, freeze=True, async_options=False, micro_batch_auto=True, default_ds_config="zero0.json"),
 )}
 NAMES = tuple(SPECS)
 
