@@ -4,7 +4,7 @@
 # It activates the project's .venv when there is one, reads setup/cluster.env (the network interface)
 # when present, and runs `python -m vit.train` with its arguments: the vit installed from this checkout
 # (pip install -e ., which scripts/bootstrap.sh does). Rank, world size and rank 0's address
-# (MASTER_ADDR/MASTER_PORT, never 127.0.0.1 across hosts) are found by vit/dist_env.py.
+# (MASTER_ADDR/MASTER_PORT, never 127.0.0.1 across hosts) are found by vit/runtime/dist_env.py.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 

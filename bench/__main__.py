@@ -4,7 +4,7 @@ import sys
 
 import bench
 from bench import allreduce, async_pipeline, finetune, freeze, gpu, hetero, monitor, peak, recipe, train
-from vit.cli import HelpFormatter
+from vit.config.cli import HelpFormatter
 from vit.train import prepare_environment
 
 MODULES = (train, allreduce, peak, hetero, monitor, recipe, finetune, freeze, async_pipeline, gpu)

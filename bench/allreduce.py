@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from bench.common import device_name, load_avg, publish
-from vit.dist_env import MPI_LAUNCHERS, device, discover, init_process_group, resolve_master
-from vit.settings import positive_int
+from vit.config.settings import positive_int
+from vit.runtime.dist_env import MPI_LAUNCHERS, device, discover, init_process_group, resolve_master
 
 
 def parse_bytes(text: str) -> int:

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from bench.common import OthersCpu, device_name, failure_tail, load_avg, median_step_s, mpirun_train, publish, seed_list
-from vit.jsonl import read_jsonl
-from vit.settings import ROOT, positive_int
+from vit.config.settings import ROOT, positive_int
+from vit.telemetry.jsonl import read_jsonl
 
 COMPUTE = ("data_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s", "other_s")  # all but pipe_*_s
 PIPELINE_JSON = ROOT / "deepspeed_configs" / "pipeline.json"

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vit.jsonl import read_jsonl
-from vit.metrics import write_json
-from vit.settings import ROOT
+from vit.config.settings import ROOT
+from vit.telemetry.jsonl import read_jsonl
+from vit.telemetry.metrics import write_json
 
 # Peak dense TFLOP/s of one device, by its exact name (torch.cuda.get_device_name(), or this module's
 # device_name() for a CPU): a name that is not here has no MFU, never a near match's (an RTX 3090 Ti is not an

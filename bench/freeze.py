@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.common import device_name, failure_tail, load_avg, mpirun_train, publish
 from bench.finetune import write_parity_folder
-from vit.settings import positive_int
+from vit.config.settings import positive_int
 
 CONFIGS = {  # name -> options on top of the fine-tuning run
     "baseline": [],

@@ -15,8 +15,8 @@ import torch
 from bench import train as bench_train
 from bench.common import device_name, load_avg, publish
 from bench.runs import CONFIGS, RUNS, engine_options
-from vit.jsonl import read_jsonl
-from vit.settings import ROOT, positive_int
+from vit.config.settings import ROOT, positive_int
+from vit.telemetry.jsonl import read_jsonl
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
@@ -67,7 +67,7 @@ def engine_runs(a, tmp: Path) -> list[dict]:
                            if values else last_line(out))
             rows.append(row)
     rows.append({"check": "pipeline, 2 stages on one GPU", "ok": None,
-                 "detail": "not run: NCCL refuses two ranks on one device (vit.gpu's one-GPU-per-rank check)"})
+                 "detail": "not run: NCCL refuses two ranks on one device (vit.runtime.gpu's one-GPU-per-rank check)"})
     return rows
 
 

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from bench.common import failure_tail, median_step_s, mpirun_train, publish
-from vit import slowdown
-from vit.cli import defaults
+from vit.config.cli import defaults
+from vit.config.settings import positive_int
 from vit.engines.registry import spec
-from vit.settings import positive_int
+from vit.runtime import slowdown
 
 MIXED_RUNS = [  # (row name, vit.train options)
     ("pipeline, --partition uniform", ["--engine", "pipeline", "--partition", "uniform"]),
@@ -95,11 +95,11 @@ def mixed(a) -> int:
 def grad_max_per_step(a) -> tuple[list[float], float]:
     """fp32 training on the global batch for --steps steps: the largest |gradient| of each step over the
     parameters and the layer outputs; and the --loss-scale auto probe's value at step 0."""
-    from vit.data import TrainBatches, load_dataset, make_loader
+    from vit.data.sets import TrainBatches, load_dataset, make_loader
     from vit.hetero.loss_scale import GradPeak, probe_grad_max
-    from vit.model import build_layers, model_shape
-    from vit.optim import make_optimizer, make_scheduler
-    from vit.reference import train_step
+    from vit.loop.optim import make_optimizer, make_scheduler
+    from vit.loop.reference import train_step
+    from vit.model.layers import build_layers, model_shape
 
     s = defaults().with_(model=a.model, dataset=a.dataset)
     seed = s.train.seed
@@ -138,7 +138,7 @@ def skipped_steps(peaks: list[float], power: int) -> int:
 def lossscale(a) -> int:
     import torch.distributed as dist
 
-    from vit.ds_config import DEFAULT_FP16_SCALE_POWER
+    from vit.config.ds_config import DEFAULT_FP16_SCALE_POWER
     from vit.engines.deepspeed_engine import deepspeed_comm
     from vit.hetero.loss_scale import scale_power
 

@@ -14,8 +14,8 @@ import statistics
 import tempfile
 import time
 
-from vit.monitor import Monitor
-from vit.settings import ROOT, positive_int
+from vit.config.settings import ROOT, positive_int
+from vit.telemetry.monitor import Monitor
 
 
 def children_cpu_s() -> float:

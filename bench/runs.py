@@ -4,8 +4,8 @@ registry: the ZeRO engine once per stage (zero0..zero3, each with its zeroN.json
 import argparse
 import sys
 
+from vit.config.settings import ROOT
 from vit.engines.registry import SPECS, EngineSpec
-from vit.settings import ROOT
 
 CONFIGS = ROOT / "deepspeed_configs"
 

@@ -1,5 +1,5 @@
 """images/s, step time, peak memory and MFU of each engine (real mpirun runs of vit.train) and their ratio to a
-plain single-process PyTorch loop (vit.reference.train_step), at one global batch."""
+plain single-process PyTorch loop (vit.loop.reference.train_step), at one global batch."""
 import json
 import os
 import socket
@@ -25,13 +25,13 @@ from bench.common import (
     total_peak_tflops,
 )
 from bench.runs import CONFIGS, RUN_ENGINES, RUNS, engine_options
-from vit.cli import defaults
+from vit.config.cli import defaults
+from vit.config.settings import positive_int
 from vit.errors import ConfigError
-from vit.metrics import peak_mem_gib
-from vit.model import PRESETS, build_layers, check_model, model_shape
-from vit.optim import make_optimizer, make_scheduler
-from vit.reference import train_step
-from vit.settings import positive_int
+from vit.loop.optim import make_optimizer, make_scheduler
+from vit.loop.reference import train_step
+from vit.model.layers import PRESETS, build_layers, check_model, model_shape
+from vit.telemetry.metrics import peak_mem_gib
 
 
 def run_reference(a, dev: torch.device) -> dict:

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mpi4py import MPI  # noqa: E402
 
-from vit import dist_env  # noqa: E402
+from vit.runtime import dist_env  # noqa: E402
 
 
 def main() -> None:

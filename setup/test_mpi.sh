@@ -11,7 +11,7 @@ Usage: setup/test_mpi.sh [--help] [HOSTFILE]
    runs its own copy at this checkout's path).
 2. mpirun -np NP --hostfile HOSTFILE setup/hello_mpi: every rank prints rank, size and host.
 3. mpirun ... python setup/check_dist.py: an mpi4py allreduce, then a torch.distributed all_reduce
-   started as training starts it (vit/dist_env.py): rank 0's address, nccl on GPUs (a tensor on
+   started as training starts it (vit/runtime/dist_env.py): rank 0's address, nccl on GPUs (a tensor on
    the rank's GPU) or gloo on CPUs.
 Each launch must show all NP ranks; a launch that takes longer than MPI_TIMEOUT is killed.
 setup/cluster.env (IFACE) is sourced first, as entry_cn.sh does.

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from vit.dist_env import free_port
-from vit.jsonl import read_jsonl  # noqa: F401  (the one reader of our logs, for the tests too)
+from vit.runtime.dist_env import free_port
+from vit.telemetry.jsonl import read_jsonl  # noqa: F401  (the one reader of our logs, for the tests too)
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = [str(ROOT / "scripts" / "mpirun"), "--oversubscribe"]
@@ -54,7 +54,7 @@ def base_env(**extra) -> dict:
 
 
 def plugin_env(**settings: str) -> dict:
-    """The variables that make a run import tests/plugins/NAME.py (vit.plugins) for each NAME=value given, with
+    """The variables that make a run import tests/plugins/NAME.py (vit.runtime.plugins) for each NAME=value given, with
     VIT_TEST_NAME=value, the plugin's setting: plugin_env(crash_in_save="step4")."""
     return {"VIT_PLUGINS": ",".join(settings), "PYTHONPATH": f"{ROOT}{os.pathsep}{PLUGINS}",
             **{f"VIT_TEST_{name.upper()}": value for name, value in settings.items()}}

@@ -1,4 +1,4 @@
-"""The design's rules that a reading of one module cannot see: outside vit/engines/ and vit/compat.py no code
+"""The design's rules that a reading of one module cannot see: outside vit/engines/ and vit/config/compat.py no code
 branches on an engine's name; it asks the engine's spec (vit.engines.registry)."""
 import ast
 import importlib
@@ -9,15 +9,15 @@ import pytest
 from helpers import run_cmd
 
 from bench.runs import CONFIGS, RUN_ENGINES
+from vit.config.settings import ROOT
 from vit.engines.registry import NAMES, SPECS
-from vit.settings import ROOT
 
 ENGINE_NAMES = frozenset(NAMES) | {n.replace("-", "_") for n in NAMES}  # as --engine and as a module name
-MAY_NAME_ENGINES = ("vit/engines/", "vit/compat.py")
+MAY_NAME_ENGINES = ("vit/engines/", "vit/config/compat.py")
 # Literals equal to an engine name that are not a dispatch on --engine, each with why.
 NOT_DISPATCH = {
     ("bench/async_pipeline.py", "async-pipeline"): "the bench command and its table row named after what they measure",
-    ("vit/ds_schema.py", "pipeline"): "DeepSpeed's own JSON section 'pipeline'",
+    ("vit/config/ds_schema.py", "pipeline"): "DeepSpeed's own JSON section 'pipeline'",
 }
 
 
@@ -68,8 +68,8 @@ def test_no_module_outside_the_engines_and_the_compatibility_table_branches_on_a
             else:
                 offences.append(f"{rel}:{line}: '{name}' {how}")
     assert excused == NOT_DISPATCH.keys(), "an exception no longer needed: remove it from NOT_DISPATCH"
-    assert not offences, ("engine names branched on outside vit/engines/ and vit/compat.py; ask the engine's spec "
-                          "(vit.engines.registry) instead:\n" + "\n".join(offences))
+    assert not offences, ("engine names branched on outside vit/engines/ and vit/config/compat.py; ask the engine's "
+                          "spec (vit.engines.registry) instead:\n" + "\n".join(offences))
 
 
 @pytest.mark.parametrize("code, how", [
@@ -89,7 +89,8 @@ def test_the_check_finds_each_way_of_branching_on_a_name(code, how):
 
 def test_the_check_leaves_spec_questions_and_other_strings_alone():
     code = ("if spec(engine).pipeline and par.partition == 'balanced': pass\n"
-            "opts = ['--engine', 'pipeline']\nfor name in ('zero2', 'ddp'): pass\nprint(f'--engine {engine}')\nd = {'zero_stage': 0}\n"
+            "opts = ['--engine', 'pipeline']\nfor name in ('zero2', 'ddp'): pass\nprint(f'--engine {engine}')\n"
+            "d = {'zero_stage': 0}\n"
             "name.startswith('pipeline')")
     assert engine_name_uses(code) == []
 
@@ -97,7 +98,8 @@ def test_the_check_leaves_spec_questions_and_other_strings_alone():
 @pytest.mark.ranks
 def test_the_registry_and_the_compatibility_table_load_without_torch():
     """The command line and its checks read the registry before anything heavy is imported."""
-    r = run_cmd([sys.executable, "-c", "import sys, vit.engines, vit.compat, vit.cli; from vit.engines import build; "
+    r = run_cmd([sys.executable, "-c", "import sys, vit.engines, vit.config.compat, vit.config.cli; "
+                 "from vit.engines import build; "
                  "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')))"], timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 

@@ -22,12 +22,12 @@ import torch
 from helpers import ROOT, base_env, launch, plugin_env, read_jsonl, run_cmd, train_losses
 from torch.func import functional_call
 
-from vit.augment import train_batches
-from vit.cli import defaults, parse
-from vit.data import load_dataset
-from vit.model import build_layers, loss_fn, model_shape
-from vit.optim import make_optimizer, make_scheduler
-from vit.reference import reference_losses
+from vit.config.cli import defaults, parse
+from vit.data.augment import train_batches
+from vit.data.sets import load_dataset
+from vit.loop.optim import make_optimizer, make_scheduler
+from vit.loop.reference import reference_losses
+from vit.model.layers import build_layers, loss_fn, model_shape
 
 STEPS, MICRO, ACCUM, CLIP = 8, 16, 4, 1.0  # deepspeed_configs/pipeline.json: 16 x 4, clipping 1.0
 
@@ -247,7 +247,7 @@ def test_resume_is_exact(tmp_path):
              for d in (full, resumed)]
     assert evals[0]["eval_loss"] == pytest.approx(evals[1]["eval_loss"], rel=1e-6)
     # The checkpoint's stages are whole weights for --pretrained-path, under timm's names.
-    from vit.weights import read_state
+    from vit.model.weights import read_state
     state = read_state(str(full / "checkpoints" / "step8"))
     assert {"cls_token", "patch_embed.proj.weight", "head.weight"} <= set(state)
 
@@ -257,7 +257,7 @@ def partial_batch_worker(out: str) -> None:
     logits of 7 images."""
     import torch.distributed as dist
 
-    from vit.ds_config import Batch
+    from vit.config.ds_config import Batch
     from vit.engines import EngineContext, build
 
     dist.init_process_group("gloo")
@@ -281,7 +281,7 @@ def partial_batch_worker(out: str) -> None:
 @pytest.mark.ranks
 @pytest.mark.timeout(180)
 def test_the_last_partial_batch_goes_through(tmp_path):
-    from vit.dist_env import free_port
+    from vit.runtime.dist_env import free_port
 
     out, port = tmp_path / "out.json", free_port()
     ranks = [subprocess.Popen([sys.executable, __file__, str(out)], cwd=ROOT, env=base_env(

@@ -122,7 +122,8 @@ def test_print_torch_without_nvidia_smi_takes_the_pypi_wheel(tmp_path, path):
 def test_cpu_adam_is_prebuilt_only_with_a_toolkit_of_torchs_cuda(tmp_path, path, driver, toolkit, where, adam):
     """ZeRO-Offload's CPU Adam builds against CUDA on GPU hosts. DeepSpeed's installer (DS_BUILD_CPU_ADAM=1)
     accepts a toolkit of torch's CUDA version (13.x: the same minor; 12.x: any 12.x, its cuda_minor_mismatch_ok);
-    torch's JIT build on first use accepts the same major (vit.preflight checks that). The toolkit is found where
+    torch's JIT build on first use accepts the same major (vit.runtime.preflight checks that). The toolkit is found
+    where
     torch looks: CUDA_HOME, then nvcc on PATH (its folder's parent)."""
     home = tmp_path / "cuda"
     fake_nvcc(home, toolkit) if toolkit else home.mkdir()
@@ -205,10 +206,12 @@ def test_the_checkout_is_installed_and_entry_cn_runs_it(tmp_path):
 
     r = entry_help(tmp_path, active)
     assert r.returncode == 2 and r.stdout == "" and r.stderr == \
-        f"entry_cn.sh: error: {venv}/bin/python has no vit package: run scripts/bootstrap.sh (or pip install -e {ROOT})\n", r
+        f"entry_cn.sh: error: {venv}/bin/python has no vit package: run scripts/bootstrap.sh " \
+        f"(or pip install -e {ROOT})\n", r
 
     r = run_cmd([BOOTSTRAP], timeout=180, env=env)
-    assert r.returncode == 0 and r.stdout == f"bootstrap.sh: installing this checkout into {venv} (pip install -e .)\n", r
+    assert r.returncode == 0 and \
+        r.stdout == f"bootstrap.sh: installing this checkout into {venv} (pip install -e .)\n", r
     r = entry_help(tmp_path, active)
     assert r.returncode == 0 and r.stdout.startswith("usage: entry_cn.sh") and "--engine" in r.stdout, r
     r = run_cmd([BOOTSTRAP], timeout=60, env=env)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import base_env, run_cmd
 
-from vit.data import PAD_LABEL, TrainBatches, eval_batches, load_dataset, make_loader
+from vit.data.sets import PAD_LABEL, TrainBatches, eval_batches, load_dataset, make_loader
 from vit.errors import ConfigError
 
 
@@ -150,9 +150,9 @@ RECIPE = dict(scale=(0.6, 1.0), hflip=0.5, aa="rand-m9-mstd0.5", color_jitter=0.
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dp,ga,workers", [(2, 2, 0), (4, 1, 2)])
 def test_augmented_mixed_global_batch_is_the_same_for_any_width_and_workers(dp, ga, workers):
-    from vit.augment import train_batches
-    from vit.cli import defaults
-    from vit.data import load_digits
+    from vit.config.cli import defaults
+    from vit.data.augment import train_batches
+    from vit.data.sets import load_digits
 
     data, r, steps, g = load_digits(), defaults().with_(**RECIPE).recipe, 3, 32
     whole = list(train_batches(data, r, 3, partners=False, micro_batch=g, grad_accum=1, dp_rank=0, dp_size=1,
@@ -177,9 +177,9 @@ def test_an_augmented_batch_is_its_samples_and_leaves_the_callers_generators_alo
     caller's generators back (drop-path draws the same numbers with or without augmentation)."""
     import random
 
-    from vit.augment import train_dataset
-    from vit.cli import defaults
-    from vit.data import load_digits
+    from vit.config.cli import defaults
+    from vit.data.augment import train_dataset
+    from vit.data.sets import load_digits
 
     data = load_digits()
     ds, keyed = train_dataset(data, defaults().with_(**{**RECIPE, "mixup": 0.0, "cutmix": 0.0}).recipe, 5)
@@ -213,9 +213,9 @@ def test_a_labels_only_rank_gets_the_same_labels_and_mixed_targets_without_readi
     the same soft targets (cutmix's lam depends on the images' size), with blank images of the right shape."""
     from dataclasses import replace
 
-    from vit.augment import train_batches, without_images
-    from vit.cli import defaults
-    from vit.data import load_digits
+    from vit.config.cli import defaults
+    from vit.data.augment import train_batches, without_images
+    from vit.data.sets import load_digits
 
     data, r = load_digits(), defaults().with_(**RECIPE).recipe
     order = dict(micro_batch=8, grad_accum=2, dp_rank=1, dp_size=2, start_step=0, end_step=3)

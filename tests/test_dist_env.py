@@ -3,8 +3,8 @@ import ipaddress
 
 import pytest
 
-from vit.dist_env import choose_master_addr, discover
 from vit.errors import ConfigError
+from vit.runtime.dist_env import choose_master_addr, discover
 
 
 def test_discover_launchers():
@@ -43,7 +43,7 @@ def test_master_address_is_the_one_every_host_reaches():
 
 def test_gloo_and_nccl_use_the_interface_that_reaches_rank_0(monkeypatch):
     """A host with a libvirt bridge, a VPN and the cluster's network (psutil's answer faked: the outer boundary)."""
-    from vit import dist_env
+    from vit.runtime import dist_env
 
     mine = [("virbr0", ipaddress.IPv4Interface("192.168.122.1/24")), ("tun0", ipaddress.IPv4Interface("10.8.0.6/24")),
             ("enp3s0", ipaddress.IPv4Interface("192.168.5.12/24"))]

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from vit.ds_config import precision_of, resolve
+from vit.config.ds_config import precision_of, resolve
+from vit.config.settings import ParallelSettings
 from vit.errors import ConfigError
-from vit.settings import ParallelSettings
 
 
 def resolve_file(tmp_path, **cfg):

@@ -1,4 +1,4 @@
-"""Freeze training (--freeze): the rules of vit/freeze.py, and real 2-rank runs whose engines are rebuilt in place
+"""Freeze training (--freeze): the rules of vit/freeze/rules.py, and real 2-rank runs whose engines are rebuilt in place
 at each freeze point compared with the single-process loop that freezes the same layers after the same steps."""
 import re
 import sys
@@ -7,12 +7,12 @@ import pytest
 import torch
 from helpers import launch, read_jsonl, run_cmd, train_losses
 
-from vit.autopipe import Layout, replan
-from vit.cli import defaults, parse
+from vit.config.cli import defaults, parse
 from vit.errors import ConfigError
-from vit.freeze import Freezer, by_gradient, freeze_prefix, scheduled
-from vit.model import build_layers
-from vit.reference import reference_losses
+from vit.freeze.replan import Layout, replan
+from vit.freeze.rules import Freezer, by_gradient, freeze_prefix, scheduled
+from vit.loop.reference import reference_losses
+from vit.model.layers import build_layers
 
 # vit_digits on the digits: 22 steps per epoch at a global batch of 64, so 0.1 epochs is a freeze point every
 # 2 steps; 5 freezable layers (embedding, 4 blocks) and alpha 1/3 freeze 2, 3, 4, 5 of them at points 1, 2, 3, 4.

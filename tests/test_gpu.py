@@ -9,19 +9,19 @@ import pytest
 import torch
 from helpers import ROOT, launch
 
-from vit import dist_env, gpu
-from vit.cli import parse
-from vit.compat import check_precision
-from vit.dist_env import Job
+from vit.config.cli import parse
+from vit.config.compat import check_precision
+from vit.config.plan import make_plan
 from vit.errors import ConfigError
 from vit.hetero import census
-from vit.plan import make_plan
-from vit.precision import choose
+from vit.runtime import dist_env, gpu
+from vit.runtime.dist_env import Job
+from vit.runtime.precision import choose
 
 ARCH_CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
 
 # nvidia-smi of a host whose driver is $FAKE_DRIVER (CUDA $FAKE_DRIVER_CUDA) with two RTX 3070s: the two queries
-# vit.gpu makes, and a failure on anything else, as the real one fails on a field it does not know.
+# vit.runtime.gpu makes, and a failure on anything else, as the real one fails on a field it does not know.
 FAKE_SMI = """#!/bin/sh
 case "$*" in
   "--query-gpu=driver_version,name --format=csv,noheader")
@@ -342,7 +342,7 @@ def test_torch_threads_follow_the_cpu_affinity(monkeypatch):
 
 
 def test_gpu_ranks_load_data_with_persistent_workers_and_cpu_ranks_stay_as_they_were():
-    from vit.data import MAX_GPU_WORKERS, loader_workers, make_loader
+    from vit.data.sets import MAX_GPU_WORKERS, loader_workers, make_loader
 
     assert loader_workers(None, "cpu", cores=16) == 0  # the CPU default is unchanged
     assert loader_workers(None, "cuda", cores=16) == MAX_GPU_WORKERS == 4

@@ -9,13 +9,13 @@ import pytest
 import torch
 from helpers import base_env, launch, plugin_env, run_cmd, train_losses
 
-from vit import slowdown
-from vit.cli import defaults
-from vit.data import TrainBatches
+from vit.config.cli import defaults
+from vit.data.sets import TrainBatches
 from vit.errors import ConfigError
 from vit.hetero import batch_split, census, loss_scale, stages
-from vit.precision import choose
-from vit.reference import reference_losses
+from vit.loop.reference import reference_losses
+from vit.runtime import slowdown
+from vit.runtime.precision import choose
 
 
 def brute_force_split(time, static, act, capacity, inflight, min_first=0) -> stages.StagePlan | None:
@@ -164,7 +164,7 @@ def test_proportional_split_follows_speed_within_memory():
 def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
     from pathlib import Path
 
-    from vit import footprint
+    from vit.hetero import footprint
 
     zero2 = json.loads((Path(__file__).parent.parent / "deepspeed_configs" / "zero2.json").read_text())
     z = zero2["zero_optimization"]
@@ -185,7 +185,7 @@ def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
 
 def test_activations_are_profiled_in_the_runs_precision():
     from vit.hetero import profile
-    from vit.model import build_layers
+    from vit.model.layers import build_layers
 
     layers = build_layers("vit_digits", 10, 1, None, 0)
     sample = torch.randn(1, 1, 8, 8)
@@ -200,7 +200,7 @@ def test_activations_are_profiled_in_the_runs_precision():
 
 def test_layer_times_pool_identical_blocks_and_leave_the_layers_alone():
     from vit.hetero import profile
-    from vit.model import build_layers
+    from vit.model.layers import build_layers
 
     layers = build_layers("vit_digits", 10, 1, None, 0)
     before = [p.detach().clone() for lay in layers for p in lay.parameters()]

@@ -1,12 +1,12 @@
 """The JSON-lines logs after a run killed mid-write (in-process): the metrics and monitor writers both start
-appending on a line of their own (vit.jsonl.open_append), so the reader sees every record, old and new."""
+appending on a line of their own (vit.telemetry.jsonl.open_append), so the reader sees every record, old and new."""
 import json
 
 import pytest
 
-from vit.jsonl import read_jsonl
-from vit.metrics import MetricsLog
-from vit.monitor import Monitor
+from vit.telemetry.jsonl import read_jsonl
+from vit.telemetry.metrics import MetricsLog
+from vit.telemetry.monitor import Monitor
 
 GOOD = [{"kind": "train", "step": 1}, {"kind": "train", "step": 2}]
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers import launch, plugin_env
 
-from vit import footprint, memory
-from vit.cli import parse
-from vit.dist_env import Job
-from vit.plan import make_plan
+from vit.config.cli import parse
+from vit.config.plan import make_plan
+from vit.hetero import footprint, memory
+from vit.runtime.dist_env import Job
 
 
 def test_the_estimate_leaves_headroom_for_the_model_and_its_state():
@@ -67,7 +67,7 @@ def test_every_form_of_a_gpu_out_of_memory_is_one():
 
 
 def test_the_micro_batch_search_counts_a_cublas_allocation_failure_as_too_big():
-    from vit.model import build_layers
+    from vit.model.layers import build_layers
 
     model = torch.nn.Sequential(*build_layers("vit_digits", 10, 1, 8, 0))
 
@@ -137,7 +137,7 @@ def test_the_micro_batch_search_finds_the_largest_that_fits_a_fake_memory_limit(
 
 
 def test_the_search_measures_a_real_forward_and_backward_on_the_cpu():
-    from vit.model import build_layers
+    from vit.model.layers import build_layers
 
     model = torch.nn.Sequential(*build_layers("vit_digits", 10, 1, 8, 0))
     sample = torch.randn(1, 8, 8)

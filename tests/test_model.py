@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from vit.errors import ConfigError
-from vit.model import check_model, create_vit, layer_state_dict, model_shape, timm_state_dict, to_layers
+from vit.model.layers import check_model, create_vit, layer_state_dict, model_shape, timm_state_dict, to_layers
 
 
 @pytest.mark.parametrize("name,in_chans,img", [("vit_digits", 1, 8), ("vit_tiny_cifar", 3, 32),

@@ -1,4 +1,4 @@
-"""vit/monitor.py with its GPU sources replaced at the library boundary: a fake nvidia-smi on PATH for GPUtil,
+"""vit/telemetry/monitor.py with its GPU sources replaced at the library boundary: a fake nvidia-smi on PATH for GPUtil,
 monkeypatched pynvml functions for NVML; and with no GPU at all."""
 import os
 import time
@@ -8,7 +8,7 @@ import pynvml
 import pytest
 from helpers import ROOT, read_jsonl
 
-from vit.monitor import Monitor, gpu_util_mean_per_host
+from vit.telemetry.monitor import Monitor, gpu_util_mean_per_host
 
 pytestmark = pytest.mark.timeout(60)
 FAKE_BIN = ROOT / "tests" / "fake_bin"

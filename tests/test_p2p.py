@@ -73,7 +73,7 @@ def worker(out: str) -> None:
 @pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_received_tensors_are_their_own_and_their_values_unread(tmp_path):
-    from vit.dist_env import free_port
+    from vit.runtime.dist_env import free_port
 
     require_ranks_mark()
     out, port = tmp_path / "out", free_port()

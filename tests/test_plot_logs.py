@@ -1,4 +1,5 @@
-"""plot_logs.py (the command line of vit.charts) on the logs of real 2-rank runs (ZeRO-2 and the pipeline, CPU and
+"""plot_logs.py (the command line of vit.telemetry.charts) on the logs of real 2-rank runs (ZeRO-2 and the pipeline,
+CPU and
 gloo), trained once for the module; and on broken or odd folders."""
 import csv
 import json
@@ -10,8 +11,8 @@ import matplotlib.pyplot as plt
 import pytest
 from helpers import ROOT, base_env, launch, plugin_env, run_cmd
 
-from vit import charts, runlogs
-from vit.cli import parser
+from vit.config.cli import parser
+from vit.telemetry import charts, runlogs
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 

@@ -1,4 +1,5 @@
-"""The plugin point (vit.plugins) the fault-injecting tests use: a module VIT_PLUGINS names that cannot be imported
+"""The plugin point (vit.runtime.plugins) the fault-injecting tests use: a module VIT_PLUGINS names that cannot be
+imported
 stops the run in one line, and only the documented hooks can be added to. The plugins themselves are exercised by
 the tests that inject with them (tests/plugins/)."""
 import sys
@@ -6,7 +7,7 @@ import sys
 import pytest
 from helpers import base_env, run_cmd
 
-from vit import plugins
+from vit.runtime import plugins
 
 
 @pytest.mark.ranks

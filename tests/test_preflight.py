@@ -4,7 +4,7 @@
 
 
 def test_hostfile_slots(tmp_path):
-    from vit.preflight import hostfile_slots
+    from vit.runtime.preflight import hostfile_slots
 
     hf = tmp_path / "hosts.txt"
     hf.write_text("# cluster\ncn0 slots=2\ncn1 slots=1  # old card\n\ncn2\n")
@@ -12,7 +12,7 @@ def test_hostfile_slots(tmp_path):
 
 
 def test_preflight_lists_every_problem_in_one_message():
-    from vit.preflight import problems
+    from vit.runtime.preflight import problems
 
     ok = {"host": "cn0", "python": "3.11.7", "torch": "2.14.1", "deepspeed": "0.19.8", "timm": "1.0.31",
           "GLOO_SOCKET_IFNAME": "eno1", "NCCL_SOCKET_IFNAME": "eno1"}
@@ -37,7 +37,7 @@ def fake_cuda_home(tmp_path, release):
 
 
 def test_zero_offload_on_gpus_says_which_cuda_toolkit_to_install(tmp_path):
-    from vit.preflight import cpu_adam_problem, offloads_optimizer
+    from vit.runtime.preflight import cpu_adam_problem, offloads_optimizer
 
     assert offloads_optimizer({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     assert not offloads_optimizer({"zero_optimization": {"stage": 2}})

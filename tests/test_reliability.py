@@ -208,7 +208,7 @@ def test_resume_under_incompatible_layout_is_refused(zero_run, args, env, messag
 
 @pytest.mark.timeout(120)
 def test_resume_with_other_pipeline_stages_is_refused(tmp_path):
-    # A complete pipeline checkpoint's manifest, as vit.checkpoint writes it (files list empty: the layout
+    # A complete pipeline checkpoint's manifest, as vit.loop.checkpoint writes it (files list empty: the layout
     # check reads the manifest only, before any process group starts).
     tag = tmp_path / "step10"
     tag.mkdir()

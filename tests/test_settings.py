@@ -2,10 +2,10 @@
 checks between options, and --data-path never ignored."""
 import pytest
 
-from vit.cli import defaults, parse, parser
-from vit.data import dataset_for
+from vit.config.cli import defaults, parse, parser
+from vit.config.settings import DataSettings, Settings
+from vit.data.sets import dataset_for
 from vit.errors import ConfigError
-from vit.settings import DataSettings, Settings
 
 
 def test_defaults_need_no_command_line():
@@ -97,8 +97,8 @@ def test_data_path_is_read_or_refused_never_ignored(tmp_path):
 def test_digits_crop_by_default_and_no_aug_turns_every_augmentation_off():
     """The digits' default crop applies where --scale is not given; --no-aug (timm's) wins over every transform
     option and the default, and leaves mixup; other data sets have no default augmentation."""
-    from vit.augment import data_recipe, train_dataset
-    from vit.data import load_dataset
+    from vit.data.augment import data_recipe, train_dataset
+    from vit.data.sets import load_dataset
 
     digits, synthetic = load_dataset("digits", None, 8), load_dataset("synthetic", None, 32, synthetic_size=64)
     assert data_recipe(defaults().recipe, digits).scale == (0.95, 1.0)
@@ -110,8 +110,8 @@ def test_digits_crop_by_default_and_no_aug_turns_every_augmentation_off():
 
 
 def test_the_settings_hash_that_guards_resume_tells_optimizers_apart():
-    from vit.dist_env import Job
-    from vit.plan import make_plan
+    from vit.config.plan import make_plan
+    from vit.runtime.dist_env import Job
 
     def settings_hash(*argv):
         return make_plan(parse(list(argv)), Job(0, 1, 0, 1, "single")).settings_hash()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import MPIRUN, ROOT, base_env, launch, read_jsonl, run_cmd
 
-from vit import ds_schema
-from vit.cli import parse
+from vit.config import ds_schema
+from vit.config.cli import parse
 from vit.errors import ConfigError
 
 FAKE_BIN = ROOT / "tests" / "fake_bin"

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from helpers import MPIRUN, ROOT, base_env, free_port, launch, read_jsonl, run_cmd, train_losses
 
-from vit.cli import defaults
-from vit.reference import reference_losses
+from vit.config.cli import defaults
+from vit.loop.reference import reference_losses
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 

@@ -10,9 +10,9 @@ from helpers import base_env, launch, run_cmd
 from safetensors.torch import save_file
 from torch import nn
 
-from vit.data import load_dataset
-from vit.model import build_layers, timm_state_dict
-from vit.weights import initial_layers
+from vit.data.sets import load_dataset
+from vit.model.layers import build_layers, timm_state_dict
+from vit.model.weights import initial_layers
 
 NAME = "vit_tiny_patch16_224"
 
@@ -31,7 +31,7 @@ def test_normalisation_comes_from_the_pretrained_config(tmp_path):
     """Pretrained weights are fine-tuned on images normalised as in their pretraining: the config beside the file
     (an --export's PATH.json, a Hugging Face folder's config.json), else timm's config of the model's tag."""
     from vit.errors import ConfigError
-    from vit.weights import pretrained_norm
+    from vit.model.weights import pretrained_norm
 
     weights = tmp_path / "export.safetensors"
     weights.write_bytes(b"")
@@ -171,7 +171,7 @@ def test_misfit_foreign_damaged_and_offline_pretrained_are_one_line(tmp_path, ti
 def test_damaged_and_foreign_files_say_what_they_are(tmp_path, timm_file):
     """Each in one line naming the file: a damaged file, another network's keys, a file of a checkpoint folder."""
     from vit.errors import ConfigError
-    from vit.weights import check
+    from vit.model.weights import check
 
     path, want = timm_file
     data = path.read_bytes()
@@ -220,7 +220,7 @@ def test_damaged_and_foreign_files_say_what_they_are(tmp_path, timm_file):
 
 
 def test_a_partial_fit_is_one_short_line_with_counts(tmp_path, timm_file):
-    from vit.weights import check
+    from vit.model.weights import check
 
     path, want = timm_file
     partial = {k: v.contiguous() for k, v in want.items()

@@ -12,31 +12,41 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from vit import autocache, autopipe, checkpoint, console, plugins, preflight, slowdown, tracking, weights
-from vit.augment import train_batches
-from vit.checkpoint import Checkpointer
-from vit.cli import PROG, parse
-from vit.data import TrainBatches, loader_workers, make_loader
-from vit.dist_env import device, discover, init_process_group, rank0_decides, rank_cores
-from vit.ds_config import with_precision
-from vit.ema import Ema
+from vit.config.cli import PROG, parse
+from vit.config.ds_config import with_precision
+from vit.config.plan import Plan, choose_resume, make_plan, with_micro_batch
+from vit.data.augment import train_batches
+from vit.data.sets import TrainBatches, loader_workers, make_loader
 from vit.engines import Engine, EngineContext, build
 from vit.engines.registry import spec
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
-from vit.evaluate import Evaluator
-from vit.faults import Watchdog, announce_failure
-from vit.footprint import gpu_reserved_bytes, is_oom
-from vit.freeze import Freezer
-from vit.gpu import set_tf32
+from vit.freeze import activation_cache, replan
+from vit.freeze.rules import Freezer
 from vit.hetero.adapt import Adapted, adapt
-from vit.memory import fit_micro_batch, likely_precision, nccl_out_of_memory, out_of_memory, state_bytes_per_param
-from vit.metrics import MetricsLog, peak_mem_gib
-from vit.model import build_layers
-from vit.monitor import Monitor
-from vit.plan import Plan, choose_resume, make_plan, with_micro_batch
-from vit.rundir import RunLock, agree_log_dir, lock_run_dirs
-from vit.stats import StepStats
-from vit.summary import start_record, write_summary
+from vit.hetero.footprint import gpu_reserved_bytes, is_oom
+from vit.hetero.memory import (
+    fit_micro_batch,
+    likely_precision,
+    nccl_out_of_memory,
+    out_of_memory,
+    state_bytes_per_param,
+)
+from vit.loop import checkpoint
+from vit.loop.checkpoint import Checkpointer
+from vit.loop.ema import Ema
+from vit.loop.evaluate import Evaluator
+from vit.loop.stats import StepStats
+from vit.model import weights
+from vit.model.layers import build_layers
+from vit.runtime import console, plugins, preflight, slowdown
+from vit.runtime.dist_env import device, discover, init_process_group, rank0_decides, rank_cores
+from vit.runtime.faults import Watchdog, announce_failure
+from vit.runtime.gpu import set_tf32
+from vit.runtime.rundir import RunLock, agree_log_dir, lock_run_dirs
+from vit.telemetry import tracking
+from vit.telemetry.metrics import MetricsLog, peak_mem_gib
+from vit.telemetry.monitor import Monitor
+from vit.telemetry.summary import start_record, write_summary
 
 
 def prepare_environment() -> None:
@@ -126,21 +136,21 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     hidden_to = console.to_file(log_dir, job.rank)
     ds_config = with_precision(plan.ds_config, adapted.precision, adapted.scale_power)
 
-    def make_engine(layers: list, layout: autopipe.Layout | None = None) -> Engine:  # layout: --freeze-replan's
+    def make_engine(layers: list, layout: replan.Layout | None = None) -> Engine:  # layout: --freeze-replan's
         ctx = EngineContext(layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision,
                             s.parallel.pipeline_stages, s.parallel.partition, adapted.parts, adapted.loss_weight,
                             s.recipe.smoothing, s.asynchrony, s.parallel.compile)
         with console.library_prints():
-            return build(s.parallel.engine, autopipe.with_layout(ctx, layout) if layout else ctx)
+            return build(s.parallel.engine, replan.with_layout(ctx, layout) if layout else ctx)
 
     freezer = Freezer(s.freeze, len(layers), plan.steps_per_epoch, plan.total_steps, dev, frozen=frozen,
                       make_layers=lambda: slowdown.attach_all(build_layers(
                           s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
                           s.model.drop_path), plan.slowdowns.get(job.rank, 1.0), dev),
-                      make_engine=make_engine, cache_dir=autocache.directory(s, log_dir, job.rank),
+                      make_engine=make_engine, cache_dir=activation_cache.directory(s, log_dir, job.rank),
                       census=adapted.record, micro_batch=batch.micro_batch)
     freezer.freeze(layers, frozen)
-    engine = make_engine(layers, autopipe.Layout(**layout) if layout else None)
+    engine = make_engine(layers, replan.Layout(**layout) if layout else None)
     freezer.watch(engine.live_module())
     if ema_layers:
         engine.ema = Ema(ema_layers, engine, s.recipe.model_ema_decay)

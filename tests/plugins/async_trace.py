@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-from vit import plugins
+from vit.runtime import plugins
 
 forward_weights: dict[int, float] = {}  # by micro-batch, until its backward
 trace = None

@@ -3,7 +3,7 @@ GPU without bf16 (or with fp16) on a machine that has none."""
 import json
 import os
 
-from vit import plugins
+from vit.runtime import plugins
 
 OVERRIDE = json.loads(os.environ["VIT_TEST_CENSUS"])
 

@@ -1,7 +1,7 @@
 """VIT_TEST_CRASH_IN_SAVE=TAG: each rank dies (exit 3) between writing checkpoint TAG's files and its manifest."""
 import os
 
-from vit import plugins
+from vit.runtime import plugins
 
 
 def checkpoint_written(tag: str) -> None:

@@ -5,8 +5,8 @@ import os
 
 import torch
 
-from vit import plugins
 from vit.hetero import loss_scale
+from vit.runtime import plugins
 
 INJECTED = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` (injected by VIT_TEST_OOM_AT)"
 

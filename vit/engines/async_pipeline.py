@@ -20,14 +20,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from vit import plugins
 from vit.engines import p2p
 from vit.engines.base import EngineContext, StagedEngine, save_atomic
 from vit.engines.msnag import predict
 from vit.errors import ConfigError
-from vit.model import Loss
-from vit.optim import make_optimizer, make_scheduler
-from vit.stats import PhaseTimer
+from vit.loop.optim import make_optimizer, make_scheduler
+from vit.loop.stats import PhaseTimer
+from vit.model.layers import Loss
+from vit.runtime import plugins
 
 
 def stage_parts(layers: list[nn.Module], stages: int, method: str, planned: list[int] | None) -> list[int]:

@@ -10,16 +10,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vit.data import PAD_LABEL
-from vit.ds_config import Batch
-from vit.settings import AsyncSettings, OptimSettings
-from vit.stats import PhaseTimer
+from vit.config.ds_config import Batch
+from vit.config.settings import AsyncSettings, OptimSettings
+from vit.data.sets import PAD_LABEL
+from vit.loop.stats import PhaseTimer
 
 
 @dataclass(frozen=True)
 class EngineContext:
     """What an engine is built from."""
-    layers: list[nn.Module]  # the network as a flat list (vit.model.build_layers)
+    layers: list[nn.Module]  # the network as a flat list (vit.model.layers.build_layers)
     ds_config: dict  # the resolved DeepSpeed JSON (ddp reads its batch, precision, loss scale and clipping)
     batch: Batch
     device: torch.device
@@ -46,14 +46,14 @@ class Engine(ABC):
     reads_data: bool = True  # False on ranks that take no batches (a pipeline's middle stages)
     reads_images: bool = True  # False where only the labels are used (a pipeline's last stage)
     grad_accum: int  # micro-batches per step on each data-parallel copy
-    ema = None  # a vit.ema.Ema when --model-ema is on
+    ema = None  # a vit.loop.ema.Ema when --model-ema is on
     optimizer: torch.optim.Optimizer
     dtype: torch.dtype | None = None  # engines that autocast themselves (ddp, async-pipeline): the half dtype
 
     def autocast(self):
         """Autocast to `dtype` where the engine trains in half precision by autocast; a no-op elsewhere."""
         return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
-    layout = None  # a pipeline's stages (vit.autopipe.Layout), which --freeze may re-plan; None without stages
+    layout = None  # a pipeline's stages (vit.freeze.replan.Layout), which --freeze may re-plan; None without stages
 
     @abstractmethod
     def live_module(self) -> nn.Module:

@@ -12,8 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vit.engines.base import Engine, EngineContext, save_atomic
-from vit.model import Loss
-from vit.optim import (
+from vit.loop.optim import (
     SkipAwareSchedule,
     adam_state,
     make_optimizer,
@@ -22,7 +21,8 @@ from vit.optim import (
     put_adam_state,
     schedule_position,
 )
-from vit.stats import PhaseTimer
+from vit.loop.stats import PhaseTimer
+from vit.model.layers import Loss
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -138,7 +138,7 @@ class DDPEngine(Engine):
                 "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def save(self, save_dir, tag, client_state):
-        # Replicas are identical: rank 0 writes, the others wait. vit.checkpoint makes it complete.
+        # Replicas are identical: rank 0 writes, the others wait. vit.loop.checkpoint makes it complete.
         if dist.get_rank() == 0:
             save_atomic({**self._state(), "client_state": client_state}, os.path.join(save_dir, tag, "ddp.pt"))
         dist.barrier()

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from vit.engines.base import Engine
-from vit.optim import adam_state, move_schedule, put_adam_state, schedule_position
+from vit.loop.optim import adam_state, move_schedule, put_adam_state, schedule_position
 
 
 def deepspeed_comm() -> None:
@@ -27,7 +27,7 @@ class DeepSpeedEngine(Engine):
         return float(self.ds_engine.optimizer.loss_scale) if self.ds_engine.fp16_enabled() else None
 
     def save(self, save_dir, tag, client_state):
-        # No 'latest' from DeepSpeed: vit.checkpoint points at a checkpoint once it is complete.
+        # No 'latest' from DeepSpeed: vit.loop.checkpoint points at a checkpoint once it is complete.
         self.ds_engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, load_dir, tag):

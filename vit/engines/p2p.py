@@ -19,7 +19,7 @@ whose shape changes first sends a notice header and a dummy tensor in the old sh
 
 On NCCL a receive posted ahead is a kernel waiting for the peer: a device-wide synchronize on this rank would wait
 for it, and so for the peer, which may be waiting for this rank (a deadlock). Nothing in the asynchronous pipeline
-synchronizes the device or empties the allocator's cache (vit.gpu.wait_for_queued waits for one stream); torch's
+synchronizes the device or empties the allocator's cache (vit.runtime.gpu.wait_for_queued waits for one stream); torch's
 allocator still frees its cache (cudaFree, which synchronizes) when an allocation fails on a nearly full GPU.
 """
 from collections import deque

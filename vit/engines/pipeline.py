@@ -5,13 +5,13 @@ import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 
-from vit.autopipe import Layout
-from vit.dist_env import destroy_groups
 from vit.engines.base import EngineContext, StagedEngine
 from vit.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_comm
-from vit.model import Loss
-from vit.optim import make_optimizer, make_scheduler
-from vit.stats import PhaseTimer
+from vit.freeze.replan import Layout
+from vit.loop.optim import make_optimizer, make_scheduler
+from vit.loop.stats import PhaseTimer
+from vit.model.layers import Loss
+from vit.runtime.dist_env import destroy_groups
 
 # The breakdown field of each instruction of DeepSpeed's pipeline schedule. A receive includes the wait
 # for the neighbouring stage, so the pipeline bubble shows up in pipe_recv_s.

@@ -1,5 +1,5 @@
 """Every engine and what it supports, in one table. A new engine registers here (and its module in vit/engines/); the
-checks between engines and options (vit.compat) and every other module read these specs, never an engine's name.
+checks between engines and options (vit.config.compat) and every other module read these specs, never an engine's name.
 Importable without torch: the command line and the plan read it before anything heavy is imported."""
 import importlib
 from dataclasses import dataclass

@@ -5,9 +5,9 @@ from torch import nn
 
 from vit.engines.base import EngineContext
 from vit.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_comm
-from vit.model import Loss
-from vit.optim import make_optimizer, make_scheduler
-from vit.stats import PhaseTimer
+from vit.loop.optim import make_optimizer, make_scheduler
+from vit.loop.stats import PhaseTimer
+from vit.model.layers import Loss
 
 
 class ZeroEngine(DeepSpeedEngine):

@@ -13,15 +13,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vit.dist_env import Job
-from vit.footprint import plan_bytes
-from vit.gpu import fork_rng
 from vit.hetero.batch_split import split_batches
 from vit.hetero.census import capabilities, census_table, gather, measure_speed
+from vit.hetero.footprint import plan_bytes
 from vit.hetero.loss_scale import tune
 from vit.hetero.profile import LAYER_TURNS, profile_layers, time_layers
 from vit.hetero.stages import plan_stages, slowest_stage_s, stage_plan_text
-from vit.precision import choose
+from vit.runtime.dist_env import Job
+from vit.runtime.gpu import fork_rng
+from vit.runtime.precision import choose
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,13 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
           probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
           state_bytes: Callable[[str], float], reserved_bytes: float = 0.0, probe_on_cpu: bool = False,
           layer_times: bool = False) -> Adapted:
-    """Collective. `requested_precision`: --precision's, or the JSON's, or None (none given; vit.precision.choose);
+    """Collective. `requested_precision`: --precision's, or the JSON's, or None (none given;
+    vit.runtime.precision.choose);
     `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to be balanced;
     `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`: the
     proportional micro-batches when --micro-batch-size auto measured them; `state_bytes`: precision -> bytes per
-    parameter (vit.footprint.bytes_per_param); `reserved_bytes`: a GPU's headroom for NCCL, ZeRO's buckets and
-    cuBLAS (vit.footprint.gpu_reserved_bytes), which memory plans keep free; `probe_on_cpu`: run the loss-scale
+    parameter (vit.hetero.footprint.bytes_per_param); `reserved_bytes`: a GPU's headroom for NCCL, ZeRO's buckets and
+    cuBLAS (vit.hetero.footprint.gpu_reserved_bytes), which memory plans keep free; `probe_on_cpu`: run the loss-scale
     probe on the CPU (engines whose GPUs hold only part of the model); `layer_times`: measure every layer's forward
     and backward time and profile the layers even without balanced stages (record["census"][rank]["layer_ms"],
     record["layers"]), for stages.plan_stages(..., frozen=k) at a freeze point."""

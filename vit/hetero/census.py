@@ -1,21 +1,22 @@
-"""The census: what every rank's device is and can run, and how fast it is (vit.precision settles the precision)."""
+"""The census: what every rank's device is and can run, and how fast it is (vit.runtime.precision settles the
+precision)."""
 import socket
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from vit import plugins
-from vit.footprint import device_memory
-from vit.precision import DTYPES, deepspeed_fp16, gpu_precisions
-from vit.slowdown import Clock
+from vit.hetero.footprint import device_memory
+from vit.runtime import plugins
+from vit.runtime.precision import DTYPES, deepspeed_fp16, gpu_precisions
+from vit.runtime.slowdown import Clock
 
 
 def capabilities(dev: torch.device, local_world_size: int, engine: str) -> dict:
     """This rank's device: name, memory, compute capability and what it trains in under `engine`
-    (vit.precision.gpu_precisions; on a CPU, what DeepSpeed's accelerator says).
+    (vit.runtime.precision.gpu_precisions; on a CPU, what DeepSpeed's accelerator says).
 
-    A plugin may change the report (vit.plugins' "census" hook), so that tests can stand in for a GPU without
+    A plugin may change the report (vit.runtime.plugins' "census" hook), so that tests can stand in for a GPU without
     bf16 on a machine that has none."""
     from deepspeed.accelerator import get_accelerator
 

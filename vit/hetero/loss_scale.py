@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vit.ds_config import DEFAULT_FP16_SCALE_POWER
+from vit.config.ds_config import DEFAULT_FP16_SCALE_POWER
 from vit.errors import ConfigError, OutOfMemory
-from vit.footprint import ELEMENT_BYTES, first_line, is_oom
+from vit.hetero.footprint import ELEMENT_BYTES, first_line, is_oom
 from vit.hetero.profile import profile_layers
-from vit.model import loss_fn
+from vit.model.layers import loss_fn
 
 FP16_MAX = 65504.0
 SCALE_MARGIN = 16  # --loss-scale auto leaves the largest probed gradient this far below FP16_MAX
@@ -46,7 +46,7 @@ class GradPeak:
 
 def probe_chunk(capacity_bytes: float, params: int, act_bytes_per_sample: float, micro_batch: int) -> int:
     """Samples per forward and backward of the probe: its fp32 copy's weights and gradients and fp32 activations
-    within capacity_bytes (vit.footprint.plan_bytes), at most micro_batch; 0 when not even one sample fits."""
+    within capacity_bytes (vit.hetero.footprint.plan_bytes), at most micro_batch; 0 when not even one sample fits."""
     room = capacity_bytes - 2 * ELEMENT_BYTES["fp32"] * params
     return max(0, min(micro_batch, int(room // act_bytes_per_sample)))
 

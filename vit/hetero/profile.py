@@ -1,15 +1,15 @@
 """Per-layer cost of the network: forward FLOPs, activation bytes kept for backward, parameters, and each layer's
-measured forward and backward time (the memory rules the planners share are vit.footprint's)."""
+measured forward and backward time (the memory rules the planners share are vit.hetero.footprint's)."""
 import copy
 import math
 
 import torch
 from torch import nn
 
-from vit.gpu import fork_rng
 from vit.hetero.census import WARMUP_S
-from vit.precision import DTYPES
-from vit.slowdown import Clock
+from vit.runtime.gpu import fork_rng
+from vit.runtime.precision import DTYPES
+from vit.runtime.slowdown import Clock
 
 
 def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str = "fp32") -> list[dict]:

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 
 from vit.errors import ConfigError
-from vit.footprint import FROZEN_BYTES_PER_PARAM, plan_bytes
+from vit.hetero.footprint import FROZEN_BYTES_PER_PARAM, plan_bytes
 
 
 @dataclass
@@ -87,7 +87,7 @@ def plan_layers(layer_s: list[list[tuple[float, float]]], static_bytes: list[flo
 def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int,
                 bytes_per_param: float, frozen: int = 0, first_active: bool = False) -> StagePlan:
     """plan_layers from the census: each rank's measured layer times (layer_ms, at layer_ms_micro_batch) and free
-    memory, the profile's parameters (bytes_per_param each: vit.footprint.bytes_per_param) and activations. A
+    memory, the profile's parameters (bytes_per_param each: vit.hetero.footprint.bytes_per_param) and activations. A
     re-plan at another micro-batch (more data-parallel copies after a freeze) scales the times in proportion,
     which keeps the fixed costs' share as measured."""
     layer_s = [[(f / 1e3 * micro_batch / r.get("layer_ms_micro_batch", micro_batch),

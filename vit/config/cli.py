@@ -1,0 +1,157 @@
+"""The command line: the parser generated from vit.config.settings' fields (flags, types, choices, help), the checks
+that
+span options, `parse(argv)` and `defaults()` (the settings of a run with no options, for tools and tests)."""
+import argparse
+import importlib.util
+import math
+import typing
+from dataclasses import fields, replace
+from pathlib import Path
+
+from vit.config.compat import NEEDS, check_settings
+from vit.config.settings import DEFAULT_EPOCHS, GROUPS, ROOT, TRACKERS, Settings
+from vit.engines.registry import spec
+from vit.errors import ConfigError
+
+PROG = "entry_cn.sh"  # the launcher users run: the usage and the training's messages name it
+
+
+def flag(f) -> tuple[str, ...]:
+    given = f.metadata["cli"].get("flag")
+    if given:
+        return given if isinstance(given, tuple) else (given,)
+    return ("--" + f.name.replace("_", "-"),)
+
+
+def _base_type(f):
+    args = [t for t in typing.get_args(f.type) if t is not type(None)]
+    return args[0] if args else f.type
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except where there is none to show."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + error
+        raise ConfigError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Train a Vision Transformer with DeepSpeed ZeRO, a DeepSpeed "
+                "pipeline, or plain PyTorch DDP. With no options: the tiny ViT on the embedded digits data set.",
+                formatter_class=HelpFormatter)
+    for cls, title in GROUPS.values():
+        group, exclusive = p.add_argument_group(title), {}
+        for f in fields(cls):
+            cli = {k: v for k, v in f.metadata["cli"].items() if k not in ("flag", "exclusive")}
+            if "exclusive" in f.metadata["cli"]:
+                name = f.metadata["cli"]["exclusive"]
+                if name not in exclusive:
+                    exclusive[name] = group.add_mutually_exclusive_group()
+                target = exclusive[name]
+            else:
+                target = group
+            if f.type is bool:
+                cli.setdefault("action", "store_true")
+            elif "const" not in cli:
+                cli.setdefault("type", _base_type(f))
+            target.add_argument(*flag(f), dest=f.name, default=f.default, help=f.metadata["help"], **cli)
+    return p
+
+
+def _check(f, value) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    name = flag(f)[0]
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+        raise ConfigError(f"{name} must be a finite number, got {' '.join(map(str, values))}")
+    check = f.metadata["check"]
+    if check == "positive" and value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value}")
+    if check == "non_negative" and value < 0:
+        raise ConfigError(f"{name} must not be negative, got {value}")
+    if check == "probability" and not 0 <= value <= 1:
+        raise ConfigError(f"{name} must be between 0 and 1, got {value}")
+    if check == "below_one" and not 0 <= value < 1:
+        raise ConfigError(f"{name} must be at least 0 and below 1, got {value}")
+
+
+def from_namespace(ns: argparse.Namespace) -> Settings:
+    groups = {}
+    for name, (cls, _) in GROUPS.items():
+        values = {f.name: getattr(ns, f.name) for f in fields(cls)}
+        for f in fields(cls):
+            _check(f, values[f.name])
+        groups[name] = cls(**values)
+    return Settings(**groups)
+
+
+
+
+def validate(s: Settings) -> Settings:
+    """Checks between options, and the defaults that depend on others filled in."""
+    par, opt = s.parallel, s.optim
+    if opt.min_lr > opt.lr:
+        raise ConfigError(f"--min-lr {opt.min_lr:g} is above --lr {opt.lr:g}")
+    if par.partition not in ("uniform", "parameters", "balanced") and not par.partition.startswith("type:"):
+        raise ConfigError(f"--partition must be uniform, parameters, balanced or type:REGEX, got '{par.partition}'")
+    if s.recipe.scale and not 0 < s.recipe.scale[0] <= s.recipe.scale[1] <= 1:
+        raise ConfigError(f"--scale MIN MAX: a share of the image's area, 0 < MIN <= MAX <= 1, got "
+                          f"{' '.join(map(str, s.recipe.scale))}")
+    if opt.nesterov and (opt.opt != "sgd" or opt.momentum == 0):
+        raise ConfigError("--nesterov needs --opt sgd with a --momentum above 0")
+    if s.cluster.hostfile and not Path(s.cluster.hostfile).is_file():
+        raise ConfigError(f"--hostfile {s.cluster.hostfile}: no such file")
+    if s.checkpoint.resume == "auto" and not (s.checkpoint.save_dir or s.log.log_dir):
+        raise ConfigError("--resume needs the run's --log-dir (or --save-dir), or --resume PATH")
+    if s.freeze.freeze_alpha > 1:
+        raise ConfigError(f"--freeze-alpha must be at most 1, got {s.freeze.freeze_alpha:g}")
+    check_settings(s)
+    check_effect(s)
+    report_to = report_trackers(s.log.report_to)
+    ds_config = par.ds_config or str(ROOT / "deepspeed_configs" / spec(par.engine).default_ds_config)
+    epochs = DEFAULT_EPOCHS if s.train.epochs is None and s.train.steps is None else s.train.epochs
+    return replace(s, parallel=replace(par, ds_config=ds_config), train=replace(s.train, epochs=epochs),
+                   log=replace(s.log, report_to=",".join(report_to) or "none"))
+
+
+def check_effect(s: Settings) -> None:
+    """Refuse an option given (changed from its default) where it has no effect."""
+    for name, (cls, _) in GROUPS.items():
+        group = getattr(s, name)
+        for f in fields(cls):
+            needs = f.metadata["needs"]
+            if needs and getattr(group, f.name) != f.default and not NEEDS[needs][0](s):
+                raise ConfigError(f"{flag(f)[0]} has no effect without {NEEDS[needs][1]}")
+
+
+def report_trackers(value: str) -> tuple[str, ...]:
+    """--report-to as the trackers it names, in order ('none' alone: none)."""
+    names = [n.strip() for n in value.split(",")]
+    if names == ["none"]:
+        return ()
+    for n in names:
+        if n == "none":
+            raise ConfigError(f"--report-to {value}: 'none' cannot be combined with trackers")
+        if n not in TRACKERS:
+            raise ConfigError(f"--report-to: unknown tracker '{n}'; choose none or from {', '.join(TRACKERS)}")
+        if importlib.util.find_spec(n) is None:
+            raise ConfigError(f"--report-to {n}: the {n} package is not installed (scripts/bootstrap.sh installs it)")
+    return tuple(dict.fromkeys(names))
+
+
+def parse(argv=None) -> Settings:
+    return validate(from_namespace(parser().parse_args(argv)))
+
+
+def defaults() -> Settings:
+    """The settings of a run with no options (its defaults filled in), for tools and tests."""
+    return validate(Settings())
+

@@ -1,0 +1,75 @@
+"""Which options work with which engine: every engine x feature check, read from the engines' specs
+(vit.engines.registry), all before any process group starts. With vit/engines/, the only code that may name an
+engine (tests/test_architecture.py holds the rest to that). Each refusal is one line (ConfigError)."""
+import sys
+
+from vit.engines.registry import NAMES, spec
+from vit.errors import ConfigError
+
+
+def _engines(has) -> str:
+    """'--engine a, b or c': the engines whose spec has it."""
+    names = [n for n in NAMES if has(spec(n))]
+    return "--engine " + (" or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}")
+
+
+# What an option with `needs` (vit.config.settings.option) has no effect without: (whether the settings have it, how
+# to say
+# it).
+NEEDS = {
+    "async": (lambda s: spec(s.parallel.engine).async_options, _engines(lambda e: e.async_options)),
+    "freeze": (lambda s: s.freeze.freeze != "none", "--freeze schedule or grad"),
+    "pipeline freeze": (lambda s: s.freeze.freeze != "none" and spec(s.parallel.engine).pipeline
+                        and spec(s.parallel.engine).freeze,
+                        f"--freeze schedule or grad on {_engines(lambda e: e.pipeline and e.freeze)}"),
+}
+
+
+def check_settings(s) -> None:
+    """The command line's options against its --engine (vit.config.cli.validate)."""
+    par, engine = s.parallel, spec(s.parallel.engine)
+    if par.micro_batch_size == "auto" and (not engine.micro_batch_auto or s.checkpoint.resume):
+        raise ConfigError(f"--micro-batch-size auto applies to {_engines(lambda e: e.micro_batch_auto)}, and not to "
+                          "--resume (pass the micro-batch the run chose: its config.json says)")
+    if par.partition == "balanced" and not engine.pipeline:
+        raise ConfigError(f"--partition balanced applies to {_engines(lambda e: e.pipeline)}")
+    if par.batch_split == "proportional" and engine.pipeline:
+        raise ConfigError(f"--batch-split proportional applies to {_engines(lambda e: not e.pipeline)} (a pipeline "
+                          "balances its stages with --partition balanced)")
+    if s.freeze.freeze != "none" and engine.pipeline and engine.freeze and s.recipe.model_ema:
+        raise ConfigError(f"--model-ema does not follow a pipeline whose stages --freeze re-plans; use "
+                          f"{_engines(lambda e: e.freeze and not e.pipeline)}")
+
+
+def check_zero_stage(engine_name: str, stage: int, config_name: str) -> None:
+    """The DeepSpeed JSON's ZeRO stage against the engine (vit.config.ds_config.resolve)."""
+    engine = spec(engine_name)
+    if stage in engine.zero_stages:
+        return
+    if engine.pipeline:
+        raise ConfigError(f"DeepSpeed config {config_name}: ZeRO stage {stage} does not work with the pipeline engine "
+                          "(DeepSpeed pipelines accept ZeRO 0 or 1)")
+    print(f"warning: --engine {engine_name} ignores zero_optimization (stage {stage}) in {config_name}",
+          file=sys.stderr)
+
+
+def check_precision(requested: str | None, engine_name: str) -> None:
+    """Before the process group: a precision the engine cannot train in at all."""
+    if requested == "fp16" and not spec(engine_name).fp16:
+        raise ConfigError(f"--engine {engine_name} trains in fp32 or bf16 (it has no fp16 loss scaler); pass "
+                          "--precision bf16 or fp32 (or a --ds-config without fp16)")
+
+
+def check_freeze(s, ds_config: dict) -> None:
+    """--freeze against the engine and its DeepSpeed JSON (vit.config.plan)."""
+    engine = spec(s.parallel.engine)
+    if s.freeze.freeze == "none":
+        return
+    if not engine.freeze:
+        able = [n for n in NAMES if spec(n).freeze]
+        raise ConfigError(f"--freeze works with --engine {', '.join(able[:-1])} and {able[-1]}, not {engine.name}")
+    if engine.deepspeed and (engine.zero_stage_of(ds_config) == 3
+                             or ds_config.get("zero_optimization", {}).get("offload_optimizer")):
+        raise ConfigError("--freeze works with ZeRO stages 0-2 without optimizer offload (it moves the optimizer "
+                          "state into the rebuilt engine itself); use such a --ds-config or "
+                          f"{_engines(lambda e: e.freeze and not e.deepspeed)}")

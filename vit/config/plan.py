@@ -1,0 +1,253 @@
+"""Everything decided before any process group starts: the settings checked against each other, the data, the
+DeepSpeed JSON and its batch arithmetic, the length of the run, where it writes, and what it resumes from. Any
+mistake found here is one line and exit 2, with nothing written."""
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from vit.config.compat import check_freeze, check_precision
+from vit.config.ds_config import Batch, precision_of, resolve
+from vit.config.settings import ROOT, Settings
+from vit.data.augment import data_recipe
+from vit.data.sets import DataSplit, dataset_for, load_dataset, steps_per_epoch
+from vit.engines.registry import spec
+from vit.errors import ConfigError, NothingToDo
+from vit.loop import checkpoint
+from vit.model import weights
+from vit.model.layers import check_img_size, model_shape
+from vit.runtime import slowdown
+from vit.runtime.dist_env import Job, resolve_master
+from vit.runtime.rundir import check_export, check_unused, check_writable
+from vit.telemetry import tracking
+
+
+@dataclass(frozen=True)
+class Resume:
+    save_dir: str
+    tags: list[str]  # complete checkpoints to try, newest first
+    saved: dict = field(default_factory=dict)  # the run that wrote them: the newest readable manifest (saved_run)
+
+
+@dataclass(frozen=True)
+class Plan:
+    settings: Settings  # the data set filled in when --data-path named it
+    job: Job
+    ds_config: dict  # resolved; the census may still settle the precision ("auto") and the fp16 loss scale
+    batch: Batch
+    requested_precision: str | None  # what --precision or the JSON asks for (auto too); None: none given
+    data: DataSplit
+    steps_per_epoch: int
+    total_steps: int
+    save_dir: str | None  # None: <log dir>/checkpoints, once the log dir's default name is agreed
+    resume: Resume | None
+    layout: dict  # what a checkpoint must match to be resumed by this run
+    slowdowns: dict[int, float]  # --simulate-slowdown: rank -> factor
+    notes: list[str]  # said first by rank 0
+    micro_split: list[int] | None = None  # --micro-batch-size auto with --batch-split proportional: each rank's
+    micro_search: dict | None = None  # what --micro-batch-size auto measured and chose (config.json)
+
+    def settings_hash(self) -> str:
+        """The user's settings that make checkpoints comparable (before the census fills in precision)."""
+        m, d, o = self.settings.model, self.settings.data, self.settings.optim
+        what = {"model": m.model, "dataset": d.dataset, "img_size": m.img_size, "seed": self.settings.train.seed,
+                "lr": o.lr, "min_lr": o.min_lr, "weight_decay": o.weight_decay, "deepspeed": self.ds_config}
+        if o.opt != "adamw":  # only then: AdamW checkpoints written before --opt existed keep their hash
+            what.update(opt=o.opt, momentum=o.momentum, nesterov=o.nesterov)
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+    def checkpoint_meta(self) -> dict:
+        """What each checkpoint's manifest records of the run, for a resume to compare with its own."""
+        return {**self.layout, "config_hash": self.settings_hash(), "total_steps": self.total_steps}
+
+
+def make_plan(settings: Settings, job: Job) -> Plan:
+    dataset, note = dataset_for(settings.data)
+    s = settings.with_(dataset=dataset)
+    par, ckpt = s.parallel, s.checkpoint
+    if "wandb" in s.log.report_to.split(","):
+        tracking.check_wandb()
+    check_writable(s.log.log_dir or str(ROOT / "logs"), "--log-dir")
+    if s.checkpoint.save_dir and not ckpt.no_save:
+        check_writable(s.checkpoint.save_dir, "--save-dir")
+    if not ckpt.resume:
+        check_unused(s.log.log_dir, None if ckpt.no_save else ckpt.save_dir)
+    if s.model.export:
+        check_export(s.model.export)
+    ds_config, batch = resolve_ds_config(s, par, job.world_size)
+    requested = par.precision or precision_of(ds_config)  # settled by vit.runtime.precision.choose
+    if par.precision is None and not any(ds_config.get(k, {}).get("enabled") for k in ("fp16", "bf16")):
+        requested = None  # none given: auto on GPUs, fp32 on CPUs
+    check_precision(requested, par.engine)
+    slowdowns = slowdown.parse(par.simulate_slowdown, job.world_size)
+    if par.compile and slowdowns:
+        raise ConfigError("--compile cannot run with --simulate-slowdown: the slowdown times each layer on the host "
+                          "inside its forward and backward, which a compiled graph does not stop for; leave one out")
+    preset = model_shape(s.model.model)
+    norm = weights.pretrained_norm(s.model.model, s.model.pretrained, s.model.pretrained_path)
+    data = load_dataset(dataset, s.data.data_path, s.model.img_size or preset.img_size, s.data.download,
+                        s.data.synthetic_size, s.train.seed, norm)
+    if s.model.img_size and s.model.img_size != data.img_size:
+        raise ConfigError(f"--img-size {s.model.img_size} does not match the {data.img_size}x{data.img_size} images "
+                          f"of {dataset}")
+    check_img_size(s.model.model, data.img_size)
+    s, notes = check_recipe(s, data, [note] if note else [])
+    if s.freeze.freeze_cache == "on" and (s.recipe.augments or s.recipe.mixes):  # the recipe as the data has it
+        raise ConfigError("--freeze-cache on needs the same sample every epoch, and this run's training data is "
+                          "augmented or mixed: add --no-aug (and leave out --mixup/--cutmix), or use --freeze-cache "
+                          "auto or off")
+    if spec(par.engine).pipeline and par.pipeline_stages > preset.depth + 2:
+        raise ConfigError(f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} layers of "
+                          f"{s.model.model} (embedding, {preset.depth} blocks, head)")
+    per_epoch, total_steps = run_length(s, data, batch)
+    interval = s.asynchrony.async_update_interval
+    if interval and batch.grad_accum % interval:
+        raise ConfigError(f"--async-update-interval {interval} does not divide the gradient-accumulation count "
+                          f"{batch.grad_accum} (a checkpoint drains the pipeline at a step's end, where every "
+                          "stage's update must be complete)")
+    save_dir = ckpt.save_dir or (os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None)
+    layout = {"model": s.model.model, "engine": par.engine, "world_size": job.world_size,
+              "data_parallel_size": batch.dp_size,
+              "pipeline_stages": par.pipeline_stages if spec(par.engine).pipeline else 1,
+              "zero_stage": spec(par.engine).zero_stage_of(ds_config),
+              "global_batch": batch.global_size}
+    check_freeze(s, ds_config)
+    resume = find_resume(s, save_dir, layout, batch) if ckpt.resume else None
+    resolve_master(job)
+    plan = Plan(s, job, ds_config, batch, requested, data, per_epoch, total_steps, save_dir, resume, layout,
+                slowdowns, notes)
+    return replace(plan, notes=notes + resume_notes(plan)) if resume else plan
+
+
+def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settings, list[str]]:
+    """The starting weights (fetched for --pretrained, shapes checked), mixup's classes; the
+    recipe as it applies to the data (vit.data.augment.data_recipe), so that config.json records it."""
+    s = replace(s, recipe=data_recipe(s.recipe, data))
+    m, r = s.model, s.recipe
+    if m.pretrained and m.pretrained_path:
+        raise ConfigError("--pretrained and --pretrained-path: choose one")
+    if s.checkpoint.resume and (m.pretrained or m.pretrained_path):  # the checkpoint's weights replace them
+        what = f"--pretrained-path {m.pretrained_path}" if m.pretrained_path else "--pretrained"
+        notes = notes + [f"{what}: not loaded; the run resumes from its checkpoint's weights"]
+    elif m.pretrained:
+        s = s.with_(pretrained_path=weights.hub_weights(m.model))
+    if s.model.pretrained_path and not s.checkpoint.resume:
+        notes = notes + weights.check(s.model.pretrained_path, m.model, data.num_classes, data.in_chans,
+                                      data.img_size)
+    if r.mixes and data.num_classes < 2:
+        raise ConfigError(f"--mixup/--cutmix need at least two classes; {s.data.dataset} has {data.num_classes}")
+    return s, notes
+
+
+def resolve_ds_config(s: Settings, par, world_size: int) -> tuple[dict, Batch]:
+    """The DeepSpeed JSON with the command line's overrides, and its batch arithmetic."""
+    ds_config, batch = resolve(par, world_size)
+    if s.optim.clip_grad is not None:  # --clip-grad over the JSON's gradient_clipping, for DDP too
+        ds_config = {**ds_config, "gradient_clipping": s.optim.clip_grad}
+    return ds_config, batch
+
+
+def run_length(s: Settings, data: DataSplit, batch: Batch) -> tuple[int, int]:
+    """(steps per epoch, steps of the run)."""
+    per_epoch = steps_per_epoch(len(data.train), batch.global_size)
+    if per_epoch == 0:
+        raise ConfigError(f"global batch {batch.global_size} is larger than the {len(data.train)} training samples "
+                          f"of {s.data.dataset}")
+    return per_epoch, s.train.steps or max(1, round(s.train.epochs * per_epoch))
+
+
+def with_micro_batch(plan: Plan, micro_batch: int, split: list[int] | None, search: dict) -> Plan:
+    """The plan once --micro-batch-size auto has measured: its DeepSpeed JSON, batch and length."""
+    par = replace(plan.settings.parallel, micro_batch_size=micro_batch)
+    ds_config, batch = resolve_ds_config(plan.settings, par, plan.job.world_size)
+    per_epoch, total_steps = run_length(plan.settings, plan.data, batch)
+    return replace(plan, ds_config=ds_config, batch=batch, steps_per_epoch=per_epoch, total_steps=total_steps,
+                   layout={**plan.layout, "global_batch": batch.global_size}, micro_split=split, micro_search=search)
+
+
+def find_resume(s: Settings, save_dir: str | None, layout: dict, batch: Batch) -> Resume:
+    """What --resume continues from, refused when it cannot be continued without overwriting a checkpoint."""
+    where, tags = checkpoint.locate(save_dir if s.checkpoint.resume == "auto" else s.checkpoint.resume)
+    saved = {}
+    for tag in tags:  # the newest readable manifest says how the run was laid out
+        try:
+            saved = saved_run(where, checkpoint.read_manifest(where, tag))
+        except (OSError, ValueError):
+            continue
+        checkpoint.check_layout(saved, layout, f"checkpoint {where}/{tag}")
+        check_global_batch(saved.get("global_batch"), batch, f"checkpoint {where}/{tag}")
+        break
+    step = checkpoint.step_of(tags[0])
+    newer = [t for t in checkpoint.complete_tags(save_dir) if checkpoint.step_of(t) > step] if save_dir else []
+    if newer and os.path.realpath(save_dir) == os.path.realpath(where):
+        raise ConfigError(f"--resume {where}/{tags[0]}: {save_dir} also holds newer checkpoints ({', '.join(newer)}) "
+                          "that this run would overwrite; resume from the newest (--resume without a path), or "
+                          "write elsewhere (--save-dir or another --log-dir)")
+    return Resume(where, tags, saved)
+
+
+def saved_run(where: str, manifest: dict) -> dict:
+    """A manifest with the model and the run's length, taken from the run's config.json (beside its checkpoints/
+    folder) where a checkpoint written before manifests recorded them lacks them."""
+    config = Path(where).parent / "config.json"
+    if {"model", "total_steps"} <= manifest.keys() or Path(where).name != "checkpoints" or not config.is_file():
+        return manifest
+    try:
+        run = json.loads(config.read_text())
+        found = {"model": run["args"]["model"], "total_steps": run["total_steps"]}
+    except (OSError, ValueError, TypeError, KeyError):  # not a config.json of ours: the manifest alone
+        return manifest
+    return {**found, **manifest}
+
+
+def resume_notes(plan: Plan) -> list[str]:
+    """Rank 0's warnings on what this run changes of the run it resumes: settings behind the checkpoint's hash
+    (--lr, --seed, ...), and the length, which the LR schedule (warm-up and cosine decay) is computed from."""
+    saved, notes = plan.resume.saved, []
+    if not saved:  # no readable manifest: choose_resume will say so
+        return notes
+    at = f"checkpoint {plan.resume.save_dir}/{checkpoint.tag_for(saved['step'])}"
+    if saved.get("config_hash") != plan.settings_hash():
+        notes.append(f"warning: {at} was written with other settings (model, data, optimizer or DeepSpeed config) "
+                     "than this run")
+    if saved.get("total_steps", plan.total_steps) != plan.total_steps:
+        notes.append(f"warning: {at} belongs to a run of {saved['total_steps']} steps, this one has "
+                     f"{plan.total_steps} (--steps or --epochs): the LR schedule is recomputed over "
+                     f"{plan.total_steps} steps, so the learning rate from step {saved['step'] + 1} on is not the "
+                     "one the first run would have used")
+    return notes
+
+
+def choose_resume(plan: Plan) -> str:
+    """Rank 0, once the process group is up: the newest checkpoint that verifies (vit.loop.checkpoint.choose falls back
+    past damaged ones). A run already complete is nothing to do but --export's, from its last checkpoint; a
+    checkpoint at or past the run's end is refused, never trained over."""
+    r, total = plan.resume, plan.total_steps
+    tag = checkpoint.choose(r.save_dir, r.tags)
+    step = checkpoint.step_of(tag)
+    if step < total:
+        return tag
+    m = plan.settings.model
+    if step == total and m.export:  # its last checkpoint holds the final weights: no need to train again
+        weights.export_checkpoint(f"{r.save_dir}/{tag}", m.export, m.model, plan.data, plan.settings.recipe.model_ema)
+        raise NothingToDo(f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step ({step}); exported "
+                          "its weights, nothing else to do")
+    log_dir = plan.settings.log.log_dir
+    summary = Path(log_dir, "summary.json") if log_dir else Path(r.save_dir).parent / "summary.json"
+    if step == total and summary.is_file() and json.loads(summary.read_text()).get("steps") == step:
+        raise NothingToDo(f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step ({step}), and "
+                          f"{summary} says so; nothing to do (add --export PATH to write its weights)")
+    raise ConfigError(f"--resume: checkpoint {r.save_dir}/{tag} is already at step {step}, and this run ends at "
+                      f"step {total}; ask for more steps (--steps or --epochs)"
+                      + (", or add --export PATH to write its weights" if step == total else ""))
+
+
+def check_global_batch(saved: int | None, batch: Batch, where: str) -> None:
+    """A resume that keeps the data order and the LR schedule must keep the global batch."""
+    if saved is None or saved == batch.global_size:
+        return
+    per_accum = batch.micro_batch * batch.dp_size
+    hint = f"; pass --grad-accum {saved // per_accum} to keep it" if saved % per_accum == 0 else ""
+    raise ConfigError(f"{where} was trained with global batch {saved}, this run's is {batch.global_size} "
+                      f"({batch.arithmetic()}){hint}")

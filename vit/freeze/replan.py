@@ -1,0 +1,48 @@
+"""--freeze-replan (PipeTransformer's AutoPipe and AutoDP): the pipeline's stages planned again at a freeze point,
+and halved when the active layers fit in fewer stages, the freed ranks becoming data-parallel copies.
+
+One planner, vit.hetero.stages, with the layer times and free memory measured at startup (hetero.adapt(...,
+layer_times=True)): frozen layers cost their forward only and keep their weights only, no activations. K stages
+shrink to K/2 when such a plan fits every rank's memory, else K stages are balanced again; the first stage keeps an
+active layer (a stage of frozen layers only has no backward, which DeepSpeed's pipeline cannot skip)."""
+from dataclasses import dataclass, replace
+
+from vit.errors import ConfigError
+from vit.hetero.stages import StagePlan, plan_stages
+
+
+@dataclass(frozen=True)
+class Layout:
+    stages: int
+    parts: list[int]  # stage s holds layers parts[s] .. parts[s+1]-1
+    grad_accum: int  # micro-batches per step and data-parallel copy
+
+
+def replan(census: dict, frozen: int, current: Layout, micro_batch: int) -> tuple[Layout, StagePlan]:
+    """The layout after `frozen` layers froze, and its plan: K/2 stages with twice the copies (the same global
+    batch, half the micro-batches each) when they fit, else K stages balanced again. census: hetero.adapt's
+    record (its "layers" profile and "census" reports with layer_ms)."""
+    def plan(stages: int, grad_accum: int) -> StagePlan:
+        return plan_stages(census["layers"], census["census"], stages, micro_batch, grad_accum,
+                           census["state_bytes_per_param"], frozen, first_active=True)
+    if current.stages % 2 == 0 and current.grad_accum % 2 == 0:
+        try:
+            half = plan(current.stages // 2, current.grad_accum // 2)
+            return Layout(current.stages // 2, half.parts, current.grad_accum // 2), half
+        except ConfigError:
+            pass  # the active layers do not fit in fewer stages yet
+    same = plan(current.stages, current.grad_accum)
+    return Layout(current.stages, same.parts, current.grad_accum), same
+
+
+def with_layout(ctx, layout: Layout):
+    """An EngineContext for `layout`: its stages and boundaries, and the batch re-split (the same micro-batch and
+    global batch, grad_accum micro-batches per copy)."""
+    from vit.config.ds_config import Batch
+
+    world = ctx.pipeline_stages * ctx.batch.dp_size
+    batch = Batch(ctx.batch.micro_batch, layout.grad_accum, world // layout.stages)
+    ds_config = {**ctx.ds_config, "gradient_accumulation_steps": layout.grad_accum,
+                 "train_batch_size": batch.global_size}
+    return replace(ctx, pipeline_stages=layout.stages, partition="balanced", parts=layout.parts, batch=batch,
+                   ds_config=ds_config)

@@ -1,0 +1,267 @@
+"""Freeze training (PipeTransformer's AutoFreeze): when a growing prefix of the layer list stops training, and what
+freezing means (no gradients, no activations kept, no optimizer state, nothing to all-reduce).
+
+The freezable layers are the embedding and the blocks (layer list indices 0 .. L-1); the head, last, never freezes.
+Decisions are taken every --freeze-interval-epochs, at the end of a step, from values every rank holds alike (the
+step, or gradient norms summed over all ranks), so every rank rebuilds its engine at the same step.
+"""
+import gc
+import math
+import statistics
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vit.config.settings import FreezeSettings
+from vit.freeze.activation_cache import FeatureCache, cached_batches
+from vit.freeze.replan import Layout, replan
+from vit.runtime.dist_env import live_process_groups
+
+
+def scheduled(intervals: int, num_freezable: int, alpha: float) -> int:
+    """PipeTransformer's released rule: frozen(e) = ceil(L (1 - (1 - alpha)^e)) after e intervals."""
+    # The epsilon keeps float noise (5 x (1 - 2/3) = 1.6666...7) from rounding a whole number up.
+    return min(num_freezable, math.ceil(num_freezable * (1 - (1 - alpha) ** intervals) - 1e-9))
+
+
+def _changes(previous: list[float], now: list[float], frozen: int) -> tuple[list[float], float]:
+    """Each active freezable layer's gradient-norm change relative to the previous interval, and their median."""
+    change = [abs(n - p) / max(p, 1e-12) for p, n in zip(previous[frozen:], now[frozen:])]
+    return change, statistics.median(change) if change else 0.0
+
+
+def by_gradient(previous: list[float], now: list[float], frozen: int, alpha: float) -> int:
+    """The paper's criterion: of the active freezable layers, those whose gradient norm changed (relative to the
+    previous interval) less than their median are converged; the converged ones at the front of the active layers
+    freeze, at most alpha of the active layers (at least one) at a time."""
+    change, median = _changes(previous, now, frozen)
+    if not change:
+        return frozen
+    cap = max(1, math.floor(alpha * len(change)))
+    count = 0
+    while count < min(cap, len(change)) and change[count] < median:
+        count += 1
+    return frozen + count
+
+
+def not_converged(previous: list[float], now: list[float], frozen: int) -> str:
+    """What by_gradient saw where nothing freezes: the first active layer's change is not below the median."""
+    change, median = _changes(previous, now, frozen)
+    return f"layer {frozen}'s gradient-norm change {change[0]:.3g} is not below the median {median:.3g}"
+
+
+def _frozen_forward(layer: nn.Module, forward, cached: bool):
+    def run(x, *args, **kwargs):
+        if cached and layer.training:  # the input is already the frozen prefix's output (vit.freeze.activation_cache)
+            return x
+        with torch.no_grad():
+            return forward(x, *args, **kwargs)
+    return run
+
+
+def freeze_prefix(layers: list[nn.Module], count: int, cached: bool = False) -> None:
+    """requires_grad False and a forward that records nothing for autograd, for layers[:count] (before an engine
+    is built on them, so that its optimizer, its gradient buckets and DDP's reducer leave them out); cached: in
+    training they pass their input through, which --freeze-cache has computed already."""
+    for layer in layers[:count]:
+        layer.requires_grad_(False)
+        if getattr(layer, "frozen_forward", None) is None:
+            layer.frozen_forward = _frozen_forward(layer, layer.forward, False)
+            layer.forward = _frozen_forward(layer, layer.frozen_forward, cached)
+
+
+class GradNorms:
+    """Each freezable layer's gradient norm, summed over the steps of an interval and over the ranks. Tensor hooks
+    see each micro-batch's local gradient before any engine reduces or partitions it; the sums stay on the device
+    until a decision reads them."""
+
+    def __init__(self, num_freezable: int, device: torch.device):
+        self.sums = torch.zeros(num_freezable, dtype=torch.float64, device=device)
+
+    def attach(self, module: nn.Module) -> None:
+        for name, p in module.named_parameters():
+            layer = int(name.split(".")[0])
+            if p.requires_grad and layer < len(self.sums):
+                p.register_hook(lambda g, i=layer: self._add(i, g))
+
+    def _add(self, layer: int, grad: torch.Tensor) -> None:
+        self.sums[layer] += grad.detach().double().pow(2).sum()
+
+    def take(self) -> list[float]:
+        """Collective: the interval's norms, the same on every rank; starts the next interval."""
+        total = self.sums.clone()
+        dist.all_reduce(total)
+        self.sums.zero_()
+        return total.sqrt().tolist()
+
+    def state_dict(self) -> list[float]:
+        """Collective: the current interval's sums over all ranks (a checkpoint holds one copy)."""
+        total = self.sums.clone()
+        dist.all_reduce(total)
+        return total.tolist()
+
+    def load_state_dict(self, sums: list[float]) -> None:
+        self.sums.copy_(torch.tensor(sums, dtype=torch.float64)).div_(dist.get_world_size())
+
+
+class Freezer:
+    """Decides its own cadence: after each step, `decide(step)` returns the new number of frozen layers at a freeze
+    point where it grew, else None."""
+
+    def __init__(self, s: FreezeSettings, num_layers: int, steps_per_epoch: int, total_steps: int,
+                 device: torch.device, *, frozen: int = 0, make_layers=None, make_engine=None,
+                 cache_dir: str | None = None, census: dict | None = None, micro_batch: int = 1):
+        """frozen: layers frozen already (a resumed run); make_layers(): a fresh copy of the layer list;
+        make_engine(layers, layout): the run's engine built on them; cache_dir: --freeze-cache's spill folder
+        (None: no cache); census: hetero.adapt's record with layer times, for --freeze-replan."""
+        self.mode, self.alpha, self.total_steps = s.freeze, s.freeze_alpha, total_steps
+        self.num_freezable = num_layers - 1
+        self.interval_steps = max(1, round(s.freeze_interval_epochs * steps_per_epoch))
+        self.frozen, self.previous, self.replan = frozen, None, s.freeze_replan == "on"
+        self.norms = GradNorms(self.num_freezable, device) if self.mode == "grad" else None
+        self.make_layers, self.make_engine = make_layers, make_engine
+        self.census, self.micro_batch = census, micro_batch
+        self.planned = None  # the StagePlan of the last re-plan
+        self.layout = None  # the pipeline's layout once a freeze point changed it
+        self.cache = FeatureCache(s.freeze_cache_gib, cache_dir) if cache_dir else None
+        self.layers = None
+        self.unchanged = None  # why the last decision froze nothing
+
+    def freeze(self, layers: list[nn.Module], frozen: int) -> None:
+        """Freeze the prefix of the layers an engine is about to be built on."""
+        freeze_prefix(layers, frozen, cached=self.cache is not None)
+        self.layers = layers
+
+    def cached(self, batches, order, engine):
+        """This rank's batches, through the cache when it is on and this rank holds the frozen layers."""
+        holds = any(name.startswith("0.") for name, _ in engine.live_module().named_parameters())
+        if self.cache is None or not self.frozen or not holds:
+            return batches
+        prefix = self.layers[:self.frozen]
+        dtype = next(prefix[0].parameters()).dtype
+
+        def run(x):
+            x = x.to(dtype)
+            for layer in prefix:
+                x = layer.frozen_forward(x)
+            return x
+        return cached_batches(batches, order, run, self.cache, engine.device)
+
+    def after_step(self, step: int, engine, metrics) -> "object | None":
+        """Collective: at a freeze point, the engine rebuilt with the longer frozen prefix (else None)."""
+        current = engine.layout  # a pipeline's stages, else None
+        # Without re-planning a pipeline's first stage must keep an active layer (it would have no backward).
+        frozen = self.decide(step, cap=current.parts[1] - 1 if current and not self.replan else None)
+        if frozen is None:
+            if self.unchanged and dist.get_rank() == 0:
+                print(f"freeze decision at step {step}: nothing freezes ({self.unchanged})", flush=True)
+            return None
+
+        def plan(layers: list) -> Layout | None:
+            if current is None or not self.replan:
+                self.layout = current  # explicit boundaries: DeepSpeed's own methods count trainable layers
+                return current
+            self.layout, self.planned = replan(self.census, frozen, current, self.micro_batch)
+            return self.layout
+
+        self.layers = None  # the old engine's: nothing may keep them alive while the new one is built
+        rebuilt, freed = rebuild(engine, lambda layers: self.freeze(layers, frozen), self.make_layers,
+                                 self.make_engine, plan)
+        self.watch(rebuilt.live_module())
+        if self.cache is not None:
+            self.cache.clear()  # a new boundary
+        stages = rebuilt.layout.stages if current else 1
+        planned = {"parts": rebuilt.layout.parts} if current else {}
+        if current and self.replan:
+            planned["predicted_ms"] = 1e3 * max(self.planned.times)
+        metrics.write("freeze", step, frozen=frozen, stages=stages, dp=rebuilt.dp_size, cache=self.cache is not None,
+                      old_engine_freed=freed, process_groups=live_process_groups(), **planned)
+        if dist.get_rank() == 0:
+            plan = f", layers {planned['parts']}" if planned else ""
+            plan += f", slowest stage {planned['predicted_ms']:.2f} ms predicted" if "predicted_ms" in planned else ""
+            print(f"freeze at step {step}: {frozen} layers frozen; {stages} stages x {rebuilt.dp_size} data-parallel"
+                  f"{plan}", flush=True)
+        return rebuilt
+
+    def watch(self, module: nn.Module) -> None:
+        """Measure the gradients of this (newly built) engine's module."""
+        if self.norms is not None:
+            self.norms.attach(module)
+
+    def decide(self, step: int, cap: int | None = None) -> int | None:
+        """The new number of frozen layers (at most `cap`) at a freeze point where it grew, else None; at a freeze
+        point where nothing freezes, `self.unchanged` says why. No decision once no more layers can freeze."""
+        self.unchanged = None
+        limit = self.num_freezable if cap is None else min(cap, self.num_freezable)
+        if self.mode == "none" or step % self.interval_steps or step >= self.total_steps or self.frozen >= limit:
+            return None
+        if self.mode == "schedule":
+            intervals = step // self.interval_steps
+            frozen = scheduled(intervals, self.num_freezable, self.alpha)
+            why = f"the schedule keeps {frozen} layers frozen after {intervals} intervals"
+        else:
+            now = self.norms.take()
+            if self.previous is None:
+                frozen, why = self.frozen, "the first interval's gradient norms, nothing to compare them with yet"
+            else:
+                frozen = by_gradient(self.previous, now, self.frozen, self.alpha)
+                why = not_converged(self.previous, now, self.frozen) if frozen <= self.frozen else None
+            self.previous = now
+        frozen = min(frozen, limit)
+        if frozen <= self.frozen:
+            self.unchanged = why
+            return None
+        self.frozen = frozen
+        return frozen
+
+    def checkpoint_state(self) -> dict:
+        """Collective: what a checkpoint records (nothing without --freeze)."""
+        return {"freeze": self.state_dict()} if self.mode != "none" else {}
+
+    def state_dict(self) -> dict:
+        """Collective under --freeze grad."""
+        return {"frozen": self.frozen, "previous": self.previous,
+                "layout": self.layout.__dict__ if self.layout else None,
+                "sums": self.norms.state_dict() if self.norms is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.frozen, self.previous = state["frozen"], state["previous"]
+        self.layout = Layout(**state["layout"]) if state.get("layout") else None
+        if self.norms is not None and state["sums"] is not None:
+            self.norms.load_state_dict(state["sums"])
+
+
+def rebuild(engine, freeze, make_layers, make_engine, plan=lambda layers: None) -> tuple["object", bool]:
+    """Collective: a new engine on fresh layers holding the old one's weights, freeze(layers) freezing a prefix,
+    continuing the old one's optimizer state, LR schedule, loss scaler and EMA; plan(layers): a pipeline's new
+    vit.freeze.replan.Layout (None: the engine's layout as it was). DeepSpeed and DDP fix their
+    parameters, buckets and hooks at construction, so freezing means building them again. The old engine is closed
+    and its memory freed first, its state held on the host meanwhile: (the new engine, whether the old one's module
+    was gone before the new one was built)."""
+    state, weights = engine.handover(), engine.whole_weights()
+    device, ema, module = engine.device, engine.ema, weakref.ref(engine.live_module())
+    engine.close()
+    freed = free_memory(device, module)
+    # Building layers re-seeds torch's generator; dropout and drop-path must go on drawing as before.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        layers = make_layers()
+    with torch.no_grad():
+        nn.Sequential(*layers).load_state_dict(weights)
+    freeze(layers)
+    rebuilt = make_engine(layers, plan(layers))
+    rebuilt.take_over(state)
+    rebuilt.ema = ema
+    if ema is not None:
+        ema.engine = rebuilt
+    return rebuilt, freed
+
+
+def free_memory(device: torch.device, module: weakref.ref) -> bool:
+    """Collect what a closed engine left (DeepSpeed's hooks hold its module in reference cycles) and hand the
+    GPU memory it held back to the driver; True when `module` is gone."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return module() is None

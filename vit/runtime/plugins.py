@@ -1,0 +1,42 @@
+"""Plugins: modules named in VIT_PLUGINS (comma-separated, found on PYTHONPATH) that every rank imports at start,
+and the few hooks they may add functions to. The tests inject faults into real runs this way (tests/plugins/), so
+that no library module reads a test's environment variable.
+
+A plugin calls `add(hook, fn)` when it is imported; the library calls each hook's functions in the order added:
+- "start": fn(rank, watchdog), once the process group and the watchdog (vit.runtime.faults) run, before the census;
+- "census": fn(report), this rank's census report (a dict, vit.hetero.census.capabilities) before it is
+  gathered, which fn may change;
+- "checkpoint_written": fn(tag), this rank has written a checkpoint's files and the manifest is not yet written;
+- "async_forward": fn(engine, k, weights), the async pipeline forwarded micro-batch k on `weights` (by name);
+- "async_backward": fn(engine, k, inflight, weights), and backwarded it (inflight: vit.engines.async_pipeline's
+  InFlight record of its forward)."""
+import importlib
+import os
+from collections.abc import Callable
+
+from vit.errors import ConfigError
+
+HOOKS: dict[str, list[Callable]] = {
+    name: [] for name in ("start", "census", "checkpoint_written", "async_forward", "async_backward")}
+
+
+def load() -> list[str]:
+    """Import the modules VIT_PLUGINS names; their names. One that cannot be imported is a ConfigError."""
+    names = [n.strip() for n in os.environ.get("VIT_PLUGINS", "").split(",") if n.strip()]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"VIT_PLUGINS: cannot import {name}: {e}") from None
+    return names
+
+
+def add(hook: str, fn: Callable) -> None:
+    if hook not in HOOKS:
+        raise ValueError(f"no plugin hook {hook!r}; the hooks are {', '.join(HOOKS)}")
+    HOOKS[hook].append(fn)
+
+
+def call(hook: str, *args) -> None:
+    for fn in HOOKS[hook]:
+        fn(*args)
