@@ -111,3 +111,34 @@ def test_every_registered_engine_has_its_module_its_json_and_a_benchmark_run():
         assert spec.zero_stage is None or spec.zero_stage in spec.zero_stages, spec.name
     assert {engine.name for engine, _ in RUN_ENGINES.values()} == set(NAMES)
     assert all((CONFIGS / config).is_file() for _, config in RUN_ENGINES.values())
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 300, 60
+
+
+def size_offences(path: Path) -> list[str]:
+    """A module over MAX_MODULE_LINES lines, and each function over MAX_FUNCTION_LINES, in `path`."""
+    source = path.read_text()
+    found = [f"{path.name}: {len(source.splitlines())} lines"] if len(source.splitlines()) > MAX_MODULE_LINES else []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{path.name}:{node.lineno}: {node.name}() {length} lines")
+    return found
+
+
+def test_modules_and_functions_stay_short():
+    files = [*(ROOT / "vit").rglob("*.py"), *(ROOT / "bench").rglob("*.py"), ROOT / "plot_logs.py"]
+    assert len(files) > 40
+    offences = [o for f in files for o in size_offences(f)]
+    assert not offences, f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function:\n" + \
+        "\n".join(offences)
+
+
+def test_the_size_check_sees_a_long_function(tmp_path):
+    long = tmp_path / "long.py"
+    long.write_text("def f():\n" + "    x = 1\n" * 60)
+    assert size_offences(long) == ["long.py:1: f() 61 lines"]
+    long.write_text("x = 1\n" * 301)
+    assert size_offences(long) == ["long.py: 301 lines"]

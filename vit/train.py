@@ -22,17 +22,10 @@ from vit.engines.registry import spec
 from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.freeze import activation_cache, replan
 from vit.freeze.rules import Freezer
+from vit.hetero import memory
 from vit.hetero.adapt import Adapted, adapt
 from vit.hetero.footprint import gpu_reserved_bytes, is_oom
-from vit.hetero.memory import (
-    fit_micro_batch,
-    likely_precision,
-    nccl_out_of_memory,
-    out_of_memory,
-    state_bytes_per_param,
-)
 from vit.loop import checkpoint
-from vit.loop.checkpoint import Checkpointer
 from vit.loop.ema import Ema
 from vit.loop.evaluate import Evaluator
 from vit.loop.stats import StepStats
@@ -73,7 +66,7 @@ class Session:
     batches: Iterator | None
     stats: StepStats
     evaluator: Evaluator
-    checkpointer: Checkpointer
+    checkpointer: checkpoint.Checkpointer
     metrics: MetricsLog
     monitor: Monitor
     locks: list[RunLock]  # the run's folders, held until the process ends
@@ -184,8 +177,8 @@ def adapt_to_cluster(plan: Plan, dev: torch.device, layers: list, start_step: in
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
-        state_bytes=lambda precision: state_bytes_per_param(plan, precision),
-        reserved_bytes=gpu_reserved_bytes(plan.ds_config, likely_precision(plan, dev)),
+        state_bytes=lambda precision: memory.state_bytes_per_param(plan, precision),
+        reserved_bytes=gpu_reserved_bytes(plan.ds_config, memory.likely_precision(plan, dev)),
         probe_on_cpu=pipeline or plan.layout["zero_stage"] == 3,
         layer_times=pipeline and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
 
@@ -210,7 +203,7 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
     evaluator = Evaluator(engine, data, micro_batch=batch.micro_batch, workers=workers, pin_memory=pin,
                           metrics=metrics, watchdog=watchdog, interval=s.train.eval_interval,
                           total_steps=plan.total_steps, is_main=job.is_main)
-    checkpointer = Checkpointer(engine, save_dir, interval=s.checkpoint.save_interval,
+    checkpointer = checkpoint.Checkpointer(engine, save_dir, interval=s.checkpoint.save_interval,
                                 enabled=not s.checkpoint.no_save, keep=s.checkpoint.keep_checkpoints,
                                 meta=plan.checkpoint_meta(), on_progress=watchdog.beat,
                                 extra_state=lambda: {**freezer.checkpoint_state(), **stats.train_time()})
@@ -258,21 +251,21 @@ def run(plan: Plan, start_time: float) -> int:
         if not is_oom(e):
             raise
         print(f"rank {plan.job.rank} ({socket.gethostname()}) failed at start: "
-              f"{nccl_out_of_memory(device(plan.job), e)}", file=sys.stderr, flush=True)
+              f"{memory.nccl_out_of_memory(device(plan.job), e)}", file=sys.stderr, flush=True)
         return 1
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
     plugins.call("start", plan.job.rank, watchdog)
     try:
         if plan.settings.parallel.micro_batch_size == "auto":
-            plan = with_micro_batch(plan, *fit_micro_batch(plan, device(plan.job)))
+            plan = with_micro_batch(plan, *memory.fit_micro_batch(plan, device(plan.job)))
         train(plan, start_time, watchdog)
     except NothingToDo as e:  # decided on rank 0 before anything was written
         if plan.job.is_main:
             print(f"{PROG}: {e}", flush=True)
     except Exception as e:
         if is_oom(e):
-            e = out_of_memory(plan, device(plan.job), watchdog.step, e)
+            e = memory.out_of_memory(plan, device(plan.job), watchdog.step, e)
         if isinstance(e, ConfigError):  # a collective finding (preflight, census, lock): the same on every rank
             announce_failure(f"rank {plan.job.rank} ({socket.gethostname()}): {e}")
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)

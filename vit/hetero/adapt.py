@@ -40,8 +40,7 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
           probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
           state_bytes: Callable[[str], float], reserved_bytes: float = 0.0, probe_on_cpu: bool = False,
           layer_times: bool = False) -> Adapted:
-    """Collective. `requested_precision`: --precision's, or the JSON's, or None (none given;
-    vit.runtime.precision.choose);
+    """Collective. `requested_precision`: --precision's, or the JSON's, or None (vit.runtime.precision.choose);
     `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to be balanced;
     `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`: the
     proportional micro-batches when --micro-batch-size auto measured them; `state_bytes`: precision -> bytes per
