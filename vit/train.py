@@ -74,8 +74,7 @@ class Session:
     make_batches: Callable  # (engine, start step) -> this rank's batches from the next step on
 
     def swap(self, engine: Engine, step: int) -> None:  # --freeze rebuilt the engine, maybe with another layout
-        self.engine = self.stats.engine = self.evaluator.engine = self.checkpointer.engine = engine
-        self.batches, self.evaluator.loader = self.make_batches(engine, step), None  # data-parallel shards
+        self.engine, self.batches = engine, self.make_batches(engine, step)  # the rest take the engine at each call
 
 
 def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
@@ -86,15 +85,15 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
         watchdog.beat(step)
         run.monitor.step = step
         if run.engine.ema is not None:
-            run.engine.ema.update(step)
-        run.stats.record(step, loss, lr)
+            run.engine.ema.update(run.engine, step)
+        run.stats.record(run.engine, step, loss, lr)
         if run.stats.should_log(step):
-            run.stats.log(step)
+            run.stats.log(run.engine, step)
         with run.stats.paused():
             if (rebuilt := run.freezer.after_step(step, run.engine, run.metrics)) is not None:
                 run.swap(rebuilt, step)
-            run.evaluator.maybe(step)
-            run.checkpointer.save(step)
+            run.evaluator.maybe(run.engine, step)
+            run.checkpointer.save(run.engine, step)
     finish(plan, run, start_time)
 
 
@@ -200,13 +199,13 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
                       total_steps=plan.total_steps, log_interval=s.log.log_interval, precision=adapted.precision,
                       max_skipped_steps=s.train.max_skipped_steps, is_main=job.is_main, earlier=earlier)
     workers = loader_workers(s.data.workers, engine.device.type, rank_cores(job.local_world_size))
-    evaluator = Evaluator(engine, data, micro_batch=batch.micro_batch, workers=workers, pin_memory=pin,
+    evaluator = Evaluator(data, micro_batch=batch.micro_batch, workers=workers, pin_memory=pin,
                           metrics=metrics, watchdog=watchdog, interval=s.train.eval_interval,
                           total_steps=plan.total_steps, is_main=job.is_main)
-    checkpointer = checkpoint.Checkpointer(engine, save_dir, interval=s.checkpoint.save_interval,
-                                enabled=not s.checkpoint.no_save, keep=s.checkpoint.keep_checkpoints,
-                                meta=plan.checkpoint_meta(), on_progress=watchdog.beat,
-                                extra_state=lambda: {**freezer.checkpoint_state(), **stats.train_time()})
+    checkpointer = checkpoint.Checkpointer(save_dir, interval=s.checkpoint.save_interval,
+                                           enabled=not s.checkpoint.no_save, keep=s.checkpoint.keep_checkpoints,
+                                           meta=plan.checkpoint_meta(), on_progress=watchdog.beat,
+                                           extra_state=lambda: {**freezer.checkpoint_state(), **stats.train_time()})
 
     def make_batches(engine: Engine, start: int) -> Iterator | None:
         if not engine.reads_data:
@@ -222,8 +221,8 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
 
 def finish(plan: Plan, run: Session, start_time: float) -> None:
     """The final evaluation and checkpoint, the monitors' summaries, and summary.json."""
-    evaluation = run.evaluator.run(plan.total_steps)
-    run.checkpointer.save(plan.total_steps, last_step=True)
+    evaluation = run.evaluator.run(run.engine, plan.total_steps)
+    run.checkpointer.save(run.engine, plan.total_steps, last_step=True)
     if plan.settings.model.export and (state := run.engine.export_state()) is not None:  # rank 0 holds the state
         weights.export(plan.settings.model.export, state, plan.settings.model.model, plan.data)
     peak = torch.tensor([peak_mem_gib(run.engine.device)], device=run.engine.device)

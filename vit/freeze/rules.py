@@ -253,8 +253,6 @@ def rebuild(engine, freeze, make_layers, make_engine, plan=lambda layers: None) 
     rebuilt = make_engine(layers, plan(layers))
     rebuilt.take_over(state)
     rebuilt.ema = ema
-    if ema is not None:
-        ema.engine = rebuilt
     return rebuilt, freed
 
 

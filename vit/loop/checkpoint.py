@@ -232,24 +232,24 @@ def load(engine, save_dir: str, tag: str) -> dict:
 
 
 class Checkpointer:
-    """Decides its own cadence: save(step) after every step saves at each --save-interval; save(step,
-    last_step=True) at the end saves unless that step was just saved."""
+    """Decides its own cadence: save(engine, step) after every step saves at each --save-interval; save(engine,
+    step, last_step=True) at the end saves unless that step was just saved."""
 
-    def __init__(self, engine, save_dir: str, *, interval: int, enabled: bool, keep: int, meta: dict, on_progress,
+    def __init__(self, save_dir: str, *, interval: int, enabled: bool, keep: int, meta: dict, on_progress,
                  extra_state=None):
         """extra_state(): a collective returning what the manifest and the client state also record (--freeze's
         state: the manifest says how many layers to freeze before the engine that loads it is built)."""
-        self.engine, self.save_dir, self.interval, self.enabled = engine, save_dir, interval, enabled
+        self.save_dir, self.interval, self.enabled = save_dir, interval, enabled
         self.keep, self.meta, self.on_progress, self.extra_state = keep, meta, on_progress, extra_state
         self.saved_step = None
 
-    def save(self, step: int, last_step: bool = False) -> None:
+    def save(self, engine, step: int, last_step: bool = False) -> None:
         due = last_step or (self.interval and step % self.interval == 0)
         if not self.enabled or not due or step == self.saved_step:
             return
         self.on_progress()
         extra = self.extra_state() if self.extra_state else {}
-        save(self.engine, self.save_dir, step, {"step": step, "engine": self.meta["engine"], **extra},
+        save(engine, self.save_dir, step, {"step": step, "engine": self.meta["engine"], **extra},
              {**self.meta, **extra}, self.keep)
         self.saved_step = step
 

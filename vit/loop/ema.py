@@ -17,15 +17,14 @@ from torch import nn
 class Ema:
     def __init__(self, layers: list[nn.Module], engine, decay: float):
         """`layers`: a copy of the whole layer list, taken before the engine was built."""
-        self.engine = engine
         held = {k.split(".")[0] for k in engine.live_module().state_dict()}
         mine = OrderedDict((str(i), layer) for i, layer in enumerate(layers) if str(i) in held)
         self.timm = ModelEmaV3(nn.Sequential(mine), decay=decay, device=engine.device, dtype=torch.float32)
 
     @torch.no_grad()
-    def update(self, step: int) -> None:
-        with self.engine.gathered():
-            self.timm.update(self.engine.live_module(), step)
+    def update(self, engine, step: int) -> None:
+        with engine.gathered():
+            self.timm.update(engine.live_module(), step)
 
     def state_dict(self) -> dict:
         return self.timm.module.state_dict()
@@ -35,16 +34,16 @@ class Ema:
 
     @contextlib.contextmanager
     @torch.no_grad()
-    def swapped_in(self):
+    def swapped_in(self, engine):
         """The engine's parameters hold the average inside this context, their own values again after it."""
-        params = list(self.engine.live_module().parameters())
-        with self.engine.gathered(modifier_rank=0):
+        params = list(engine.live_module().parameters())
+        with engine.gathered(modifier_rank=0):
             kept = [p.data.clone() for p in params]
             for p, e in zip(params, self.timm.module.parameters()):
                 p.data.copy_(e.to(p.dtype))
         try:
             yield
         finally:
-            with self.engine.gathered(modifier_rank=0):
+            with engine.gathered(modifier_rank=0):
                 for p, k in zip(params, kept):
                     p.data.copy_(k)

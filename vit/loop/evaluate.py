@@ -11,25 +11,26 @@ def alive(batches, watchdog):
 
 
 class Evaluator:
-    """evaluator.maybe(step) after every step; evaluator.run(step) at the end. One metrics record and a line on
-    rank 0 per evaluation."""
+    """evaluator.maybe(engine, step) after every step; evaluator.run(engine, step) at the end. One metrics record and
+    a line on rank 0 per evaluation."""
 
     def __init__(self, engine, data: DataSplit, *, micro_batch: int, workers: int, pin_memory: bool, metrics,
                  watchdog, interval: int, total_steps: int, is_main: bool):
-        self.engine, self.data, self.metrics, self.watchdog = engine, data, metrics, watchdog
+        self.data, self.metrics, self.watchdog = data, metrics, watchdog
         self.micro_batch, self.workers, self.pin_memory = micro_batch, workers, pin_memory
         self.interval, self.total_steps, self.is_main = interval, total_steps, is_main
-        self.loader = None  # built once: the same batches every evaluation, and its workers persist
+        self.loader, self.loader_for = None, None  # built once per data-parallel layout; its workers persist
 
-    def maybe(self, step: int) -> None:
+    def maybe(self, engine, step: int) -> None:
         if self.interval and step % self.interval == 0 and step != self.total_steps:
-            self.run(step)
+            self.run(engine, step)
 
-    def _once(self, step: int, label: str) -> dict:
-        engine = self.engine
+    def _once(self, engine, step: int, label: str) -> dict:
         lists = eval_batches(len(self.data.test), self.micro_batch, engine.dp_rank, engine.dp_size)
         if engine.reads_data:
-            if self.loader is None:
+            layout = (engine.dp_rank, engine.dp_size, engine.reads_images)  # a rebuilt engine may shard otherwise
+            if self.loader_for != layout:
+                self.loader_for = layout
                 test = self.data.test if engine.reads_images else without_images(self.data.test, self.data)
                 self.loader = make_loader(test, lists, self.workers, self.pin_memory)
             batches = self.loader
@@ -41,11 +42,11 @@ class Evaluator:
                   f"({correct}/{count}) | top-5 {100 * correct5 / count:.2f}%", flush=True)
         return {"eval_loss": loss_sum / count, "top1": correct / count, "top5": correct5 / count}
 
-    def run(self, step: int) -> dict:
+    def run(self, engine, step: int) -> dict:
         """The held-out loss, top-1 and top-5; with --model-ema also the average's, as ema_eval_loss, ema_top1, ..."""
-        result = self._once(step, "")
-        if self.engine.ema is not None:
-            with self.engine.ema.swapped_in():
-                result.update({f"ema_{k}": v for k, v in self._once(step, " (EMA)").items()})
+        result = self._once(engine, step, "")
+        if engine.ema is not None:
+            with engine.ema.swapped_in(engine):
+                result.update({f"ema_{k}": v for k, v in self._once(engine, step, " (EMA)").items()})
         self.metrics.write("eval", step, **result)
         return result

@@ -67,13 +67,14 @@ class PhaseTimer:
 
 
 class StepStats:
-    """stats.record(step, loss, lr) after every step; `if stats.should_log(step): stats.log(step)`; evaluation and
-    saving inside `with stats.paused():`; stats.totals() for the summary."""
+    """stats.record(engine, step, loss, lr) after every step; `if stats.should_log(step): stats.log(engine, step)`;
+    evaluation and saving inside `with stats.paused():`; stats.totals() for the summary. The engine is passed at each
+    call, so a rebuilt one (--freeze) is simply the next one passed."""
 
     def __init__(self, engine, metrics, *, global_batch: int, rank_images: int, total_steps: int, log_interval: int,
                  precision: str, max_skipped_steps: int, is_main: bool, earlier: dict | None = None):
         """earlier: the training time and segments recorded in the checkpoint a resumed run starts from."""
-        self.engine, self.metrics, self.is_main = engine, metrics, is_main
+        self.device, self.metrics, self.is_main = engine.device, metrics, is_main
         self.global_batch, self.rank_images = global_batch, rank_images  # images per step: the job's, this rank's
         self.total_steps, self.log_interval, self.max_skipped = total_steps, log_interval, max_skipped_steps
         # fp16 overflows are the loss scaler's to skip; any other non-finite loss stops the run. The first bad step
@@ -87,20 +88,19 @@ class StepStats:
         self.earlier, self.paused_at = {"train_s": 0.0, "segments": 0, **(earlier or {})}, None
         self.window_steps, self.window_start, self.window_excluded = 0, time.perf_counter(), 0.0
 
-    def record(self, step: int, loss: torch.Tensor, lr: float) -> None:
+    def record(self, engine, step: int, loss: torch.Tensor, lr: float) -> None:
         self.loss, self.lr = loss, lr
         self.window_steps += 1
         self.steps_done += 1
         if self.check_finite:
             bad = (self.first_bad_step == 0) & ~torch.isfinite(loss.to(self.first_bad_step.device))
             self.first_bad_step.masked_fill_(bad, step)
-        elif not self.engine.counts_skips_on_device:
-            self._count_skips(step)
+        elif not engine.counts_skips_on_device:
+            self._count_skips(step, engine.skipped_steps)
         if self.is_main:
             progress(step, self.total_steps)
 
-    def _count_skips(self, step: int) -> None:
-        skipped = self.engine.skipped_steps
+    def _count_skips(self, step: int, skipped: int) -> None:
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped > self.skipped_before else 0
         self._report_skips(step, skipped, self.skipped_in_a_row, self.skipped_in_a_row)
 
@@ -119,25 +119,25 @@ class StepStats:
     def should_log(self, step: int) -> bool:
         return step % self.log_interval == 0 or step == self.total_steps
 
-    def log(self, step: int) -> None:
+    def log(self, engine, step: int) -> None:
         """The step-time window since the last log: one metrics record, and rank 0's line."""
         # The only host sync and the only collective of our own per step, on logging steps only.
-        self.last_loss = self.engine.mean_loss(self.loss).item()
-        if not self.check_finite and self.engine.counts_skips_on_device:
-            self._report_skips(step, *self.engine.device_skip_counts())
+        self.last_loss = engine.mean_loss(self.loss).item()
+        if not self.check_finite and engine.counts_skips_on_device:
+            self._report_skips(step, *engine.device_skip_counts())
         if self.check_finite and self.first_bad_step.item():
             raise NonFiniteLoss(f"the loss became non-finite at step {self.first_bad_step.item()} (now "
                                 f"{self.last_loss}); lower --lr, or resume from an earlier checkpoint")
         window_s = time.perf_counter() - self.window_start - self.window_excluded
         self.train_s += window_s
         step_time = window_s / self.window_steps
-        images_per_s, mem = self.global_batch / step_time, peak_mem_gib(self.engine.device)
-        phases = self.engine.breakdown(self.window_steps)
+        images_per_s, mem = self.global_batch / step_time, peak_mem_gib(self.device)
+        phases = engine.breakdown(self.window_steps)
         for phase, seconds in phases.items():
             self.phase_totals[phase] = self.phase_totals.get(phase, 0.0) + seconds * self.window_steps
         self.metrics.write("train", step, loss=self.last_loss, lr=float(self.lr), images_per_s=images_per_s,
                            step_time_s=step_time, mem_gib=mem, rank_images_per_s=self.rank_images / step_time,
-                           skipped_steps=self.engine.skipped_steps, loss_scale=self.engine.loss_scale, **phases)
+                           skipped_steps=engine.skipped_steps, loss_scale=engine.loss_scale, **phases)
         if self.is_main:
             if sys.stderr.isatty():
                 sys.stderr.write("\r")
@@ -149,7 +149,7 @@ class StepStats:
     def paused(self):
         """Time spent inside (evaluation, checkpoints) counts in no step time, images/s or breakdown. The steps' work
         still queued on the GPU is waited for first, so that it counts as training."""
-        wait_for_queued(self.engine.device)
+        wait_for_queued(self.device)
         start = self.paused_at = time.perf_counter()
         try:
             yield
