@@ -14,7 +14,7 @@ class Evaluator:
     """evaluator.maybe(engine, step) after every step; evaluator.run(engine, step) at the end. One metrics record and
     a line on rank 0 per evaluation."""
 
-    def __init__(self, engine, data: DataSplit, *, micro_batch: int, workers: int, pin_memory: bool, metrics,
+    def __init__(self, data: DataSplit, *, micro_batch: int, workers: int, pin_memory: bool, metrics,
                  watchdog, interval: int, total_steps: int, is_main: bool):
         self.data, self.metrics, self.watchdog = data, metrics, watchdog
         self.micro_batch, self.workers, self.pin_memory = micro_batch, workers, pin_memory
