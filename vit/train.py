@@ -131,7 +131,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     def make_engine(layers: list, layout: replan.Layout | None = None) -> Engine:  # layout: --freeze-replan's
         ctx = EngineContext(layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision,
                             s.parallel.pipeline_stages, s.parallel.partition, adapted.parts, adapted.loss_weight,
-                            s.recipe.smoothing, s.asynchrony, s.parallel.compile)
+                            s.recipe.smoothing, s.asynchrony, s.parallel.compile, s.comm)
         with console.library_prints():
             return build(s.parallel.engine, replan.with_layout(ctx, layout) if layout else ctx)
 

@@ -19,6 +19,7 @@ def _engines(has) -> str:
 NEEDS = {
     "async": (lambda s: spec(s.parallel.engine).async_options, _engines(lambda e: e.async_options)),
     "freeze": (lambda s: s.freeze.freeze != "none", "--freeze schedule or grad"),
+    "powersgd": (lambda s: s.comm.comm_hook == "powersgd", "--comm-hook powersgd"),
     "pipeline freeze": (lambda s: s.freeze.freeze != "none" and spec(s.parallel.engine).pipeline
                         and spec(s.parallel.engine).freeze,
                         f"--freeze schedule or grad on {_engines(lambda e: e.pipeline and e.freeze)}"),
@@ -36,6 +37,12 @@ def check_settings(s) -> None:
     if par.batch_split == "proportional" and engine.pipeline:
         raise ConfigError(f"--batch-split proportional applies to {_engines(lambda e: not e.pipeline)} (a pipeline "
                           "balances its stages with --partition balanced)")
+    if s.comm.comm_hook != "none" and not engine.comm_hooks:
+        raise ConfigError(f"--comm-hook applies to {_engines(lambda e: e.comm_hooks)} (torch's DDP communication "
+                          f"hooks), not --engine {engine.name}")
+    if s.comm.comm_hook == "powersgd" and s.comm.powersgd_start_step < 2:
+        raise ConfigError(f"--powersgd-start-step must be at least 2, got {s.comm.powersgd_start_step} (torch's "
+                          "start_powerSGD_iter: DDP rebuilds its buckets after the first step)")
     if s.freeze.freeze != "none" and engine.pipeline and engine.freeze and s.recipe.model_ema:
         raise ConfigError(f"--model-ema does not follow a pipeline whose stages --freeze re-plans; use "
                           f"{_engines(lambda e: e.freeze and not e.pipeline)}")

@@ -16,6 +16,7 @@ PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
 TRACKERS = ("tensorboard", "wandb", "csv")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
 def positive_int(text: str) -> int:
@@ -131,6 +132,17 @@ class AsyncSettings:
 
 
 @dataclass(frozen=True)
+class CommSettings:
+    """--engine ddp: torch's DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks)."""
+    comm_hook: str = option("none", "compress DDP's gradient all-reduce: fp16 or bf16 (half the bytes), or powersgd "
+                            "(low-rank, with error feedback); none registers no hook", choices=COMM_HOOKS)
+    powersgd_rank: int = option(4, "powersgd: matrix approximation rank (lower: fewer bytes)", "positive",
+                                needs="powersgd")
+    powersgd_start_step: int = option(10, "powersgd: optimizer steps of plain all-reduce before compressing "
+                                      "(torch's start_powerSGD_iter, at least 2)", "non_negative", needs="powersgd")
+
+
+@dataclass(frozen=True)
 class RecipeSettings:
     """timm train.py's augmentation and regularisation options, under their names there."""
     smoothing: float = option(0.1, "label smoothing (timm train.py's default; on the digits it raised top-1 on "
@@ -237,7 +249,7 @@ GROUPS = {  # attribute of Settings -> (class, --help section title)
     "model": (ModelSettings, "model"), "data": (DataSettings, "data"),
     "parallel": (ParallelSettings, "engine, parallelism and precision"),
     "asynchrony": (AsyncSettings, "asynchronous pipeline (--engine async-pipeline)"),
-    "optim": (OptimSettings, "optimizer"),
+    "comm": (CommSettings, "gradient compression (--engine ddp)"), "optim": (OptimSettings, "optimizer"),
     "recipe": (RecipeSettings, "augmentation and regularisation (timm train.py's names)"),
     "freeze": (FreezeSettings, "freeze training"), "train": (TrainSettings, "training length and evaluation"),
     "checkpoint": (CheckpointSettings, "checkpoints"),
@@ -251,6 +263,7 @@ class Settings:
     data: DataSettings = field(default_factory=DataSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     asynchrony: AsyncSettings = field(default_factory=AsyncSettings)
+    comm: CommSettings = field(default_factory=CommSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     recipe: RecipeSettings = field(default_factory=RecipeSettings)
     freeze: FreezeSettings = field(default_factory=FreezeSettings)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.config.ds_config import Batch
-from vit.config.settings import AsyncSettings, OptimSettings
+from vit.config.settings import AsyncSettings, CommSettings, OptimSettings
 from vit.data.sets import PAD_LABEL
 from vit.loop.stats import PhaseTimer
 
@@ -33,6 +33,7 @@ class EngineContext:
     smoothing: float = 0.0  # --smoothing, for hard labels (mixup's soft targets carry their own)
     asynchrony: AsyncSettings = AsyncSettings()  # --engine async-pipeline's update interval, stashing, prediction
     compile: bool = False  # --compile: torch.compile the module this rank trains
+    comm: CommSettings = CommSettings()  # --comm-hook and PowerSGD's options (--engine ddp)
 
 
 class Engine(ABC):

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vit.engines.base import Engine, EngineContext, save_atomic
+from vit.engines.comm_hooks import CommHook
 from vit.loop.optim import (
     SkipAwareSchedule,
     adam_state,
@@ -32,6 +33,7 @@ class DDPEngine(Engine):
         self.device = ctx.device
         model = nn.Sequential(*ctx.layers).to(self.device)
         self.model = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None)
+        self.comm_hook = CommHook(self.model, ctx.comm)  # --comm-hook none registers nothing
         if ctx.compile:
             self.model.compile()  # the DDP module, so that dynamo splits graphs at its buckets
         self.optimizer = make_optimizer(model, ctx.optim, num_layers=len(ctx.layers))
@@ -135,7 +137,7 @@ class DDPEngine(Engine):
     def _state(self):
         return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler else None}
+                "scaler": self.scaler.state_dict() if self.scaler else None, "comm_hook": self.comm_hook.state_dict()}
 
     def save(self, save_dir, tag, client_state):
         # Replicas are identical: rank 0 writes, the others wait. vit.loop.checkpoint makes it complete.
@@ -153,6 +155,7 @@ class DDPEngine(Engine):
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
+        self.comm_hook.load_state_dict(state.get("comm_hook"))
         return state["client_state"]
 
 

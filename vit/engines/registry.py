@@ -19,6 +19,7 @@ class EngineSpec:
     async_options: bool  # --async-update-interval, --weight-stashing and --weight-prediction apply
     micro_batch_auto: bool  # --micro-batch-size auto can measure it (every rank holding the whole model)
     default_ds_config: str  # under deepspeed_configs/, when no --ds-config is given
+    comm_hooks: bool  # --comm-hook: torch's DDP communication hooks compress its gradient all-reduce
 
     @property
     def precisions(self) -> tuple[str, ...]:
@@ -35,15 +36,17 @@ class EngineSpec:
 ZERO_STAGES = (0, 1, 2, 3)
 SPECS = {spec.name: spec for spec in (
     EngineSpec("zero", "vit.engines.zero", pipeline=False, deepspeed=True, zero_stage=None, zero_stages=ZERO_STAGES,
-               fp16=True, freeze=True, async_options=False, micro_batch_auto=True, default_ds_config="zero2.json"),
+               fp16=True, freeze=True, async_options=False, micro_batch_auto=True, default_ds_config="zero2.json",
+               comm_hooks=False),
     EngineSpec("pipeline", "vit.engines.pipeline", pipeline=True, deepspeed=True, zero_stage=None,
                zero_stages=(0, 1), fp16=True, freeze=True, async_options=False, micro_batch_auto=False,
-               default_ds_config="pipeline.json"),
+               default_ds_config="pipeline.json", comm_hooks=False),
     EngineSpec("async-pipeline", "vit.engines.async_pipeline", pipeline=True, deepspeed=False, zero_stage=0,
                zero_stages=(0, 1), fp16=False, freeze=False, async_options=True, micro_batch_auto=False,
-               default_ds_config="pipeline.json"),
+               default_ds_config="pipeline.json", comm_hooks=False),
     EngineSpec("ddp", "vit.engines.ddp", pipeline=False, deepspeed=False, zero_stage=0, zero_stages=(0,),
-               fp16=True, freeze=True, async_options=False, micro_batch_auto=True, default_ds_config="zero0.json"),
+               fp16=True, freeze=True, async_options=False, micro_batch_auto=True, default_ds_config="zero0.json",
+               comm_hooks=True),
 )}
 NAMES = tuple(SPECS)
 
