@@ -3,6 +3,7 @@ checkpoint (torch's PowerSGDState.__getstate__/__setstate__: error feedback, war
 import logging
 import sys
 
+import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
 
 from vit.config.settings import CommSettings
@@ -15,6 +16,7 @@ class CommHook:
 
     def __init__(self, model, comm: CommSettings):
         self.comm, self.state = comm, None
+        self.unprimed = self.priming = False  # see prime()
         if comm.comm_hook in HALF_HOOKS:
             model.register_comm_hook(None, HALF_HOOKS[comm.comm_hook])  # no state: the process group's default
         elif comm.comm_hook == "powersgd":
@@ -24,15 +26,21 @@ class CommHook:
             model.register_comm_hook(self.state, self._powersgd)
 
     def _powersgd(self, state, bucket):
-        """torch's powerSGD_hook; a resumed state whose error feedback no longer fits the bucket (DDP lays out its
-        buckets anew in a fresh process) starts that bucket's compression afresh rather than failing."""
-        error = state.error_dict.get(bucket.index())
-        if error is not None and error.shape != bucket.buffer().shape:
-            print(f"warning: --comm-hook powersgd: bucket {bucket.index()} changed size since the checkpoint; its "
-                  "error feedback and warm start begin anew", file=sys.stderr)
-            for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
-                memory.pop(bucket.index(), None)
+        """torch's powerSGD_hook; while priming, a plain all-reduce that leaves the state as it is."""
+        if self.priming:
+            return default_hooks.allreduce_hook(None, bucket)
         return psgd.powerSGD_hook(state, bucket)
+
+    def prime(self, model, x) -> None:
+        """A restored PowerSGD state is keyed by DDP's buckets as laid out after its first step (in gradient-ready
+        order), but a fresh DDP starts with one bucket in parameter order: one forward and backward on `x`, plain
+        all-reduce, gradients dropped and the random state kept, makes DDP lay them out again before the step that
+        compresses with that state."""
+        self.unprimed, self.priming = False, True
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            model(x).float().sum().backward()
+        model.zero_grad(set_to_none=True)
+        self.priming = False
 
     def _key(self) -> str:
         return "--comm-hook " + self.comm.comm_hook + (f" --powersgd-rank {self.comm.powersgd_rank}"
@@ -53,6 +61,7 @@ class CommHook:
             with _quiet():
                 self.state.__setstate__(saved["state"])  # the default process group, as DDP's
             self.state.start_powerSGD_iter = self.comm.powersgd_start_step  # this run's warm-up, if it changed
+            self.unprimed = self.state.iter >= self.state.start_powerSGD_iter  # its next step compresses
 
 
 class _quiet:

@@ -71,11 +71,13 @@ class DDPEngine(Engine):
         total, t = 0.0, self.timer
         t.start()
         for j in range(self.grad_accum):
+            x, y = next(batches)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            t.lap("data_s")
+            if self.comm_hook.unprimed:  # a resumed PowerSGD state: see vit.engines.comm_hooks
+                self.comm_hook.prime(self.model, x)
             sync = j == self.grad_accum - 1  # all-reduce gradients once, on the last micro-batch
             with contextlib.nullcontext() if sync else self.model.no_sync():
-                x, y = next(batches)
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                t.lap("data_s")
                 with self.autocast():
                     logits = self.model(x)
                 loss = self.loss(logits, y) * self.loss_weight  # DDP averages over ranks: see vit.engines.zero
