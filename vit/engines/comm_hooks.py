@@ -1,12 +1,14 @@
 """--comm-hook: torch's DDP communication hooks on the DDP engine's gradient all-reduce, and PowerSGD's state in its
 checkpoint (torch's PowerSGDState.__getstate__/__setstate__: error feedback, warm-start P and Q, its step counter)."""
 import logging
+import os
 import sys
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
 
 from vit.config.settings import CommSettings
+from vit.engines.base import save_atomic
 
 HALF_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
@@ -14,8 +16,8 @@ HALF_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf
 class CommHook:
     """The hook registered on one DistributedDataParallel module (none: nothing registered)."""
 
-    def __init__(self, model, comm: CommSettings):
-        self.comm, self.state = comm, None
+    def __init__(self, model, comm: CommSettings, device):
+        self.comm, self.state, self.device = comm, None, device
         self.unprimed = self.priming = False  # see prime()
         if comm.comm_hook in HALF_HOOKS:
             model.register_comm_hook(None, HALF_HOOKS[comm.comm_hook])  # no state: the process group's default
@@ -42,24 +44,32 @@ class CommHook:
         model.zero_grad(set_to_none=True)
         self.priming = False
 
-    def _key(self) -> str:
+    @property
+    def key(self) -> str:
+        """The hook as its options (ddp.pt records it, so a resume can tell whether the state still applies)."""
         return "--comm-hook " + self.comm.comm_hook + (f" --powersgd-rank {self.comm.powersgd_rank}"
                                                          if self.state is not None else "")
 
-    def state_dict(self) -> dict:
-        """What the checkpoint keeps: the hook, its rank and PowerSGD's state (None for a hook without state)."""
-        with _quiet():
-            return {"key": self._key(), "state": self.state.__getstate__() if self.state is not None else None}
-
-    def load_state_dict(self, saved: dict | None) -> None:
-        """PowerSGD's state from a checkpoint of the same hook and rank; after another: one warning, a fresh state."""
-        was = saved["key"] if saved else "--comm-hook none"  # a checkpoint from before --comm-hook: no hook
-        if was != self._key():
-            print(f"warning: the checkpoint was trained with {was}; this run's {self._key()} starts without its "
-                  "state", file=sys.stderr)
-        elif self.state is not None:
+    def save(self, folder: str, rank: int) -> None:
+        """PowerSGD's state of this rank (its error feedback is its own) into the checkpoint folder."""
+        if self.state is not None:
             with _quiet():
-                self.state.__setstate__(saved["state"])  # the default process group, as DDP's
+                save_atomic(self.state.__getstate__(), os.path.join(folder, f"powersgd_rank{rank}.pt"))
+
+    def load(self, folder: str, rank: int, saved_key: str | None) -> None:
+        """This rank's PowerSGD state from a checkpoint of the same hook and rank; after another: one warning and
+        a fresh state."""
+        was = saved_key or "--comm-hook none"  # a checkpoint from before --comm-hook had none
+        if was != self.key:
+            if rank == 0:
+                print(f"warning: the checkpoint was trained with {was}; this run's {self.key} starts without its "
+                      "state", file=sys.stderr)
+            return
+        if self.state is not None:
+            state = torch.load(os.path.join(folder, f"powersgd_rank{rank}.pt"), map_location=self.device,
+                               weights_only=False)  # numpy's RandomState besides tensors
+            with _quiet():
+                self.state.__setstate__(state)  # the default process group, as DDP's
             self.state.start_powerSGD_iter = self.comm.powersgd_start_step  # this run's warm-up, if it changed
             self.unprimed = self.state.iter >= self.state.start_powerSGD_iter  # its next step compresses
 

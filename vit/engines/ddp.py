@@ -33,7 +33,7 @@ class DDPEngine(Engine):
         self.device = ctx.device
         model = nn.Sequential(*ctx.layers).to(self.device)
         self.model = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None)
-        self.comm_hook = CommHook(self.model, ctx.comm)  # --comm-hook none registers nothing
+        self.comm_hook = CommHook(self.model, ctx.comm, self.device)  # --comm-hook none registers nothing
         if ctx.compile:
             self.model.compile()  # the DDP module, so that dynamo splits graphs at its buckets
         self.optimizer = make_optimizer(model, ctx.optim, num_layers=len(ctx.layers))
@@ -139,12 +139,14 @@ class DDPEngine(Engine):
     def _state(self):
         return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler else None, "comm_hook": self.comm_hook.state_dict()}
+                "scaler": self.scaler.state_dict() if self.scaler else None, "comm_hook": self.comm_hook.key}
 
     def save(self, save_dir, tag, client_state):
-        # Replicas are identical: rank 0 writes, the others wait. vit.loop.checkpoint makes it complete.
+        # Replicas are identical: rank 0 writes, the others wait (PowerSGD keeps an error feedback per rank: each
+        # rank writes its own). vit.loop.checkpoint makes it complete.
         if dist.get_rank() == 0:
             save_atomic({**self._state(), "client_state": client_state}, os.path.join(save_dir, tag, "ddp.pt"))
+        self.comm_hook.save(os.path.join(save_dir, tag), dist.get_rank())
         dist.barrier()
 
     def load(self, load_dir, tag):
@@ -157,7 +159,7 @@ class DDPEngine(Engine):
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        self.comm_hook.load_state_dict(state.get("comm_hook"))
+        self.comm_hook.load(os.path.join(load_dir, tag), dist.get_rank(), state.get("comm_hook"))
         return state["client_state"]
 
 
