@@ -62,7 +62,7 @@ def uncompressed(tmp_path_factory) -> dict[int, float]:
 @pytest.mark.parametrize("hook,rel", [("fp16", 1e-5), ("bf16", 1e-4)])
 def test_half_precision_hooks_track_uncompressed_ddp(tmp_path, uncompressed, hook, rel):
     # The gradients cross the wire rounded to fp16 (or bf16) and are summed there: the losses stay within
-    # `rel` of uncompressed DDP over the steps (measured on 2 ranks: see docs/ethernet.md).
+    # `rel` of uncompressed DDP over the steps (measured on 2 ranks: fp16 1.6e-6, bf16 1.6e-5).
     r = launch([*COMMON, "--comm-hook", hook, "--no-save", "--log-dir", tmp_path], timeout=240)
     assert r.ok, r
     got = train_losses(tmp_path)
@@ -82,8 +82,10 @@ def test_powersgd_warms_up_exactly_compresses_and_resumes_exactly(tmp_path, unco
     # Steps 1-START all-reduce plainly: the losses through step START + 1 are uncompressed DDP's, bit for bit.
     assert [want[s] for s in range(1, START + 2)] == [uncompressed[s] for s in range(1, START + 2)]
     assert want[STEPS] != uncompressed[STEPS]  # then it compresses (rank 4 of 64-wide matrices)
-    for step, loss in want.items():  # and still trains as DDP does
-        assert loss == pytest.approx(uncompressed[step], rel=2e-3), (step, want, uncompressed)
+    # And it trains as DDP does: within 5e-4 of its losses (measured 5e-5). Over so few steps vit_digits' loss does
+    # not fall yet even uncompressed (it sits near ln 10 for the first tens of steps), so tracking DDP is the test.
+    for step, loss in want.items():
+        assert loss == pytest.approx(uncompressed[step], rel=5e-4), (step, want, uncompressed)
     r = launch([*COMMON, *POWERSGD, "--resume", full / "checkpoints" / "step4", "--log-dir", resumed], timeout=240)
     assert r.ok, r
     got = train_losses(resumed)
