@@ -85,9 +85,18 @@ def seed_list(text: str) -> list[int]:
     return seeds
 
 
-def publish(out: str | None, name: str, result: dict, table: str) -> None:
-    """Print a benchmark's markdown table; with --out also write it as NAME.md and the numbers as NAME.json."""
-    print(table)
+def child_env(**extra) -> dict:
+    """This environment for a child python: ROOT first on PYTHONPATH, keeping what was there (a --target install
+    of DeepSpeed on a lent GPU machine, say)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def publish(out: str | None, name: str, result: dict, table: str, quiet: bool = False) -> None:
+    """Print a benchmark's markdown table (unless quiet); with --out also write it as NAME.md and the numbers as
+    NAME.json."""
+    if not quiet:
+        print(table)
     if out:
         os.makedirs(out, exist_ok=True)
         write_json(os.path.join(out, f"{name}.json"), result)
@@ -127,7 +136,7 @@ def mpirun_train(train: list, ranks: int, log_dir: Path, timeout: float, mpirun_
                                                                      ["--oversubscribe"]), *extra]
     cmd = [sys.executable, "-m", "vit.train"] if ranks == 1 and not extra else [*mpirun, str(ROOT / "entry_cn.sh")]
     with open(log_dir / "output.log", "w") as out:
-        p = subprocess.Popen([*cmd, *map(str, train)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        p = subprocess.Popen([*cmd, *map(str, train)], cwd=ROOT, env=child_env(),
                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             return p.wait(timeout=timeout)

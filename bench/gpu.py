@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from bench import train as bench_train
-from bench.common import device_name, load_avg, publish
+from bench.common import child_env, device_name, load_avg, publish
 from bench.runs import CONFIGS, RUNS, engine_options
 from vit.config.settings import ROOT, positive_int
 from vit.telemetry.jsonl import read_jsonl
@@ -27,8 +27,7 @@ def vit_train(args: list, log_dir: Path, timeout: float, sync_debug: bool = Fals
     if sync_debug:  # every host sync of the CUDA stream warns, each one (PYTHONWARNINGS=always below)
         code += "torch.cuda.set_sync_debug_mode('warn')\n"
     code += "sys.exit(main(sys.argv[1:]))\n"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
-           **({"PYTHONWARNINGS": "always"} if sync_debug else {})}
+    env = child_env(PYTHONUNBUFFERED="1", **({"PYTHONWARNINGS": "always"} if sync_debug else {}))
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-c", code, *map(str, args), "--log-dir", str(log_dir)]
     try:
@@ -149,22 +148,20 @@ def freeze_and_monitor_runs(a, tmp: Path) -> list[dict]:
     return rows
 
 
-def throughput(a, tmp: Path) -> list[dict]:
-    """ViT-B/16 at 224 in bf16: zero1 and zero2 against the plain loop, and MFU, not compiled and compiled."""
+def throughput(a, tmp: Path, compiled: bool = False) -> list[dict]:
+    """ViT-B/16 at 224 in bf16: zero1 and zero2 against the plain loop, and MFU; compiled or not."""
+    ns = argparse.Namespace(model="vit_base_patch16_224", global_batch=a.vit_b_batch, ranks=1, steps=20, warmup=5,
+                            repeat=1, precision="bf16", engines="zero1,zero2", pipeline_stages=None,
+                            compile=compiled, fused_adam=False, peak_tflops=None, mpirun_args="",
+                            timeout=a.timeout, out=str(tmp / f"vit-b-{'compiled' if compiled else 'eager'}"))
+    rc = bench_train.run(ns)
     rows = []
-    for compiled in (False, True):
-        ns = argparse.Namespace(model="vit_base_patch16_224", global_batch=a.vit_b_batch, ranks=1, steps=20, warmup=5,
-                                repeat=1, precision="bf16", engines="zero1,zero2", pipeline_stages=None,
-                                compile=compiled, fused_adam=False, peak_tflops=None, mpirun_args="",
-                                timeout=a.timeout, out=str(tmp / f"vit-b-{'compiled' if compiled else 'eager'}"))
-        rc = bench_train.run(ns)
-        result = json.loads((Path(ns.out) / "train.json").read_text())
-        for row in result["rows"]:
-            mfu = row.get("mfu")
-            rows.append({"check": f"ViT-B/16 224 bf16 {row['engine']}{' compiled' if compiled else ''}", "exit": rc,
-                         "ok": "error" not in row, "detail": row.get("error") or
-                         f"{row['images_per_s']:.1f} images/s, {row['ratio']:.3f} of the plain loop, MFU "
-                         + (f"{100 * mfu:.1f}%" if mfu is not None else "-")})
+    for row in json.loads((Path(ns.out) / "train.json").read_text())["rows"]:
+        mfu = row.get("mfu")
+        rows.append({"check": f"ViT-B/16 224 bf16 {row['engine']}{' compiled' if compiled else ''}", "exit": rc,
+                     "ok": "error" not in row, "detail": row.get("error") or
+                     f"{row['images_per_s']:.1f} images/s, {row['ratio']:.3f} of the plain loop, MFU "
+                     + (f"{100 * mfu:.1f}%" if mfu is not None else "-")})
     return rows
 
 
@@ -194,21 +191,36 @@ def table(result: dict) -> str:
 def run(a) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench gpu: no CUDA device here; --device cpu runs the checks that mean something on a CPU")
+    a.checks = a.checks or list(CHECKS if a.device == "cuda" else CPU_CHECKS)
+    if a.device == "cpu" and set(a.checks) - set(CPU_CHECKS):
+        sys.exit(f"bench gpu: --checks {','.join(sorted(set(a.checks) - set(CPU_CHECKS)))} need a GPU; on a CPU "
+                 f"only {','.join(CPU_CHECKS)} run")
     import deepspeed
 
-    before, rows = load_avg(), []
+    result = {"benchmark": "gpu", "device": device_name(), "host": os.uname().nodename, "torch": torch.__version__,
+              "deepspeed": deepspeed.__version__, "load_avg_before": load_avg(), "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(a.out) / "logs" if a.out else Path(tmp)
-        rows += engine_runs(a, logs)
-        rows.append(overflow_run(a, logs))
-        if a.device == "cuda":  # these measure what only a GPU has: stream syncs, device memory, NVML, tensor cores
-            rows += sync_runs(a, logs) + micro_batch_runs(a, logs) + freeze_and_monitor_runs(a, logs)
-            rows += throughput(a, logs)
-    result = {"benchmark": "gpu", "device": device_name(), "host": os.uname().nodename, "torch": torch.__version__,
-              "deepspeed": deepspeed.__version__, "load_avg_before": before, "load_avg_after": load_avg(),
-              "rows": rows}
-    publish(a.out, "gpu", result, table(result))
-    return 1 if any(row["ok"] is False for row in rows) else 0
+        logs.mkdir(parents=True, exist_ok=True)
+        for name in a.checks:  # written after each, so a run stopped part way still leaves its report
+            result["rows"] += CHECKS[name](a, logs)
+            result["load_avg_after"] = load_avg()
+            publish(a.out, "gpu", result, table(result), quiet=name != a.checks[-1])
+    return 1 if any(row["ok"] is False for row in result["rows"]) else 0
+
+
+CHECKS = {"engines": engine_runs, "overflow": lambda a, logs: [overflow_run(a, logs)], "syncs": sync_runs,
+          "micro-batch": micro_batch_runs, "throughput": throughput,
+          "compiled": lambda a, logs: throughput(a, logs, compiled=True), "freeze": freeze_and_monitor_runs}
+CPU_CHECKS = ("engines", "overflow")  # the others measure what only a GPU has: stream syncs, device memory, NVML
+
+
+def check_list(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown check {unknown[0]!r}; choose from {','.join(CHECKS)}")
+    return names
 
 
 def add_arguments(t) -> None:
@@ -217,7 +229,10 @@ def add_arguments(t) -> None:
     t.add_argument("--steps", type=positive_int, default=30, help="steps of each engine run")
     t.add_argument("--vit-b-batch", type=positive_int, default=128, help="global batch of the ViT-B/16 runs")
     t.add_argument("--timeout", type=float, default=600, help="seconds before one run is killed")
-    t.add_argument("--out", help="folder for gpu.md, gpu.json and every run's logs/")
+    t.add_argument("--checks", type=check_list, help="comma-separated, run in this order (default: all on a GPU; "
+                   f"{','.join(CPU_CHECKS)} with --device cpu): {','.join(CHECKS)}")
+    t.add_argument("--out", help="folder for gpu.md, gpu.json and every run's logs/; the report is rewritten "
+                   "after each check")
 
 
 COMMANDS = {"gpu": (__doc__.split("\n\n")[0], add_arguments, run)}

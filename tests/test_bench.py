@@ -128,6 +128,13 @@ def test_gpu_acceptance_refuses_a_machine_without_cuda_and_judges_its_rows(tmp_p
         assert r.returncode == 1 and r.stderr.strip() == ("bench gpu: no CUDA device here; --device cpu runs the "
                                                           "checks that mean something on a CPU"), r
         assert not list(tmp_path.iterdir())
+    r = run_cmd([sys.executable, "-m", "bench", "gpu", "--device", "cpu", "--checks", "engines,syncs", "--out",
+                 str(tmp_path)], timeout=50)
+    assert r.returncode == 1 and r.stderr.strip() == "bench gpu: --checks syncs need a GPU; on a CPU only " \
+        "engines,overflow run", r
+    r = run_cmd([sys.executable, "-m", "bench", "gpu", "--checks", "engines,nope"], timeout=50)
+    assert r.returncode == 2 and "unknown check 'nope'; choose from engines,overflow," in r.stderr, r
+    assert not list(tmp_path.iterdir())
     assert learns([2.3, 2.2, 2.0, 1.9, 1.5]) and not learns([2.0, 2.1, 2.2, 2.3, 2.4])
     assert not learns([2.3, float("nan"), 1.0, 0.5, 0.1]) and not learns([])
     rows = [{"check": "zero2 bf16", "ok": True, "detail": "loss 2.3 -> 1.9"},
