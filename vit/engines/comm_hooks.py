@@ -5,7 +5,8 @@ import os
 import sys
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from vit.config.settings import CommSettings
 from vit.engines.base import save_atomic

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import timm
 import torch
 import torch.nn.functional as F
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.loss import SoftTargetCrossEntropy
 from timm.models import split_model_name_tag
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -189,15 +189,12 @@ def layer_state_dict(timm_state: dict, depth: int) -> dict:
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
-    """The training loss in fp32: soft targets (mixup, cutmix) with timm's SoftTargetCrossEntropy, hard labels with
-    --smoothing through timm's LabelSmoothingCrossEntropy, else cross-entropy. Label -100 marks evaluation padding
-    (the pipeline's eval_batch computes a loss too) and counts nowhere."""
+    """The training loss in fp32: soft targets (mixup, cutmix) with timm's SoftTargetCrossEntropy, else cross-entropy
+    with --smoothing. Label -100 marks evaluation padding (the pipeline's eval_batch computes a loss too) and counts
+    nowhere: masked, not dropped by indexing, whose data-dependent shape would make the host wait for the GPU."""
     if labels.ndim == 2:
         return SoftTargetCrossEntropy()(logits.float(), labels)
-    if smoothing:
-        real = labels != -100
-        return LabelSmoothingCrossEntropy(smoothing)(logits.float()[real], labels[real])
-    return F.cross_entropy(logits.float(), labels, ignore_index=-100)
+    return F.cross_entropy(logits.float(), labels, ignore_index=-100, label_smoothing=smoothing)
 
 
 class Loss:
