@@ -170,3 +170,22 @@ def test_micro_batch_auto_trains_and_reports_its_choice(tmp_path, split):
         assert json.loads((tmp_path / "cluster.json").read_text())["batch_split"] == [718, 718]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 2
+
+
+def test_the_search_measures_autocast_engines_as_they_train():
+    """DDP and the async pipeline keep fp32 weights and autocast: a sample's activations are not those of the model
+    cast to bf16 (on an H100, ViT-B/16's auto size from the bf16 model ran out of memory under DDP)."""
+    import copy
+
+    from vit.model.layers import build_layers
+
+    model = torch.nn.Sequential(*build_layers("vit_digits", 10, 1, 8, 0))
+    sample = torch.randn(1, 8, 8)
+
+    def per_sample(m, autocast=None):
+        two, four = (footprint.forward_backward_bytes(m, sample, n, autocast) for n in (2, 4))
+        return (four - two) / 2
+
+    fp32, autocast = per_sample(model), per_sample(model, torch.bfloat16)
+    bf16 = per_sample(copy.deepcopy(model).to(torch.bfloat16))
+    assert bf16 < autocast < fp32, (bf16, autocast, fp32)

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vit.engines.registry import spec
 from vit.errors import ConfigError, OutOfMemory
 from vit.hetero.footprint import (
     USABLE_MEMORY,
@@ -97,14 +98,18 @@ def _my_largest(plan, dev: torch.device, precision: str) -> tuple[int, str, floa
     `precision` against its free memory less the engine's state beyond the weights and gradients measured
     (vit.hetero.footprint.state_bytes; none where ZeRO partitions more than that away) and USABLE_MEMORY's headroom."""
     name, free, _ = device_memory(dev, plan.job.local_world_size)
+    # DeepSpeed casts the model to the half dtype; the torch engines keep it in fp32 and autocast the forward
+    autocast = DTYPES[precision] if precision != "fp32" and not spec(plan.settings.parallel.engine).deepspeed else None
     with fork_rng(dev):
-        model = nn.Sequential(*_layers(plan)).to(dev, DTYPES[precision])
+        model = nn.Sequential(*_layers(plan)).to(dev, torch.float32 if autocast else DTYPES[precision])
     params = sum(p.numel() for p in model.parameters())
-    measured = 2 * DTYPES[precision].itemsize  # the weights and gradients forward_backward_bytes counts
+    # the weights and gradients forward_backward_bytes counts, and autocast's cached half copy of the weights
+    measured = 2 * 4 + 2 if autocast else 2 * DTYPES[precision].itemsize
     beyond = max(0.0, state_bytes_per_param(plan, precision) - measured)
     budget = USABLE_MEMORY * free - reserved_on(dev, plan, precision) - params * beyond
     upper = len(plan.data.train) // (plan.batch.dp_size * plan.batch.grad_accum)
-    mine = largest_fitting(lambda n: forward_backward_bytes(model, plan.data.train[0][0], n), budget, upper)
+    mine = largest_fitting(lambda n: forward_backward_bytes(model, plan.data.train[0][0], n, autocast), budget,
+                           upper)
     model = None
     if dev.type == "cuda":  # the census reads free memory next
         torch.cuda.empty_cache()
