@@ -29,6 +29,8 @@ VARIANTS = {
     "hflip": "--hflip 0.5",
     "color-jitter": "--color-jitter 0.2",
 }
+# Gradient compression (docs/ethernet.md), only when named: they need --base "--engine ddp".
+COMPRESSION = {"fp16-hook": "--comm-hook fp16", "bf16-hook": "--comm-hook bf16", "powersgd": "--comm-hook powersgd"}
 
 
 def run_variant(name: str, options: str, seeds: list[int], a, logs: Path) -> dict:
@@ -73,14 +75,15 @@ def table(result: dict) -> str:
 
 
 def run(a) -> int:
+    variants = {**VARIANTS, **COMPRESSION}
     names = [v for v in a.variants.split(",") if v] if a.variants else list(VARIANTS)
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if v not in variants]
     if unknown:
-        raise SystemExit(f"bench recipe: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+        raise SystemExit(f"bench recipe: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(variants)}")
     seeds = a.seeds
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(a.out) / "logs" if a.out else Path(tmp)
-        rows = [run_variant(name, VARIANTS[name], seeds, a, logs) for name in names]
+        rows = [run_variant(name, variants[name], seeds, a, logs) for name in names]
     result = {"benchmark": "recipe", "device": device_name(), "ranks": a.ranks, "seeds": seeds, "base": a.base,
               "rows": rows}
     publish(a.out, "recipe", result, table(result))
@@ -88,7 +91,8 @@ def run(a) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--variants", help="comma-separated, of: " + ", ".join(VARIANTS) + " (default: all)")
+    p.add_argument("--variants", help="comma-separated, of: " + ", ".join(VARIANTS) + " (default: these), and "
+                   "with --base '--engine ddp': " + ", ".join(COMPRESSION))
     p.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="comma-separated seeds; the table shows medians")
     p.add_argument("--ranks", type=positive_int, default=2, help="mpirun -np")
     p.add_argument("--base", default="", help="vit.train options every variant starts from (default: none, the "
