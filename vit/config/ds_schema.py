@@ -31,8 +31,8 @@ SCALAR_TYPES = {
 }
 # Top-level dtypes DeepSpeed lower-cases and maps itself (runtime/config.py:216-230): any other string is a ValueError
 # and a non-string an AttributeError there. communication_data_type: the dtype of the gradient all-reduce and
-# reduce-scatter of the DeepSpeed engines (runtime/engine.py:1719-1730 and 3795-3820, ZeRO 1-2:
-# runtime/zero/stage_1_and_2.py:1485-1511); default: the training precision.
+# reduce-scatter of the DeepSpeed engines (runtime/engine.py:1719-1730 and 3795-3820; ZeRO 1-2:
+# runtime/zero/stage_1_and_2.py:1420, 1590-1720, 2361-2389); default: the training precision.
 DTYPE_KEYS, DTYPES = ("communication_data_type", "seq_parallel_communication_data_type"), ("fp16", "bf16", "fp32")
 # Each section and DeepSpeed's pydantic model of it (None: DeepSpeed has none; only "an object" is checked).
 SECTIONS = {

@@ -18,6 +18,11 @@ ZeRO stage 0 only, fp16 only, nccl/mpi backends needing cupy) describe code that
 of it can run on any host of this project, GPU or CPU. What compresses gradients instead: --engine ddp
 --comm-hook fp16|bf16|powersgd, or communication_data_type in the JSON for the DeepSpeed engines (docs/ethernet.md).
 tests/test_onebit.py checks the installed DeepSpeed still lacks them, so an upgrade that changes this fails there.
+
+Should an optimizer built by DeepSpeed from the JSON ever be wired in, our LR schedule has to reach it as a callable:
+deepspeed.initialize(model_parameters=<our param groups>, lr_scheduler=lambda opt: make_scheduler(opt, ...)), which
+runtime/engine.py:1885-1887 calls with the optimizer it built; a scheduler object needs an optimizer object to exist
+first (and engine.py:2026-2028 asserts a client optimizer beside a torch _LRScheduler).
 """
 from vit.errors import ConfigError
 
