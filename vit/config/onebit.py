@@ -12,8 +12,8 @@ site-packages/deepspeed:
 - runtime/fp16/ holds fused_optimizer.py, loss_scaler.py and unfused_optimizer.py: no onebit/ package;
   runtime/comm/ holds only coalesced_collectives.py: no nccl.py, mpi.py, hccl.py or compressed.py backend (the
   cupy and mpi4py users); ops/op_builder/ has no packbits builder, on any accelerator.
-DeepSpeed removed the optimizers in deepspeedai/DeepSpeed#8490 and their compressed-allreduce backends in #8547
-(tracking issue #8489). So the claims made of them for older releases (the engine builds them from the JSON,
+DeepSpeed removed the optimizers in deepspeedai/DeepSpeed#8490 (tracking issue #8489; PR #8547's description says
+so, while removing the compressed-allreduce backends left behind; those are absent from 0.19.8 as listed above). So the claims made of them for older releases (the engine builds them from the JSON,
 ZeRO stage 0 only, fp16 only, nccl/mpi backends needing cupy) describe code that no longer exists here, and nothing
 of it can run on any host of this project, GPU or CPU. What compresses gradients instead: --engine ddp
 --comm-hook fp16|bf16|powersgd, or communication_data_type in the JSON for the DeepSpeed engines (docs/ethernet.md).
@@ -24,6 +24,8 @@ deepspeed.initialize(model_parameters=<our param groups>, lr_scheduler=lambda op
 runtime/engine.py:1885-1887 calls with the optimizer it built; a scheduler object needs an optimizer object to exist
 first (and engine.py:2026-2028 asserts a client optimizer beside a torch _LRScheduler).
 """
+import argparse
+
 from vit.errors import ConfigError
 
 # --opt name (lower case, as timm's names) -> (DeepSpeed's JSON optimizer type in the releases that had it, what it is).
@@ -50,8 +52,6 @@ def removed(name: str) -> str:
 def check_opt_name(text: str) -> str:
     """argparse type of --opt: a 1-bit optimizer's name is refused with the reason (the choices say the rest)."""
     if onebit_type(text):
-        import argparse
-
         raise argparse.ArgumentTypeError(f"{text}: {removed(text)}")
     return text
 
