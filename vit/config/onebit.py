@@ -13,11 +13,12 @@ site-packages/deepspeed:
   runtime/comm/ holds only coalesced_collectives.py: no nccl.py, mpi.py, hccl.py or compressed.py backend (the
   cupy and mpi4py users); ops/op_builder/ has no packbits builder, on any accelerator.
 DeepSpeed removed the optimizers in deepspeedai/DeepSpeed#8490 (tracking issue #8489; PR #8547's description says
-so, while removing the compressed-allreduce backends left behind; those are absent from 0.19.8 as listed above). So the claims made of them for older releases (the engine builds them from the JSON,
-ZeRO stage 0 only, fp16 only, nccl/mpi backends needing cupy) describe code that no longer exists here, and nothing
-of it can run on any host of this project, GPU or CPU. What compresses gradients instead: --engine ddp
---comm-hook fp16|bf16|powersgd, or communication_data_type in the JSON for the DeepSpeed engines (docs/ethernet.md).
-tests/test_onebit.py checks the installed DeepSpeed still lacks them, so an upgrade that changes this fails there.
+so, while removing the compressed-allreduce backends left behind; those are absent from 0.19.8 as listed above). So
+the claims made of them for older releases (the engine builds them from the JSON, ZeRO stage 0 only, fp16 only,
+nccl/mpi backends needing cupy) describe code that no longer exists here, and nothing of it can run on any host of
+this project, GPU or CPU. What compresses gradients instead: --engine ddp --comm-hook fp16|bf16|powersgd, or
+communication_data_type in the JSON for the DeepSpeed engines (docs/ethernet.md). tests/test_onebit.py checks the
+installed DeepSpeed still lacks them, so an upgrade that changes this fails there.
 
 Should an optimizer built by DeepSpeed from the JSON ever be wired in, our LR schedule has to reach it as a callable:
 deepspeed.initialize(model_parameters=<our param groups>, lr_scheduler=lambda opt: make_scheduler(opt, ...)), which
