@@ -79,8 +79,13 @@ def test_any_other_json_optimizer_is_still_refused(tmp_path):
 @pytest.mark.parametrize("value", ["fp16", "bf16", "fp32", "BF16"])
 @pytest.mark.parametrize("engine", ["zero", "pipeline"])
 def test_communication_data_type_is_taken_by_the_deepspeed_engines(tmp_path, value, engine):
+    import torch
+    from deepspeed.runtime.config import DeepSpeedConfig
+
     cfg = resolve_file(tmp_path, engine, communication_data_type=value, zero_optimization={"stage": 1})
     assert cfg["communication_data_type"] == value
+    read = DeepSpeedConfig({k: v for k, v in cfg.items() if k != "train_batch_size"}).communication_data_type
+    assert read == {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[value.lower()]
 
 
 @pytest.mark.parametrize("value", ["int8", "half16", 16, True])
