@@ -60,6 +60,17 @@ def check_zero_stage(engine_name: str, stage: int, config_name: str) -> None:
           file=sys.stderr)
 
 
+def check_comm_dtype(engine_name: str, cfg: dict, config_name: str) -> None:
+    """communication_data_type in the DeepSpeed JSON: only DeepSpeed's engines reduce gradients with it."""
+    engine = spec(engine_name)
+    if cfg.get("communication_data_type") is None or engine.deepspeed:
+        return
+    instead = " (this engine compresses with --comm-hook fp16 or bf16)" if engine.comm_hooks else ""
+    raise ConfigError(f"DeepSpeed config {config_name}: communication_data_type applies to "
+                      f"{_engines(lambda e: e.deepspeed)} (DeepSpeed's gradient all-reduce), not --engine "
+                      f"{engine_name}{instead}")
+
+
 def check_precision(requested: str | None, engine_name: str) -> None:
     """Before the process group: a precision the engine cannot train in at all."""
     if requested == "fp16" and not spec(engine_name).fp16:

@@ -6,9 +6,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from vit.config.compat import check_zero_stage
+from vit.config.compat import check_comm_dtype, check_zero_stage
 from vit.config.ds_schema import deepspeed_parses
 from vit.config.ds_schema import validate as validate_ds_schema
+from vit.config.onebit import check_json_optimizer
 from vit.config.settings import ParallelSettings
 from vit.engines.registry import spec
 from vit.errors import ConfigError
@@ -96,6 +97,7 @@ def resolve(par: ParallelSettings, world_size: int) -> tuple[dict, Batch]:
     name = par.ds_config
     cfg = copy.deepcopy(load_json(name))
     validate_ds_schema(cfg, name)
+    check_json_optimizer(cfg, name)  # a 1-bit optimizer: its own reason
     for key in ("optimizer", "scheduler"):
         if key in cfg:
             raise ConfigError(f"DeepSpeed config {name}: remove '{key}'; the optimizer (AdamW) and the LR schedule "
@@ -105,6 +107,7 @@ def resolve(par: ParallelSettings, world_size: int) -> tuple[dict, Batch]:
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ConfigError(f"DeepSpeed config {name}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     check_zero_stage(par.engine, stage, name)
+    check_comm_dtype(par.engine, cfg, name)
 
     stages = par.pipeline_stages if spec(par.engine).pipeline else 1
     if world_size % stages:

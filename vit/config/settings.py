@@ -9,6 +9,7 @@ import argparse
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from vit.config.onebit import check_opt_name
 from vit.engines.registry import NAMES, SPECS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,8 +104,9 @@ class ParallelSettings:
 
 @dataclass(frozen=True)
 class OptimSettings:
-    opt: str = option("adamw", "optimizer (timm's names): adamw, or sgd with --momentum (and --nesterov)",
-                      choices=("adamw", "sgd"))
+    opt: str = option("adamw", "optimizer (timm's names): adamw, or sgd with --momentum (and --nesterov). "
+                      "DeepSpeed's 1-bit optimizers (onebitadam, zerooneadam, onebitlamb) are refused: DeepSpeed "
+                      "0.19.8 no longer has them (docs/ethernet.md)", choices=("adamw", "sgd"), type=check_opt_name)
     momentum: float = option(0.9, "sgd: momentum", "below_one")
     nesterov: bool = option(False, "sgd: Nesterov momentum")
     lr: float = option(2e-3, "peak learning rate", "positive")
