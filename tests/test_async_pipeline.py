@@ -230,6 +230,13 @@ def test_stages_match_the_emulator(tmp_path, case):
     assert all(rec["pipe_send_s"] > 0 and rec["pipe_recv_s"] > 0 for rec in train)  # the step breakdown
 
 
+def test_the_wire_is_the_training_precision_unless_given():
+    given = parse(["--engine", "async-pipeline", "--pipe-wire-dtype", "fp32"]).asynchrony
+    default = parse(["--engine", "async-pipeline"]).asynchrony
+    assert (default.wire_dtype("fp32"), default.wire_dtype("bf16")) == ("fp32", "bf16")
+    assert given.wire_dtype("bf16") == "fp32"  # as bf16 runs sent before the option: allowed
+
+
 # Largest relative loss difference from the fp32 wire over STEPS steps of 2 stages, and the tolerance: bf16 measured
 # 2.4e-5, fp16 7.3e-6 (fp16 carries 3 more mantissa bits; its gradients' range is docs/async-pipeline.md's matter).
 WIRES = {"fp32": 1e-5, "bf16": 2e-4, "fp16": 1e-4}
