@@ -6,7 +6,11 @@ Each engine's no-bubble ideal comes from its own run: the global batch over the 
 would take if it never waited for a neighbour nor sent (the breakdown's phases less pipe_send_s and pipe_recv_s,
 median over the logging windows after the first). Measured in the same run, it holds under the load of a shared
 machine. The whole network on one rank (same micro-batch, accumulation and threads per rank) times --stages is
-printed beside it, as a second ideal that assumes stages of equal work and a machine to itself."""
+printed beside it, as a second ideal that assumes stages of equal work and a machine to itself.
+
+--wire-dtypes fp32,bf16 makes one async-pipeline speed run per --pipe-wire-dtype, each with the bytes rank 0 sent
+per step (its wire_bytes), and the narrower wires' images/s over the fp32 wire's."""
+import argparse
 import json
 import shlex
 import statistics
@@ -41,8 +45,19 @@ def add_arguments(p) -> None:
     p.add_argument("--mpirun-args", default="", help="more mpirun options for the pipelines' runs, e.g. '--hostfile "
                    "H -x IFACE' across hosts (the simulated hosts of scripts/sim_cluster.sh, from cn0); the one-rank "
                    "run stays on this host")
+    p.add_argument("--wire-dtypes", type=wire_list, default=[], help="comma-separated --pipe-wire-dtype values: "
+                   "one async-pipeline speed run for each (e.g. fp32,bf16; default one run, the training precision's)")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", help="write async_pipeline.md and async_pipeline.json into this folder")
+
+
+def wire_list(text: str) -> list[str]:
+    """argparse type: --wire-dtypes."""
+    wires = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [w for w in wires if w not in ("fp32", "bf16", "fp16")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"not a wire dtype (fp32, bf16, fp16): {', '.join(bad)}")
+    return wires
 
 
 def speed(name: str, train: list, ranks: int, a, log_dir: Path, mpirun_args: str = "") -> dict:
@@ -57,7 +72,8 @@ def speed(name: str, train: list, ranks: int, a, log_dir: Path, mpirun_args: str
     step_s = median_step_s(log_dir, a.warmup)
     row = {"run": name, "images_per_s": cfg["global_batch"] / step_s, "step_s": step_s, "load_before": load,
            "others_cores": others.cores(),
-           "ideal_images_per_s": cfg["global_batch"] / max(compute_s(log_dir, r, a.warmup) for r in range(ranks))}
+           "ideal_images_per_s": cfg["global_batch"] / max(compute_s(log_dir, r, a.warmup) for r in range(ranks)),
+           "wire_bytes": wire_bytes(log_dir, a.warmup)}
     print(f"{name}: {row['images_per_s']:.0f} images/s (load {load}, others' cores {row['others_cores']})",
           flush=True)
     return row
@@ -69,6 +85,13 @@ def compute_s(log_dir: Path, rank: int, warmup: int) -> float:
     return statistics.median(sum(r.get(k, 0.0) for k in COMPUTE) for r in records if r["step"] > warmup)
 
 
+def wire_bytes(log_dir: Path, warmup: int) -> float | None:
+    """The bytes rank 0 sent its neighbour per step (the async pipeline's wire_bytes), median after the warm-up."""
+    sent = [r["wire_bytes"] for r in read_jsonl(log_dir / "metrics_rank0.jsonl")
+            if r["kind"] == "train" and r["step"] > warmup and "wire_bytes" in r]
+    return statistics.median(sent) if sent else None
+
+
 def median_row(rows: list[dict]) -> dict:
     """The run's median images/s, with every round's and the median load and others' cores."""
     failed = [r for r in rows if "error" in r]
@@ -77,6 +100,7 @@ def median_row(rows: list[dict]) -> dict:
     return {"run": rows[0]["run"], "images_per_s": statistics.median(r["images_per_s"] for r in rows),
             "each": [round(r["images_per_s"]) for r in rows],
             "ideal_images_per_s": statistics.median(r["ideal_images_per_s"] for r in rows),
+            "wire_bytes": rows[0]["wire_bytes"],
             "load_before": round(statistics.median(r["load_before"] for r in rows), 2),
             "others_cores": round(statistics.median(r["others_cores"] for r in rows), 2)}
 
@@ -107,7 +131,9 @@ def run(a) -> int:
         "one stage, one rank": (["--engine", "async-pipeline", "--pipeline-stages", 1, "--grad-accum", a.grad_accum,
                                  "--ds-config", PIPELINE_JSON], 1, "-x OMP_NUM_THREADS=1"),  # a pipeline rank's
         "pipeline (DeepSpeed)": (["--engine", "pipeline", *common], a.stages, hosts),
-        "async-pipeline": (["--engine", "async-pipeline", *common], a.stages, hosts),
+        **{f"async-pipeline{f', {w} wire' if w else ''}": (["--engine", "async-pipeline", *common,
+                                                             *(["--pipe-wire-dtype", w] if w else [])], a.stages, hosts)
+           for w in a.wire_dtypes or [None]},
     }
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
         logs = Path(tmp)
@@ -126,22 +152,25 @@ def run(a) -> int:
 def table(r: dict) -> str:
     lines = [f"{r['device']}, {r['ranks']} ranks, {r['stages']} stages, {r['grad_accum']} micro-batches a step", "",
              "| run | images/s, median (each round) | x DeepSpeed's pipeline | its no-bubble ideal | of it | "
-             f"of {r['stages']} x one rank | load before | others' cores |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"of {r['stages']} x one rank | MB sent per step, rank 0 | load before | others' cores |",
+             "|---|---|---|---|---|---|---|---|---|"]
     ds = next((x.get("images_per_s") for x in r["speed"] if x["run"].startswith("pipeline")), None)
     one = {**r["one_stage"], "run": f"{r['stages']} x one stage on one rank",
            "images_per_s": r["ideal_images_per_s"]}
     for row in [*r["speed"], one]:
         if "error" in row:
-            lines.append(f"| {row['run']} | failed: {row['error'].splitlines()[0]} | | | | | | |")
+            lines.append(f"| {row['run']} | failed: {row['error'].splitlines()[0]} | | | | | | | |")
             continue
         ips, own = row["images_per_s"], row.get("ideal_images_per_s") if row is not one else None
         ratio = f"{ips / ds:.2f}" if ds and ips else ""
         of_one = f"{ips / r['ideal_images_per_s']:.2f}" if ips and r["ideal_images_per_s"] else ""
         each = f" ({', '.join(map(str, row['each']))})" if row.get("each") and row is not one else ""
         lines.append(f"| {row['run']} | {ips:.0f}{each} | {ratio} | {f'{own:.0f}' if own else ''} | "
-                     f"{f'{ips / own:.2f}' if own else ''} | {of_one} | {row.get('load_before', '')} | "
-                     f"{row.get('others_cores', '')} |")
+                     f"{f'{ips / own:.2f}' if own else ''} | {of_one} | {mb(row.get('wire_bytes'))} | "
+                     f"{row.get('load_before', '')} | {row.get('others_cores', '')} |")
+    base = next((x.get("images_per_s") for x in r["speed"] if x["run"].endswith(", fp32 wire")), None)
+    lines += [f"\n{x['run']}: {x['images_per_s'] / base:.2f}x the fp32 wire's images/s" for x in r["speed"]
+              if base and x.get("images_per_s") and x["run"].endswith(" wire") and "fp32" not in x["run"]]
     if r["accuracy"]:
         lines += ["", f"| run (default epochs) | held-out top-1 %, median (seeds {', '.join(map(str, r['seeds']))}) "
                   "| steps | wall s, median |", "|---|---|---|---|"]
@@ -153,6 +182,10 @@ def table(r: dict) -> str:
                 lines.append(f"| {row['run']} | {100 * row['top1']:.2f} ({each}) | {row['steps']} | "
                              f"{row['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def mb(sent: float | None) -> str:
+    return f"{sent / 1e6:.3g}" if sent else ""
 
 
 COMMANDS = {"async-pipeline": ("async-pipeline against DeepSpeed's pipeline and the no-bubble ideal (images/s), "

@@ -18,6 +18,10 @@ from every host with scp (same checkout path on every host) unless OUT is a fold
 Run names: ddp, zero0, zero1, zero2, zero3 (--engine zero --ds-config deepspeed_configs/zeroN.json),
 pipeline (--engine pipeline --pipeline-stages PIPELINE_STAGES).
 
+EXTRA_TRAIN_OPTIONS go to every run, so an engine's own option needs RUNS of that engine alone, e.g.
+RUNS=async-pipeline OUT=logs/wire-bf16 scripts/compare.sh -- --pipe-wire-dtype bf16 (one OUT per wire dtype;
+python -m bench async-pipeline --wire-dtypes fp32,bf16 runs both and tabulates them).
+
 Environment (defaults in brackets):
   NP               ranks [2]
   HOSTFILE         mpirun hostfile for a cluster (or --hostfile) [none: all ranks on this machine]

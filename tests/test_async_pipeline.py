@@ -230,6 +230,41 @@ def test_stages_match_the_emulator(tmp_path, case):
     assert all(rec["pipe_send_s"] > 0 and rec["pipe_recv_s"] > 0 for rec in train)  # the step breakdown
 
 
+def test_the_wire_is_the_training_precision_unless_given():
+    given = parse(["--engine", "async-pipeline", "--pipe-wire-dtype", "fp32"]).asynchrony
+    default = parse(["--engine", "async-pipeline"]).asynchrony
+    assert (default.wire_dtype("fp32"), default.wire_dtype("bf16")) == ("fp32", "bf16")
+    assert given.wire_dtype("bf16") == "fp32"  # as bf16 runs sent before the option: allowed
+
+
+# Largest relative loss difference from the fp32 wire over STEPS steps of 2 stages, and the tolerance: bf16 measured
+# 2.4e-5, fp16 7.3e-6 (fp16 carries 3 more mantissa bits; its gradients' range is docs/async-pipeline.md's matter).
+WIRES = {"fp32": 1e-5, "bf16": 2e-4, "fp16": 1e-4}
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_narrower_wire_halves_the_bytes_and_trains_alike(tmp_path, wire):
+    """fp32 training with --pipe-wire-dtype: the emulator's losses (the fp32 wire's) within the tolerance, and half
+    the bytes: each step, stage 0 sends ACCUM activations and stage 1 ACCUM gradients of MICRO x 17 tokens x 64."""
+    trace = tmp_path / "trace"
+    r = launch(["--engine", "async-pipeline", "--pipeline-stages", 2, "--steps", STEPS, "--log-interval", 1,
+                "--eval-interval", 4, "--no-save", "--log-dir", tmp_path / "run", "--pipe-wire-dtype", wire],
+               timeout=240, env=plugin_env(async_trace=str(trace)))
+    assert r.ok, r
+    s = parse(["--engine", "async-pipeline"])
+    assert_close(losses_of(tmp_path / "run"), emulate(s, digits_batches(s, STEPS), 2, STEPS), rel=WIRES[wire])
+    full = ACCUM * MICRO * 17 * 64 * 4
+    for rank in range(2):
+        train = [rec for rec in read_jsonl(tmp_path / "run" / f"metrics_rank{rank}.jsonl") if rec["kind"] == "train"]
+        assert [rec["wire_bytes"] for rec in train] == [full if wire == "fp32" else full / 2] * STEPS  # no eval's
+    for name in ("config.json", "summary.json"):
+        assert json.loads((tmp_path / "run" / name).read_text())["pipe_wire_dtype"] == wire
+    received = {rec["input"] for rec in read_jsonl(f"{trace}_rank1.jsonl")}
+    assert received == {"float32, leaf requiring grad"}  # cast back on arrival; its gradient goes back
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(300)
 def test_resume_is_exact(tmp_path):
@@ -304,6 +339,8 @@ def test_the_last_partial_batch_goes_through(tmp_path):
 BAD = {
     "stashing option with another engine": (["--engine", "zero", "--weight-stashing", "off"],
                                             "--weight-stashing has no effect without --engine async-pipeline"),
+    "wire dtype with another engine": (["--engine", "ddp", "--pipe-wire-dtype", "bf16"],
+                                       "--pipe-wire-dtype has no effect without --engine async-pipeline"),
     "interval does not divide the accumulation": (
         ["--engine", "async-pipeline", "--pipeline-stages", "1", "--async-update-interval", "3"],
         "--async-update-interval 3 does not divide the gradient-accumulation count 4"),

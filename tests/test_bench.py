@@ -119,6 +119,19 @@ def test_async_pipeline_table_has_both_pipelines_their_ideals_and_the_accuracy_p
     assert "| async-pipeline |" in table and "| async, msnag |" in table
 
 
+@pytest.mark.timeout(400)
+def test_async_pipeline_wire_dtypes_make_one_run_each_with_its_bytes(tmp_path):
+    cmd = [sys.executable, "-m", "bench", "async-pipeline", "--steps", 4, "--warmup", 1, "--repeats", 1,
+           "--no-accuracy", "--wire-dtypes", "fp32,bf16", "--timeout", 150, "--out", tmp_path]
+    r = run_cmd([str(c) for c in cmd], timeout=380)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "async_pipeline.json").read_text())
+    rows = {row["run"]: row for row in result["speed"]}
+    assert list(rows) == ["pipeline (DeepSpeed)", "async-pipeline, fp32 wire", "async-pipeline, bf16 wire"]
+    assert rows["async-pipeline, bf16 wire"]["wire_bytes"] * 2 == rows["async-pipeline, fp32 wire"]["wire_bytes"] > 0
+    assert "async-pipeline, bf16 wire: " in (tmp_path / "async_pipeline.md").read_text()  # its ratio to fp32's
+
+
 @pytest.mark.timeout(60)
 def test_gpu_acceptance_refuses_a_machine_without_cuda_and_judges_its_rows(tmp_path):
     from bench.gpu import learns, table

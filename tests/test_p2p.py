@@ -65,6 +65,7 @@ def worker(out: str) -> None:
                            "own_storage": t.untyped_storage().nbytes() == t.numel() * t.element_size(),
                            "ops": seen.ops})
     links.flush()
+    report.append({"bytes": links.bytes_sent()})
     dist.barrier()
     dist.destroy_process_group()
     Path(f"{out}_rank{rank}.json").write_text(json.dumps(report))
@@ -83,10 +84,23 @@ def test_received_tensors_are_their_own_and_their_values_unread(tmp_path):
     STARTED.extend(ranks)
     assert _wait_all(ranks, timeout=90) == [0, 0]
     sent, received = (json.loads(Path(f"{out}_rank{rank}.json").read_text()) for rank in range(2))
+    (sent, [counted]), (received, [counted_back]) = (sent[:-1], sent[-1:]), (received[:-1], received[-1:])
+    assert counted["bytes"] == counted_back["bytes"] == expected_bytes()  # rank 1 sends each back (doubled)
     assert all(r["equal"] for r in sent + received), (sent, received)
     for i, r in enumerate(received):
         assert (r["offset"], r["contiguous"], r["own_storage"]) == (0, True, True), (i, r)
         assert r["ops"] == [], (i, r["ops"])  # no select, comparison, slice or .item() of what arrived
+
+
+def expected_bytes() -> int:
+    """The tensors' bytes of MESSAGES, with the dummy in the old shape that each change of shape or dtype sends."""
+    total, last = 0, None
+    for shape, dtype, _ in MESSAGES:
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if last is not None and last != (shape, dtype):
+            total += torch.Size(last[0]).numel() * torch.empty((), dtype=last[1]).element_size()
+        total, last = total + size, (shape, dtype)
+    return total
 
 
 if __name__ == "__main__":  # a rank of the test above

@@ -9,6 +9,9 @@ most stages - s micro-batches in flight, runs a backward when it holds more than
 otherwise, until the step's micro-batches are all forwarded. The micro-batches still in flight at a step's end
 finish in the next step. A checkpoint drains them first (and the last step does), so what is saved is weights,
 optimizer and counters, and a resumed run continues as the uninterrupted one does.
+
+Activations and gradients cross in --pipe-wire-dtype: cast just before the send, back to fp32 on arrival (the
+tensors between a stage's layers are fp32 under bf16 autocast too: the residual stream adds to fp32 weights).
 """
 import os
 import re
@@ -28,6 +31,8 @@ from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
 from vit.runtime import plugins
+
+WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def stage_parts(layers: list[nn.Module], stages: int, method: str, planned: list[int] | None) -> list[int]:
@@ -87,6 +92,8 @@ class AsyncPipelineEngine(StagedEngine):
         self.loss_fn, self.loss_weight = Loss(ctx.smoothing), ctx.loss_weight
         self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
         self.dtype = torch.bfloat16 if ctx.precision == "bf16" else None
+        self.wire = WIRE[a.wire_dtype(ctx.precision)]
+        self.wire_counted = 0  # links.bytes_sent() already in a breakdown (or an evaluation's)
         self.total_steps = ctx.total_steps
         self.steps = self.forwarded = self.backwarded = self.version = 0
         self.inflight: dict[int, InFlight] = {}
@@ -136,7 +143,8 @@ class AsyncPipelineEngine(StagedEngine):
             x, y = next(batches)
             t.lap("data_s")
         if not self.first:
-            x = self.links.recv_act.recv(more=k + 1 < self.total_steps * self.grad_accum).requires_grad_()
+            x = self.links.recv_act.recv(more=k + 1 < self.total_steps * self.grad_accum)
+            x = x.to(torch.float32).requires_grad_()  # a leaf: its gradient goes back
             t.lap("pipe_recv_s")
         x = x.to(self.device, non_blocking=True)
         weights, again = self._weights(k)
@@ -148,7 +156,7 @@ class AsyncPipelineEngine(StagedEngine):
         if self.last:
             self.losses.append(out.detach())
         else:
-            self.links.send_act.send(out)
+            self.links.send_act.send(out.detach().to(self.wire))
             t.lap("pipe_send_s")
         self.inflight[k] = InFlight(x, None if again else out, None if again else weights, self.version,
                                     self.staleness(k))
@@ -178,7 +186,7 @@ class AsyncPipelineEngine(StagedEngine):
         plugins.call("async_backward", self, k, rec, weights)
         t.lap("backward_s")
         if not self.first:
-            self.links.send_grad.send(grads[0])
+            self.links.send_grad.send(grads[0].to(self.wire))
             t.lap("pipe_send_s")
         self.backwarded += 1
         if self.backwarded % self.interval == 0:
@@ -214,19 +222,26 @@ class AsyncPipelineEngine(StagedEngine):
         return t / self.dp_size
 
     def evaluate(self, batches):
+        before = self.links.bytes_sent()
         result = super().evaluate(batches)
         self.links.flush()  # the evaluation's sends, waited on before anything else runs
+        self.wire_counted += self.links.bytes_sent() - before  # no training step's
         return result
+
+    def breakdown(self, steps):
+        """The phases, and wire_bytes: the bytes this rank sent its neighbours per step."""
+        sent, self.wire_counted = self.links.bytes_sent() - self.wire_counted, self.links.bytes_sent()
+        return {**self.timer.read(steps), "wire_bytes": sent / steps}
 
     @torch.no_grad()
     def eval_logits(self, x, y):
         if not self.first:
-            x = self.links.recv_act.recv()
+            x = self.links.recv_act.recv().to(torch.float32)
         with self.autocast():
             out = self.module(x.to(self.device, non_blocking=True))
         if self.last:
             return out
-        self.links.send_act.send(out)
+        self.links.send_act.send(out.to(self.wire))
         return None
 
     def train_mode(self, training):

@@ -41,6 +41,7 @@ class Channel:
         self.pending: deque = deque()  # (handles, tensors kept alive until sent)
         self.sent = self.received = None  # the last header's (shape, dtype): what a receive posted ahead expects
         self.posted = None  # (header, tensor) receives of the next message, posted ahead
+        self.bytes = 0  # the tensors' bytes sent so far (dummies included, the 64-byte headers not)
 
     def send(self, t: torch.Tensor) -> None:
         if len(self.pending) >= self.depth:
@@ -52,6 +53,7 @@ class Channel:
             messages += [(header(None), self.headers), (self._buffer(self.sent), self.group)]
         messages += [(header(t), self.headers), (t, self.group)]
         self.sent = meta
+        self.bytes += sum(m.numel() * m.element_size() for m, g in messages if g is self.group)
         handles = [dist.isend(m, self.peer, group=g) for m, g in messages]
         self.pending.append((handles, [m for m, _ in messages]))
 
@@ -146,3 +148,7 @@ class Links:
         for channel in (self.send_act, self.send_grad):
             if channel is not None:
                 channel.flush()
+
+    def bytes_sent(self) -> int:
+        """The tensors' bytes this rank has sent to its neighbours (activations and gradients) so far."""
+        return sum(c.bytes for c in (self.send_act, self.send_grad) if c is not None)

@@ -5,7 +5,8 @@ Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore u
    "rank_images_per_s" (this rank's data-parallel share), "step_time_s", "mem_gib", "skipped_steps", "loss_scale"
    (fp16's loss scale, else null),
    and the step-time breakdown in seconds per step: "data_s", "forward_s", "backward_s", "optimizer_s",
-   for the pipelines also "pipe_send_s", "pipe_recv_s" (the wait for a neighbour: the bubble), "allreduce_s"}
+   for the pipelines also "pipe_send_s", "pipe_recv_s" (the wait for a neighbour: the bubble), "allreduce_s";
+   the async pipeline's "wire_bytes": the bytes of activations and gradients it sent its neighbours per step}
   {"kind": "eval",  "step", "time", "rank", "host", "eval_loss", "top1", "top5"[, "ema_eval_loss", "ema_top1",
    "ema_top5"]}
   {"kind": "skip",  "step", "time", "rank", "host", "skipped_steps", "in_a_row"}: an fp16 step skipped on overflow

@@ -19,7 +19,7 @@ def start_record(log_dir: str, plan, *, ds_config: dict, precision: str, cluster
         "args": s.flat(), "deepspeed": ds_config, "precision": precision, "world_size": job.world_size,
         "launcher": job.launcher, "master": f"{job.master_addr}:{job.master_port}", "global_batch": batch.global_size,
         "data_parallel_size": batch.dp_size, "total_steps": plan.total_steps,
-        **({"micro_batch_auto": plan.micro_search} if plan.micro_search else {})})
+        **({"micro_batch_auto": plan.micro_search} if plan.micro_search else {}), **wire(plan, precision)})
     resumed = f" (resumed from {resumed_from})" if resumed_from else ""
     print(f"{s.parallel.engine}: {s.model.model} on {s.data.dataset} ({len(data.train)} train / {len(data.test)} "
           f"held-out), {job.world_size} ranks, {precision}; {batch.arithmetic()}; {plan.steps_per_epoch} steps/epoch; "
@@ -42,10 +42,16 @@ def write_summary(log_dir: str, plan, *, precision: str, ds_config: dict, start_
         "images_per_s": totals["images_per_s"], "train_s": totals["train_s"],
         "train_s_this_run": totals["train_s_this_run"], "segments": totals["segments"],
         "wall_s": time.time() - start_time, "peak_mem_gib": peak_mem_gib, "breakdown": totals["breakdown"],
-        "monitor": monitors, "gpu_util_mean_per_host": gpu_util_mean_per_host(monitors),
+        "monitor": monitors, "gpu_util_mean_per_host": gpu_util_mean_per_host(monitors), **wire(plan, precision),
     }
     write_json(os.path.join(log_dir, "summary.json"), summary)
     ema = f" (EMA {100 * evaluation['ema_top1']:.2f}%)" if "ema_top1" in evaluation else ""
     print(f"done: {total} steps in {summary['wall_s']:.1f} s, top-1 {100 * evaluation['top1']:.2f}%{ema}, top-5 "
           f"{100 * evaluation['top5']:.2f}%, logs in {log_dir}", flush=True)
     return summary
+
+
+def wire(plan, precision: str) -> dict:
+    """--pipe-wire-dtype as the run resolved it, for an engine it applies to; {} for the others."""
+    s = plan.settings
+    return {"pipe_wire_dtype": s.asynchrony.wire_dtype(precision)} if spec(s.parallel.engine).async_options else {}
