@@ -131,12 +131,11 @@ class AsyncSettings:
     weight_prediction: str = option("msnag", "before a forward, predict the weights d updates ahead (d: the "
                                     "stage's staleness) from the optimizer's momentum (FTPipe's multi-step NAG), "
                                     "or none", choices=("msnag", "none"), needs="async")
-    pipe_wire_dtype: str | None = option(None, "dtype the activations and gradients cross between stages in: cast "
-                                         "before the send, back to fp32 on arrival; bf16 and fp16 halve the bytes "
-                                         "(default: the training precision, fp32 or bf16). fp16 has no loss scaler "
-                                         "on the wire: gradient values below 6e-5 lose bits, below 3e-8 arrive as "
-                                         "zero (docs/async-pipeline.md)", choices=("fp32", "bf16", "fp16"),
-                                         needs="async")
+    pipe_wire_dtype: str | None = option(None, "dtype of the activations and gradients between stages (cast before "
+                                         "the send, to fp32 on arrival; bf16, fp16: half the bytes; default: the "
+                                         "training precision). fp16 has no loss scaler on the wire: gradients below "
+                                         "6e-5 lose bits, below 3e-8 arrive as zero", choices=("fp32", "bf16",
+                                                                                              "fp16"), needs="async")
 
     def wire_dtype(self, precision: str) -> str:  # --pipe-wire-dtype, else the training precision
         return self.pipe_wire_dtype or precision
