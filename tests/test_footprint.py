@@ -23,6 +23,7 @@ def test_ddp_holds_a_bucket_copy_and_autocasts_weight_cache_beyond_the_plain_sta
     assert footprint.bytes_per_param("ddp", "fp32", {}) == plain + 4  # + DDP's bucket copy of the gradients
     assert footprint.bytes_per_param("ddp", "bf16", {}) == plain + 4 + 2 == 22  # + autocast's bf16 weight cache
     assert footprint.bytes_per_param("ddp", "bf16", {}) / plain == pytest.approx(22 / 16)
+    assert footprint.bytes_per_param("ddp", "fp32", {}, powersgd=True) == plain + 4 + 4  # + PowerSGD's error feedback
     # ZeRO is what DDP is not: at dp=2, zero2 holds half the gradients and half the fp32 optimizer state per rank.
     zero2 = footprint.state_bytes("zero", "bf16", config("zero2"), dp_size=2)
     assert zero2 == {"bf16 weights": 2, "bf16 gradients": 1, "fp32 master weights": 2, "fp32 master gradients": 2,
@@ -74,9 +75,10 @@ def test_the_async_pipelines_stash_and_a_gpu_ema_each_add_a_copy_of_the_weights(
         assert footprint.bytes_per_param(engine, "bf16", cfg, dp_size=4, ema_on_gpu=True) == without + 4
 
 
-def ddp_held_bytes(precision: str) -> tuple[int, int]:
-    """(bytes torch's profiler saw allocated and not freed while a DDP model was built and trained one step,
-    its parameters)."""
+def ddp_held_bytes(precision: str, powersgd: bool = False) -> tuple[int, int]:
+    """(bytes torch's profiler saw allocated and not freed while a DDP model was built and trained one step (with
+    PowerSGD, three: it compresses from the third), its parameters)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
     from torch.profiler import ProfilerActivity, profile
 
@@ -85,18 +87,22 @@ def ddp_held_bytes(precision: str) -> tuple[int, int]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 10))
         ddp = DistributedDataParallel(model)
+        if powersgd:
+            state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         optimizer = torch.optim.AdamW(model.parameters())
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = torch.nn.functional.cross_entropy(ddp(x).float(), y)
-        loss.backward()
-        optimizer.step()
-        del loss
+        for _ in range(3 if powersgd else 1):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = torch.nn.functional.cross_entropy(ddp(x).float(), y)
+            loss.backward()
+            optimizer.step()
+            del loss
     return sum(e.self_cpu_memory_usage for e in prof.key_averages()), sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_estimate_covers_what_a_real_ddp_model_holds_after_one_step(tmp_path, precision):
+@pytest.mark.parametrize("precision,powersgd", [("fp32", False), ("bf16", False), ("fp32", True)])
+def test_the_estimate_covers_what_a_real_ddp_model_holds_after_one_step(tmp_path, precision, powersgd):
     """torch's own accounting (the profiler's record of every CPU allocation and free) of a DDP model built,
     trained one step under autocast and its loss dropped: what stays is its weights, gradients, DDP's buckets and
     AdamW's moments. The estimate is at least that, and not far above (autocast's cache is freed by then). The
@@ -105,12 +111,15 @@ def test_the_estimate_covers_what_a_real_ddp_model_holds_after_one_step(tmp_path
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        held, params = min(ddp_held_bytes(precision) for _ in range(3))
+        held, params = min(ddp_held_bytes(precision, powersgd) for _ in range(6 if powersgd else 3))
     finally:
         dist.destroy_process_group()
-    estimate = footprint.bytes_per_param("ddp", precision, {}) * params
+    estimate = footprint.bytes_per_param("ddp", precision, {}, powersgd=powersgd) * params
+    assert not powersgd or held / params > 20 + 3  # PowerSGD's error feedback: a fourth copy of the gradients
     assert held / params > 16 + 3  # more than the one figure the planners used for every engine
     scalars = 1024  # per tensor or per model, not per parameter: AdamW's step counts, DDP's bookkeeping
+    if powersgd:  # P and Q, (n + m) x rank fp32 numbers per n x m matrix, which the estimate leaves out
+        scalars += 4 * 4 * ((256 + 1024) + (1024 + 10))
     assert held - scalars <= estimate <= 1.12 * held, (held / params, estimate / params)
 
 

@@ -24,17 +24,23 @@ FROZEN_BYTES_PER_PARAM = 4  # a frozen layer keeps its weights only (fp32 at mos
 
 
 def state_bytes(engine: str, precision: str, ds_config: dict, dp_size: int = 1, ema_on_gpu: bool = False,
-                stashed_copies: int = 0) -> dict[str, float]:
+                stashed_copies: int = 0, powersgd: bool = False) -> dict[str, float]:
     """Bytes per parameter one rank holds for the model's state (not activations), by what holds them, for
     `engine` ('zero', 'pipeline', 'ddp', 'async-pipeline') in `precision`; ZeRO's stage, gradient accumulation
     dtype and optimizer offload come from the DeepSpeed JSON, and what ZeRO partitions is divided by `dp_size`.
     `ema_on_gpu`: timm's ModelEmaV3 in fp32 on the rank's device (vit/loop/ema.py). `stashed_copies`: the async
-    pipeline's weight copies kept for in-flight micro-batches. AdamW throughout (vit/loop/optim.py)."""
+    pipeline's weight copies kept for in-flight micro-batches. `powersgd`: DDP's --comm-hook powersgd. AdamW
+    throughout (vit/loop/optim.py)."""
     engine_spec = spec(engine)
     if engine_spec.deepspeed:
         terms = deepspeed_state(engine_spec, precision, ds_config, dp_size)
     else:
         terms = torch_state(engine_spec, precision, dp_size, stashed_copies)
+    if powersgd:
+        # torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py: error_dict holds, per bucket, a tensor of the
+        # bucket's length in the gradients' dtype (fp32 here). Its P and Q, (n + m) x rank numbers per n x m matrix,
+        # are left out: 0.04 bytes a parameter for ViT-B/16 at rank 4
+        terms["PowerSGD error feedback"] = 4
     if ema_on_gpu:
         # vit/loop/ema.py: ModelEmaV3(dtype=float32, device=engine.device), never partitioned
         terms["ema fp32 copy"] = 4

@@ -44,7 +44,8 @@ def state_bytes_per_param(plan, precision: str) -> float:
     a = s.asynchrony
     stashed = int(a.weight_stashing == "on" or a.weight_prediction == "msnag")
     return bytes_per_param(s.parallel.engine, precision, plan.ds_config, plan.batch.dp_size,
-                           ema_on_gpu=s.recipe.model_ema, stashed_copies=stashed)
+                           ema_on_gpu=s.recipe.model_ema, stashed_copies=stashed,
+                           powersgd=s.comm.comm_hook == "powersgd")
 
 
 def _estimate(plan, dev: torch.device) -> tuple[str, str, int, str]:
