@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from vit.errors import ConfigError
 from vit.planner.cost import Calibration, Job
@@ -48,11 +49,13 @@ def parser() -> argparse.ArgumentParser:
 def calibration(path: str | None) -> Calibration:
     if not path:
         return Calibration()
-    given = read_json(__import__("pathlib").Path(path), "--calibration")
+    given = read_json(Path(path), "--calibration")
     known = {f.name for f in dataclasses.fields(Calibration)}
-    if not isinstance(given, dict) or set(given) - known:
-        raise ConfigError(f"--calibration {path}: unknown keys {sorted(set(given) - known) if isinstance(given, dict) else given!r}; "
-                          f"known: {', '.join(sorted(known))}")
+    if not isinstance(given, dict):
+        raise ConfigError(f"--calibration {path}: a JSON object of {', '.join(sorted(known))}")
+    if set(given) - known:
+        raise ConfigError(f"--calibration {path}: unknown keys {sorted(set(given) - known)}; known: "
+                          f"{', '.join(sorted(known))}")
     if "zero_comm_factor" in given:
         given["zero_comm_factor"] = tuple(given["zero_comm_factor"])
     return Calibration(**given)

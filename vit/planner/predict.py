@@ -6,8 +6,19 @@ from dataclasses import dataclass
 from vit.engines.registry import spec
 from vit.hetero.footprint import gpu_reserved_bytes, state_bytes
 from vit.hetero.stages import pipeline_inflight
-from vit.planner.cost import (Calibration, Candidate, Job, Network, Rank, allreduce_rounds, ds_config, grad_bytes,
-                              p2p_s, ring_allreduce_s, wire_bytes_per_elem)
+from vit.planner.cost import (
+    Calibration,
+    Candidate,
+    Job,
+    Network,
+    Rank,
+    allreduce_rounds,
+    ds_config,
+    grad_bytes,
+    p2p_s,
+    ring_allreduce_s,
+    wire_bytes_per_elem,
+)
 
 PARTS = ("compute", "link", "bubble", "fixed")
 
