@@ -77,29 +77,37 @@ def test_zero_stages_cost_the_measured_factors_of_the_all_reduce_and_bf16_halves
                    ZERO_COST).link_s == pytest.approx(1.46 * ring / 2)  # DeepSpeed reduces bf16 gradients
 
 
-def test_pipeline_is_m_plus_s_minus_1_slots_of_the_slowest_stage_and_the_async_one_has_no_bubble():
+def test_pipeline_step_is_the_slowest_stage_over_its_slots_or_its_link_and_the_async_one_has_no_bubble():
     ranks, j = two_hosts(slow=2.0), job(batch=8)
     c = Candidate(DS_PIPE, 0, 2, 2, 4, parts=(0, 1, 2))
-    # stage 0: 2 x 3 ms; stage 1 (slowed x2): 2 x 6 ms; the boundary: 2 samples x 5 fp32 = 40 B each way at
-    # 1e4 B/s = 4 ms + 4 ms, which each stage pays once per slot
+    # stage 0: 2 x 3 ms; stage 1 (slowed x2): 2 x 6 ms a micro-batch; the boundary: 2 samples x 5 fp32 = 40 B each
+    # way; at 1e4 B/s each stage's link is busy 4 ms a micro-batch (full duplex), at 1e3 B/s 40 ms
     p = predict(c, ranks, net(1e4), j, ZERO_COST)
-    slot = 12e-3 + 8e-3
-    assert p.step_s == pytest.approx((4 + 2 - 1) * slot)
-    assert (p.compute_s, p.link_s, p.bubble_s) == pytest.approx((4 * 12e-3, 4 * 8e-3, slot))
+    assert p.step_s == pytest.approx((4 + 2 - 1) * 12e-3)  # m + S - 1 slots of the slowest stage's compute
+    assert (p.compute_s, p.link_s, p.bubble_s) == pytest.approx((4 * 12e-3, 0.0, 12e-3))
+    slow = predict(c, ranks, net(1e3), j, ZERO_COST)
+    assert slow.step_s == pytest.approx(4 * 40e-3) and slow.link_s == pytest.approx(4 * 40e-3 - 5 * 12e-3)
+    assert slow.bottleneck == "link"
+    additive = Calibration(step_s=0.0, micro_s=0.0, message_s=0.0, pipe_overlap=False)
+    each = predict(c, ranks, net(1e4), j, additive)  # every slot pays its transfer: (m + S - 1) x (12 + 4) ms
+    assert each.step_s == pytest.approx(5 * 16e-3)
+    assert (each.compute_s, each.link_s, each.bubble_s) == pytest.approx((4 * 12e-3, 5 * 4e-3, 12e-3))
     a = predict(Candidate(ASYNC_PIPE, 0, 2, 2, 4, parts=(0, 1, 2)), ranks, net(1e4), j, ZERO_COST)
-    assert a.bubble_s == 0.0 and a.step_s == pytest.approx(4 * slot)
-    wire = predict(Candidate(ASYNC_PIPE, 0, 2, 2, 4, "wire-bf16", parts=(0, 1, 2)), ranks, net(1e4), j, ZERO_COST)
-    assert wire.step_s == pytest.approx(4 * (12e-3 + 4e-3))
+    assert a.bubble_s == 0.0 and a.step_s == pytest.approx(4 * 12e-3)
+    a_slow = predict(Candidate(ASYNC_PIPE, 0, 2, 2, 4, parts=(0, 1, 2)), ranks, net(1e3), j, ZERO_COST)
+    wire = predict(Candidate(ASYNC_PIPE, 0, 2, 2, 4, "wire-bf16", parts=(0, 1, 2)), ranks, net(1e3), j, ZERO_COST)
+    assert (a_slow.step_s, wire.step_s) == pytest.approx((4 * 40e-3, 4 * 20e-3))  # bf16 halves the p2p bytes
 
 
 def test_pipeline_data_parallel_copies_all_reduce_their_stage_gradients():
     ranks = [Rank(h, (1e-3, 1e-3), (2e-3, 2e-3), BIG) for h in "abab"]
     n = Network({"a": 1e6, "b": 1e6})
     c = Candidate(DS_PIPE, 0, 2, 2, 2, parts=(0, 1, 2))
+    # stage 0 on ranks 0, 1 (hosts a, b), stage 1 on ranks 2, 3 (a, b): each copy's boundary stays on its host
+    # (hidden by compute); then each stage's 1000 fp32 gradients in a ring of 2 over a and b
     p = predict(c, ranks, n, job(), ZERO_COST)
-    # stage 0 on ranks 0, 1 (hosts a, b), stage 1 on ranks 2, 3 (a, b): each copy's boundary stays on its host;
-    # then each stage's 1000 fp32 gradients in a ring of 2 over a and b
-    assert p.link_s == pytest.approx(2 * 2 * 40 / 5e9 + 4000 / 1e6)
+    assert p.link_s == pytest.approx(4000 / 1e6)
+    assert p.step_s == pytest.approx(3 * 6e-3 + 4000 / 1e6)
 
 
 def test_ring_bandwidth_is_set_by_the_busiest_nic():
@@ -144,7 +152,7 @@ def test_a_slower_link_never_makes_a_candidate_faster():
         assert steps == sorted(steps), (c.label(), steps)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_best_partition_equals_an_exhaustive_search(seed):
     rng = random.Random(seed)
     num_layers, stages = rng.randint(4, 8), rng.choice([2, 3])
@@ -156,9 +164,10 @@ def test_best_partition_equals_an_exhaustive_search(seed):
                   for _ in range(num_layers)), 16, "fp32")
     n = Network({"a": 1e6, "b": 3e5, "c": 2e6}, 1e-4)
     c = Candidate(ASYNC_PIPE if seed % 2 else DS_PIPE, 0, stages, 4, 4)
-    found = best_parts(c, ranks, n, j, ZERO_COST)
+    calib = Calibration(message_s=0.0, pipe_overlap=seed < 3)
+    found = best_parts(c, ranks, n, j, calib)
     options = [(0, *cuts, num_layers) for cuts in itertools.combinations(range(1, num_layers), stages - 1)]
-    predicted = {parts: predict(Candidate(c.engine, 0, stages, 4, 4, parts=parts), ranks, n, j, ZERO_COST)
+    predicted = {parts: predict(Candidate(c.engine, 0, stages, 4, 4, parts=parts), ranks, n, j, calib)
                  for parts in options}
     fitting = [p for p in predicted.values() if p.fits]
     best = min(fitting or predicted.values(), key=lambda p: p.step_s)
@@ -223,6 +232,16 @@ def test_the_cli_prints_the_ranked_table_and_writes_json(tmp_path, capsys):
     assert any(r["split"] and r["split"][1] < r["split"][0] for r in rows)  # rank 1 measured twice as slow
 
 
+def test_the_cli_takes_a_calibration_file(tmp_path, capsys):
+    write_run(tmp_path)
+    (tmp_path / "cal.json").write_text('{"step_s": 0.5, "micro_s": 0.0, "zero_comm_factor": [1, 2, 2, 3]}')
+    assert cli.main([str(tmp_path), "--link-mbit", "1000", "--calibration", str(tmp_path / "cal.json"), "--json",
+                     str(tmp_path / "plan.json")]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["calibration"]["zero_comm_factor"] == [1, 2, 2, 3]
+    assert all(r["fixed_ms"] == pytest.approx(500.0) and r["bottleneck"] == "fixed" for r in plan["candidates"])
+
+
 def test_the_cli_reads_doctors_link_lines(tmp_path, capsys):
     write_run(tmp_path)
     (tmp_path / "links.txt").write_text("doctor.sh: link from h0 to h1: 941.5 Mbit/s\n")
@@ -236,6 +255,7 @@ def test_the_cli_reads_doctors_link_lines(tmp_path, capsys):
     (lambda p: (p / "cluster.json").write_text('{"census": []}'), [], "no census"),
     (write_run, [], "no link speed for host"),
     (write_run, ["--link-mbit", "1000", "--calibration", "CAL"], "unknown keys ['speed']"),
+    (write_run, ["--link-mbit", "1000", "--calibration", "BADTYPE"], "step_s: a number"),
     (write_run, ["--link-mbit", "1000", "--global-batch", "0"], "must be at least 1"),
     (write_run, ["--link-mbit", "fast"], "invalid float value"),
     (write_run, ["--link-file", "missing.txt"], "--link-file missing.txt"),
@@ -243,7 +263,9 @@ def test_the_cli_reads_doctors_link_lines(tmp_path, capsys):
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make, args, message):
     make(tmp_path)
     (tmp_path / "cal.json").write_text('{"speed": 1}')
-    args = [str(tmp_path / "cal.json") if a == "CAL" else a for a in args]
+    (tmp_path / "badtype.json").write_text('{"step_s": "slow"}')
+    files = {"CAL": str(tmp_path / "cal.json"), "BADTYPE": str(tmp_path / "badtype.json")}
+    args = [files.get(a, a) for a in args]
     with pytest.raises(SystemExit) as e:
         raise SystemExit(cli.main([str(tmp_path), *args]))
     assert e.value.code == 2

@@ -56,9 +56,23 @@ def calibration(path: str | None) -> Calibration:
     if set(given) - known:
         raise ConfigError(f"--calibration {path}: unknown keys {sorted(set(given) - known)}; known: "
                           f"{', '.join(sorted(known))}")
-    if "zero_comm_factor" in given:
-        given["zero_comm_factor"] = tuple(given["zero_comm_factor"])
+    for key, value in given.items():
+        default = getattr(Calibration, key)
+        if isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, tuple):
+            ok, want = isinstance(value, list) and len(value) == len(default) and all(map(number, value)), \
+                f"a list of {len(default)} numbers >= 0 (one per ZeRO stage)"
+            given[key] = tuple(value) if ok else value
+        else:
+            ok, want = number(value), "a number >= 0"
+        if not ok:
+            raise ConfigError(f"--calibration {path}: {key}: {want}, not {value!r}")
     return Calibration(**given)
+
+
+def number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
 
 def setting(args, config: dict | None, name: str, value):

@@ -74,6 +74,7 @@ class Calibration:
     zero_comm_factor: tuple[float, ...] = (1.0, 1.46, 1.46, 1.75)  # ZeRO stage's communication time / DDP's
     ddp_bucket_bytes: float = 25 * 2**20  # torch DDP's bucket_cap_mb
     ddp_overlap: bool = True  # DDP's buckets all-reduce during backward
+    pipe_overlap: bool = True  # a pipeline's p2p runs while other stages compute (else each slot pays it)
 
 
 @dataclass(frozen=True)

@@ -92,26 +92,44 @@ def data_parallel(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib
                       tuple(capacity(r, c.engine, c.zero_stage, job.precision) for r in ranks))
 
 
-def boundary_s(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration, k: int,
-               cut: int) -> float:
-    """Seconds a micro-batch's transfer across boundary k (stage k to k+1, after layer cut-1) costs: the
-    activations forward and their gradients back, on the slowest of the data-parallel copies' pairs."""
-    dp = len(ranks) // c.stages
-    nbytes = c.micro_batch * job.layers[cut - 1].out_elems * wire_bytes_per_elem(spec(c.engine), job.precision,
-                                                                                c.compression)
-    return max(2 * p2p_s(nbytes, ranks[k * dp + d].host, ranks[(k + 1) * dp + d].host, net, calib)
-               for d in range(dp))
+def stage_transfer_s(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration, s: int, i: int,
+                     j: int) -> float:
+    """Seconds per micro-batch stage s's link is busy: it sends its activations on (after layer j-1) and its input's
+    gradients back (the output of layer i-1), and receives as much (full duplex: the two directions overlap),
+    plus latency and message_s per message; the slowest of the data-parallel copies."""
+    dp, per = len(ranks) // c.stages, wire_bytes_per_elem(spec(c.engine), job.precision, c.compression)
+    worst = 0.0
+    for d in range(dp):
+        here, busy = ranks[s * dp + d].host, 0.0
+        for k, layer, there in ((s - 1, i - 1, -1), (s + 1, j - 1, 1)):
+            if 0 <= k < c.stages:
+                peer = ranks[k * dp + d].host
+                busy += p2p_s(c.micro_batch * job.layers[layer].out_elems * per, here, peer, net, calib)
+        worst = max(worst, busy)
+    return worst
 
 
 def stage_time_s(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration, s: int, i: int,
                  j: int) -> tuple[float, float]:
     """(compute, transfer) seconds per micro-batch of stage s holding layers i..j-1: its slowest rank's forward
-    and backward, and the boundaries it receives from and sends to (1F1B: each slot does both)."""
+    and backward, and its link's (stage_transfer_s)."""
     dp = len(ranks) // c.stages
     compute = max(c.micro_batch * (sum(r.fwd_s[i:j]) + sum(r.bwd_s[i:j])) for r in ranks[s * dp:(s + 1) * dp])
-    transfer = (boundary_s(c, ranks, net, job, calib, s - 1, i) if s > 0 else 0.0) + (
-        boundary_s(c, ranks, net, job, calib, s, j) if s < c.stages - 1 else 0.0)
-    return compute, transfer
+    return compute, stage_transfer_s(c, ranks, net, job, calib, s, i, j)
+
+
+def slots(c: Candidate) -> int:
+    """1F1B's slots a step: m + S - 1 with DeepSpeed's flush at every step; m for the async pipeline, which keeps
+    micro-batches in flight across steps (PipeDream-2BW: no flush, no bubble)."""
+    return c.grad_accum + (c.stages - 1 if not spec(c.engine).async_options else 0)
+
+
+def stage_step_s(c: Candidate, calib: Calibration, compute: float, transfer: float) -> float:
+    """What one stage alone makes the step: overlapped (calib.pipe_overlap), its compute over all the slots or its
+    link over the m micro-batches, whichever is longer; else every slot pays both."""
+    if calib.pipe_overlap:
+        return max(slots(c) * compute, c.grad_accum * transfer)
+    return slots(c) * (compute + transfer)
 
 
 def stage_mem_bytes(c: Candidate, job: Job, dp: int, s: int, i: int, j: int) -> float:
@@ -125,16 +143,13 @@ def stage_mem_bytes(c: Candidate, job: Job, dp: int, s: int, i: int, j: int) -> 
 
 
 def pipeline(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> Prediction:
-    """1F1B over m = grad_accum micro-batches and S stages: m + S - 1 slots of the slowest stage (its compute and
-    its boundaries' transfer); DeepSpeed's pipeline flushes every step, so S - 1 of them are bubble; the async
-    pipeline keeps micro-batches in flight across steps (no flush: no bubble). Then each stage all-reduces its
+    """1F1B over m = grad_accum micro-batches and S stages: the slowest stage's stage_step_s, split into compute
+    (m x its compute), bubble (the other slots' compute) and link (the rest). Then each stage all-reduces its
     gradients among its data-parallel copies (not overlapped; ZeRO's factor on DeepSpeed's)."""
     engine, dp, m, parts = spec(c.engine), len(ranks) // c.stages, c.grad_accum, c.parts
     times = [stage_time_s(c, ranks, net, job, calib, s, parts[s], parts[s + 1]) for s in range(c.stages)]
-    slow = max(range(c.stages), key=lambda s: sum(times[s]))
-    compute, transfer = times[slow]
-    slot = compute + transfer
-    flush = not engine.async_options  # the async pipeline (PipeDream-2BW) runs 1F1B without a flush
+    step = max(stage_step_s(c, calib, *t) for t in times)
+    compute = max(t[0] for t in times) if calib.pipe_overlap else max(times, key=lambda t: sum(t))[0]
     factor = calib.zero_comm_factor[c.zero_stage] if engine.deepspeed else 1.0
     reduce = max(factor * ring_allreduce_s(
         grad_bytes(engine, job, job.layers[parts[s]:parts[s + 1]], c.compression),
@@ -145,8 +160,9 @@ def pipeline(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Cal
         for r in ranks[s * dp:(s + 1) * dp]:
             mems.append(mem)
             caps.append(capacity(r, c.engine, c.zero_stage, job.precision))
-    return Prediction(c, m * compute, m * transfer + reduce, (c.stages - 1) * slot if flush else 0.0,
-                      calib.step_s + m * calib.micro_s, tuple(mems), tuple(caps))
+    bubble = (slots(c) - m) * compute
+    return Prediction(c, m * compute, step - slots(c) * compute + reduce, bubble, calib.step_s + m * calib.micro_s,
+                      tuple(mems), tuple(caps))
 
 
 def predict(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> Prediction:

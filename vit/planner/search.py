@@ -9,7 +9,15 @@ from vit.engines.registry import SPECS, EngineSpec
 from vit.hetero.batch_split import proportional_split
 from vit.hetero.stages import balanced_split
 from vit.planner.cost import Calibration, Candidate, Job, Network, Rank, compressions
-from vit.planner.predict import Prediction, capacity, per_param_bytes, predict, stage_mem_bytes, stage_time_s
+from vit.planner.predict import (
+    Prediction,
+    capacity,
+    per_param_bytes,
+    predict,
+    stage_mem_bytes,
+    stage_step_s,
+    stage_time_s,
+)
 
 
 def divisors(k: int) -> list[int]:
@@ -23,16 +31,18 @@ def zero_stages(engine: EngineSpec, dp: int) -> tuple[int, ...]:
 
 
 def best_parts(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> tuple[int, ...] | None:
-    """The contiguous split of the layers whose slowest stage (compute + its boundaries' transfer per micro-batch,
-    predict.stage_time_s) is fastest and fits each stage's memory: vit.hetero.stages' exact dynamic programming
-    with the planner's stage cost. When no split fits, the fastest regardless of memory (predicted as not
+    """The contiguous split of the layers whose slowest stage (what it alone makes the step, from its compute and
+    its link per micro-batch: predict.stage_step_s) is fastest and fits each stage's memory: vit.hetero.stages'
+    exact dynamic programming with the planner's stage cost (the stages' all-reduce among data-parallel copies
+    aside). When no split fits, the fastest regardless of memory (predicted as not
     fitting); None only when there are fewer layers than stages."""
     n, dp = len(job.layers), len(ranks) // c.stages
     caps = [min(capacity(r, c.engine, c.zero_stage, job.precision) for r in ranks[s * dp:(s + 1) * dp])
             for s in range(c.stages)]
 
     def cost(s: int, i: int, j: int) -> tuple[float, float]:
-        return sum(stage_time_s(c, ranks, net, job, calib, s, i, j)), stage_mem_bytes(c, job, dp, s, i, j)
+        return (stage_step_s(c, calib, *stage_time_s(c, ranks, net, job, calib, s, i, j)),
+                stage_mem_bytes(c, job, dp, s, i, j))
 
     plan = (balanced_split([[]] * c.stages, [0.0] * n, [0.0] * n, caps, [1] * c.stages, cost=cost)
             or balanced_split([[]] * c.stages, [0.0] * n, [0.0] * n, [math.inf] * c.stages, [1] * c.stages,
