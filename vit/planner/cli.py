@@ -98,6 +98,9 @@ def inputs(args) -> tuple[list, object, Job, Calibration, str]:
         raise ConfigError(f"--global-batch {global_batch}: must be at least 1")
     layers, flops = profile_model(model, dataset, args.img_size or run_args.get("img_size"), precision,
                                   run_args.get("data_path"))
+    measured = cluster.get("layers")  # the run's own profile (its precision, its device), where it made one
+    if measured and len(measured) == len(layers) and precision == cluster.get("precision"):
+        layers = [dataclasses.replace(x, act_bytes=float(m["act_bytes"])) for x, m in zip(layers, measured)]
     ranks, how = ranks_from_census(cluster["census"], flops, micro or 1)
     net = network([r.host for r in ranks], args.link_mbit, args.link_file, args.latency_ms, args.same_host_gbit)
     job = Job(tuple(layers), global_batch, precision, run_args.get("powersgd_rank", 4))

@@ -19,6 +19,8 @@ from vit.planner.predict import (
     stage_time_s,
 )
 
+TIE = 1e-9
+
 
 def divisors(k: int) -> list[int]:
     return [d for d in range(1, k + 1) if k % d == 0]
@@ -41,8 +43,9 @@ def best_parts(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: C
             for s in range(c.stages)]
 
     def cost(s: int, i: int, j: int) -> tuple[float, float]:
-        return (stage_step_s(c, calib, *stage_time_s(c, ranks, net, job, calib, s, i, j)),
-                stage_mem_bytes(c, job, dp, s, i, j))
+        compute, transfer = stage_time_s(c, ranks, net, job, calib, s, i, j)
+        # where the link sets the step, the split with the least compute on its slowest stage breaks the tie
+        return stage_step_s(c, calib, compute, transfer) + TIE * compute, stage_mem_bytes(c, job, dp, s, i, j)
 
     plan = (balanced_split([[]] * c.stages, [0.0] * n, [0.0] * n, caps, [1] * c.stages, cost=cost)
             or balanced_split([[]] * c.stages, [0.0] * n, [0.0] * n, [math.inf] * c.stages, [1] * c.stages,
@@ -80,7 +83,8 @@ def families(ranks: list[Rank], job: Job) -> Iterator[tuple[EngineSpec, int, int
 
 
 def family_best(family, ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> Prediction | None:
-    """The family's best micro-batch: the fastest that fits, else the fastest (marked as not fitting)."""
+    """The family's best micro-batch: the fastest that fits, else the fastest (marked as not fitting). A pipeline
+    takes at least as many micro-batches as stages."""
     engine, stages, zero, comp, split = family
     dp = len(ranks) // stages
     if job.global_batch % dp:
@@ -88,6 +92,8 @@ def family_best(family, ranks: list[Rank], net: Network, job: Job, calib: Calibr
     best = None
     for micro in divisors(job.global_batch // dp):
         c = Candidate(engine.name, zero, stages, micro, job.global_batch // dp // micro, comp)
+        if c.grad_accum < stages:
+            continue  # 1F1B needs a micro-batch per stage to fill; fewer leave transfers the model assumes hidden
         if split:
             sizes = proportional(c, ranks, job)
             if sizes is None:
