@@ -36,7 +36,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", help="default: the run's")
     p.add_argument("--img-size", type=int, help="default: the run's, else the model's")
     p.add_argument("--global-batch", type=int, help="default: the run's")
-    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), help="default: what the run trained in")
+    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"),
+                   help="default: what the run trained in; another changes the bytes and the memory, not the times "
+                   "the census measured")
     p.add_argument("--census-micro-batch", type=int,
                    help="the micro-batch the census's block_ms was measured at (default: the run's)")
     p.add_argument("--calibration", help="JSON of fixed costs and factors overriding the defaults "
@@ -79,8 +81,8 @@ def setting(args, config: dict | None, name: str, value):
     """--name, else the run's config.json value, else ConfigError."""
     if value is not None:
         return value
-    if config is None:
-        raise ConfigError(f"no config.json beside the cluster.json: give --{name.replace('_', '-')}")
+    if not config or name not in config:
+        raise ConfigError(f"no {name} in a config.json beside the cluster.json: give --{name.replace('_', '-')}")
     return config[name]
 
 
