@@ -73,6 +73,9 @@ def test_zero_stages_cost_the_measured_factors_of_the_all_reduce_and_bf16_halves
         half = predict(Candidate(ZERO_ENGINE, stage, 1, 4, 1, "comm-bf16"), ranks, net(1e6), j, ZERO_COST)
         assert half.link_s == pytest.approx(factor * ring / 2)
     assert Calibration().zero_comm_factor == (1.0, 1.46, 1.46, 1.75)
+    for stage, reductions in ((0, 1), (1, 1), (2, 2), (3, 2)):  # ZeRO-2 and 3 reduce at every micro-batch
+        accum = predict(Candidate(ZERO_ENGINE, stage, 1, 2, 2), ranks, net(1e6), j, ZERO_COST)
+        assert accum.link_s == pytest.approx(reductions * Calibration().zero_comm_factor[stage] * ring), stage
     assert predict(Candidate(ZERO_ENGINE, 2, 1, 4, 1), ranks, net(1e6), job(precision="bf16"),
                    ZERO_COST).link_s == pytest.approx(1.46 * ring / 2)  # DeepSpeed reduces bf16 gradients
 

@@ -66,7 +66,7 @@ def data_parallel(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib
     """Every rank holds the model. compute: the slowest rank's grad_accum x (its micro-batch x its per-sample
     forward and backward). DDP: its bucketed all-reduce overlaps the last micro-batch's backward on the slowest
     rank, except the last bucket: link = max(C_bucket, C - backward); ZeRO: not overlapped, C x the stage's
-    measured factor. C: a ring all-reduce of the gradients' wire bytes."""
+    measured factor, at every micro-batch from stage 2 on. C: a ring all-reduce of the gradients' wire bytes."""
     engine, n, a = spec(c.engine), len(ranks), c.grad_accum
     sizes = c.split or (c.micro_batch,) * n
     per_rank = [a * b * (sum(r.fwd_s) + sum(r.bwd_s)) for b, r in zip(sizes, ranks)]
@@ -84,7 +84,10 @@ def data_parallel(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib
     else:
         bucket = ds_config(engine, c.zero_stage)["zero_optimization"].get("reduce_bucket_size", 5e8)
         buckets = max(1, math.ceil(sum(x.params for x in job.layers) / bucket))
-        link = calib.zero_comm_factor[c.zero_stage] * ring_allreduce_s(wire, hosts, net, calib, buckets)
+        # deepspeed/runtime/engine.py allreduce_gradients: "ZeRO stage >= 2 communicates during non gradient
+        # accumulation boundaries as well": every micro-batch reduces its gradients
+        reductions = a if c.zero_stage >= 2 else 1
+        link = reductions * calib.zero_comm_factor[c.zero_stage] * ring_allreduce_s(wire, hosts, net, calib, buckets)
     state = sum(x.params for x in job.layers) * per_param_bytes(c, job, n)
     act = sum(x.act_bytes for x in job.layers)
     return Prediction(c, per_rank[slow], link, 0.0, calib.step_s + a * calib.micro_s,
