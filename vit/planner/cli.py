@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    print(f"planner: {what}; links {', '.join(f'{h} {8 * b / 1e6:g} Mbit/s' for h, b in net.host_bytes_s.items())}"
-          f", latency {1e3 * net.latency_s:g} ms")
+    links = ", ".join(f"{h} {8 * b / 1e6:g} Mbit/s" for h, b in net.host_bytes_s.items()) or "none (one host)"
+    print(f"planner: {what}; links {links}, latency {1e3 * net.latency_s:g} ms")
     print(table(rows, args.top))
     if args.json:
         with open(args.json, "w") as f:
