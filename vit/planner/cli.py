@@ -21,6 +21,12 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description="Rank every engine, ZeRO stage, pipeline split, batch split, compression and "
                "micro-batch by predicted step time, from a previous run's census (its cluster.json) and the "
@@ -43,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the micro-batch the census's block_ms was measured at (default: the run's)")
     p.add_argument("--calibration", help="JSON of fixed costs and factors overriding the defaults "
                    f"({', '.join(f.name for f in dataclasses.fields(Calibration))})")
-    p.add_argument("--top", type=int, default=20, help="rows printed (default 20; --json gets all)")
+    p.add_argument("--top", type=positive, default=20, help="rows printed (default 20; --json gets all)")
     p.add_argument("--json", metavar="OUT", help="write every candidate's prediction here")
     return p
 

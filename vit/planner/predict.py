@@ -4,7 +4,7 @@ import math
 from dataclasses import dataclass
 
 from vit.engines.registry import spec
-from vit.hetero.footprint import gpu_reserved_bytes, state_bytes
+from vit.hetero.footprint import ZERO_BUCKET_DEFAULT, gpu_reserved_bytes, state_bytes
 from vit.hetero.stages import pipeline_inflight
 from vit.planner.cost import (
     Calibration,
@@ -74,7 +74,7 @@ def data_parallel(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib
     hosts = [r.host for r in ranks]
     wire = grad_bytes(engine, job, job.layers, c.compression)
     rounds = allreduce_rounds(c.compression)
-    if engine.comm_hooks:
+    if not engine.deepspeed:  # torch's DDP
         dense = grad_bytes(engine, job, job.layers, "none")  # DDP buckets the uncompressed gradients
         buckets = max(1, math.ceil(dense / calib.ddp_bucket_bytes))
         comm = ring_allreduce_s(wire, hosts, net, calib, buckets * rounds)
@@ -82,7 +82,7 @@ def data_parallel(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib
         backward = sizes[slow] * sum(ranks[slow].bwd_s)
         link = max(tail, comm - backward) if calib.ddp_overlap else comm
     else:
-        bucket = ds_config(engine, c.zero_stage)["zero_optimization"].get("reduce_bucket_size", 5e8)
+        bucket = ds_config(engine, c.zero_stage)["zero_optimization"].get("reduce_bucket_size", ZERO_BUCKET_DEFAULT)
         buckets = max(1, math.ceil(sum(x.params for x in job.layers) / bucket))
         # deepspeed/runtime/engine.py allreduce_gradients: "ZeRO stage >= 2 communicates during non gradient
         # accumulation boundaries as well": every micro-batch reduces its gradients
