@@ -227,6 +227,8 @@ def test_the_cli_prints_the_ranked_table_and_writes_json(tmp_path, capsys):
     assert "ms/step" in out and "images/s" in out and "bottleneck" in out and "fits" in out
     assert len([line for line in out.splitlines() if line[:3].strip().isdigit()]) == 5
     plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["links_mbit"] == {"h0": 1000, "h1": 1000} and [r["host"] for r in plan["ranks"]] == ["h0", "h1"]
+    assert len(plan["ranks"][1]["layer_ms_per_sample"]) == 6  # vit_digits: embed, 4 blocks, head
     rows = plan["candidates"]
     assert {r["engine"] for r in rows} == set(SPECS)
     assert [r["step_ms"] for r in rows] == sorted(r["step_ms"] for r in rows)

@@ -151,5 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, args.top))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"inputs": what, "calibration": dataclasses.asdict(calib), "candidates": rows}, f, indent=2)
+            json.dump({"inputs": what, "ranks": [{"host": r.host, "capacity_gib": r.capacity_bytes / 2**30,
+                                                  "layer_ms_per_sample": [[1e3 * a, 1e3 * b] for a, b in
+                                                                          zip(r.fwd_s, r.bwd_s)]} for r in ranks],
+                       "links_mbit": {h: 8 * b / 1e6 for h, b in net.host_bytes_s.items()},
+                       "latency_ms": 1e3 * net.latency_s, "calibration": dataclasses.asdict(calib),
+                       "candidates": rows}, f, indent=2)
     return 0
