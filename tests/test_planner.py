@@ -176,6 +176,18 @@ def test_best_partition_equals_an_exhaustive_search(seed):
     best = min(fitting or predicted.values(), key=lambda p: p.step_s)
     assert predicted[found].step_s == pytest.approx(best.step_s)
     assert predicted[found].fits == bool(fitting)
+    if calib.pipe_overlap:  # of the splits as fast, the least compute on the busiest stage
+        ties = [p for p in fitting or predicted.values() if p.step_s <= best.step_s * (1 + 1e-9)]
+        assert predicted[found].compute_s == pytest.approx(min(p.compute_s for p in ties))
+
+
+def test_where_the_link_sets_the_step_the_slow_rank_still_gets_less_compute():
+    ranks = two_hosts(fwd=(1e-3,) * 6, bwd=(2e-3,) * 6, slow=2.0)
+    j = job(n_layers=6, out=1000, batch=16)
+    c = Candidate(DS_PIPE, 0, 2, 4, 4)
+    parts = best_parts(c, ranks, net(1e4), j, ZERO_COST)  # 16 kB each way at 10 kB/s: 1.6 s a micro-batch
+    assert predict(Candidate(DS_PIPE, 0, 2, 4, 4, parts=parts), ranks, net(1e4), j, ZERO_COST).bottleneck == "link"
+    assert parts == (0, 4, 6)  # rank 1, twice as slow, holds 2 of the 6 layers
 
 
 def test_the_slow_rank_gets_less_work_and_every_engine_is_ranked():

@@ -19,8 +19,6 @@ from vit.planner.predict import (
     stage_time_s,
 )
 
-TIE = 1e-9
-
 
 def divisors(k: int) -> list[int]:
     return [d for d in range(1, k + 1) if k % d == 0]
@@ -36,21 +34,32 @@ def best_parts(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: C
     """The contiguous split of the layers whose slowest stage (what it alone makes the step, from its compute and
     its link per micro-batch: predict.stage_step_s) is fastest and fits each stage's memory: vit.hetero.stages'
     exact dynamic programming with the planner's stage cost (the stages' all-reduce among data-parallel copies
-    aside). When no split fits, the fastest regardless of memory (predicted as not
-    fitting); None only when there are fewer layers than stages."""
+    aside). Among the splits that reach that step (many, where the link sets it), the one with the least compute
+    on its busiest stage: a second pass of the same programming, the others ruled out. When no split fits, the
+    fastest regardless of memory (predicted as not fitting); None only when there are fewer layers than stages."""
     n, dp = len(job.layers), len(ranks) // c.stages
     caps = [min(capacity(r, c.engine, c.zero_stage, job.precision) for r in ranks[s * dp:(s + 1) * dp])
             for s in range(c.stages)]
+    costs = {}
 
-    def cost(s: int, i: int, j: int) -> tuple[float, float]:
-        compute, transfer = stage_time_s(c, ranks, net, job, calib, s, i, j)
-        # where the link sets the step, the split with the least compute on its slowest stage breaks the tie
-        return stage_step_s(c, calib, compute, transfer) + TIE * compute, stage_mem_bytes(c, job, dp, s, i, j)
+    def cost(s: int, i: int, j: int) -> tuple[float, float, float]:
+        if (s, i, j) not in costs:
+            compute, transfer = stage_time_s(c, ranks, net, job, calib, s, i, j)
+            costs[s, i, j] = stage_step_s(c, calib, compute, transfer), stage_mem_bytes(c, job, dp, s, i, j), compute
+        return costs[s, i, j]
 
-    plan = (balanced_split([[]] * c.stages, [0.0] * n, [0.0] * n, caps, [1] * c.stages, cost=cost)
-            or balanced_split([[]] * c.stages, [0.0] * n, [0.0] * n, [math.inf] * c.stages, [1] * c.stages,
-                              cost=cost))
-    return tuple(plan.parts) if plan else None
+    def split(caps: list[float], limit: float = math.inf):
+        def within(s: int, i: int, j: int) -> tuple[float, float]:
+            step, mem, compute = cost(s, i, j)
+            return (step, mem) if limit == math.inf else (compute, mem if step <= limit else math.inf)
+
+        return balanced_split([[]] * c.stages, [0.0] * n, [0.0] * n, caps, [1] * c.stages, cost=within)
+
+    plan = split(caps) or split([math.inf] * c.stages)
+    if plan is None:
+        return None
+    fitting = caps if split(caps) else [math.inf] * c.stages
+    return tuple(split(fitting, max(plan.times) * (1 + 1e-12)).parts)
 
 
 def proportional(c: Candidate, ranks: list[Rank], job: Job) -> tuple[int, ...] | None:
