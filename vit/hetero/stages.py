@@ -3,6 +3,7 @@ the contiguous split of the layers with the fastest slowest stage that fits, by 
 against brute force). Frozen prefix layers cost their forward only and keep no activations (re-planning at a
 freeze point)."""
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vit.errors import ConfigError
@@ -23,12 +24,15 @@ def stage_cost(s, i, j, time, static, act, inflight) -> tuple[float, float]:
 
 
 def balanced_split(time: list[list[list[float]]], static: list[float], act: list[float], capacity: list[float],
-                   inflight: list[int], min_first: int = 0) -> StagePlan | None:
+                   inflight: list[int], min_first: int = 0,
+                   cost: Callable[[int, int, int], tuple[float, float]] | None = None) -> StagePlan | None:
     """The contiguous split of the layers into len(time) non-empty stages that minimises the slowest stage's time
     (time[s][r][i]: seconds of layer i on rank r of stage s) with every stage's memory (static + act x inflight)
     within its capacity, the first stage ending past layer min_first; None when no split fits. Exact dynamic
-    programming over the end of each stage."""
+    programming over the end of each stage. `cost`(s, i, j) -> (seconds, bytes) replaces stage_cost (the planner's
+    stage time with its boundaries' transfer, vit.planner)."""
     n, stages = len(static), len(time)
+    cost = cost or (lambda s, i, j: stage_cost(s, i, j, time, static, act, inflight))
     best = {(0, 0): (0.0, None)}  # (stages used, layers placed) -> (slowest time so far, previous cut)
     for s in range(stages):
         for j in range(max(s + 1, min_first + 1 if s == 0 else 0), n - (stages - s - 1) + 1):
@@ -36,7 +40,7 @@ def balanced_split(time: list[list[list[float]]], static: list[float], act: list
             for i in range(s, j):
                 if (s, i) not in best:
                     continue
-                t, m = stage_cost(s, i, j, time, static, act, inflight)
+                t, m = cost(s, i, j)
                 if m <= capacity[s]:
                     options.append((max(best[(s, i)][0], t), i))
             if options:
@@ -47,7 +51,7 @@ def balanced_split(time: list[list[list[float]]], static: list[float], act: list
     for s in range(stages, 0, -1):
         parts.append(best[(s, parts[-1])][1])
     parts.reverse()
-    stats = [stage_cost(s, parts[s], parts[s + 1], time, static, act, inflight) for s in range(stages)]
+    stats = [cost(s, parts[s], parts[s + 1]) for s in range(stages)]
     return StagePlan(parts, [t for t, _ in stats], [m for _, m in stats], time)
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from vit.planner.cli import main
+
+sys.exit(main())

@@ -1,0 +1,160 @@
+"""`python -m vit.planner RUN`: every candidate's predicted step for the cluster a previous run measured, ranked
+(docs/planner.md). Bad input: one line on stderr, exit 2."""
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from vit.errors import ConfigError
+from vit.planner.cost import Calibration, Job
+from vit.planner.inputs import load_run, network, profile_model, ranks_from_census, read_json
+from vit.planner.predict import Prediction
+from vit.planner.search import rank_candidates
+
+PROG = "python -m vit.planner"
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage and message
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog=PROG, description="Rank every engine, ZeRO stage, pipeline split, batch split, compression and "
+               "micro-batch by predicted step time, from a previous run's census (its cluster.json) and the "
+               "links between its hosts. Predictions only: nothing trains (docs/planner.md).")
+    p.add_argument("run", help="a run's log dir (with cluster.json and config.json) or a cluster.json")
+    p.add_argument("--link-mbit", type=float, help="every host's link in Mbit/s")
+    p.add_argument("--link-file", help="setup/doctor.sh --link's output ('link from A to B: X Mbit/s'), or "
+                   "'HOST MBIT' lines; --link-mbit fills hosts it lacks")
+    p.add_argument("--latency-ms", type=float, default=0.1, help="one message's latency between hosts (default 0.1)")
+    p.add_argument("--same-host-gbit", type=float, default=40.0,
+                   help="bandwidth between two ranks on one host, assumed (default 40 Gbit/s)")
+    p.add_argument("--model", help="default: the run's (config.json)")
+    p.add_argument("--dataset", help="default: the run's")
+    p.add_argument("--img-size", type=int, help="default: the run's, else the model's")
+    p.add_argument("--global-batch", type=int, help="default: the run's")
+    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"),
+                   help="default: what the run trained in; another changes the bytes and the memory, not the times "
+                   "the census measured")
+    p.add_argument("--census-micro-batch", type=int,
+                   help="the micro-batch the census's block_ms was measured at (default: the run's)")
+    p.add_argument("--calibration", help="JSON of fixed costs and factors overriding the defaults "
+                   f"({', '.join(f.name for f in dataclasses.fields(Calibration))})")
+    p.add_argument("--top", type=positive, default=20, help="rows printed (default 20; --json gets all)")
+    p.add_argument("--json", metavar="OUT", help="write every candidate's prediction here")
+    return p
+
+
+def calibration(path: str | None) -> Calibration:
+    if not path:
+        return Calibration()
+    given = read_json(Path(path), "--calibration")
+    known = {f.name for f in dataclasses.fields(Calibration)}
+    if not isinstance(given, dict):
+        raise ConfigError(f"--calibration {path}: a JSON object of {', '.join(sorted(known))}")
+    if set(given) - known:
+        raise ConfigError(f"--calibration {path}: unknown keys {sorted(set(given) - known)}; known: "
+                          f"{', '.join(sorted(known))}")
+    for key, value in given.items():
+        default = getattr(Calibration, key)
+        if isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, tuple):
+            ok, want = isinstance(value, list) and len(value) == len(default) and all(map(number, value)), \
+                f"a list of {len(default)} numbers >= 0 (one per ZeRO stage)"
+            given[key] = tuple(value) if ok else value
+        else:
+            ok, want = number(value), "a number >= 0"
+        if not ok:
+            raise ConfigError(f"--calibration {path}: {key}: {want}, not {value!r}")
+    return Calibration(**given)
+
+
+def number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+def setting(args, config: dict | None, name: str, value):
+    """--name, else the run's config.json value, else ConfigError."""
+    if value is not None:
+        return value
+    if not config or name not in config:
+        raise ConfigError(f"no {name} in a config.json beside the cluster.json: give --{name.replace('_', '-')}")
+    return config[name]
+
+
+def inputs(args) -> tuple[list, object, Job, Calibration, str]:
+    cluster, config = load_run(args.run)
+    run_args = (config or {}).get("args", {})
+    model = setting(args, config and run_args, "model", args.model)
+    dataset = args.dataset or run_args.get("dataset", "synthetic")
+    precision = args.precision or cluster.get("precision", "fp32")
+    global_batch = setting(args, config, "global_batch", args.global_batch)
+    micro = args.census_micro_batch or (config or {}).get("deepspeed", {}).get("train_micro_batch_size_per_gpu")
+    if not micro and not all("layer_ms" in r for r in cluster["census"]):
+        raise ConfigError("the census's block_ms needs the micro-batch it was measured at: give --census-micro-batch")
+    if global_batch < 1:
+        raise ConfigError(f"--global-batch {global_batch}: must be at least 1")
+    layers, flops = profile_model(model, dataset, args.img_size or run_args.get("img_size"), precision,
+                                  run_args.get("data_path"))
+    measured = cluster.get("layers")  # the run's own profile (its precision, its device), where it made one
+    if measured and len(measured) == len(layers) and precision == cluster.get("precision"):
+        layers = [dataclasses.replace(x, act_bytes=float(m["act_bytes"])) for x, m in zip(layers, measured)]
+    ranks, how = ranks_from_census(cluster["census"], flops, micro or 1)
+    net = network([r.host for r in ranks], args.link_mbit, args.link_file, args.latency_ms, args.same_host_gbit)
+    job = Job(tuple(layers), global_batch, precision, run_args.get("powersgd_rank", 4))
+    return ranks, net, job, calibration(args.calibration), f"{model}, global batch {global_batch}, {precision}; " \
+        f"{len(ranks)} ranks on {len({r.host for r in ranks})} hosts; layer times {how}"
+
+
+def row(p: Prediction, global_batch: int) -> dict:
+    c = p.candidate
+    return {"candidate": c.label(), **dataclasses.asdict(c), "step_ms": 1e3 * p.step_s,
+            "images_per_s": p.images_per_s(global_batch), "compute_ms": 1e3 * p.compute_s, "link_ms": 1e3 * p.link_s,
+            "bubble_ms": 1e3 * p.bubble_s, "fixed_ms": 1e3 * p.fixed_s, "bottleneck": p.bottleneck,
+            "mem_gib": [m / 2**30 for m in p.mem_bytes], "capacity_gib": [m / 2**30 for m in p.capacity_bytes],
+            "fits": p.fits}
+
+
+def table(rows: list[dict], top: int) -> str:
+    width = max([len("candidate")] + [len(r["candidate"]) for r in rows[:top]])
+    lines = [f"{'#':>3}  {'candidate':<{width}} {'ms/step':>9} {'images/s':>9} {'bottleneck':<10} "
+             f"{'per-rank GiB':<24} fits"]
+    for i, r in enumerate(rows[:top], 1):
+        mem = "/".join(f"{m:.2f}" for m in r["mem_gib"])
+        lines.append(f"{i:>3}  {r['candidate']:<{width}} {r['step_ms']:>9.2f} {r['images_per_s']:>9.1f} "
+                     f"{r['bottleneck']:<10} {mem:<24} {'yes' if r['fits'] else 'no'}")
+    if len(rows) > top:
+        lines.append(f"     ... {len(rows) - top} more (--top, --json)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        ranks, net, job, calib, what = inputs(args)
+        rows = [row(p, job.global_batch) for p in rank_candidates(ranks, net, job, calib)]
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    links = ", ".join(f"{h} {8 * b / 1e6:g} Mbit/s" for h, b in net.host_bytes_s.items()) or "none (one host)"
+    print(f"planner: {what}; links {links}, latency {1e3 * net.latency_s:g} ms")
+    print(table(rows, args.top))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"inputs": what, "ranks": [{"host": r.host, "capacity_gib": r.capacity_bytes / 2**30,
+                                                  "layer_ms_per_sample": [[1e3 * a, 1e3 * b] for a, b in
+                                                                          zip(r.fwd_s, r.bwd_s)]} for r in ranks],
+                       "links_mbit": {h: 8 * b / 1e6 for h, b in net.host_bytes_s.items()},
+                       "latency_ms": 1e3 * net.latency_s, "calibration": dataclasses.asdict(calib),
+                       "candidates": rows}, f, indent=2)
+    return 0
