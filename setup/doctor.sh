@@ -124,10 +124,10 @@ done
 [ -n "$slowest" ] || die "--link: no host other than this one ($(hostname)) to measure"
 # The rows of the table in docs/ethernet.md (measured in docs/benchmarks.md, "Which engine wins on Ethernet").
 if [ "$slowest" -lt 2000 ]; then
-  echo "$PROG: slowest link $slowest Mbit/s (1 GbE or slower): use --engine ddp --comm-hook powersgd for" \
-    "ViT-B/16-like models (4.4x DDP's images/s, 1.3x the pipeline's; check held-out accuracy), or --engine pipeline" \
-    "--pipeline-stages ${#HOSTS[@]} when the model does not fit; plain DDP and ZeRO send every gradient through each" \
-    "link (docs/ethernet.md)"
+  echo "$PROG: slowest link $slowest Mbit/s (1 GbE or slower): use --engine async-pipeline --pipeline-stages" \
+    "${#HOSTS[@]} --pipe-wire-dtype bf16 (6.2x plain DDP's images/s for ViT-B/16-like models) or --engine ddp" \
+    "--comm-hook powersgd (4.4x; check held-out accuracy) or --engine pipeline --pipeline-stages ${#HOSTS[@]} (3.3x);" \
+    "plain DDP and ZeRO send every gradient through each link (docs/ethernet.md)"
 elif [ "$slowest" -lt 8000 ]; then
   echo "$PROG: slowest link $slowest Mbit/s (2.5 to 5 GbE): not measured; compare the two with" \
     "RUNS=\"ddp pipeline\" scripts/compare.sh (docs/ethernet.md)"
