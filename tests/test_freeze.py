@@ -10,7 +10,7 @@ from helpers import launch, read_jsonl, run_cmd, train_losses
 from vit.config.cli import defaults, parse
 from vit.errors import ConfigError
 from vit.freeze.replan import Layout, replan
-from vit.freeze.rules import Freezer, by_gradient, changes, freeze_prefix, scheduled
+from vit.freeze.rules import Freezer, by_gradient, changes, freeze_prefix, next_measure, scheduled
 from vit.loop.reference import reference_losses
 from vit.model.layers import build_layers
 
@@ -39,6 +39,13 @@ def test_gradient_rule_freezes_the_settled_prefix_at_most_alpha_and_the_schedule
     assert by_gradient([0.5, 0.0, 0.0, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 0
     assert by_gradient([0.0, 0.0, 0.3, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 2
     assert by_gradient([0.0, 0.0, 0.1, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 2  # at the threshold: learning
+
+
+def test_the_decision_line_names_the_next_layers_measure():
+    assert next_measure([0.0, 0.3, 0.0], 1, 0.1, 3) == "next: layer 1, gradient change 0.3 >= 0.1"
+    assert next_measure([0.0, 0.05, 0.0], 1, 0.1, 3) == "next: layer 1, gradient change 0.05 < 0.1"
+    assert next_measure(None, 0, 0.1, 3).startswith("next: layer 0, no gradient change yet")
+    assert next_measure(None, 3, 0.1, 3) == next_measure([0.0] * 3, 3, 0.1, 3) == "all freezable layers frozen"
 
 
 def replay(history: list[list[float]], rule: str = "grad", **options) -> list[int]:

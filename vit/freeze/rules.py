@@ -42,9 +42,9 @@ def by_gradient(change: list[float], frozen: int, threshold: float, alpha: float
     return count
 
 
-def next_measure(change: list[float] | None, frozen: int, threshold: float) -> str:
+def next_measure(change: list[float] | None, frozen: int, threshold: float, num_freezable: int) -> str:
     """What the decision line says of the next layer to freeze: its change against the threshold."""
-    if frozen >= (len(change) if change is not None else frozen + 1):
+    if frozen >= num_freezable:
         return "all freezable layers frozen"
     if change is None:
         return f"next: layer {frozen}, no gradient change yet (the first interval has nothing to compare with)"
@@ -219,7 +219,7 @@ class Freezer:
             frozen = self.frozen
         else:
             frozen = by_gradient(self.change, self.frozen, self.threshold, self.alpha, allowed)
-        self.said = next_measure(self.change, frozen, self.threshold)
+        self.said = next_measure(self.change, frozen, self.threshold, self.num_freezable)
         if frozen <= self.frozen:
             return None
         self.frozen = frozen
