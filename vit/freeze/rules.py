@@ -178,6 +178,7 @@ class Freezer:
         rebuilt, freed = rebuild(engine, lambda layers: self.freeze(layers, frozen), self.make_layers,
                                  self.make_engine, plan)
         self.watch(rebuilt.live_module())
+        self.rescale(current, rebuilt.layout if current else None)
         if self.cache is not None:
             self.cache.clear()  # a new boundary
         stages = rebuilt.layout.stages if current else 1
@@ -195,6 +196,13 @@ class Freezer:
             print(f"freeze at step {step}: {layer_range(frozen)} frozen ({self.said}); {stages} stages x "
                   f"{rebuilt.dp_size} data-parallel{plan}", flush=True)
         return rebuilt
+
+    def rescale(self, before: Layout | None, after: Layout | None) -> None:
+        """A micro-batch's gradient is 1/grad_accum of its step's: when a re-plan changes the micro-batches per copy
+        (the total stays), the last interval's norms are put on the new scale, else every layer would seem to
+        change by the ratio (x2 when 2 stages become 1 stage x 2 copies)."""
+        if before and after and self.previous and before.grad_accum != after.grad_accum:
+            self.previous = [p * before.grad_accum / after.grad_accum for p in self.previous]
 
     def watch(self, module: nn.Module) -> None:
         """Measure the gradients of this (newly built) engine's module."""
