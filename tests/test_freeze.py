@@ -48,6 +48,16 @@ def test_the_decision_line_names_the_next_layers_measure():
     assert next_measure(None, 3, 0.1, 3) == next_measure([0.0] * 3, 3, 0.1, 3) == "all freezable layers frozen"
 
 
+def test_a_replan_that_halves_the_micro_batches_keeps_the_measure_on_one_scale():
+    f = Freezer(defaults().with_(freeze="grad").freeze, num_layers=3, steps_per_epoch=10, total_steps=100,
+                device=torch.device("cpu"))
+    f.previous = [1.0, 2.0]
+    f.rescale(Layout(2, [0, 2, 3], 4), Layout(1, [0, 3], 2))  # 2 stages of 4 micro-batches: 1 stage x 2 copies of 2
+    assert f.previous == [2.0, 4.0]
+    f.rescale(Layout(1, [0, 3], 2), Layout(1, [0, 3], 2))
+    assert f.previous == [2.0, 4.0]
+
+
 def replay(history: list[list[float]], rule: str = "grad", **options) -> list[int]:
     """The frozen count after each decision point of a Freezer fed a synthetic history of per-layer gradient norms
     (one entry per decision point, a decision every step)."""
