@@ -314,7 +314,8 @@ def test_pipeline_shrinks_to_data_parallel_and_matches_the_loop_and_resumes(tmp_
         records = freeze_records(full, rank)
         assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in records] == points
         assert all(x["parts"] == [0, 6] and x["predicted_ms"] > 0 for x in records)
-    assert "freeze at step 2: 2 layers frozen; 1 stages x 2 data-parallel, layers [0, 6]" in r.outputs[0]
+    assert "freeze at step 2: layers 0-1 frozen (next: layer 2, no gradient change yet (the first interval has " \
+        "nothing to compare with)); 1 stages x 2 data-parallel, layers [0, 6]" in r.outputs[0]
     assert_released(full)
     want = reference(8, {2: 2, 4: 3, 6: 4})
     assert_losses(train_losses(full), want, range(1, 9))
