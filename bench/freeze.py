@@ -5,7 +5,8 @@ Pretraining: the default job with --export. Fine-tuning: the ten digits drawn as
 folder (every training image; the 360 held-out ones for evaluation), from the export, on the pipeline engine with
 2 stages on 2 ranks, each configuration for the same epochs, as in PipeTransformer's Table 1 and Fig. 9:
 baseline (no freezing), freeze only (--freeze-replan off, no cache), + AutoPipe/AutoDP (2 stages become 1 stage x
-2 copies), + AutoCache. Optionally with rank 1 slowed (--slow 1=2). Time is summary.json's wall time."""
+2 copies), + AutoCache; with --configs also `grad + AutoCache` (--freeze grad instead of the schedule). Optionally
+with rank 1 slowed (--slow 1=2). Time is summary.json's wall time."""
 import json
 import statistics
 import tempfile
@@ -21,11 +22,16 @@ CONFIGS = {  # name -> options on top of the fine-tuning run
     "freeze only": ["--freeze", "schedule", "--freeze-replan", "off", "--freeze-cache", "off"],
     "+ AutoPipe/AutoDP": ["--freeze", "schedule", "--freeze-replan", "on", "--freeze-cache", "off"],
     "+ AutoCache": ["--freeze", "schedule", "--freeze-replan", "on", "--freeze-cache", "on"],
+    "grad + AutoCache": ["--freeze", "grad", "--freeze-replan", "on", "--freeze-cache", "on"],  # --configs only
 }
+DEFAULT_CONFIGS = "baseline,freeze only,+ AutoPipe/AutoDP,+ AutoCache"
 
 
 def run(a) -> int:
     seeds = [int(s) for s in a.seeds.split(",")]
+    if unknown := [n for n in a.configs.split(",") if n not in CONFIGS] or "baseline" not in a.configs.split(","):
+        raise SystemExit(f"bench freeze: --configs {a.configs}: each of {', '.join(CONFIGS)}, baseline among them "
+                         f"({unknown or 'no baseline'})")
     slows = [""] + ([a.slow] if a.slow else [])
     rows, load = [], load_avg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -41,7 +47,7 @@ def run(a) -> int:
                 "--lr", a.lr, "--engine", "pipeline", "--pipeline-stages", 2, "--ds-config",
                 "deepspeed_configs/pipeline.json", "--epochs", a.epochs, "--no-save", "--monitor-interval", 0]
         for slow in slows:
-            for name, extra in CONFIGS.items():
+            for name, extra in ((n, CONFIGS[n]) for n in a.configs.split(",")):
                 runs = []
                 for seed in seeds:
                     log_dir = logs / f"{name.replace(' ', '_').replace('/', '-')}{'.slow' if slow else ''}.seed{seed}"
@@ -86,6 +92,8 @@ def add_arguments(p) -> None:
     p.add_argument("--epochs", type=positive_int, default=10, help="fine-tuning epochs")
     p.add_argument("--lr", default="5e-4", help="fine-tuning peak learning rate")
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated configurations of {', '.join(CONFIGS)}"
+                   " (baseline among them: the speed-ups are against it)")
     p.add_argument("--slow", default="1=2", help="also run every configuration with --simulate-slowdown SLOW "
                    "('' to skip)")
     p.add_argument("--timeout", type=positive_int, default=900, help="seconds per run")

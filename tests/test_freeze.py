@@ -10,7 +10,7 @@ from helpers import launch, read_jsonl, run_cmd, train_losses
 from vit.config.cli import defaults, parse
 from vit.errors import ConfigError
 from vit.freeze.replan import Layout, replan
-from vit.freeze.rules import Freezer, by_gradient, freeze_prefix, scheduled
+from vit.freeze.rules import Freezer, by_gradient, changes, freeze_prefix, next_measure, scheduled
 from vit.loop.reference import reference_losses
 from vit.model.layers import build_layers
 
@@ -25,15 +25,102 @@ def test_schedule_is_the_released_rule():
     assert scheduled(1, 5, 1.0) == 5
 
 
-def test_gradient_rule_freezes_a_converged_prefix_at_most_alpha_at_a_time():
-    previous = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    # relative changes 0.01, 0.02, 0.5, 0.03, 0.6, 0.7: median 0.265; the first two are below it.
-    now = [1.01, 1.02, 1.5, 1.03, 1.6, 1.7]
-    assert by_gradient(previous, now, 0, 1 / 3) == 2  # 2 of 6 = alpha of them
-    assert by_gradient(previous, now, 0, 0.1) == 1  # at most alpha, at least one
-    # Of layers 2-5 (0.65, 0.03, 0.6, 0.7, median 0.625) the first is not converged: nothing behind it freezes.
-    assert by_gradient(previous, [1.01, 1.02, 1.65, 1.03, 1.6, 1.7], 2, 1 / 3) == 2
-    assert by_gradient(previous, [2.0] * 6, 0, 1 / 3) == 0  # all alike: none below the median
+def test_gradient_change_is_relative_to_the_previous_decision_point():
+    assert changes([1.0, 2.0, 4.0], [1.0, 1.0, 5.0]) == [0.0, 0.5, 0.25]
+
+
+def test_gradient_rule_freezes_the_settled_prefix_at_most_alpha_and_the_schedule():
+    settled = [0.01, 0.02, 0.03, 0.04, 0.05, 0.06]
+    assert by_gradient(settled, 0, 0.1, 1 / 3, allowed=6) == 2  # 2 of 6 = alpha of the active layers
+    assert by_gradient(settled, 0, 0.1, 0.1, allowed=6) == 1  # at most alpha, at least one
+    assert by_gradient(settled, 0, 0.1, 1.0, allowed=3) == 3  # never past the schedule's count
+    assert by_gradient(settled, 2, 0.1, 1.0, allowed=2) == 2
+    # The prefix rule: layers 1-5 settled behind layer 0 still learning do not freeze; nor does layer 3 behind 2.
+    assert by_gradient([0.5, 0.0, 0.0, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 0
+    assert by_gradient([0.0, 0.0, 0.3, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 2
+    assert by_gradient([0.0, 0.0, 0.1, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 2  # at the threshold: learning
+
+
+def test_the_decision_line_names_the_next_layers_measure():
+    assert next_measure([0.0, 0.3, 0.0], 1, 0.1, 3) == "next: layer 1, gradient change 0.3 >= 0.1"
+    assert next_measure([0.0, 0.05, 0.0], 1, 0.1, 3) == "next: layer 1, gradient change 0.05 < 0.1"
+    assert next_measure(None, 0, 0.1, 3).startswith("next: layer 0, no gradient change yet")
+    assert next_measure(None, 3, 0.1, 3) == next_measure([0.0] * 3, 3, 0.1, 3) == "all freezable layers frozen"
+
+
+def test_a_replan_that_halves_the_micro_batches_keeps_the_measure_on_one_scale():
+    f = Freezer(defaults().with_(freeze="grad").freeze, num_layers=3, steps_per_epoch=10, total_steps=100,
+                device=torch.device("cpu"))
+    f.previous = [1.0, 2.0]
+    f.rescale(Layout(2, [0, 2, 3], 4), Layout(1, [0, 3], 2))  # 2 stages of 4 micro-batches: 1 stage x 2 copies of 2
+    assert f.previous == [2.0, 4.0]
+    f.rescale(Layout(1, [0, 3], 2), Layout(1, [0, 3], 2))
+    assert f.previous == [2.0, 4.0]
+
+
+def replay(history: list[list[float]], rule: str = "grad", **options) -> list[int]:
+    """The frozen count after each decision point of a Freezer fed a synthetic history of per-layer gradient norms
+    (one entry per decision point, a decision every step)."""
+    s = defaults().with_(freeze=rule, freeze_interval_epochs=0.1, **options).freeze
+    f = Freezer(s, num_layers=len(history[0]) + 1, steps_per_epoch=10, total_steps=1000, device=torch.device("cpu"))
+    f.norms = type("Norms", (), {"take": staticmethod(iter(history).__next__)})()  # GradNorms.take without ranks
+    counts = []
+    for step in range(1, len(history) + 1):
+        f.decide(step)
+        counts.append(f.frozen)
+    return counts
+
+
+def test_gradient_rule_freezes_nothing_while_gradients_still_change():
+    # Every layer's norm falls by 30% an interval (a model still learning), the embedding's fastest.
+    history = [[3.0 * 0.6 ** e] + [1.0 * 0.7 ** e] * 4 for e in range(8)]
+    assert replay(history) == [0] * 8
+    assert replay(history, freeze_alpha=1.0) == [0] * 8
+
+
+def test_gradient_rule_freezes_a_prefix_once_gradients_settle():
+    # Falling for 3 intervals, then within 2% of the last one: a layer a decision point once it has settled.
+    history = [[0.5 ** min(e, 3) * (1 + 0.02 * (e % 2))] * 5 for e in range(9)]
+    # Nothing to compare at the first point; still learning at the next 3; then alpha 1/3 of the active at a time.
+    assert replay(history) == [0, 0, 0, 0, 1, 2, 3, 4, 5]
+    # Only the front settles (layers 2-4 keep learning): the prefix stops at layer 2.
+    front = [[1.0, 1.0] + [0.7 ** e] * 3 for e in range(6)]
+    assert replay(front, freeze_alpha=1.0) == [0, 2, 2, 2, 2, 2]
+
+
+def test_gradient_rule_never_freezes_more_than_the_schedule():
+    gen = torch.Generator().manual_seed(0)
+    for alpha in (0.2, 1 / 3, 0.5, 1.0):
+        for _ in range(20):
+            history = (1 + 0.2 * torch.rand(8, 6, generator=gen)).tolist()
+            got = replay(history, freeze_alpha=alpha, freeze_threshold=0.5)
+            assert all(n <= scheduled(e + 1, 6, alpha) for e, n in enumerate(got)), (alpha, got)
+            assert got == sorted(got)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("rule", ["grad", "schedule"])
+def test_each_decision_says_what_froze_and_the_next_layers_measure(tmp_path, rule):
+    """One rank, 4 steps an interval: a decision at steps 4 and 8. grad with a threshold every layer is under
+    freezes nothing first (nothing to compare yet), then layer 0; the schedule freezes 2 then 3 layers and warns
+    once when layer 2 still learns."""
+    args = ["--engine", "ddp", "--freeze", rule, "--freeze-interval-epochs", 0.1, "--steps", 9, "--no-save",
+            "--freeze-threshold", 10 if rule == "grad" else 1e-6, "--log-dir", tmp_path]
+    r = run_cmd([sys.executable, "-m", "vit.train", *map(str, args)], timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = re.findall(r"^freeze at step (\d+): (.*)$", r.stdout, re.MULTILINE)
+    first = "next: layer {}, no gradient change yet (the first interval has nothing to compare with)"
+    if rule == "grad":
+        assert [s for s, _ in said] == ["4", "8"] and said[0][1] == f"nothing frozen ({first.format(0)})", said
+        assert re.match(r"layer 0 frozen \(next: layer 1, gradient change [0-9.e-]+ < 10\); 1 stages", said[1][1])
+        assert [(x["step"], x["frozen"], x["threshold"]) for x in freeze_records(tmp_path)] == [(8, 1, 10)]
+    else:
+        assert said[0][1].startswith(f"layers 0-1 frozen ({first.format(2)})"), said
+        assert re.match(r"layers 0-2 frozen \(next: layer 3, gradient change [0-9.e-]+ >= 1e-06\)", said[1][1])
+        warnings = [line for line in r.stdout.splitlines() if line.startswith("warning: the freeze schedule")]
+        assert len(warnings) == 1 and "freezes layer 2 at step 8 while it still learns" in warnings[0], warnings
+        assert [(x["step"], x["frozen"]) for x in freeze_records(tmp_path)] == [(4, 2), (8, 3)]
 
 
 def test_frozen_layers_keep_no_graph_and_take_no_gradient():
@@ -49,10 +136,11 @@ def test_frozen_layers_keep_no_graph_and_take_no_gradient():
 def test_freezer_decides_at_interval_ends_only_when_more_freeze():
     f = Freezer(defaults().with_(freeze="schedule", freeze_interval_epochs=0.1).freeze, num_layers=6,
                 steps_per_epoch=22, total_steps=12, device=torch.device("cpu"))
+    f.norms = type("Norms", (), {"take": staticmethod(lambda: [1.0] * 5)})()  # settled: no warning
     assert [(s, f.decide(s)) for s in range(1, 13)] == [
         (1, None), (2, 2), (3, None), (4, 3), (5, None), (6, 4), (7, None), (8, 5), (9, None), (10, None),
         (11, None), (12, None)]  # all 5 frozen after step 8; none at the last step
-    assert f.state_dict()["frozen"] == 5
+    assert f.frozen == 5
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -159,12 +247,12 @@ def test_every_rule_on_every_engine_says_each_decision_and_matches_the_loop(tmp_
     if rule == "schedule":
         assert points == ([(2, 2)] if capped else [(2, 3), (4, 4)])
     else:  # the first decision has no previous interval to compare with
-        assert points in ([], [(4, 1)], [(4, 2)]) and "freeze decision at step 2: nothing freezes (the first " \
-            "interval's gradient norms, nothing to compare them with yet)" in r.outputs[0], r.outputs[0]
+        assert points in ([], [(4, 1)], [(4, 2)]) and "freeze at step 2: nothing frozen (next: layer 0, no " \
+            "gradient change yet (the first interval has nothing to compare with))" in r.outputs[0], r.outputs[0]
     # One console line per decision: what froze, or why nothing did.
-    said = re.findall(r"^freeze (?:decision )?at step (\d+): (.*)$", r.outputs[0], re.MULTILINE)
+    said = re.findall(r"^freeze at step (\d+): (.*)$", r.outputs[0], re.MULTILINE)
     assert [int(step) for step, _ in said] == ([2] if capped and rule == "schedule" else [2, 4]), said
-    assert all(("nothing freezes" in line) == (int(step) not in dict(points)) for step, line in said), said
+    assert all(line.startswith("nothing frozen") == (int(step) not in dict(points)) for step, line in said), said
     assert_losses(train_losses(tmp_path), reference(5, dict(points)), range(1, 6))
 
 
@@ -226,7 +314,8 @@ def test_pipeline_shrinks_to_data_parallel_and_matches_the_loop_and_resumes(tmp_
         records = freeze_records(full, rank)
         assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in records] == points
         assert all(x["parts"] == [0, 6] and x["predicted_ms"] > 0 for x in records)
-    assert "freeze at step 2: 2 layers frozen; 1 stages x 2 data-parallel, layers [0, 6]" in r.outputs[0]
+    assert "freeze at step 2: layers 0-1 frozen (next: layer 2, no gradient change yet (the first interval has " \
+        "nothing to compare with)); 1 stages x 2 data-parallel, layers [0, 6]" in r.outputs[0]
     assert_released(full)
     want = reference(8, {2: 2, 4: 3, 6: 4})
     assert_losses(train_losses(full), want, range(1, 9))

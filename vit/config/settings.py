@@ -187,16 +187,16 @@ class RecipeSettings:
 
 @dataclass(frozen=True)
 class FreezeSettings:
-    """Freeze training (PipeTransformer's AutoFreeze): a growing prefix of the layers (embedding, then blocks; never
-    the head) stops training; vit/freeze/rules.py holds the rules."""
+    """Freeze training (PipeTransformer's AutoFreeze): a growing prefix of the layers stops training (vit/freeze)."""
     freeze: str = option("none", "freeze a prefix of the layers as training goes: schedule (frozen(e) = "
-                         "ceil(L(1-(1-A)^e)) after e intervals, L the embedding and blocks) or grad (a layer whose "
-                         "gradient norm changed less than the active layers' median since the previous interval)",
+                         "ceil(L(1-(1-A)^e)) after e intervals, L the embedding and blocks) or grad (the prefix of "
+                         "layers whose gradients settled, see --freeze-threshold; never more than the schedule)",
                          choices=("none", "schedule", "grad"))
     freeze_alpha: float = option(1 / 3, "the schedule's A; grad: at most this share of the active layers freezes "
                                  "at once", "positive", needs="freeze")
-    freeze_interval_epochs: float = option(1.0, "epochs between freeze decisions (fractions allowed)", "positive",
-                                           needs="freeze")
+    freeze_threshold: float = option(0.1, "grad: a layer has settled when its gradient norm summed over an interval "
+                                     "changed by less than this share since the last", "positive", needs="freeze")
+    freeze_interval_epochs: float = option(1.0, "epochs between decisions (fractions ok)", "positive", needs="freeze")
     freeze_replan: str = option("on", "pipeline engine: at a freeze point plan the stages again (frozen layers hold "
                                 "weights only) and halve them when the active layers fit, the freed ranks becoming "
                                 "data-parallel copies; off: keep the layout", choices=("on", "off"),

@@ -7,7 +7,6 @@ step, or gradient norms summed over all ranks), so every rank rebuilds its engin
 """
 import gc
 import math
-import statistics
 import weakref
 
 import torch
@@ -26,30 +25,35 @@ def scheduled(intervals: int, num_freezable: int, alpha: float) -> int:
     return min(num_freezable, math.ceil(num_freezable * (1 - (1 - alpha) ** intervals) - 1e-9))
 
 
-def _changes(previous: list[float], now: list[float], frozen: int) -> tuple[list[float], float]:
-    """Each active freezable layer's gradient-norm change relative to the previous interval, and their median."""
-    change = [abs(n - p) / max(p, 1e-12) for p, n in zip(previous[frozen:], now[frozen:])]
-    return change, statistics.median(change) if change else 0.0
+def changes(previous: list[float], now: list[float]) -> list[float]:
+    """Each layer's relative change of its accumulated gradient norm between two decision points (PipeTransformer's
+    and AutoFreeze's measure of how much a layer still learns): |now - previous| / previous."""
+    return [abs(n - p) / max(p, 1e-12) for p, n in zip(previous, now)]
 
 
-def by_gradient(previous: list[float], now: list[float], frozen: int, alpha: float) -> int:
-    """The paper's criterion: of the active freezable layers, those whose gradient norm changed (relative to the
-    previous interval) less than their median are converged; the converged ones at the front of the active layers
-    freeze, at most alpha of the active layers (at least one) at a time."""
-    change, median = _changes(previous, now, frozen)
-    if not change:
-        return frozen
-    cap = max(1, math.floor(alpha * len(change)))
-    count = 0
-    while count < min(cap, len(change)) and change[count] < median:
+def by_gradient(change: list[float], frozen: int, threshold: float, alpha: float, allowed: int) -> int:
+    """The convergence rule: the frozen prefix grows over the next layers while each one's change is below
+    `threshold` (a settled layer behind one still learning does not freeze), by at most alpha of the active layers
+    (at least one) at a time, and to at most `allowed` (the schedule's count at this point) in all."""
+    cap = min(len(change), allowed, frozen + max(1, math.floor(alpha * (len(change) - frozen))))
+    count = frozen
+    while count < cap and change[count] < threshold:
         count += 1
-    return frozen + count
+    return count
 
 
-def not_converged(previous: list[float], now: list[float], frozen: int) -> str:
-    """What by_gradient saw where nothing freezes: the first active layer's change is not below the median."""
-    change, median = _changes(previous, now, frozen)
-    return f"layer {frozen}'s gradient-norm change {change[0]:.3g} is not below the median {median:.3g}"
+def next_measure(change: list[float] | None, frozen: int, threshold: float, num_freezable: int) -> str:
+    """What the decision line says of the next layer to freeze: its change against the threshold."""
+    if frozen >= num_freezable:
+        return "all freezable layers frozen"
+    if change is None:
+        return f"next: layer {frozen}, no gradient change yet (the first interval has nothing to compare with)"
+    sign = "<" if change[frozen] < threshold else ">="
+    return f"next: layer {frozen}, gradient change {change[frozen]:.3g} {sign} {threshold:g}"
+
+
+def layer_range(frozen: int) -> str:
+    return "nothing" if frozen == 0 else "layer 0" if frozen == 1 else f"layers 0-{frozen - 1}"
 
 
 def _frozen_forward(layer: nn.Module, forward, cached: bool):
@@ -120,14 +124,18 @@ class Freezer:
         self.num_freezable = num_layers - 1
         self.interval_steps = max(1, round(s.freeze_interval_epochs * steps_per_epoch))
         self.frozen, self.previous, self.replan = frozen, None, s.freeze_replan == "on"
-        self.norms = GradNorms(self.num_freezable, device) if self.mode == "grad" else None
+        self.threshold = s.freeze_threshold
+        # Both rules measure each layer's gradients: grad decides by them, schedule warns when it outruns them.
+        self.norms = GradNorms(self.num_freezable, device) if self.mode != "none" else None
         self.make_layers, self.make_engine = make_layers, make_engine
         self.census, self.micro_batch = census, micro_batch
         self.planned = None  # the StagePlan of the last re-plan
         self.layout = None  # the pipeline's layout once a freeze point changed it
         self.cache = FeatureCache(s.freeze_cache_gib, cache_dir) if cache_dir else None
         self.layers = None
-        self.unchanged = None  # why the last decision froze nothing
+        self.said = None  # the last decision's measure of the next layer to freeze
+        self.change = None  # the last decision's per-layer gradient changes (None: nothing to compare yet)
+        self.warned = False  # the schedule froze a layer still learning (said once per run)
 
     def freeze(self, layers: list[nn.Module], frozen: int) -> None:
         """Freeze the prefix of the layers an engine is about to be built on."""
@@ -155,8 +163,8 @@ class Freezer:
         # Without re-planning a pipeline's first stage must keep an active layer (it would have no backward).
         frozen = self.decide(step, cap=current.parts[1] - 1 if current and not self.replan else None)
         if frozen is None:
-            if self.unchanged and dist.get_rank() == 0:
-                print(f"freeze decision at step {step}: nothing freezes ({self.unchanged})", flush=True)
+            if self.said and dist.get_rank() == 0:
+                print(f"freeze at step {step}: nothing frozen ({self.said})", flush=True)
             return None
 
         def plan(layers: list) -> Layout | None:
@@ -170,20 +178,31 @@ class Freezer:
         rebuilt, freed = rebuild(engine, lambda layers: self.freeze(layers, frozen), self.make_layers,
                                  self.make_engine, plan)
         self.watch(rebuilt.live_module())
+        self.rescale(current, rebuilt.layout if current else None)
         if self.cache is not None:
             self.cache.clear()  # a new boundary
         stages = rebuilt.layout.stages if current else 1
         planned = {"parts": rebuilt.layout.parts} if current else {}
         if current and self.replan:
             planned["predicted_ms"] = 1e3 * max(self.planned.times)
-        metrics.write("freeze", step, frozen=frozen, stages=stages, dp=rebuilt.dp_size, cache=self.cache is not None,
-                      old_engine_freed=freed, process_groups=live_process_groups(), **planned)
+        measure = {"next_change": self.change[frozen] if self.change and frozen < len(self.change) else None,
+                   "threshold": self.threshold}
+        metrics.write("freeze", step, frozen=frozen, **measure, stages=stages, dp=rebuilt.dp_size,
+                      cache=self.cache is not None, old_engine_freed=freed, process_groups=live_process_groups(),
+                      **planned)
         if dist.get_rank() == 0:
             plan = f", layers {planned['parts']}" if planned else ""
             plan += f", slowest stage {planned['predicted_ms']:.2f} ms predicted" if "predicted_ms" in planned else ""
-            print(f"freeze at step {step}: {frozen} layers frozen; {stages} stages x {rebuilt.dp_size} data-parallel"
-                  f"{plan}", flush=True)
+            print(f"freeze at step {step}: {layer_range(frozen)} frozen ({self.said}); {stages} stages x "
+                  f"{rebuilt.dp_size} data-parallel{plan}", flush=True)
         return rebuilt
+
+    def rescale(self, before: Layout | None, after: Layout | None) -> None:
+        """A micro-batch's gradient is 1/grad_accum of its step's: when a re-plan changes the micro-batches per copy
+        (the total stays), the last interval's norms are put on the new scale, else every layer would seem to
+        change by the ratio (x2 when 2 stages become 1 stage x 2 copies)."""
+        if before and after and self.previous and before.grad_accum != after.grad_accum:
+            self.previous = [p * before.grad_accum / after.grad_accum for p in self.previous]
 
     def watch(self, module: nn.Module) -> None:
         """Measure the gradients of this (newly built) engine's module."""
@@ -191,37 +210,45 @@ class Freezer:
             self.norms.attach(module)
 
     def decide(self, step: int, cap: int | None = None) -> int | None:
-        """The new number of frozen layers (at most `cap`) at a freeze point where it grew, else None; at a freeze
-        point where nothing freezes, `self.unchanged` says why. No decision once no more layers can freeze."""
-        self.unchanged = None
+        """The new number of frozen layers (at most `cap`) at a freeze point where it grew, else None; at every
+        freeze point `self.said` gives the next layer's measure. No decision once no more layers can freeze."""
+        self.said = None
         limit = self.num_freezable if cap is None else min(cap, self.num_freezable)
         if self.mode == "none" or step % self.interval_steps or step >= self.total_steps or self.frozen >= limit:
             return None
+        allowed = min(limit, scheduled(step // self.interval_steps, self.num_freezable, self.alpha))
+        now = self.norms.take()
+        self.change = changes(self.previous, now) if self.previous is not None else None
+        self.previous = now
         if self.mode == "schedule":
-            intervals = step // self.interval_steps
-            frozen = scheduled(intervals, self.num_freezable, self.alpha)
-            why = f"the schedule keeps {frozen} layers frozen after {intervals} intervals"
+            frozen = max(allowed, self.frozen)
+            self.warn_if_learning(step, frozen)
+        elif self.change is None:
+            frozen = self.frozen
         else:
-            now = self.norms.take()
-            if self.previous is None:
-                frozen, why = self.frozen, "the first interval's gradient norms, nothing to compare them with yet"
-            else:
-                frozen = by_gradient(self.previous, now, self.frozen, self.alpha)
-                why = not_converged(self.previous, now, self.frozen) if frozen <= self.frozen else None
-            self.previous = now
-        frozen = min(frozen, limit)
+            frozen = by_gradient(self.change, self.frozen, self.threshold, self.alpha, allowed)
+        self.said = next_measure(self.change, frozen, self.threshold, self.num_freezable)
         if frozen <= self.frozen:
-            self.unchanged = why
             return None
         self.frozen = frozen
         return frozen
+
+    def warn_if_learning(self, step: int, frozen: int) -> None:
+        """--freeze schedule: one line, once per run, when it freezes a layer whose gradient change says it is
+        still learning."""
+        learning = [i for i in range(self.frozen, frozen) if self.change and self.change[i] >= self.threshold]
+        if learning and not self.warned and dist.get_rank() == 0:
+            print(f"warning: the freeze schedule freezes layer {learning[0]} at step {step} while it still learns "
+                  f"(gradient change {self.change[learning[0]]:.3g} >= --freeze-threshold {self.threshold:g}); "
+                  "--freeze grad waits for it", flush=True)
+        self.warned = self.warned or bool(learning)
 
     def checkpoint_state(self) -> dict:
         """Collective: what a checkpoint records (nothing without --freeze)."""
         return {"freeze": self.state_dict()} if self.mode != "none" else {}
 
     def state_dict(self) -> dict:
-        """Collective under --freeze grad."""
+        """Collective under --freeze (the gradient norms)."""
         return {"frozen": self.frozen, "previous": self.previous,
                 "layout": self.layout.__dict__ if self.layout else None,
                 "sums": self.norms.state_dict() if self.norms is not None else None}
