@@ -1,6 +1,7 @@
 """Train a ViT: plan everything, start the process group, build the engine, train, evaluate, summarise.
 Run through ./entry_cn.sh (under mpirun, srun, torchrun or directly); `--help` lists the options."""
 import copy
+import gc
 import logging
 import os
 import socket
@@ -272,6 +273,8 @@ def run(plan: Plan, start_time: float) -> int:
         # os._exit, not through atexit: DeepSpeed and MPI would wait on the ranks that are gone
         watchdog.fail(e, explained=isinstance(e, (NonFiniteLoss, OutOfMemory, checkpoint.CheckpointError)))
     watchdog.stop()
+    torch._dynamo.reset() if "torch._dynamo" in sys.modules else None  # it holds a compiled DDP (and its reducer)
+    gc.collect()  # DDP's reducer goes before its process group
     dist.destroy_process_group()
     return 0
 
