@@ -273,9 +273,12 @@ def test_the_cli_reads_doctors_link_lines(tmp_path, capsys):
     (write_run, [], "no link speed for host"),
     (write_run, ["--link-mbit", "1000", "--calibration", "CAL"], "unknown keys ['speed']"),
     (write_run, ["--link-mbit", "1000", "--calibration", "BADTYPE"], "step_s: a number"),
-    (write_run, ["--link-mbit", "1000", "--global-batch", "0"], "must be at least 1"),
-    (write_run, ["--link-mbit", "fast"], "invalid float value"),
-    (write_run, ["--link-mbit", "1000", "--top", "0"], "'0' is not a whole number of at least 1"),
+    (write_run, ["--link-mbit", "1000", "--global-batch", "0"], "--global-batch: must be positive, got 0"),
+    (write_run, ["--link-mbit", "fast"], "--link-mbit: not a number: 'fast'"),
+    (write_run, ["--link-mbit", "nan"], "--link-mbit: must be a finite number above 0, got nan"),
+    (write_run, ["--link-mbit", "-5"], "--link-mbit: must be a finite number above 0, got -5"),
+    (write_run, ["--link-mbit", "1000", "--latency-ms", "inf"], "--latency-ms: must be a finite number of at least"),
+    (write_run, ["--link-mbit", "1000", "--top", "0"], "--top: must be positive, got 0"),
     (write_run, ["--link-file", "missing.txt"], "--link-file missing.txt"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make, args, message):

@@ -1,7 +1,6 @@
 """Train a ViT: plan everything, start the process group, build the engine, train, evaluate, summarise.
 Run through ./entry_cn.sh (under mpirun, srun, torchrun or directly); `--help` lists the options."""
 import copy
-import gc
 import logging
 import os
 import socket
@@ -33,7 +32,7 @@ from vit.loop.stats import StepStats
 from vit.model import weights
 from vit.model.layers import build_layers
 from vit.runtime import console, plugins, preflight, slowdown
-from vit.runtime.dist_env import device, discover, init_process_group, rank0_decides, rank_cores
+from vit.runtime.dist_env import device, discover, end_process_group, init_process_group, rank0_decides, rank_cores
 from vit.runtime.faults import Watchdog, announce_failure
 from vit.runtime.gpu import set_tf32
 from vit.runtime.rundir import RunLock, agree_log_dir, lock_run_dirs
@@ -273,9 +272,7 @@ def run(plan: Plan, start_time: float) -> int:
         # os._exit, not through atexit: DeepSpeed and MPI would wait on the ranks that are gone
         watchdog.fail(e, explained=isinstance(e, (NonFiniteLoss, OutOfMemory, checkpoint.CheckpointError)))
     watchdog.stop()
-    torch._dynamo.reset() if "torch._dynamo" in sys.modules else None  # it holds a compiled DDP (and its reducer)
-    gc.collect()  # DDP's reducer goes before its process group
-    dist.destroy_process_group()
+    end_process_group()
     return 0
 
 

@@ -33,7 +33,7 @@ SCALAR_TYPES = {
 # and a non-string an AttributeError there. communication_data_type: the dtype of the gradient all-reduce and
 # reduce-scatter of the DeepSpeed engines (runtime/engine.py:1719-1730 and 3795-3820; ZeRO 1-2:
 # runtime/zero/stage_1_and_2.py:1420, 1590-1720, 2361-2389); default: the training precision.
-DTYPE_KEYS, DTYPES = ("communication_data_type", "seq_parallel_communication_data_type"), ("fp16", "bf16", "fp32")
+DTYPE_KEYS, DTYPE_NAMES = ("communication_data_type", "seq_parallel_communication_data_type"), ("fp16", "bf16", "fp32")
 # Each section and DeepSpeed's pydantic model of it (None: DeepSpeed has none; only "an object" is checked).
 SECTIONS = {
     "fp16": "deepspeed.runtime.precision_config:DeepSpeedFP16Config",
@@ -211,7 +211,7 @@ def validate(cfg: dict, name: str) -> None:
             if key in cfg:
                 check_value(key, annotation, cfg[key])
         for key in DTYPE_KEYS:
-            if cfg.get(key) is not None and (not isinstance(cfg[key], str) or cfg[key].lower() not in DTYPES):
+            if cfg.get(key) is not None and (not isinstance(cfg[key], str) or cfg[key].lower() not in DTYPE_NAMES):
                 raise ValueError(f"{key} must be 'fp16', 'bf16' or 'fp32', got {cfg[key]!r}")
         for key in SECTIONS:
             if key in cfg and not isinstance(cfg[key], dict):

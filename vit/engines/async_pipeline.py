@@ -31,8 +31,7 @@ from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
 from vit.runtime import plugins
-
-WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from vit.runtime.precision import DTYPES
 
 
 def stage_parts(layers: list[nn.Module], stages: int, method: str, planned: list[int] | None) -> list[int]:
@@ -92,7 +91,7 @@ class AsyncPipelineEngine(StagedEngine):
         self.loss_fn, self.loss_weight = Loss(ctx.smoothing), ctx.loss_weight
         self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
         self.dtype = torch.bfloat16 if ctx.precision == "bf16" else None
-        self.wire = WIRE[a.wire_dtype(ctx.precision)]
+        self.wire = DTYPES[a.wire_dtype(ctx.precision)]
         self.wire_counted = 0  # links.bytes_sent() already in a breakdown (or an evaluation's)
         self.total_steps = ctx.total_steps
         self.steps = self.forwarded = self.backwarded = self.version = 0

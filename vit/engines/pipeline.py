@@ -69,7 +69,7 @@ class PipelineEngine(StagedEngine, DeepSpeedEngine):
         self.dp_rank, self.dp_size = grid.data_parallel_id, grid.data_parallel_size
         # Only the first stage reads images and only the last reads labels; the middle reads nothing.
         self.reads_data = self.ds_engine.is_first_stage() or self.ds_engine.is_last_stage()
-        self.reads_images = self.ds_engine.is_first_stage()
+        self.reads_images, self.reads_labels = self.ds_engine.is_first_stage(), self.ds_engine.is_last_stage()
         self.timer = PhaseTimer(self.device)
         self.grad_accum = self.ds_engine.gradient_accumulation_steps()
         # DeepSpeed's own partition methods give numpy integers: plain ones for the freeze records and checkpoints.
@@ -95,9 +95,8 @@ class PipelineEngine(StagedEngine, DeepSpeedEngine):
         """What this stage reads, copied without waiting (pinned memory on a GPU): DeepSpeed's own copy of each
         micro-batch is a blocking one, a host sync per micro-batch, and on tensors already there it copies nothing."""
         x, y = batch
-        last = self.ds_engine.is_last_stage()
         return (x.to(self.device, non_blocking=True) if self.reads_images else x,
-                y.to(self.device, non_blocking=True) if last else y)
+                y.to(self.device, non_blocking=True) if self.reads_labels else y)
 
     def mean_loss(self, loss):
         return loss

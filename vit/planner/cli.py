@@ -3,9 +3,11 @@
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
+from vit.config.settings import positive_int
 from vit.errors import ConfigError
 from vit.planner.cost import Calibration, Job
 from vit.planner.inputs import load_run, network, profile_model, ranks_from_census, read_json
@@ -21,10 +23,16 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
-    return int(text)
+def rate(text: str, zero_ok: bool = False) -> float:
+    """argparse type: a finite number above zero (or at least zero)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'of at least' if zero_ok else 'above'} 0, got "
+                                         f"{text}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,24 +40,25 @@ def parser() -> argparse.ArgumentParser:
                "micro-batch by predicted step time, from a previous run's census (its cluster.json) and the "
                "links between its hosts. Predictions only: nothing trains (docs/planner.md).")
     p.add_argument("run", help="a run's log dir (with cluster.json and config.json) or a cluster.json")
-    p.add_argument("--link-mbit", type=float, help="every host's link in Mbit/s")
+    p.add_argument("--link-mbit", type=rate, help="every host's link in Mbit/s")
     p.add_argument("--link-file", help="setup/doctor.sh --link's output ('link from A to B: X Mbit/s'), or "
                    "'HOST MBIT' lines; --link-mbit fills hosts it lacks")
-    p.add_argument("--latency-ms", type=float, default=0.1, help="one message's latency between hosts (default 0.1)")
-    p.add_argument("--same-host-gbit", type=float, default=40.0,
+    p.add_argument("--latency-ms", type=lambda t: rate(t, zero_ok=True), default=0.1,
+                   help="one message's latency between hosts (default 0.1)")
+    p.add_argument("--same-host-gbit", type=rate, default=40.0,
                    help="bandwidth between two ranks on one host, assumed (default 40 Gbit/s)")
     p.add_argument("--model", help="default: the run's (config.json)")
     p.add_argument("--dataset", help="default: the run's")
-    p.add_argument("--img-size", type=int, help="default: the run's, else the model's")
-    p.add_argument("--global-batch", type=int, help="default: the run's")
+    p.add_argument("--img-size", type=positive_int, help="default: the run's, else the model's")
+    p.add_argument("--global-batch", type=positive_int, help="default: the run's")
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"),
                    help="default: what the run trained in; another changes the bytes and the memory, not the times "
                    "the census measured")
-    p.add_argument("--census-micro-batch", type=int,
+    p.add_argument("--census-micro-batch", type=positive_int,
                    help="the micro-batch the census's block_ms was measured at (default: the run's)")
     p.add_argument("--calibration", help="JSON of fixed costs and factors overriding the defaults "
                    f"({', '.join(f.name for f in dataclasses.fields(Calibration))})")
-    p.add_argument("--top", type=positive, default=20, help="rows printed (default 20; --json gets all)")
+    p.add_argument("--top", type=positive_int, default=20, help="rows printed (default 20; --json gets all)")
     p.add_argument("--json", metavar="OUT", help="write every candidate's prediction here")
     return p
 

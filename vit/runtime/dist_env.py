@@ -1,8 +1,10 @@
 """Who am I in the job: rank, world size, local rank and rank 0's address, from whichever launcher
 started us (Open MPI, MPICH/PMI, Slurm, torchrun or the DeepSpeed launcher, or none)."""
+import gc
 import ipaddress
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -242,3 +244,12 @@ def destroy_groups(groups: list) -> None:
     order given, the same on every rank."""
     for group in groups:
         dist.destroy_process_group(group)
+
+
+def end_process_group() -> None:
+    """Destroy the default group after everything that uses it: dynamo's caches hold a compiled DDP module, and a DDP
+    reducer that outlives its group can abort the process at exit ('terminate called without an active exception')."""
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    gc.collect()
+    dist.destroy_process_group()
