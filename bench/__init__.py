@@ -10,6 +10,7 @@
     python -m bench finetune    fine-tuning from a model this project pretrained, against from scratch
     python -m bench freeze      freeze training's breakdown (PipeTransformer's Table 1 / Fig. 9) on 2 ranks
     python -m bench async-pipeline  the asynchronous pipeline against DeepSpeed's and the no-bubble ideal; top-1
+    python -m bench planner     the planner's predicted step times against real runs; --engine auto's rank
     python -m bench gpu         the GPU acceptance check: every engine on one device, fp16, syncs, memory, MFU
 
 `python -m bench COMMAND --help` for each.

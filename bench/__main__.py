@@ -3,11 +3,11 @@ import argparse
 import sys
 
 import bench
-from bench import allreduce, async_pipeline, finetune, freeze, gpu, hetero, monitor, peak, recipe, train
+from bench import allreduce, async_pipeline, finetune, freeze, gpu, hetero, monitor, peak, planner, recipe, train
 from vit.config.cli import HelpFormatter
 from vit.train import prepare_environment
 
-MODULES = (train, allreduce, peak, hetero, monitor, recipe, finetune, freeze, async_pipeline, gpu)
+MODULES = (train, allreduce, peak, hetero, monitor, recipe, finetune, freeze, async_pipeline, gpu, planner)
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,8 @@ import pytest
 import torch
 from helpers import MPIRUN, run_cmd
 
+from vit.planner.auto import family
+
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
 ENGINES = ["ddp", "zero0", "zero1", "zero2", "zero3", "pipeline", "async-pipeline"]
@@ -156,3 +158,20 @@ def test_gpu_acceptance_refuses_a_machine_without_cuda_and_judges_its_rows(tmp_p
     md = table({"device": "d", "host": "h", "torch": "t", "deepspeed": "x", "load_avg_before": 0.1,
                 "load_avg_after": 0.2, "rows": rows})
     assert "| zero2 bf16 | pass |" in md and "| async-pipeline fp16 | not run |" in md and "| ddp fp16 | FAIL |" in md
+
+
+@pytest.mark.timeout(400)
+def test_planner_measures_the_choice_and_a_forced_family_in_the_layout_predicted(tmp_path):
+    cmd = [sys.executable, "-m", "bench", "planner", "--ranks", 2, "--top", 2, "--steps", 2, "--warmup", 1,
+           "--condition", "one host", "--out", tmp_path]
+    r = run_cmd([str(c) for c in cmd], timeout=380)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "planner.json").read_text())
+    rows, record = result["rows"], result["record"]
+    assert sum(row["auto"] for row in rows) == 1 and 2 <= len(rows) <= 3
+    for i, row in enumerate(rows):
+        assert row["measured_ms"] > 0 and row["error"] == pytest.approx(row["predicted_ms"] / row["measured_ms"] - 1)
+        if not row["auto"]:  # a forced run trained the family it was asked for, as its own record says
+            forced = json.loads((tmp_path / "logs" / str(i) / "config.json").read_text())["engine_auto"]["choice"]
+            assert family(forced) == row["family"] != family(record["choice"]), (row, forced["candidate"])
+    assert record["choice"]["candidate"] in (tmp_path / "planner.md").read_text()

@@ -336,6 +336,29 @@ def test_training_runs_one_rank_per_host(cluster, tmp_path, engine_args):
     assert last_step(log_dir, 0) == STEPS
 
 
+@pytest.mark.timeout(420, method="signal")
+def test_engine_auto_measures_the_links_and_gives_a_slowed_rank_less_work(cluster, tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    cluster.on(0, f"setup/make_hostfile.sh --out {hostfile} {' '.join(HOSTS)}", timeout=60)
+    log_dir = tmp_path / "logs"
+    cmd = (f"{MPIRUN} -np {len(HOSTS)} --hostfile {hostfile} ./entry_cn.sh --engine auto --simulate-slowdown 1=3 "
+           f"--monitor-interval 0 --log-interval 1 --steps 4 --no-save --log-dir {log_dir}")
+    r = cluster.on(0, cmd, timeout=360, IFACE="eth0")
+    assert "step 4/4" in r.output and "engine auto chose #" in r.output, r
+    record = json.loads((log_dir / "config.json").read_text())["engine_auto"]
+    # rank 0 on cn0 measured each other host's link: the shaped rate, less TCP's headers and a busy CPU's share
+    assert sorted(record["links_mbit"]) == HOSTS, record["links_mbit"]
+    assert all(0.5 * LINK_MBIT <= v <= 1.01 * LINK_MBIT for v in record["links_mbit"].values()), record["links_mbit"]
+    choice, flops = record["choice"], record["layer_flops"]
+    if choice["stages"] == 1:  # every rank the whole model, at its micro-batch
+        work = [m * sum(flops) for m in choice["split"] or [choice["micro_batch"]] * len(HOSTS)]
+    else:  # the layers of its stage, at the micro-batch
+        dp = len(HOSTS) // choice["stages"]
+        work = [choice["micro_batch"] * sum(flops[choice["parts"][k // dp]:choice["parts"][k // dp + 1]])
+                for k in range(len(HOSTS))]
+    assert work[1] < sum(work) / len(work), (choice["candidate"], work)  # less than its share
+
+
 @pytest.mark.timeout(300, method="signal")
 def test_compare_puts_one_rank_on_each_host_of_the_hostfile(cluster, tmp_path):
     # Open MPI 5's --oversubscribe with a hostfile put every rank on the first host: compare.sh must not pass it.

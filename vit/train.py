@@ -31,6 +31,7 @@ from vit.loop.evaluate import Evaluator
 from vit.loop.stats import StepStats
 from vit.model import weights
 from vit.model.layers import build_layers
+from vit.planner import auto as auto_engine
 from vit.runtime import console, plugins, preflight, slowdown
 from vit.runtime.dist_env import device, discover, end_process_group, init_process_group, rank0_decides, rank_cores
 from vit.runtime.faults import Watchdog, announce_failure
@@ -175,7 +176,7 @@ def adapt_to_cluster(plan: Plan, dev: torch.device, layers: list, start_step: in
         balanced_stages=par.pipeline_stages if pipeline and par.partition == "balanced" else None,
         proportional=par.batch_split == "proportional",
         probe_batches=probe_batches if par.loss_scale == "auto" else None,
-        slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split,
+        slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split, parts=plan.stage_parts,
         state_bytes=lambda precision: memory.state_bytes_per_param(plan, precision),
         reserved_bytes=gpu_reserved_bytes(plan.ds_config, memory.likely_precision(plan, dev)),
         probe_on_cpu=pipeline or plan.layout["zero_stage"] == 3,
@@ -256,6 +257,8 @@ def run(plan: Plan, start_time: float) -> int:
     watchdog.start()
     plugins.call("start", plan.job.rank, watchdog)
     try:
+        if plan.auto is not None:  # --engine auto
+            plan = auto_engine.choose(plan, device(plan.job))
         if plan.settings.parallel.micro_batch_size == "auto":
             plan = with_micro_batch(plan, *memory.fit_micro_batch(plan, device(plan.job)))
         train(plan, start_time, watchdog)

@@ -8,9 +8,9 @@ import typing
 from dataclasses import fields, replace
 from pathlib import Path
 
-from vit.config.compat import NEEDS, check_settings
+from vit.config.compat import NEEDS, PROVISIONAL, check_auto, check_settings
 from vit.config.settings import DEFAULT_EPOCHS, GROUPS, ROOT, TRACKERS, Settings
-from vit.engines.registry import spec
+from vit.engines.registry import AUTO, spec
 from vit.errors import ConfigError
 
 PROG = "entry_cn.sh"  # the launcher users run: the usage and the training's messages name it
@@ -98,6 +98,9 @@ def from_namespace(ns: argparse.Namespace) -> Settings:
 def validate(s: Settings) -> Settings:
     """Checks between options, and the defaults that depend on others filled in."""
     par, opt = s.parallel, s.optim
+    if par.engine == AUTO:  # checked as the engine it is planned as until vit.planner.auto chooses
+        check_auto(s)
+        return validate(s.with_(engine=PROVISIONAL)).with_(engine=AUTO)
     if opt.min_lr > opt.lr:
         raise ConfigError(f"--min-lr {opt.min_lr:g} is above --lr {opt.lr:g}")
     if par.partition not in ("uniform", "parameters", "balanced") and not par.partition.startswith("type:"):

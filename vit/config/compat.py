@@ -3,7 +3,7 @@
 engine (tests/test_architecture.py holds the rest to that). Each refusal is one line (ConfigError)."""
 import sys
 
-from vit.engines.registry import NAMES, spec
+from vit.engines.registry import AUTO, NAMES, SPECS, spec
 from vit.errors import ConfigError
 
 
@@ -91,3 +91,30 @@ def check_freeze(s, ds_config: dict) -> None:
         raise ConfigError("--freeze works with ZeRO stages 0-2 without optimizer offload (it moves the optimizer "
                           "state into the rebuilt engine itself); use such a --ds-config or "
                           f"{_engines(lambda e: e.freeze and not e.deepspeed)}")
+
+
+# What --engine auto chooses; given by hand, each is refused rather than silently replaced: (group, option).
+AUTO_CHOOSES = (("parallel", "ds_config"), ("parallel", "pipeline_stages"), ("parallel", "partition"),
+                ("parallel", "batch_split"), ("comm", "comm_hook"), ("asynchrony", "pipe_wire_dtype"))
+# The engine an --engine auto run is planned as until it chooses (its batch arithmetic sets the global batch).
+PROVISIONAL = next(e.name for e in SPECS.values() if not e.pipeline and e.micro_batch_auto)
+
+
+def check_auto(s) -> None:
+    """--engine auto against the options it decides itself (vit.config.cli.validate)."""
+    from dataclasses import fields
+
+    for group, name in AUTO_CHOOSES:
+        default = next(f.default for f in fields(getattr(s, group)) if f.name == name)
+        if getattr(getattr(s, group), name) != default:
+            raise ConfigError(f"--engine {AUTO} chooses --{name.replace('_', '-')} itself; leave it out, or name an "
+                              "engine")
+    if s.parallel.micro_batch_size == AUTO:
+        raise ConfigError(f"--engine {AUTO} chooses the micro-batch within the global batch; leave out "
+                          "--micro-batch-size auto (--micro-batch-size N and --grad-accum A set the global batch: "
+                          "N x A x ranks)")
+    if s.freeze.freeze != "none":
+        raise ConfigError(f"--engine {AUTO} does not plan freeze training yet; name an engine with --freeze")
+    if s.checkpoint.resume:
+        raise ConfigError(f"--resume continues the run's own layout; name the engine it trained with (its "
+                          f"config.json's engine_auto says which --engine {AUTO} chose)")

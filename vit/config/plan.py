@@ -7,12 +7,12 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from vit.config.compat import check_freeze, check_precision
+from vit.config.compat import PROVISIONAL, check_freeze, check_precision
 from vit.config.ds_config import Batch, precision_of, resolve
 from vit.config.settings import ROOT, Settings
 from vit.data.augment import data_recipe
 from vit.data.sets import DataSplit, dataset_for, load_dataset, steps_per_epoch
-from vit.engines.registry import spec
+from vit.engines.registry import AUTO, spec
 from vit.errors import ConfigError, NothingToDo
 from vit.loop import checkpoint
 from vit.model import weights
@@ -47,6 +47,8 @@ class Plan:
     notes: list[str]  # said first by rank 0
     micro_split: list[int] | None = None  # --micro-batch-size auto with --batch-split proportional: each rank's
     micro_search: dict | None = None  # what --micro-batch-size auto measured and chose (config.json)
+    auto: dict | None = None  # --engine auto: {} until vit.planner.auto chooses, then its table and choice
+    stage_parts: list[int] | None = None  # --engine auto's pipeline stage boundaries (else the engine's partition)
 
     def settings_hash(self) -> str:
         """The user's settings that make checkpoints comparable (before the census fills in precision)."""
@@ -63,6 +65,8 @@ class Plan:
 
 
 def make_plan(settings: Settings, job: Job) -> Plan:
+    if settings.parallel.engine == AUTO:  # planned as PROVISIONAL until vit.planner.auto chooses (train.run)
+        return replace(make_plan(settings.with_(engine=PROVISIONAL), job), auto={})
     dataset, note = dataset_for(settings.data)
     s = settings.with_(dataset=dataset)
     par, ckpt = s.parallel, s.checkpoint

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from vit.config.onebit import check_opt_name
-from vit.engines.registry import NAMES, SPECS
+from vit.engines.registry import AUTO, NAMES, SPECS
 
 ROOT = Path(__file__).resolve().parents[2]
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
@@ -70,7 +70,7 @@ class DataSettings:
 
 @dataclass(frozen=True)
 class ParallelSettings:
-    engine: str = option("zero", "training engine", choices=NAMES)
+    engine: str = option("zero", "training engine (auto: the planner's, docs/planner.md)", choices=(*NAMES, AUTO))
     ds_config: str | None = option(None, "DeepSpeed JSON (batch, precision, ZeRO); default deepspeed_configs/"
                                    + ", ".join(f"{e.default_ds_config} for {e.name}" for e in SPECS.values()))
     pipeline_stages: int = option(2, "pipeline engines: number of stages", "positive")

@@ -49,6 +49,7 @@ SPECS = {spec.name: spec for spec in (
                comm_hooks=True),
 )}
 NAMES = tuple(SPECS)
+AUTO = "auto"  # --engine auto: vit.planner.auto picks one of NAMES and its settings once the process group runs
 
 
 def spec(name: str) -> EngineSpec:

@@ -39,24 +39,22 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
           micro_batch: int, grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
           probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
           state_bytes: Callable[[str], float], reserved_bytes: float = 0.0, probe_on_cpu: bool = False,
-          layer_times: bool = False) -> Adapted:
+          layer_times: bool = False, parts: list[int] | None = None) -> Adapted:
     """Collective. `requested_precision`: --precision's, or the JSON's, or None (vit.runtime.precision.choose);
     `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to be balanced;
-    `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`: the
-    proportional micro-batches when --micro-batch-size auto measured them; `state_bytes`: precision -> bytes per
-    parameter (vit.hetero.footprint.bytes_per_param); `reserved_bytes`: a GPU's headroom for NCCL, ZeRO's buckets and
-    cuBLAS (vit.hetero.footprint.gpu_reserved_bytes), which memory plans keep free; `probe_on_cpu`: run the loss-scale
-    probe on the CPU (engines whose GPUs hold only part of the model); `layer_times`: measure every layer's forward
-    and backward time and profile the layers even without balanced stages (record["census"][rank]["layer_ms"],
-    record["layers"]), for stages.plan_stages(..., frozen=k) at a freeze point."""
+    `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`: proportional
+    micro-batches chosen before (--engine or --micro-batch-size auto); `state_bytes`: precision -> bytes/parameter;
+    `reserved_bytes`: a GPU's headroom for NCCL, ZeRO's buckets and cuBLAS, which memory plans keep free;
+    `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model);
+    `layer_times`: time every layer and profile them even without balanced stages (census layer_ms, record["layers"])
+    for stages.plan_stages(..., frozen=k) at a freeze point; `parts`: --engine auto's stages."""
     reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
     caps = gather({**capabilities(device, job.local_world_size, engine), "mem_reserved_gib": reserved_gib})
     precision, why = choose(requested_precision, engine, caps)
     with torch.no_grad(), fork_rng(device):
         block_input = (micro_batch, *layers[0](sample).shape[1:])
     timing = bool(balanced_stages or layer_times)
-    # One rank at a time: ranks that share a host's cores would slow each other. Layer times take LAYER_TURNS
-    # alternations, so that every rank samples a shared host's load over the same span.
+    # One rank at a time (ranks sharing a host's cores would slow each other), LAYER_TURNS alternations for layers
     for turn in range(job.world_size * (LAYER_TURNS if timing else 1)):
         if turn % job.world_size == job.rank:
             if turn < job.world_size:
@@ -72,14 +70,15 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     record = {"census": reports, "precision": precision, "precision_why": why, "state_bytes_per_param": per_param}
     say, decided = [census_table(reports, precision), f"precision {precision}: {why}"], {}
     if balanced_stages or proportional or layer_times:
-        profile = profile_layers(layers, sample, precision)
-        record["layers"] = profile
+        record["layers"] = profile = profile_layers(layers, sample, precision)
+    if parts:
+        decided["parts"], record["stages"] = parts, {"parts": parts, "by": "--engine auto"}
     if balanced_stages:
         decided["parts"], record["stages"], text = balance(profile, reports, balanced_stages, micro_batch,
                                                            grad_accum, per_param)
         say.append(text)
     if proportional:
-        how = "each rank's largest (--micro-batch-size auto)" if split else "proportional to block speed"
+        how = "chosen by --engine or --micro-batch-size auto" if split else "proportional to block speed"
         split = split or split_batches(profile, reports, micro_batch, per_param)
         decided.update(split=split, loss_weight=split[job.rank] * len(split) / sum(split))
         record["batch_split"] = split

@@ -1,7 +1,6 @@
 """Per-layer cost of the network: forward FLOPs, activation bytes kept for backward, parameters, and each layer's
 measured forward and backward time (the memory rules the planners share are vit.hetero.footprint's)."""
 import copy
-import math
 
 import torch
 from torch import nn
@@ -50,13 +49,14 @@ LAYER_TURNS = 2
 
 
 def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int, precision: str,
-                dev: torch.device, slowdown: float = 1.0, rounds: int = LAYER_ROUNDS) -> list[list[float]]:
+                dev: torch.device, slowdown: float = 1.0, rounds: int = LAYER_ROUNDS, pick=min) -> list[list[float]]:
     """[forward ms, backward ms] of each layer at the run's micro-batch on this rank, slowed like the rank's
     layers: the fastest of `rounds` rounds that each time every layer once, after WARMUP_S of such rounds.
     Round by round, so that a burst of load on a shared host slows all layers alike, not a few. Identical layers
     (the blocks) get their group's fastest: they cost the same, and any difference is noise. The fixed costs of
     tiny layers (kernel launches, the embedding's reshapes) count, which FLOPs do not see. Runs a copy of the
-    layers on `dev`."""
+    layers on `dev`. `pick`: how a layer's rounds (and a group's layers) become one time; statistics.median for the
+    time while other ranks load the host as training does (--engine auto times every rank at once)."""
     dtype, clock = DTYPES[precision], Clock(slowdown, dev)
     copies = [copy.deepcopy(layer).to(dev, dtype) for layer in layers]
     inputs, grads = [], []
@@ -67,7 +67,7 @@ def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int,
                 inputs.append(x.requires_grad_(i > 0))  # the images need no gradient; a later stage's input does
                 x = layer(x)
                 grads.append(torch.randn_like(x))
-        best = [[math.inf, math.inf] for _ in copies]
+        times = [[] for _ in copies]
 
         def one_round(keep: bool) -> None:
             for i, layer in enumerate(copies):
@@ -80,7 +80,7 @@ def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int,
                 y.backward(grads[i])
                 clock.stop()
                 if keep:
-                    best[i] = [min(best[i][0], forward_s), min(best[i][1], clock.now() - mid)]
+                    times[i].append((forward_s, clock.now() - mid))
 
         start = clock.now()
         while clock.now() - start < WARMUP_S:
@@ -91,8 +91,9 @@ def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int,
     for i, layer in enumerate(layers):
         shapes = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
         groups.setdefault((type(layer).__name__, shapes, tuple(inputs[i].shape)), []).append(i)
+    best = [None] * len(copies)
     for members in groups.values():
-        pooled = [min(best[i][k] for i in members) for k in (0, 1)]
+        pooled = [pick(t[k] for i in members for t in times[i]) for k in (0, 1)]
         for i in members:
             best[i] = pooled
     return [[1e3 * f, 1e3 * b] for f, b in best]

@@ -102,7 +102,6 @@ def profile_model(model: str, dataset: str, img_size: int | None, precision: str
     import torch
 
     from vit.data.sets import load_dataset
-    from vit.hetero.profile import profile_layers
     from vit.model.layers import build_layers, model_shape
 
     img = img_size or model_shape(model).img_size
@@ -112,7 +111,16 @@ def profile_model(model: str, dataset: str, img_size: int | None, precision: str
     except (ConfigError, OSError):  # a data set not on this machine: its usual shape
         classes, chans = 10, 3
     layers = build_layers(model, classes, chans, img)
-    sample = torch.randn(1, chans, img, img)
+    return describe_layers(layers, torch.randn(1, chans, img, img), precision)
+
+
+def describe_layers(layers: list, sample, precision: str) -> tuple[list[Layer], list[float]]:
+    """(the cost model's Layer of each, forward FLOPs per sample of each) of built layers, profiled at `sample`
+    (one input) on its device."""
+    import torch
+
+    from vit.hetero.profile import profile_layers
+
     profile = profile_layers(layers, sample, precision)
     out, x = [], sample
     with torch.no_grad():

@@ -19,7 +19,8 @@ def start_record(log_dir: str, plan, *, ds_config: dict, precision: str, cluster
         "args": s.flat(), "deepspeed": ds_config, "precision": precision, "world_size": job.world_size,
         "launcher": job.launcher, "master": f"{job.master_addr}:{job.master_port}", "global_batch": batch.global_size,
         "data_parallel_size": batch.dp_size, "total_steps": plan.total_steps,
-        **({"micro_batch_auto": plan.micro_search} if plan.micro_search else {}), **wire(plan, precision)})
+        **({"micro_batch_auto": plan.micro_search} if plan.micro_search else {}),
+        **({"engine_auto": plan.auto} if plan.auto else {}), **wire(plan, precision)})
     resumed = f" (resumed from {resumed_from})" if resumed_from else ""
     print(f"{s.parallel.engine}: {s.model.model} on {s.data.dataset} ({len(data.train)} train / {len(data.test)} "
           f"held-out), {job.world_size} ranks, {precision}; {batch.arithmetic()}; {plan.steps_per_epoch} steps/epoch; "

@@ -1,0 +1,94 @@
+"""python -m bench planner: the planner's predictions against real runs (docs/planner.md, "Validation").
+
+One `--engine auto` run, then one run of each of the --top families it ranked that fit and run, each forced with
+$VIT_ENGINE_AUTO_PICK so that it trains exactly the layout the model predicted (its micro-batch, split and stage
+boundaries, from that run's own measurements). For each: the predicted and the measured step (rank 0's median after
+warm-up), the error, and where --engine auto's choice ranks among the measured. PowerSGD's families are left out:
+auto never runs them, and their first --powersgd-start-step steps are plain all-reduces. Set the links first
+(scripts/sim_cluster.sh link RATE) and run it on the first host with its hostfile; nothing here is a test."""
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from bench.common import OthersCpu, failure_tail, load_avg, median_step_s, mpirun_train, publish
+from vit.config.settings import positive_int
+from vit.planner.auto import PICK, family
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--ranks", type=positive_int, default=5)
+    p.add_argument("--mpirun-args", default="", help="extra mpirun arguments, e.g. '--hostfile $SIM_DIR/hostfile -x "
+                   "GLOO_SOCKET_IFNAME' on the simulated hosts")
+    p.add_argument("--condition", default="", help="the table's name for the links and load, e.g. '7.5 Mbit/s'")
+    p.add_argument("--top", type=positive_int, default=8, help="families measured, in the model's order (default 8)")
+    p.add_argument("--steps", type=positive_int, default=10, help="measured steps after the warm-up (default 10)")
+    p.add_argument("--warmup", type=positive_int, default=3)
+    p.add_argument("--timeout", type=positive_int, default=600, help="seconds per run")
+    p.add_argument("--out", help="write planner.md and planner.json here")
+    p.add_argument("train", nargs="*", help="vit.train options after --, e.g. -- --dataset synthetic --img-size 4 "
+                   "--simulate-slowdown 1=2")
+
+
+def one_run(a, log_dir: Path, pick: str | None) -> dict:
+    """A real --engine auto run (forced to `pick`'s family): its record, the choice and the measured step."""
+    log_dir.mkdir(parents=True)
+    train = ["--engine", "auto", *a.train, "--steps", a.warmup + a.steps, "--log-interval", 1, "--eval-interval", 0,
+             "--no-save", "--monitor-interval", 0, "--log-dir", log_dir]
+    if pick:
+        os.environ[PICK] = pick
+    try:
+        others = OthersCpu()
+        rc = mpirun_train(train, a.ranks, log_dir, a.timeout, f"{a.mpirun_args} -x {PICK}" if pick else a.mpirun_args)
+    finally:
+        os.environ.pop(PICK, None)
+    if rc != 0:
+        raise SystemExit(f"bench planner: run failed ({rc}); {failure_tail(log_dir)}")
+    record = json.loads((log_dir / "config.json").read_text())["engine_auto"]
+    return {"record": record, "measured_ms": 1e3 * median_step_s(log_dir, a.warmup), "others_cores": others.cores()}
+
+
+def result(run: dict, is_auto: bool) -> dict:
+    c = run["record"]["choice"]
+    return {"family": family(c), "candidate": c["candidate"], "predicted_ms": c["step_ms"],
+            "measured_ms": run["measured_ms"], "error": c["step_ms"] / run["measured_ms"] - 1,
+            "bottleneck": c["bottleneck"], "others_cores": run["others_cores"], "auto": is_auto}
+
+
+def planner(a) -> int:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(a.out or tmp) / "logs"
+        first = one_run(a, logs / "auto", None)
+        chosen, families = family(first["record"]["choice"]), []
+        for c in first["record"]["candidates"]:
+            if c["fits"] and c["runs"] and c["compression"] != "powersgd" and family(c) not in families:
+                families.append(family(c))
+        for i, fam in enumerate(families[:a.top]):
+            rows.append(result(first if fam == chosen else one_run(a, logs / f"{i}", fam), fam == chosen))
+            print(f"{rows[-1]['candidate']}: predicted {rows[-1]['predicted_ms']:.1f} ms, measured "
+                  f"{rows[-1]['measured_ms']:.1f} ms", flush=True)
+    if chosen not in families[:a.top]:
+        rows.append(result(first, True))
+    by_measured = sorted(rows, key=lambda r: r["measured_ms"])
+    auto_row = next(r for r in rows if r["auto"])
+    links = ", ".join(f"{h} {v:.1f}" for h, v in first["record"]["links_mbit"].items()) or "one host"
+    lines = [f"{a.condition or 'condition'}: {a.ranks} ranks, vit.train {' '.join(a.train)}; links measured (Mbit/s): "
+             f"{links}; planned in {first['record']['planning_s']:.1f} s; load {load_avg()}", "",
+             "| # predicted | candidate | predicted ms | measured ms | error | # measured | bottleneck | auto |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"| {i} | {r['candidate']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
+                     f"{100 * r['error']:+.0f}% | {by_measured.index(r) + 1} | {r['bottleneck']} | "
+                     f"{'chosen' if r['auto'] else ''} |")
+    errors = sorted(abs(r["error"]) for r in rows)
+    lines += ["", f"median |error| {100 * errors[len(errors) // 2]:.0f}%, largest {100 * errors[-1]:.0f}%; auto's "
+              f"choice measured #{by_measured.index(auto_row) + 1} of {len(rows)}, "
+              f"{by_measured[0]['measured_ms'] / auto_row['measured_ms']:.2f} of the best measured images/s"]
+    publish(a.out, "planner", {"args": {k: v for k, v in vars(a).items() if k != "func"}, "rows": rows,
+                               "record": first["record"]}, "\n".join(lines) + "\n")
+    return 0
+
+
+COMMANDS = {"planner": ("the planner's predicted step times against real runs, and --engine auto's rank",
+                        add_arguments, planner)}

@@ -1,0 +1,91 @@
+"""--engine auto (vit.planner.auto): what it leaves to the user, how a choice becomes a command line, and a real run
+on 2 ranks that measures, ranks, chooses the model's first and trains with it (the simulated hosts' test, with
+links and a slowed rank, is in test_cluster.py)."""
+import json
+
+import pytest
+from helpers import launch
+
+from vit.config.cli import parse
+from vit.config.compat import PROVISIONAL
+from vit.config.settings import ROOT
+from vit.errors import ConfigError
+from vit.planner import auto
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["--comm-hook", "fp16"], "--comm-hook"), (["--pipeline-stages", "3"], "--pipeline-stages"),
+    (["--ds-config", "deepspeed_configs/zero1.json"], "--ds-config"), (["--partition", "uniform"], "--partition"),
+    (["--batch-split", "proportional"], "--batch-split"),
+])
+def test_what_auto_chooses_is_refused_when_given_not_replaced(argv, option):
+    with pytest.raises(ConfigError, match=f"^--engine auto chooses {option} itself; leave it out, or name an engine$"):
+        parse(["--engine", "auto", *argv])
+
+
+def test_auto_refuses_what_it_does_not_plan_and_keeps_the_global_batch_options():
+    for argv, message in [(["--micro-batch-size", "auto"], "chooses the micro-batch within the global batch"),
+                          (["--freeze", "schedule"], "does not plan freeze training yet"),
+                          (["--resume"], "--resume continues the run's own layout; name the engine it trained with")]:
+        with pytest.raises(ConfigError, match=message):
+            parse(["--engine", "auto", *argv])
+    s = parse(["--engine", "auto", "--micro-batch-size", "8", "--grad-accum", "2", "--simulate-slowdown", "1=2"])
+    assert s.parallel.engine == "auto" and s.parallel.micro_batch_size == 8 and s.parallel.grad_accum == 2
+    assert s.parallel.ds_config == parse(["--engine", PROVISIONAL]).parallel.ds_config  # its global batch
+
+
+def test_a_candidate_runs_with_the_deepspeed_json_of_its_zero_stage_or_not_at_all():
+    configs = ROOT / "deepspeed_configs"
+    assert auto.json_for("zero", 1, 1, 4) == str(configs / "zero1.json")
+    assert auto.json_for("zero", 3, 1, 4) == str(configs / "zero3.json")
+    assert auto.json_for("ddp", 0, 1, 4) == str(configs / "zero0.json")
+    assert auto.json_for("pipeline", 1, 2, 4) == str(configs / "pipeline.json")  # its JSON is ZeRO-1
+    assert auto.json_for("pipeline", 0, 2, 4) is None  # no pipeline JSON at ZeRO-0
+    assert auto.json_for("pipeline", 0, 4, 4) == str(configs / "pipeline.json")  # no data parallelism: no ZeRO
+    assert auto.json_for("async-pipeline", 0, 2, 4) == str(configs / "pipeline.json")
+
+
+def test_a_tie_goes_to_the_plainest_and_a_clear_win_to_the_fastest():
+    def cand(ms, compression="none", split=None, stages=1):
+        return {"step_ms": ms, "compression": compression, "split": split, "stages": stages}
+
+    runs = [cand(10.0, "bf16"), cand(10.1, split=[3, 1]), cand(10.15), cand(10.19, stages=2), cand(11.0)]
+    assert auto.pick(runs) is runs[2]  # within 2%: no compression, equal split, one stage
+    runs = [cand(10.0, "bf16"), cand(10.5)]
+    assert auto.pick(runs) is runs[0]  # 5% faster: the model's first
+
+
+def test_links_measured_from_the_first_host_give_each_hosts_rate():
+    reports = [{"host": "a"}, {"host": "a"}, {"host": "b"}, {"host": "c"}]
+    net = auto.network(reports, {"b": (100e6, 2e-4), "c": (50e6, 4e-4)})
+    assert net.host_bytes_s == {"b": 100e6, "c": 50e6, "a": 100e6}
+    assert net.latency_s == pytest.approx(3e-4) and net.bytes_s("a", "c") == 50e6
+    one = auto.network(reports[:2], {})
+    assert one.host_bytes_s == {} and one.same_host_bytes_s == auto.SAME_HOST_BYTES_S
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_auto_on_two_ranks_runs_the_models_first_and_gives_a_slowed_rank_less_work(tmp_path):
+    log_dir = tmp_path / "logs"
+    r = launch(["--engine", "auto", "--simulate-slowdown", "1=3", "--steps", 4, "--eval-interval", 0, "--no-save",
+                "--log-dir", log_dir, "--monitor-interval", 0], timeout=240)
+    assert r.ok, r
+    config = json.loads((log_dir / "config.json").read_text())
+    record, summary = config["engine_auto"], json.loads((log_dir / "summary.json").read_text())
+    rows, choice = record["candidates"], record["choice"]
+    assert auto.pick([c for c in rows if c["fits"] and c["runs"] and c["compression"] != "powersgd"]) == choice
+    assert all(c["not_chosen"] for c in rows[:rows.index(choice)])  # each one ranked above it says why not
+    assert choice["fits"] and f"engine auto chose #{rows.index(choice) + 1}: {choice['candidate']}" in r.outputs[0]
+    assert summary["engine"] == choice["engine"] and summary["micro_batch"] == choice["micro_batch"]
+    assert summary["grad_accum"] == choice["grad_accum"] and summary["global_batch"] == 64  # zero2.json's 32 x 2
+    assert (summary["pipeline_stages"] or 1) == choice["stages"]
+    assert record["links_mbit"] == {} and record["planning_s"] < 30
+    # Rank 1 computes 3x slower: the choice gives it less than half of the work.
+    flops, micro = record["layer_flops"], choice["micro_batch"]
+    if choice["stages"] == 1:
+        work = [(choice["split"] or [micro, micro])[k] * sum(flops) for k in range(2)]
+    else:
+        parts = choice["parts"]
+        work = [micro * sum(flops[parts[k]:parts[k + 1]]) for k in range(2)]
+    assert work[1] < work[0], (choice["candidate"], work)

@@ -1,0 +1,227 @@
+"""--engine auto: once the process group runs, measure what the cost model needs (each rank's layer times at the
+run's micro-batch, every rank at once, and its free memory; the link from the first host to each other host), rank every
+candidate (vit.planner.search), take the fastest that fits every rank and that runs as a command line would ask
+for it, and plan the run again with it. Rank 0 prints the table and the choice; config.json keeps both
+(engine_auto). The fixed costs are the calibration's defaults (docs/planner.md)."""
+import dataclasses
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from vit.config.cli import validate
+from vit.config.ds_config import load_json
+from vit.config.plan import Plan, make_plan
+from vit.config.settings import ROOT
+from vit.engines.registry import spec
+from vit.errors import ConfigError
+from vit.hetero.census import capabilities, gather
+from vit.hetero.memory import likely_precision
+from vit.hetero.profile import time_layers
+from vit.model.layers import build_layers
+from vit.planner.cli import row, table
+from vit.planner.cost import Calibration, Job, Network
+from vit.planner.inputs import describe_layers, ranks_from_census
+from vit.planner.search import rank_candidates
+from vit.runtime.dist_env import rank0_decides
+
+SAME_HOST_BYTES_S = 40e9 / 8  # two ranks on one host: assumed, as python -m vit.planner's --same-host-gbit
+PROBE_S = 0.2  # a link's message grows until its transfer takes this long
+PROBE_MAX_BYTES = 64 * 2**20
+TOP = 10  # rows printed
+TIE = 0.02  # predictions this close are a tie (the model's error is larger)
+PICK = "VIT_ENGINE_AUTO_PICK"  # a family (family()) to run instead of the choice: the model's validation, bench planner
+
+
+def choose(plan: Plan, dev: torch.device) -> Plan:
+    """Collective: measure, rank (rank 0 decides for all), and the run's plan with the choice."""
+    start = time.perf_counter()
+    s, job = plan.settings, plan.job
+    layers = build_layers(s.model.model, plan.data.num_classes, plan.data.in_chans, plan.data.img_size, s.train.seed,
+                          s.model.drop_path)
+    sample, micro, precision = plan.data.train[0][0][None], plan.batch.micro_batch, likely_precision(plan, dev)
+    report = capabilities(dev, job.local_world_size, s.parallel.engine)
+    dist.barrier()  # every rank at once, as training runs: ranks sharing a host's cores slow each other there too
+    report["layer_ms"] = time_layers(layers, sample, micro, precision, dev, plan.slowdowns.get(job.rank, 1.0),
+                                     pick=statistics.median)
+    report["layer_ms_micro_batch"] = micro
+    reports = gather(report)
+    links = measure_links([r["host"] for r in reports], job.rank, dev)
+    record = rank0_decides(lambda: decide(plan, layers, sample, precision, reports, links, start))
+    if job.is_main:
+        print(record.pop("text"), flush=True)
+    else:
+        record.pop("text")
+    return replan(plan, record)
+
+
+def decide(plan: Plan, layers: list, sample: torch.Tensor, precision: str, reports: list[dict],
+           links: dict[str, tuple[float, float]], start: float) -> dict:
+    """Rank 0: every candidate ranked, the first that fits and runs chosen; ConfigError when none does."""
+    described, flops = describe_layers(layers, sample, precision)
+    ranks, _ = ranks_from_census(reports, flops, plan.batch.micro_batch)
+    net = network(reports, links)
+    job = Job(tuple(described), plan.batch.global_size, precision, plan.settings.comm.powersgd_rank)
+    rows = []
+    for p in rank_candidates(ranks, net, job, Calibration()):
+        cannot = cannot_run(p.candidate, plan, precision)
+        rows.append({**row(p, job.global_batch), "runs": cannot is None,
+                     "not_chosen": "does not fit every rank" if not p.fits else cannot or not_chosen(p.candidate)})
+    runs = [r for r in rows if r["not_chosen"] is None]
+    if not runs:
+        raise ConfigError(f"--engine auto: none of the {len(rows)} candidates fits every rank's memory and runs "
+                          f"({rows[0]['candidate']}: {rows[0]['not_chosen']}); name an engine")
+    chosen = pick(runs) if not os.environ.get(PICK) else forced(rows, os.environ[PICK])
+    why = f"{PICK} asked for #{rows.index(chosen) + 1}" if os.environ.get(PICK) else \
+        f"within {TIE:.0%} of #{rows.index(chosen) + 1}, which is plainer"
+    for r in rows[:rows.index(chosen)]:
+        r["not_chosen"] = r["not_chosen"] or why
+    mbit = {h: 8 * b / 1e6 for h, b in net.host_bytes_s.items()}
+    hosts = len({r["host"] for r in reports})
+    said = [f"engine auto: {len(reports)} ranks on {hosts} host{'s' if hosts > 1 else ''}, {precision}, global "
+            f"batch {job.global_batch}; links " + (", ".join(f"{h} {v:.1f} Mbit/s" for h, v in mbit.items())
+                                                   or "none (one host)") + f", latency {1e3 * net.latency_s:.2f} ms"]
+    said.append(table(rows, TOP))
+    said += [f"  not #{i}: {r['not_chosen']}" for i, r in enumerate(rows[:min(rows.index(chosen), TOP)], 1)]
+    plan_s = time.perf_counter() - start
+    said.append(f"engine auto chose #{rows.index(chosen) + 1}: {chosen['candidate']} (predicted "
+                f"{chosen['step_ms']:.1f} ms a step, {chosen['images_per_s']:.0f} images/s; planned in {plan_s:.1f} s)")
+    return {"choice": chosen, "candidates": rows, "links_mbit": mbit, "latency_ms": 1e3 * net.latency_s,
+            "precision": precision, "layer_flops": flops, "calibration": dataclasses.asdict(Calibration()),
+            "planning_s": plan_s, "text": "\n".join(said)}
+
+
+def pick(runs: list[dict]) -> dict:
+    """Of the candidates that run, in the model's order: within TIE of the fastest the model cannot tell them
+    apart, so the plainest wins (no compression, equal micro-batches, fewer stages), then the model's order."""
+    near = [r for r in runs if r["step_ms"] <= (1 + TIE) * runs[0]["step_ms"]]
+    return min(near, key=lambda r: (r["compression"] != "none", r["split"] is not None, r["stages"]))
+
+
+def family(r: dict) -> str:
+    """A candidate's family, as stable between runs as the measurements are: all but its micro-batch, split sizes
+    and stage boundaries."""
+    return f"{r['engine']}:zero{r['zero_stage']}:stages{r['stages']}:{r['compression']}:" \
+        f"{'proportional' if r['split'] else 'equal'}"
+
+
+def forced(rows: list[dict], wanted: str) -> dict:
+    """The best of family `wanted` that fits and has a DeepSpeed JSON ($VIT_ENGINE_AUTO_PICK)."""
+    for r in rows:
+        if family(r) == wanted and r["fits"] and r["runs"]:
+            return r
+    raise ConfigError(f"{PICK}={wanted}: no candidate of that family fits and runs; families: "
+                      f"{', '.join(sorted({family(r) for r in rows}))}")
+
+
+def not_chosen(c) -> str | None:
+    """Why a candidate that fits and runs is not chosen however fast (None: it may be)."""
+    if c.compression == "powersgd":
+        return "PowerSGD changes what is learned (low-rank gradients): --comm-hook powersgd is yours to choose"
+    return None
+
+
+def cannot_run(c, plan: Plan, precision: str) -> str | None:
+    """Why a candidate cannot run as a command line would ask for it (None: it can)."""
+    engine = spec(c.engine)
+    if precision not in engine.precisions:
+        return f"--engine {c.engine} does not train in {precision}"
+    if json_for(c.engine, c.zero_stage, c.stages, plan.job.world_size) is None:
+        return f"no DeepSpeed JSON of --engine {c.engine} at ZeRO-{c.zero_stage}"
+    return None
+
+
+def json_for(engine_name: str, zero_stage: int, stages: int, world_size: int) -> str | None:
+    """The DeepSpeed JSON that runs a candidate: the engine's default where it runs at the candidate's ZeRO stage
+    (or a pipeline without data parallelism, where the stage changes nothing), else zero{stage}.json for an engine
+    without a pipeline; None if none does."""
+    engine, configs = spec(engine_name), ROOT / "deepspeed_configs"
+    default = configs / engine.default_ds_config
+    if not engine.deepspeed or engine.zero_stage_of(load_json(str(default))) == zero_stage or stages == world_size:
+        return str(default)
+    return None if engine.pipeline else str(configs / f"zero{zero_stage}.json")
+
+
+def replan(plan: Plan, record: dict) -> Plan:
+    """The run's plan with the choice: its options as a command line would give them, checked like one."""
+    c, engine = record["choice"], spec(record["choice"]["engine"])
+    changes = dict(engine=c["engine"],
+                   ds_config=json_for(c["engine"], c["zero_stage"], c["stages"], plan.job.world_size),
+                   micro_batch_size=c["micro_batch"], grad_accum=c["grad_accum"],
+                   batch_split="proportional" if c["split"] else "equal")
+    if engine.pipeline:
+        changes["pipeline_stages"] = c["stages"]
+    if engine.comm_hooks and c["compression"] != "none":
+        changes["comm_hook"] = c["compression"]
+    if c["compression"] == "wire-bf16":
+        changes["pipe_wire_dtype"] = "bf16"
+    new = make_plan(validate(plan.settings.with_(**changes)), plan.job)
+    if c["compression"] == "comm-bf16":  # DeepSpeed's gradient reduction in bf16
+        new = dataclasses.replace(new, ds_config={**new.ds_config, "communication_data_type": "bf16"})
+    return dataclasses.replace(new, auto=record, micro_split=list(c["split"]) if c["split"] else None,
+                               stage_parts=list(c["parts"]) if c["parts"] else None)
+
+
+def network(reports: list[dict], links: dict[str, tuple[float, float]]) -> Network:
+    """Each host's link (bytes/s, latency) as measured from the first host: a host's, the pair's with the first;
+    the first's, its fastest pair's; the latency, the pairs' median."""
+    if not links:
+        return Network({}, 0.0, same_host_bytes_s=SAME_HOST_BYTES_S)
+    per_host = {h: b for h, (b, _) in links.items()}
+    per_host[reports[0]["host"]] = max(per_host.values())
+    return Network(per_host, statistics.median(lat for _, lat in links.values()),
+                   same_host_bytes_s=SAME_HOST_BYTES_S)
+
+
+def measure_links(hosts: list[str], rank: int, dev: torch.device) -> dict[str, tuple[float, float]]:
+    """Collective: the first host's first rank (rank 0) and each other host's first rank in turn exchange
+    messages (probe). On rank 0, {host: (bytes/s, latency s)}; elsewhere {}."""
+    firsts = {}
+    for r, h in enumerate(hosts):
+        firsts.setdefault(h, r)
+    found = {}
+    for host, peer in list(firsts.items())[1:]:
+        if rank == 0:
+            found[host] = probe(peer, dev, sender=True)
+        elif rank == peer:
+            probe(0, dev, sender=False)
+        dist.barrier()
+    return found
+
+
+def probe(peer: int, dev: torch.device, sender: bool) -> tuple[float, float] | None:
+    """The sender's (bytes/s, latency s) to `peer`: latency, half the fastest of five round trips of a byte;
+    bandwidth, a message grown 8x from 64 KiB until its transfer takes PROBE_S (or PROBE_MAX_BYTES), its bytes over
+    its round trip less the byte's. Before each message a control message tells the receiver its size (0: done)."""
+    ctl = torch.zeros(1, dtype=torch.int64, device=dev)
+    if not sender:
+        while True:
+            dist.recv(ctl, peer)
+            if (n := int(ctl.item())) == 0:
+                return None
+            dist.recv(torch.empty(n, dtype=torch.uint8, device=dev), peer)
+            dist.send(ctl, peer)
+
+    def round_trip(n: int) -> float:
+        ctl.fill_(n)
+        dist.send(ctl, peer)
+        buf = torch.empty(n, dtype=torch.uint8, device=dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        begin = time.perf_counter()
+        dist.send(buf, peer)
+        dist.recv(ctl, peer)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - begin
+
+    tiny = min(round_trip(1) for _ in range(5))
+    n = 64 * 2**10
+    while (took := round_trip(n)) - tiny < PROBE_S and n < PROBE_MAX_BYTES:
+        n *= 8
+    took = min(took, round_trip(n))
+    ctl.fill_(0)
+    dist.send(ctl, peer)
+    return n / max(took - tiny, 1e-9), tiny / 2
