@@ -8,12 +8,14 @@ auto never runs them, and their first --powersgd-start-step steps are plain all-
 (scripts/sim_cluster.sh link RATE) and run it on the first host with its hostfile; nothing here is a test."""
 import json
 import os
+import statistics
 import tempfile
 from pathlib import Path
 
 from bench.common import OthersCpu, failure_tail, load_avg, median_step_s, mpirun_train, publish
 from vit.config.settings import positive_int
-from vit.planner.auto import PICK, family
+from vit.planner.auto import CALIBRATION, PICK, family
+from vit.telemetry.metrics import write_json
 
 
 def add_arguments(p) -> None:
@@ -25,6 +27,10 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=positive_int, default=10, help="measured steps after the warm-up (default 10)")
     p.add_argument("--warmup", type=positive_int, default=3)
     p.add_argument("--timeout", type=positive_int, default=600, help="seconds per run")
+    p.add_argument("--calibration", help="a calibration JSON every run's planner reads ($VIT_PLANNER_CALIBRATION)")
+    p.add_argument("--save-calibration", metavar="FILE", help="write each engine's fixed seconds a step, fitted to "
+                   "these runs, as a calibration JSON (measure where the link is fast: what the model's compute, link "
+                   "and bubble leave of a step; logs/planner_calibration.json is where --engine auto looks)")
     p.add_argument("--out", help="write planner.md and planner.json here")
     p.add_argument("train", nargs="*", help="vit.train options after --, e.g. -- --dataset synthetic --img-size 4 "
                    "--simulate-slowdown 1=2")
@@ -35,13 +41,14 @@ def one_run(a, log_dir: Path, pick: str | None) -> dict:
     log_dir.mkdir(parents=True)
     train = ["--engine", "auto", *a.train, "--steps", a.warmup + a.steps, "--log-interval", 1, "--eval-interval", 0,
              "--no-save", "--monitor-interval", 0, "--log-dir", log_dir]
-    if pick:
-        os.environ[PICK] = pick
+    env = {**({PICK: pick} if pick else {}), **({CALIBRATION: os.path.abspath(a.calibration)} if a.calibration else {})}
+    os.environ.update(env)
     try:
         others = OthersCpu()
-        rc = mpirun_train(train, a.ranks, log_dir, a.timeout, f"{a.mpirun_args} -x {PICK}" if pick else a.mpirun_args)
+        rc = mpirun_train(train, a.ranks, log_dir, a.timeout, " ".join([a.mpirun_args, *(f"-x {k}" for k in env)]))
     finally:
-        os.environ.pop(PICK, None)
+        for k in env:
+            os.environ.pop(k)
     if rc != 0:
         raise SystemExit(f"bench planner: run failed ({rc}); {failure_tail(log_dir)}")
     record = json.loads((log_dir / "config.json").read_text())["engine_auto"]
@@ -52,7 +59,18 @@ def result(run: dict, is_auto: bool) -> dict:
     c = run["record"]["choice"]
     return {"family": family(c), "candidate": c["candidate"], "predicted_ms": c["step_ms"],
             "measured_ms": run["measured_ms"], "error": c["step_ms"] / run["measured_ms"] - 1,
-            "bottleneck": c["bottleneck"], "others_cores": run["others_cores"], "auto": is_auto}
+            "bottleneck": c["bottleneck"], "others_cores": run["others_cores"], "auto": is_auto,
+            "engine_key": c["engine_key"], "fixed_ms": c["fixed_ms"], "grad_accum": c["grad_accum"]}
+
+
+def fit(rows: list[dict], micro_s: float) -> dict[str, float]:
+    """Each engine's fixed seconds a step: the median over its rows of what the measured step leaves once the
+    model's compute, link, bubble and per-micro-batch costs are taken off."""
+    left = {}
+    for r in rows:
+        seconds = (r["measured_ms"] - r["predicted_ms"] + r["fixed_ms"]) / 1e3 - r["grad_accum"] * micro_s
+        left.setdefault(r["engine_key"], []).append(seconds)
+    return {k: round(max(0.0, statistics.median(v)), 5) for k, v in left.items()}
 
 
 def planner(a) -> int:
@@ -85,6 +103,10 @@ def planner(a) -> int:
     lines += ["", f"median |error| {100 * errors[len(errors) // 2]:.0f}%, largest {100 * errors[-1]:.0f}%; auto's "
               f"choice measured #{by_measured.index(auto_row) + 1} of {len(rows)}, "
               f"{by_measured[0]['measured_ms'] / auto_row['measured_ms']:.2f} of the best measured images/s"]
+    if a.save_calibration:
+        fitted = fit(rows, first["record"]["calibration"]["micro_s"])
+        write_json(a.save_calibration, {"engine_step_s": fitted})
+        lines += ["", f"fixed seconds a step per engine, fitted to these runs ({a.save_calibration}): {fitted}"]
     publish(a.out, "planner", {"args": {k: v for k, v in vars(a).items() if k != "func"}, "rows": rows,
                                "record": first["record"]}, "\n".join(lines) + "\n")
     return 0

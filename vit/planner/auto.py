@@ -21,8 +21,8 @@ from vit.hetero.census import capabilities, gather
 from vit.hetero.memory import likely_precision
 from vit.hetero.profile import time_layers
 from vit.model.layers import build_layers
-from vit.planner.cli import row, table
-from vit.planner.cost import Calibration, Job, Network
+from vit.planner.cli import calibration, row, table
+from vit.planner.cost import Job, Network
 from vit.planner.inputs import describe_layers, ranks_from_census
 from vit.planner.search import rank_candidates
 from vit.runtime.dist_env import rank0_decides
@@ -31,7 +31,10 @@ SAME_HOST_BYTES_S = 40e9 / 8  # two ranks on one host: assumed, as python -m vit
 PROBE_S = 0.2  # a link's message grows until its transfer takes this long
 PROBE_MAX_BYTES = 64 * 2**20
 TOP = 10  # rows printed
+ROUNDS = 30  # of every layer's forward and backward, the median kept: ranks timed at once are noisier than alone
 TIE = 0.02  # predictions this close are a tie (the model's error is larger)
+CALIBRATION = "VIT_PLANNER_CALIBRATION"  # the fixed costs measured by bench planner --save-calibration; default:
+CALIBRATION_FILE = ROOT / "logs" / "planner_calibration.json"  # when it exists
 PICK = "VIT_ENGINE_AUTO_PICK"  # a family (family()) to run instead of the choice: the model's validation, bench planner
 
 
@@ -45,7 +48,7 @@ def choose(plan: Plan, dev: torch.device) -> Plan:
     report = capabilities(dev, job.local_world_size, s.parallel.engine)
     dist.barrier()  # every rank at once, as training runs: ranks sharing a host's cores slow each other there too
     report["layer_ms"] = time_layers(layers, sample, micro, precision, dev, plan.slowdowns.get(job.rank, 1.0),
-                                     pick=statistics.median)
+                                     rounds=ROUNDS, pick=statistics.median)
     report["layer_ms_micro_batch"] = micro
     reports = gather(report)
     links = measure_links([r["host"] for r in reports], job.rank, dev)
@@ -64,10 +67,11 @@ def decide(plan: Plan, layers: list, sample: torch.Tensor, precision: str, repor
     ranks, _ = ranks_from_census(reports, flops, plan.batch.micro_batch)
     net = network(reports, links)
     job = Job(tuple(described), plan.batch.global_size, precision, plan.settings.comm.powersgd_rank)
-    rows = []
-    for p in rank_candidates(ranks, net, job, Calibration()):
+    calib_from = os.environ.get(CALIBRATION) or (str(CALIBRATION_FILE) if CALIBRATION_FILE.is_file() else None)
+    calib, rows = calibration(calib_from), []
+    for p in rank_candidates(ranks, net, job, calib):
         cannot = cannot_run(p.candidate, plan, precision)
-        rows.append({**row(p, job.global_batch), "runs": cannot is None,
+        rows.append({**row(p, job.global_batch), "engine_key": p.candidate.engine_key(), "runs": cannot is None,
                      "not_chosen": "does not fit every rank" if not p.fits else cannot or not_chosen(p.candidate)})
     runs = [r for r in rows if r["not_chosen"] is None]
     if not runs:
@@ -82,14 +86,16 @@ def decide(plan: Plan, layers: list, sample: torch.Tensor, precision: str, repor
     hosts = len({r["host"] for r in reports})
     said = [f"engine auto: {len(reports)} ranks on {hosts} host{'s' if hosts > 1 else ''}, {precision}, global "
             f"batch {job.global_batch}; links " + (", ".join(f"{h} {v:.1f} Mbit/s" for h, v in mbit.items())
-                                                   or "none (one host)") + f", latency {1e3 * net.latency_s:.2f} ms"]
+                                                   or "none (one host)") + f", latency {1e3 * net.latency_s:.2f} ms; "
+            f"fixed costs from {calib_from or 'the defaults (bench planner --save-calibration measures them)'}"]
     said.append(table(rows, TOP))
     said += [f"  not #{i}: {r['not_chosen']}" for i, r in enumerate(rows[:min(rows.index(chosen), TOP)], 1)]
     plan_s = time.perf_counter() - start
     said.append(f"engine auto chose #{rows.index(chosen) + 1}: {chosen['candidate']} (predicted "
                 f"{chosen['step_ms']:.1f} ms a step, {chosen['images_per_s']:.0f} images/s; planned in {plan_s:.1f} s)")
     return {"choice": chosen, "candidates": rows, "links_mbit": mbit, "latency_ms": 1e3 * net.latency_s,
-            "precision": precision, "layer_flops": flops, "calibration": dataclasses.asdict(Calibration()),
+            "precision": precision, "layer_flops": flops, "calibration": dataclasses.asdict(calib),
+            "calibration_from": calib_from,
             "planning_s": plan_s, "text": "\n".join(said)}
 
 
@@ -101,10 +107,9 @@ def pick(runs: list[dict]) -> dict:
 
 
 def family(r: dict) -> str:
-    """A candidate's family, as stable between runs as the measurements are: all but its micro-batch, split sizes
-    and stage boundaries."""
-    return f"{r['engine']}:zero{r['zero_stage']}:stages{r['stages']}:{r['compression']}:" \
-        f"{'proportional' if r['split'] else 'equal'}"
+    """A candidate's family, as stable between runs as the measurements are: all but its micro-batch, batch split
+    and stage boundaries (each run's model chooses those again)."""
+    return f"{r['engine']}:zero{r['zero_stage']}:stages{r['stages']}:{r['compression']}"
 
 
 def forced(rows: list[dict], wanted: str) -> dict:

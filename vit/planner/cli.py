@@ -74,9 +74,12 @@ def calibration(path: str | None) -> Calibration:
         raise ConfigError(f"--calibration {path}: unknown keys {sorted(set(given) - known)}; known: "
                           f"{', '.join(sorted(known))}")
     for key, value in given.items():
-        default = getattr(Calibration, key)
+        default = getattr(Calibration, key, {})  # engine_step_s's is a factory's
         if isinstance(default, bool):
             ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, dict):
+            ok, want = isinstance(value, dict) and all(map(number, value.values())), \
+                "an object of seconds >= 0 per engine (ddp, zero0..zero3, pipeline, async-pipeline)"
         elif isinstance(default, tuple):
             ok, want = isinstance(value, list) and len(value) == len(default) and all(map(number, value)), \
                 f"a list of {len(default)} numbers >= 0 (one per ZeRO stage)"

@@ -75,6 +75,10 @@ class Calibration:
     ddp_bucket_bytes: float = 25 * 2**20  # torch DDP's bucket_cap_mb
     ddp_overlap: bool = True  # DDP's buckets all-reduce during backward
     pipe_overlap: bool = True  # a pipeline's p2p runs while other stages compute (else each slot pays it)
+    engine_step_s: dict = field(default_factory=dict)  # measured per engine (Candidate.engine_key): its step_s
+
+    def fixed_step_s(self, c: "Candidate") -> float:
+        return self.engine_step_s.get(c.engine_key(), self.step_s)
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,11 @@ class Candidate:
     compression: str = "none"
     split: tuple[int, ...] | None = None
     parts: tuple[int, ...] | None = None
+
+    def engine_key(self) -> str:
+        """The engine as a calibration names it: with its ZeRO stage where its DeepSpeed JSON sets it ('zero2')."""
+        engine = spec(self.engine)
+        return f"{self.engine}{self.zero_stage}" if engine.zero_stage is None and not engine.pipeline else self.engine
 
     def label(self) -> str:
         engine = spec(self.engine)

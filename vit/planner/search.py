@@ -19,6 +19,10 @@ from vit.planner.predict import (
     stage_time_s,
 )
 
+# Ranks whose speeds are this close are one speed (proportional): 5 identical ranks sharing 2 cores, timed at once
+# (--engine auto), differed by up to 28%.
+SAME_SPEED = 0.3
+
 
 def divisors(k: int) -> list[int]:
     return [d for d in range(1, k + 1) if k % d == 0]
@@ -65,13 +69,15 @@ def best_parts(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: C
 def proportional(c: Candidate, ranks: list[Rank], job: Job) -> tuple[int, ...] | None:
     """--batch-split proportional: micro_batch x ranks shared in proportion to each rank's speed (1 / its
     per-sample forward and backward) within what its memory holds (batch_split.proportional_split); None when
-    it does not fit or equals the equal split."""
+    it does not fit or equals the equal split, or when the ranks' speeds are within SAME_SPEED of each other."""
+    speeds = [1 / (sum(r.fwd_s) + sum(r.bwd_s)) for r in ranks]
+    if max(speeds) < (1 + SAME_SPEED) * min(speeds):
+        return None
     state = sum(x.params for x in job.layers) * per_param_bytes(c, job, len(ranks))
     act = sum(x.act_bytes for x in job.layers)
     caps = [int((capacity(r, c.engine, c.zero_stage, job.precision) - state) // act) for r in ranks]
     try:
-        split = proportional_split(c.micro_batch * len(ranks), [1 / (sum(r.fwd_s) + sum(r.bwd_s)) for r in ranks],
-                                   caps)
+        split = proportional_split(c.micro_batch * len(ranks), speeds, caps)
     except ValueError:
         return None
     return None if len(set(split)) == 1 else tuple(split)
