@@ -28,9 +28,10 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=positive_int, default=3)
     p.add_argument("--timeout", type=positive_int, default=600, help="seconds per run")
     p.add_argument("--calibration", help="a calibration JSON every run's planner reads ($VIT_PLANNER_CALIBRATION)")
-    p.add_argument("--save-calibration", metavar="FILE", help="write each engine's fixed seconds a step, fitted to "
-                   "these runs, as a calibration JSON (measure where the link is fast: what the model's compute, link "
-                   "and bubble leave of a step; logs/planner_calibration.json is where --engine auto looks)")
+    p.add_argument("--save-calibration", metavar="FILE", help="write each engine's fixed seconds a micro-batch, "
+                   "fitted to these runs, as a calibration JSON (measure where the link is fast: what the model's "
+                   "compute, link and bubble leave of a step; logs/planner_calibration.json is where --engine auto "
+                   "looks)")
     p.add_argument("--out", help="write planner.md and planner.json here")
     p.add_argument("train", nargs="*", help="vit.train options after --, e.g. -- --dataset synthetic --img-size 4 "
                    "--simulate-slowdown 1=2")
@@ -63,12 +64,12 @@ def result(run: dict, is_auto: bool) -> dict:
             "engine_key": c["engine_key"], "fixed_ms": c["fixed_ms"], "grad_accum": c["grad_accum"]}
 
 
-def fit(rows: list[dict], micro_s: float) -> dict[str, float]:
-    """Each engine's fixed seconds a step: the median over its rows of what the measured step leaves once the
-    model's compute, link, bubble and per-micro-batch costs are taken off."""
+def fit(rows: list[dict], step_s: float) -> dict[str, float]:
+    """Each engine's fixed seconds a micro-batch: the median over its rows of what the measured step leaves once
+    the model's compute, link, bubble and per-step cost are taken off, over the step's micro-batches."""
     left = {}
     for r in rows:
-        seconds = (r["measured_ms"] - r["predicted_ms"] + r["fixed_ms"]) / 1e3 - r["grad_accum"] * micro_s
+        seconds = ((r["measured_ms"] - r["predicted_ms"] + r["fixed_ms"]) / 1e3 - step_s) / r["grad_accum"]
         left.setdefault(r["engine_key"], []).append(seconds)
     return {k: round(max(0.0, statistics.median(v)), 5) for k, v in left.items()}
 
@@ -104,9 +105,9 @@ def planner(a) -> int:
               f"choice measured #{by_measured.index(auto_row) + 1} of {len(rows)}, "
               f"{by_measured[0]['measured_ms'] / auto_row['measured_ms']:.2f} of the best measured images/s"]
     if a.save_calibration:
-        fitted = fit(rows, first["record"]["calibration"]["micro_s"])
-        write_json(a.save_calibration, {"engine_step_s": fitted})
-        lines += ["", f"fixed seconds a step per engine, fitted to these runs ({a.save_calibration}): {fitted}"]
+        fitted = fit(rows, first["record"]["calibration"]["step_s"])
+        write_json(a.save_calibration, {"engine_micro_s": fitted})
+        lines += ["", f"fixed seconds a micro-batch per engine, fitted to these runs ({a.save_calibration}): {fitted}"]
     publish(a.out, "planner", {"args": {k: v for k, v in vars(a).items() if k != "func"}, "rows": rows,
                                "record": first["record"]}, "\n".join(lines) + "\n")
     return 0

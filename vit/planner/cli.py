@@ -74,7 +74,7 @@ def calibration(path: str | None) -> Calibration:
         raise ConfigError(f"--calibration {path}: unknown keys {sorted(set(given) - known)}; known: "
                           f"{', '.join(sorted(known))}")
     for key, value in given.items():
-        default = getattr(Calibration, key, {})  # engine_step_s's is a factory's
+        default = getattr(Calibration, key, {})  # engine_micro_s's is a factory's
         if isinstance(default, bool):
             ok, want = isinstance(value, bool), "true or false"
         elif isinstance(default, dict):

@@ -75,10 +75,11 @@ class Calibration:
     ddp_bucket_bytes: float = 25 * 2**20  # torch DDP's bucket_cap_mb
     ddp_overlap: bool = True  # DDP's buckets all-reduce during backward
     pipe_overlap: bool = True  # a pipeline's p2p runs while other stages compute (else each slot pays it)
-    engine_step_s: dict = field(default_factory=dict)  # measured per engine (Candidate.engine_key): its step_s
+    engine_micro_s: dict = field(default_factory=dict)  # measured per engine (Candidate.engine_key): its micro_s
 
-    def fixed_step_s(self, c: "Candidate") -> float:
-        return self.engine_step_s.get(c.engine_key(), self.step_s)
+    def fixed_s(self, c: "Candidate") -> float:
+        """A step's fixed seconds: step_s, and the engine's measured micro_s (else the default) per micro-batch."""
+        return self.step_s + c.grad_accum * self.engine_micro_s.get(c.engine_key(), self.micro_s)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ def data_parallel(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib
         link = reductions * calib.zero_comm_factor[c.zero_stage] * ring_allreduce_s(wire, hosts, net, calib, buckets)
     state = sum(x.params for x in job.layers) * per_param_bytes(c, job, n)
     act = sum(x.act_bytes for x in job.layers)
-    return Prediction(c, per_rank[slow], link, 0.0, calib.fixed_step_s(c) + a * calib.micro_s,
+    return Prediction(c, per_rank[slow], link, 0.0, calib.fixed_s(c),
                       tuple(state + act * b for b in sizes),
                       tuple(capacity(r, c.engine, c.zero_stage, job.precision) for r in ranks))
 
@@ -165,7 +165,7 @@ def pipeline(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Cal
             caps.append(capacity(r, c.engine, c.zero_stage, job.precision))
     bubble = (slots(c) - m) * compute
     return Prediction(c, m * compute, step - slots(c) * compute + reduce, bubble,
-                      calib.fixed_step_s(c) + m * calib.micro_s, tuple(mems), tuple(caps))
+                      calib.fixed_s(c), tuple(mems), tuple(caps))
 
 
 def predict(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> Prediction:
