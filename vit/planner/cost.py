@@ -77,9 +77,9 @@ class Calibration:
     pipe_overlap: bool = True  # a pipeline's p2p runs while other stages compute (else each slot pays it)
     engine_micro_s: dict = field(default_factory=dict)  # measured per engine (Candidate.engine_key): its micro_s
 
-    def fixed_s(self, c: "Candidate") -> float:
-        """A step's fixed seconds: step_s, and the engine's measured micro_s (else the default) per micro-batch."""
-        return self.step_s + c.grad_accum * self.engine_micro_s.get(c.engine_key(), self.micro_s)
+    def micro_of(self, c: "Candidate") -> float:
+        """The engine's measured micro_s, else the default."""
+        return self.engine_micro_s.get(c.engine_key(), self.micro_s)
 
 
 @dataclass(frozen=True)

@@ -87,10 +87,14 @@ def data_parallel(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib
         # deepspeed/runtime/engine.py allreduce_gradients: "ZeRO stage >= 2 communicates during non gradient
         # accumulation boundaries as well": every micro-batch reduces its gradients
         reductions = a if c.zero_stage >= 2 else 1
-        link = reductions * calib.zero_comm_factor[c.zero_stage] * ring_allreduce_s(wire, hosts, net, calib, buckets)
+        # the gradients' reduction in the communication dtype, the rest of ZeRO's traffic (gathering the updated
+        # parameters) in the model's: communication_data_type does not shrink it
+        gather = (calib.zero_comm_factor[c.zero_stage] - 1) * ring_allreduce_s(
+            grad_bytes(engine, job, job.layers, "none"), hosts, net, calib, buckets)
+        link = reductions * ring_allreduce_s(wire, hosts, net, calib, buckets) + gather
     state = sum(x.params for x in job.layers) * per_param_bytes(c, job, n)
     act = sum(x.act_bytes for x in job.layers)
-    return Prediction(c, per_rank[slow], link, 0.0, calib.fixed_s(c),
+    return Prediction(c, per_rank[slow], link, 0.0, calib.step_s + a * calib.micro_of(c),
                       tuple(state + act * b for b in sizes),
                       tuple(capacity(r, c.engine, c.zero_stage, job.precision) for r in ranks))
 
@@ -115,9 +119,11 @@ def stage_transfer_s(c: Candidate, ranks: list[Rank], net: Network, job: Job, ca
 def stage_time_s(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration, s: int, i: int,
                  j: int) -> tuple[float, float]:
     """(compute, transfer) seconds per micro-batch of stage s holding layers i..j-1: its slowest rank's forward
-    and backward, and its link's (stage_transfer_s)."""
+    and backward with the engine's cost per micro-batch (its instructions: the stage's own CPU time, which the link
+    can hide as it hides compute), and its link's (stage_transfer_s)."""
     dp = len(ranks) // c.stages
     compute = max(c.micro_batch * (sum(r.fwd_s[i:j]) + sum(r.bwd_s[i:j])) for r in ranks[s * dp:(s + 1) * dp])
+    compute += calib.micro_of(c)
     return compute, stage_transfer_s(c, ranks, net, job, calib, s, i, j)
 
 
@@ -154,9 +160,11 @@ def pipeline(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Cal
     step = max(stage_step_s(c, calib, *t) for t in times)
     compute = max(t[0] for t in times) if calib.pipe_overlap else max(times, key=lambda t: sum(t))[0]
     factor = calib.zero_comm_factor[c.zero_stage] if engine.deepspeed else 1.0
-    reduce = max(factor * ring_allreduce_s(
-        grad_bytes(engine, job, job.layers[parts[s]:parts[s + 1]], c.compression),
-        [r.host for r in ranks[s * dp:(s + 1) * dp]], net, calib) for s in range(c.stages))
+
+    def reduce_s(s: int, compression: str) -> float:
+        return ring_allreduce_s(grad_bytes(engine, job, job.layers[parts[s]:parts[s + 1]], compression),
+                                [r.host for r in ranks[s * dp:(s + 1) * dp]], net, calib)
+    reduce = max(reduce_s(s, c.compression) + (factor - 1) * reduce_s(s, "none") for s in range(c.stages))
     mems, caps = [], []
     for s in range(c.stages):
         mem = stage_mem_bytes(c, job, dp, s, parts[s], parts[s + 1])
@@ -165,7 +173,7 @@ def pipeline(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Cal
             caps.append(capacity(r, c.engine, c.zero_stage, job.precision))
     bubble = (slots(c) - m) * compute
     return Prediction(c, m * compute, step - slots(c) * compute + reduce, bubble,
-                      calib.fixed_s(c), tuple(mems), tuple(caps))
+                      calib.step_s, tuple(mems), tuple(caps))
 
 
 def predict(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> Prediction:
