@@ -341,8 +341,9 @@ def test_engine_auto_measures_the_links_and_gives_a_slowed_rank_less_work(cluste
     hostfile = tmp_path / "hosts.txt"
     cluster.on(0, f"setup/make_hostfile.sh --out {hostfile} {' '.join(HOSTS)}", timeout=60)
     log_dir = tmp_path / "logs"
-    cmd = (f"{MPIRUN} -np {len(HOSTS)} --hostfile {hostfile} ./entry_cn.sh --engine auto --simulate-slowdown 1=3 "
+    cmd = (f"{MPIRUN} -np {len(HOSTS)} --hostfile {hostfile} ./entry_cn.sh --engine auto --simulate-slowdown 1=8 "
            f"--monitor-interval 0 --log-interval 1 --steps 4 --no-save --log-dir {log_dir}")
+    # 5 ranks share 2 cores here: while the slowed rank waits, the others compute faster: x8 measured about x1.8
     r = cluster.on(0, cmd, timeout=360, IFACE="eth0")
     assert "step 4/4" in r.output and "engine auto chose #" in r.output, r
     record = json.loads((log_dir / "config.json").read_text())["engine_auto"]
