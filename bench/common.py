@@ -127,16 +127,20 @@ class OthersCpu:
         return round(max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0), 2)
 
 
-def mpirun_train(train: list, ranks: int, log_dir: Path, timeout: float, mpirun_args: str = "") -> int | str:
+def mpirun_train(train: list, ranks: int, log_dir: Path, timeout: float, mpirun_args: str = "",
+                 env: dict | None = None) -> int | str:
     """`mpirun -np ranks ./entry_cn.sh TRAIN...`, its output in LOG_DIR/output.log; the exit code, or why it
     was killed. With a --hostfile in mpirun_args, no --oversubscribe: Open MPI 5 then puts every rank on the first
-    host (scripts/compare.sh). One rank without mpirun options runs as one process of this python, no launcher."""
+    host (scripts/compare.sh). One rank without mpirun options runs as one process of this python, no launcher.
+    `env`: variables for every rank (mpirun -x passes them to other hosts)."""
+    env = env or {}
     extra = shlex.split(mpirun_args)
     mpirun = [str(ROOT / "scripts" / "mpirun"), "-np", str(ranks), *([] if "--hostfile" in extra else
-                                                                     ["--oversubscribe"]), *extra]
+                                                                     ["--oversubscribe"]), *extra,
+              *(a for k in env for a in ("-x", k))]
     cmd = [sys.executable, "-m", "vit.train"] if ranks == 1 and not extra else [*mpirun, str(ROOT / "entry_cn.sh")]
     with open(log_dir / "output.log", "w") as out:
-        p = subprocess.Popen([*cmd, *map(str, train)], cwd=ROOT, env=child_env(),
+        p = subprocess.Popen([*cmd, *map(str, train)], cwd=ROOT, env=child_env(**env),
                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             return p.wait(timeout=timeout)

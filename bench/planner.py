@@ -43,13 +43,8 @@ def one_run(a, log_dir: Path, pick: str | None) -> dict:
     train = ["--engine", "auto", *a.train, "--steps", a.warmup + a.steps, "--log-interval", 1, "--eval-interval", 0,
              "--no-save", "--monitor-interval", 0, "--log-dir", log_dir]
     env = {**({PICK: pick} if pick else {}), **({CALIBRATION: os.path.abspath(a.calibration)} if a.calibration else {})}
-    os.environ.update(env)
-    try:
-        others = OthersCpu()
-        rc = mpirun_train(train, a.ranks, log_dir, a.timeout, " ".join([a.mpirun_args, *(f"-x {k}" for k in env)]))
-    finally:
-        for k in env:
-            os.environ.pop(k)
+    others = OthersCpu()
+    rc = mpirun_train(train, a.ranks, log_dir, a.timeout, a.mpirun_args, env)
     if rc != 0:
         raise SystemExit(f"bench planner: run failed ({rc}); {failure_tail(log_dir)}")
     record = json.loads((log_dir / "config.json").read_text())["engine_auto"]

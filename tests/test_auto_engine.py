@@ -11,6 +11,7 @@ from vit.config.compat import PROVISIONAL
 from vit.config.settings import ROOT
 from vit.errors import ConfigError
 from vit.planner import auto
+from vit.planner.cost import Network
 
 
 @pytest.mark.parametrize("argv,option", [
@@ -61,7 +62,7 @@ def test_links_measured_from_the_first_host_give_each_hosts_rate():
     assert net.host_bytes_s == {"b": 100e6, "c": 50e6, "a": 100e6}
     assert net.latency_s == pytest.approx(3e-4) and net.bytes_s("a", "c") == 50e6
     one = auto.network(reports[:2], {})
-    assert one.host_bytes_s == {} and one.same_host_bytes_s == auto.SAME_HOST_BYTES_S
+    assert one.host_bytes_s == {} and one.same_host_bytes_s == Network.same_host_bytes_s
 
 
 @pytest.mark.ranks

@@ -12,7 +12,8 @@ from vit.runtime.slowdown import Clock
 
 
 def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str = "fp32") -> list[dict]:
-    """Per layer and per sample: forward FLOPs, bytes kept for backward (activations), parameter count. In half
+    """Per layer and per sample: forward FLOPs, bytes kept for backward (activations), parameter count, output
+    elements (what a pipeline boundary after it sends). In half
     precision the activations are measured on a copy of the layers in that dtype, as DeepSpeed runs them (what
     stays in fp32 there, stays in fp32 here)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -39,7 +40,8 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str
             with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):  # the math kernel's matmuls are counted
                 layer(x)
             out.append({"name": type(layer).__name__, "flops": counter.get_total_flops(),
-                        "act_bytes": sum(saved.values()), "params": sum(p.numel() for p in layer.parameters())})
+                        "act_bytes": sum(saved.values()), "params": sum(p.numel() for p in layer.parameters()),
+                        "out_elems": y.numel() // y.shape[0]})
             x = y.detach().requires_grad_()
     return out
 

@@ -2,8 +2,9 @@
 run's micro-batch, every rank at once, and its free memory; the link from the first host to each other host), rank every
 candidate (vit.planner.search), take the fastest that fits every rank and that runs as a command line would ask
 for it, and plan the run again with it. Rank 0 prints the table and the choice; config.json keeps both
-(engine_auto). The fixed costs are the calibration's defaults (docs/planner.md)."""
+(engine_auto). The fixed costs come from a calibration file where there is one, else the defaults (docs/planner.md)."""
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -27,7 +28,6 @@ from vit.planner.inputs import describe_layers, ranks_from_census
 from vit.planner.search import rank_candidates
 from vit.runtime.dist_env import rank0_decides
 
-SAME_HOST_BYTES_S = 40e9 / 8  # two ranks on one host: assumed, as python -m vit.planner's --same-host-gbit
 PROBE_S = 0.2  # a link's message grows until its transfer takes this long
 PROBE_MAX_BYTES = 64 * 2**20
 TOP = 10  # rows printed
@@ -53,10 +53,9 @@ def choose(plan: Plan, dev: torch.device) -> Plan:
     reports = gather(report)
     links = measure_links([r["host"] for r in reports], job.rank, dev)
     record = rank0_decides(lambda: decide(plan, layers, sample, precision, reports, links, start))
+    text = record.pop("text")
     if job.is_main:
-        print(record.pop("text"), flush=True)
-    else:
-        record.pop("text")
+        print(text, flush=True)
     return replan(plan, record)
 
 
@@ -138,6 +137,7 @@ def cannot_run(c, plan: Plan, precision: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)  # asked for each candidate: the engine's default JSON read once
 def json_for(engine_name: str, zero_stage: int, stages: int, world_size: int) -> str | None:
     """The DeepSpeed JSON that runs a candidate: the engine's default where it runs at the candidate's ZeRO stage
     (or a pipeline without data parallelism, where the stage changes nothing), else zero{stage}.json for an engine
@@ -172,12 +172,11 @@ def replan(plan: Plan, record: dict) -> Plan:
 def network(reports: list[dict], links: dict[str, tuple[float, float]]) -> Network:
     """Each host's link (bytes/s, latency) as measured from the first host: a host's, the pair's with the first;
     the first's, its fastest pair's; the latency, the pairs' median."""
-    if not links:
-        return Network({}, 0.0, same_host_bytes_s=SAME_HOST_BYTES_S)
+    if not links:  # one host: two ranks on it at Network's assumed bandwidth
+        return Network({}, 0.0)
     per_host = {h: b for h, (b, _) in links.items()}
     per_host[reports[0]["host"]] = max(per_host.values())
-    return Network(per_host, statistics.median(lat for _, lat in links.values()),
-                   same_host_bytes_s=SAME_HOST_BYTES_S)
+    return Network(per_host, statistics.median(lat for _, lat in links.values()))
 
 
 def measure_links(hosts: list[str], rank: int, dev: torch.device) -> dict[str, tuple[float, float]]:

@@ -73,8 +73,9 @@ def calibration(path: str | None) -> Calibration:
     if set(given) - known:
         raise ConfigError(f"--calibration {path}: unknown keys {sorted(set(given) - known)}; known: "
                           f"{', '.join(sorted(known))}")
+    defaults = dataclasses.asdict(Calibration())
     for key, value in given.items():
-        default = getattr(Calibration, key, {})  # engine_micro_s's is a factory's
+        default = defaults[key]
         if isinstance(default, bool):
             ok, want = isinstance(value, bool), "true or false"
         elif isinstance(default, dict):

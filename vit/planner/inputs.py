@@ -117,16 +117,9 @@ def profile_model(model: str, dataset: str, img_size: int | None, precision: str
 def describe_layers(layers: list, sample, precision: str) -> tuple[list[Layer], list[float]]:
     """(the cost model's Layer of each, forward FLOPs per sample of each) of built layers, profiled at `sample`
     (one input) on its device."""
-    import torch
-
     from vit.hetero.profile import profile_layers
 
     profile = profile_layers(layers, sample, precision)
-    out, x = [], sample
-    with torch.no_grad():
-        for layer in layers:
-            x = layer(x)
-            out.append(x.numel())
-    return [Layer(p["params"], float(p["act_bytes"]), n,
+    return [Layer(p["params"], float(p["act_bytes"]), p["out_elems"],
                   tuple((q.shape[0], q.numel() // q.shape[0]) for q in layer.parameters() if q.dim() > 1))
-            for p, n, layer in zip(profile, out, layers)], [float(p["flops"]) for p in profile]
+            for p, layer in zip(profile, layers)], [float(p["flops"]) for p in profile]
