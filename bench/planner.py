@@ -14,7 +14,9 @@ from pathlib import Path
 
 from bench.common import OthersCpu, failure_tail, load_avg, median_step_s, mpirun_train, publish
 from vit.config.settings import positive_int
+from vit.errors import ConfigError
 from vit.planner.auto import CALIBRATION, PICK, family
+from vit.planner.cli import calibration
 from vit.telemetry.metrics import write_json
 
 
@@ -70,6 +72,19 @@ def fit(rows: list[dict], step_s: float) -> dict[str, float]:
 
 
 def planner(a) -> int:
+    """The runs take tens of minutes: the files named are checked before the first."""
+    try:
+        calibration(a.calibration)
+    except ConfigError as e:
+        raise SystemExit(f"bench planner: {e}") from None
+    if a.save_calibration:
+        try:
+            if os.path.isdir(a.save_calibration):
+                raise IsADirectoryError("a folder")
+            tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(a.save_calibration))).close()
+        except OSError as e:
+            raise SystemExit(f"bench planner: --save-calibration {a.save_calibration}: cannot write a file there "
+                             f"({e.strerror or e})") from None
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(a.out or tmp) / "logs"

@@ -9,6 +9,7 @@ import pytest
 from helpers import launch
 
 from vit.engines.registry import SPECS, spec
+from vit.errors import ConfigError
 from vit.planner import cli
 from vit.planner.cost import (
     Calibration,
@@ -306,3 +307,20 @@ def test_the_planner_reads_a_real_runs_log_dir(tmp_path, capsys):
     assert cli.main([str(tmp_path), "--top", "3"]) == 0  # one host: no link needed
     out = capsys.readouterr().out
     assert "1 ranks on 1 hosts" in out and " 1  " in out
+
+
+def test_a_calibration_per_engine_is_taken_and_an_infinite_or_folder_one_refused(tmp_path):
+    write_run(tmp_path)
+    cal = tmp_path / "cal.json"
+    cal.write_text('{"engine_micro_s": {"ddp": 0.25}}')
+    assert cli.main([str(tmp_path), "--link-mbit", "1000", "--calibration", str(cal), "--json",
+                     str(tmp_path / "plan.json")]) == 0
+    rows = json.loads((tmp_path / "plan.json").read_text())["candidates"]
+    ddp = [r for r in rows if r["engine"] == "ddp"]
+    assert ddp and all(r["fixed_ms"] == pytest.approx(2.0 + 250.0 * r["grad_accum"]) for r in ddp)
+    for text in ('{"engine_micro_s": {"ddp": Infinity}}', '{"engine_micro_s": {"ddp": "fast"}}'):
+        cal.write_text(text)
+        with pytest.raises(ConfigError, match="engine_micro_s: an object of seconds >= 0 per engine"):
+            cli.calibration(str(cal))
+    with pytest.raises(ConfigError, match="cannot be read as a file"):
+        cli.calibration(str(tmp_path))

@@ -67,7 +67,7 @@ def decide(plan: Plan, layers: list, sample: torch.Tensor, precision: str, repor
     net = network(reports, links)
     job = Job(tuple(described), plan.batch.global_size, precision, plan.settings.comm.powersgd_rank)
     calib_from = os.environ.get(CALIBRATION) or (str(CALIBRATION_FILE) if CALIBRATION_FILE.is_file() else None)
-    calib, rows = calibration(calib_from), []
+    calib, rows = calibration(calib_from, CALIBRATION), []
     for p in rank_candidates(ranks, net, job, calib):
         cannot = cannot_run(p.candidate, plan, precision)
         rows.append({**row(p, job.global_batch), "engine_key": p.candidate.engine_key(), "runs": cannot is None,

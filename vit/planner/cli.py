@@ -63,15 +63,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def calibration(path: str | None) -> Calibration:
+def calibration(path: str | None, name: str = "--calibration") -> Calibration:
+    """The Calibration a JSON file gives (the defaults for what it leaves out); `name`: what errors call it."""
     if not path:
         return Calibration()
-    given = read_json(Path(path), "--calibration")
+    given = read_json(Path(path), name)
     known = {f.name for f in dataclasses.fields(Calibration)}
     if not isinstance(given, dict):
-        raise ConfigError(f"--calibration {path}: a JSON object of {', '.join(sorted(known))}")
+        raise ConfigError(f"{name} {path}: a JSON object of {', '.join(sorted(known))}")
     if set(given) - known:
-        raise ConfigError(f"--calibration {path}: unknown keys {sorted(set(given) - known)}; known: "
+        raise ConfigError(f"{name} {path}: unknown keys {sorted(set(given) - known)}; known: "
                           f"{', '.join(sorted(known))}")
     defaults = dataclasses.asdict(Calibration())
     for key, value in given.items():
@@ -88,12 +89,12 @@ def calibration(path: str | None) -> Calibration:
         else:
             ok, want = number(value), "a number >= 0"
         if not ok:
-            raise ConfigError(f"--calibration {path}: {key}: {want}, not {value!r}")
+            raise ConfigError(f"{name} {path}: {key}: {want}, not {value!r}")
     return Calibration(**given)
 
 
 def number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 def setting(args, config: dict | None, name: str, value):

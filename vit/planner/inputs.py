@@ -19,6 +19,8 @@ def read_json(path: Path, what: str) -> dict:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file ({what})") from None
+    except OSError as e:  # a folder, unreadable
+        raise ConfigError(f"{path}: cannot be read as a file ({what}): {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not JSON ({what}): {e}") from None
 
