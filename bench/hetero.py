@@ -21,6 +21,7 @@ from bench.common import failure_tail, median_step_s, mpirun_train, publish
 from vit.config.cli import defaults
 from vit.config.settings import positive_int
 from vit.engines.registry import spec
+from vit.planner.cli import CALIBRATION
 from vit.runtime import slowdown
 
 MIXED_RUNS = [  # (row name, vit.train options)
@@ -32,10 +33,10 @@ MIXED_RUNS = [  # (row name, vit.train options)
 ]
 
 
-def run_train(opts: list, ranks: int, log_dir: Path, timeout: float, warmup: int) -> dict:
+def run_train(opts: list, ranks: int, log_dir: Path, timeout: float, warmup: int, env: dict | None = None) -> dict:
     """One real `mpirun -np ranks ./entry_cn.sh` run: its median step time after warm-up, and cluster.json."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    rc = mpirun_train([*opts, "--log-dir", log_dir], ranks, log_dir, timeout)
+    rc = mpirun_train([*opts, "--log-dir", log_dir], ranks, log_dir, timeout, env=env)
     if rc != 0:
         sys.exit(f"bench mixed: run failed ({rc}); {failure_tail(log_dir)}")
     cluster = json.loads((log_dir / "cluster.json").read_text())
@@ -65,29 +66,41 @@ def mixed(a) -> int:
                 else:
                     extra = []
                 run = run_train([*common, *opts, *extra], a.ranks, logs / f"{name.split(',')[0]}-{opts[-1]}.{rep}",
-                                a.timeout, a.warmup)
+                                a.timeout, a.warmup, {CALIBRATION: os.path.abspath(a.calibration)} if a.calibration
+                                else None)
                 rows.append({"name": name, "images_per_s": a.global_batch / run["step_time_s"], **run})
                 print(f"{name}: {rows[-1]['images_per_s']:.1f} images/s", flush=True)
     best = {name: max((r for r in rows if r["name"] == name), key=lambda r: r["images_per_s"])
             for name, _ in chosen}
+    publish(a.out, "mixed", {"args": vars(a), "rows": rows}, mixed_table(a, chosen, best))
+    return 0
+
+
+def mixed_table(a, chosen: list, best: dict) -> str:
     lines = [f"{a.model}, synthetic data, global batch {a.global_batch}, {a.ranks} ranks, --simulate-slowdown "
              f"{a.slowdown}; images/s from the median step time of {a.steps} steps after {a.warmup} warm-up, best of "
              f"{a.repeat}. ideal: the speed-up of perfectly balanced work over an equal share, sum of the ranks' "
              "speeds / (ranks x the slowest), with speed = 1 / slowdown; census: the same from the block times that "
-             "run's census measured", "",
-             "| run | images/s | vs equal share | ideal | census | plan |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+             "run's census measured; predicted: the step the balanced run's cost model predicted for that split "
+             "(vit.planner.balance), and its error against the measured step", "",
+             "| run | images/s | vs equal share | ideal | census | ms/step | predicted | error | plan |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     factors = slowdown.parse(a.slowdown, a.ranks)
     ideal = ideal_ratio([1 / factors.get(r, 1.0) for r in range(a.ranks)])
+    model = best.get("pipeline, --partition balanced", {}).get("cluster", {}).get("stages", {})
     for name, _ in chosen:  # each engine's first row (uniform, equal) is its equal share
         r, base = best[name], best[next(n for n, _ in chosen if n.split(",")[0] == name.split(",")[0])]
-        c = r["cluster"]
-        plan = (f"layers {c['stages']['parts']}" if "stages" in c else
-                f"micro-batches {c['batch_split']}" if "batch_split" in c else "")
+        c, partition = r["cluster"], name.split("--partition ")[-1] if "--partition" in name else None
+        plan = (f"layers {c['stages']['parts']}" + (f" ({c['stages']['why']})" if "why" in c["stages"] else "")
+                if "stages" in c else f"micro-batches {c['batch_split']}" if "batch_split" in c else "")
         census = ideal_ratio([1 / rank["block_ms"] for rank in c["census"]])
+        predicted = model.get("predicted_step_s", {}).get(partition)
+        if partition == "balanced" and model:
+            predicted = model["predicted_step_s"][model["chosen"]]
+        guess = f"{1e3 * predicted:.1f} | {predicted / r['step_time_s'] - 1:+.0%}" if predicted else "| "
         lines.append(f"| {name} | {r['images_per_s']:.1f} | {r['images_per_s'] / base['images_per_s']:.2f} | "
-                     f"{ideal:.2f} | {census:.2f} | {plan} |")
-    publish(a.out, "mixed", {"args": vars(a), "rows": rows}, "\n".join(lines) + "\n")
-    return 0
+                     f"{ideal:.2f} | {census:.2f} | {1e3 * r['step_time_s']:.1f} | {guess} | {plan} |")
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------ loss scale
@@ -173,6 +186,8 @@ def add_mixed_arguments(p) -> None:
     p.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first; also the metrics window")
     p.add_argument("--repeat", type=positive_int, default=1, help="rounds of all runs; each row reports its fastest")
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed")
+    p.add_argument("--calibration", help="the fixed costs --partition balanced's cost model reads "
+                   "($VIT_PLANNER_CALIBRATION; default logs/planner_calibration.json where it exists)")
     p.add_argument("--out", help="folder for mixed.md, mixed.json and the runs' logs")
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from bench.common import OthersCpu, failure_tail, load_avg, median_step_s, mpirun_train, publish
 from vit.config.settings import positive_int
 from vit.errors import ConfigError
-from vit.planner.auto import CALIBRATION, PICK, family
-from vit.planner.cli import calibration
+from vit.planner.auto import PICK, family
+from vit.planner.cli import CALIBRATION, calibration
 from vit.telemetry.metrics import write_json
 
 

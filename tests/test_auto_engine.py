@@ -10,7 +10,7 @@ from vit.config.cli import parse
 from vit.config.compat import PROVISIONAL
 from vit.config.settings import ROOT
 from vit.errors import ConfigError
-from vit.planner import auto
+from vit.planner import auto, links
 from vit.planner.cost import Network
 
 
@@ -58,10 +58,10 @@ def test_a_tie_goes_to_the_plainest_and_a_clear_win_to_the_fastest():
 
 def test_links_measured_from_the_first_host_give_each_hosts_rate():
     reports = [{"host": "a"}, {"host": "a"}, {"host": "b"}, {"host": "c"}]
-    net = auto.network(reports, {"b": (100e6, 2e-4), "c": (50e6, 4e-4)})
+    net = links.network(reports, {"b": (100e6, 2e-4), "c": (50e6, 4e-4)})
     assert net.host_bytes_s == {"b": 100e6, "c": 50e6, "a": 100e6}
     assert net.latency_s == pytest.approx(3e-4) and net.bytes_s("a", "c") == 50e6
-    one = auto.network(reports[:2], {})
+    one = links.network(reports[:2], {})
     assert one.host_bytes_s == {} and one.same_host_bytes_s == Network.same_host_bytes_s
 
 

@@ -32,6 +32,7 @@ from vit.loop.stats import StepStats
 from vit.model import weights
 from vit.model.layers import build_layers
 from vit.planner import auto as auto_engine
+from vit.planner import balance
 from vit.runtime import console, plugins, preflight, slowdown
 from vit.runtime.dist_env import device, discover, end_process_group, init_process_group, rank0_decides, rank_cores
 from vit.runtime.faults import Watchdog, announce_failure
@@ -162,8 +163,8 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
 
 def adapt_to_cluster(plan: Plan, dev: torch.device, layers: list, start_step: int) -> Adapted:
     """The census and the plans for mixed GPUs (vit.hetero), from this run's settings."""
-    s, job, batch, data, par = plan.settings, plan.job, plan.batch, plan.data, plan.settings.parallel
-    pipeline = spec(par.engine).pipeline
+    s, job, batch, data = plan.settings, plan.job, plan.batch, plan.data
+    pipeline = spec(s.parallel.engine).pipeline
 
     def probe_batches():  # two steps of this rank's real batches, from where training starts
         probe = TrainBatches(len(data.train), batch.micro_batch, batch.grad_accum, job.rank % batch.dp_size,
@@ -171,11 +172,10 @@ def adapt_to_cluster(plan: Plan, dev: torch.device, layers: list, start_step: in
         return make_loader(data.train, probe, 0, False)
 
     return adapt(
-        job, dev, layers, requested_precision=plan.requested_precision, engine=par.engine,
+        job, dev, layers, requested_precision=plan.requested_precision, engine=s.parallel.engine,
         micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, sample=data.train[0][0][None],
-        balanced_stages=par.pipeline_stages if pipeline and par.partition == "balanced" else None,
-        proportional=par.batch_split == "proportional",
-        probe_batches=probe_batches if par.loss_scale == "auto" else None,
+        balanced=balance.candidate(plan), proportional=s.parallel.batch_split == "proportional",
+        probe_batches=probe_batches if s.parallel.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split, parts=plan.stage_parts,
         state_bytes=lambda precision: memory.state_bytes_per_param(plan, precision),
         reserved_bytes=gpu_reserved_bytes(plan.ds_config, memory.likely_precision(plan, dev)),

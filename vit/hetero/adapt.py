@@ -1,9 +1,9 @@
 """Before the engine is built, adapt() takes a census of every rank (device, memory, what it can run,
-how fast it is), settles the precision, and where asked plans balanced pipeline stages, proportional batches and
-the fp16 loss scale. Rank 0 prints each decision; `record` goes to cluster.json.
+how fast it is), settles the precision, and where asked plans balanced pipeline stages (vit.planner.balance),
+proportional batches and the fp16 loss scale. Rank 0 prints each decision; `record` goes to cluster.json.
 
-census: the measuring, collective part; profile: per-layer costs and times; stages, batch_split: the planners (pure,
-tested against brute force); loss_scale: the fp16 probe.
+census: the measuring, collective part; profile: per-layer costs and times; stages (re-planning at a freeze point),
+batch_split: the planners (pure, tested against brute force); loss_scale: the fp16 probe.
 """
 import copy
 from collections.abc import Callable, Iterable
@@ -18,8 +18,10 @@ from vit.hetero.census import capabilities, census_table, gather, measure_speed
 from vit.hetero.footprint import plan_bytes
 from vit.hetero.loss_scale import tune
 from vit.hetero.profile import LAYER_TURNS, profile_layers, time_layers
-from vit.hetero.stages import plan_stages, slowest_stage_s, stage_plan_text
-from vit.runtime.dist_env import Job
+from vit.planner.balance import plan_partition
+from vit.planner.cost import Candidate
+from vit.planner.links import measure_links
+from vit.runtime.dist_env import Job, rank0_decides
 from vit.runtime.gpu import fork_rng
 from vit.runtime.precision import choose
 
@@ -36,12 +38,12 @@ class Adapted:
 
 
 def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str | None, engine: str,
-          micro_batch: int, grad_accum: int, sample: torch.Tensor, balanced_stages: int | None, proportional: bool,
+          micro_batch: int, grad_accum: int, sample: torch.Tensor, balanced: "Candidate | None", proportional: bool,
           probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
           state_bytes: Callable[[str], float], reserved_bytes: float = 0.0, probe_on_cpu: bool = False,
           layer_times: bool = False, parts: list[int] | None = None) -> Adapted:
     """Collective. `requested_precision`: --precision's, or the JSON's, or None (vit.runtime.precision.choose);
-    `sample`: one input image batch of 1; `balanced_stages`: the pipeline's stages when they are to be balanced;
+    `sample`: one input image batch of 1; `balanced`: the pipeline whose stages to balance (vit.planner.balance);
     `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`: proportional
     micro-batches chosen before (--engine or --micro-batch-size auto); `state_bytes`: precision -> bytes/parameter;
     `reserved_bytes`: a GPU's headroom for NCCL, ZeRO's buckets and cuBLAS, which memory plans keep free;
@@ -53,7 +55,7 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     precision, why = choose(requested_precision, engine, caps)
     with torch.no_grad(), fork_rng(device):
         block_input = (micro_batch, *layers[0](sample).shape[1:])
-    timing = bool(balanced_stages or layer_times)
+    timing = bool(balanced or layer_times)
     # One rank at a time (ranks sharing a host's cores would slow each other), LAYER_TURNS alternations for layers
     for turn in range(job.world_size * (LAYER_TURNS if timing else 1)):
         if turn % job.world_size == job.rank:
@@ -69,13 +71,14 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     per_param = state_bytes(precision)
     record = {"census": reports, "precision": precision, "precision_why": why, "state_bytes_per_param": per_param}
     say, decided = [census_table(reports, precision), f"precision {precision}: {why}"], {}
-    if balanced_stages or proportional or layer_times:
+    if balanced or proportional or layer_times:
         record["layers"] = profile = profile_layers(layers, sample, precision)
     if parts:
         decided["parts"], record["stages"] = parts, {"parts": parts, "by": "--engine auto"}
-    if balanced_stages:
-        decided["parts"], record["stages"], text = balance(profile, reports, balanced_stages, micro_batch,
-                                                           grad_accum, per_param)
+    if balanced:
+        links = measure_links([r["host"] for r in reports], job.rank, device)
+        decided["parts"], record["stages"], text = rank0_decides(
+            lambda: plan_partition(balanced, profile, layers, reports, links, precision))
         say.append(text)
     if proportional:
         how = "chosen by --engine or --micro-batch-size auto" if split else "proportional to block speed"
@@ -95,17 +98,3 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
         print("\n".join(say), flush=True)
     return Adapted(precision, record=record, **decided)
 
-
-def balance(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int,
-            bytes_per_param: float) -> tuple[list[int], dict, str]:
-    """--partition balanced: the stage boundaries, cluster.json's record (with what DeepSpeed's `parameters` and
-    `uniform` splits would predict) and the plan as rank 0 prints it."""
-    from deepspeed.runtime import utils as ds_utils
-
-    plan = plan_stages(profile, reports, stages, micro_batch, grad_accum, bytes_per_param)
-    compare = {"parameters": ds_utils.partition_balanced([p["params"] for p in profile], stages),
-               "uniform": ds_utils.partition_uniform(len(profile), stages)}
-    compare = {k: [int(i) for i in v] for k, v in compare.items()}
-    record = {"parts": plan.parts, "predicted_s": plan.times, "predicted_bytes": plan.mems, "compare": compare,
-              "compare_slowest_s": {k: slowest_stage_s(plan, v) for k, v in compare.items()}}
-    return plan.parts, record, stage_plan_text(plan, profile, reports, compare)

@@ -2,7 +2,6 @@
 the contiguous split of the layers with the fastest slowest stage that fits, by exact dynamic programming (tested
 against brute force). Frozen prefix layers cost their forward only and keep no activations (re-planning at a
 freeze point)."""
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -102,24 +101,3 @@ def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_bat
                        [plan_bytes(r) for r in reports], stages, grad_accum, frozen, first_active,
                        frozen_share=min(1.0, FROZEN_BYTES_PER_PARAM / bytes_per_param))
 
-
-def slowest_stage_s(plan: StagePlan, parts: list[int]) -> float:
-    """The slowest stage of another split of the same layers, predicted from the times `plan` was made with."""
-    return max(max(sum(row[parts[s]:parts[s + 1]]) for row in rows) for s, rows in enumerate(plan.layer_s))
-
-
-def stage_plan_text(plan: StagePlan, profile: list[dict], reports: list[dict], compare: dict[str, list[int]]) -> str:
-    stages = len(plan.times)
-    dp = len(reports) // stages
-    lines = ["pipeline plan (--partition balanced): each layer's forward and backward time measured on each rank, "
-             "free memory from the census"]
-    for s in range(stages):
-        i, j = plan.parts[s], plan.parts[s + 1]
-        names = ", ".join(f"{n} x{len(list(g))}" for n, g in itertools.groupby(p["name"] for p in profile[i:j]))
-        hosts = ", ".join(f"rank {r} ({reports[r]['host']})" for r in range(s * dp, (s + 1) * dp))
-        lines.append(f"  stage {s} on {hosts}: layers {i}-{j - 1} ({names}); predicted "
-                     f"{1e3 * plan.times[s]:.2f} ms per micro-batch, {plan.mems[s] / 2**30:.3f} GiB")
-    for name, parts in compare.items():
-        lines.append(f"  slowest stage {1e3 * max(plan.times):.2f} ms; with --partition {name} (layers "
-                     f"{parts}) it would be {1e3 * slowest_stage_s(plan, parts):.2f} ms")
-    return "\n".join(lines)

@@ -4,10 +4,11 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
-from vit.config.settings import positive_int
+from vit.config.settings import ROOT, positive_int
 from vit.errors import ConfigError
 from vit.planner.cost import Calibration, Job
 from vit.planner.inputs import load_run, network, profile_model, ranks_from_census, read_json
@@ -15,6 +16,8 @@ from vit.planner.predict import Prediction
 from vit.planner.search import rank_candidates
 
 PROG = "python -m vit.planner"
+CALIBRATION = "VIT_PLANNER_CALIBRATION"  # the fixed costs bench planner --save-calibration measured; else
+CALIBRATION_FILE = ROOT / "logs" / "planner_calibration.json"  # when it exists; else the defaults
 
 
 class Parser(argparse.ArgumentParser):
@@ -91,6 +94,13 @@ def calibration(path: str | None, name: str = "--calibration") -> Calibration:
         if not ok:
             raise ConfigError(f"{name} {path}: {key}: {want}, not {value!r}")
     return Calibration(**given)
+
+
+def run_calibration() -> tuple[Calibration, str | None]:
+    """A run's fixed costs (--engine auto, --partition balanced): $VIT_PLANNER_CALIBRATION, else
+    logs/planner_calibration.json where it exists, else the defaults (None)."""
+    source = os.environ.get(CALIBRATION) or (str(CALIBRATION_FILE) if CALIBRATION_FILE.is_file() else None)
+    return calibration(source, CALIBRATION), source
 
 
 def number(v) -> bool:

@@ -121,7 +121,11 @@ def describe_layers(layers: list, sample, precision: str) -> tuple[list[Layer], 
     (one input) on its device."""
     from vit.hetero.profile import profile_layers
 
-    profile = profile_layers(layers, sample, precision)
+    return from_profile(profile_layers(layers, sample, precision), layers)
+
+
+def from_profile(profile: list[dict], layers: list) -> tuple[list[Layer], list[float]]:
+    """describe_layers from vit.hetero.profile's profile of `layers`, made before."""
     return [Layer(p["params"], float(p["act_bytes"]), p["out_elems"],
                   tuple((q.shape[0], q.numel() // q.shape[0]) for q in layer.parameters() if q.dim() > 1))
             for p, layer in zip(profile, layers)], [float(p["flops"]) for p in profile]
