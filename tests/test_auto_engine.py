@@ -2,9 +2,10 @@
 on 2 ranks that measures, ranks, chooses the model's first and trains with it (the simulated hosts' test, with
 links and a slowed rank, is in test_cluster.py)."""
 import json
+import sys
 
 import pytest
-from helpers import launch
+from helpers import launch, run_cmd
 
 from vit.config.cli import parse
 from vit.config.compat import PROVISIONAL
@@ -90,3 +91,44 @@ def test_auto_on_two_ranks_runs_the_models_first_and_gives_a_slowed_rank_less_wo
         parts = choice["parts"]
         work = [micro * sum(flops[parts[k]:parts[k + 1]]) for k in range(2)]
     assert work[1] < work[0], (choice["candidate"], work)
+
+
+def test_the_planner_from_a_hostfile_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from vit.planner import cli
+
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost slots=two\n")
+    both = "give a run's log dir or --hostfile, one of the two"
+    for argv, message in [([], both),
+                          (["logs/run", "--hostfile", str(hosts)], both),
+                          (["logs/run", "--", "--steps", "3"], "vit.train options after -- go with --hostfile"),
+                          (["--hostfile", str(hosts), "--link-mbit", "100"], "--link-mbit plans from a run's census; "
+                           "with --hostfile the ranks measure (vit.train options such as --model go after --)")]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and capsys.readouterr().err == f"{cli.PROG}: error: {message}\n"
+    for argv, message in [(["--hostfile", str(tmp_path / "none")], f"--hostfile {tmp_path / 'none'}: No such file"),
+                          (["--hostfile", str(hosts)], f"--hostfile {hosts}: invalid literal for int()"),
+                          (["--hostfile", str(hosts), "--json", str(tmp_path)], "not a file this user can write")]:
+        if "--json" in argv:
+            hosts.write_text("localhost slots=2\n")
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"{cli.PROG}: error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_the_planner_measures_every_slot_of_a_hostfile_and_trains_nothing(tmp_path):
+    hosts, out, log_dir = tmp_path / "hosts.txt", tmp_path / "plan.json", tmp_path / "run"
+    hosts.write_text("localhost slots=2\n")
+    r = run_cmd([sys.executable, "-m", "vit.planner", "--hostfile", str(hosts), "--json", str(out), "--", "--model",
+                 "vit_digits", "--dataset", "synthetic", "--micro-batch-size", "16", "--log-dir", str(log_dir)], timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    record = json.loads(out.read_text())
+    rows, choice = record["candidates"], record["choice"]
+    assert len(rows) > 10 and choice in rows and record["precision"] == "fp32"
+    assert f"engine auto chose #{rows.index(choice) + 1}: {choice['candidate']}" in r.stdout
+    assert f"planned only ($VIT_ENGINE_AUTO_PLAN_ONLY): the table and the choice are in {out}" in r.stdout
+    assert choice["micro_batch"] * choice["grad_accum"] * 2 // choice["stages"] == 32  # 16 x 2 ranks
+    assert not log_dir.exists()  # nothing trained, nothing written

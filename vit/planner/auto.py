@@ -17,7 +17,7 @@ from vit.config.ds_config import load_json
 from vit.config.plan import Plan, make_plan
 from vit.config.settings import ROOT
 from vit.engines.registry import spec
-from vit.errors import ConfigError
+from vit.errors import ConfigError, NothingToDo
 from vit.hetero.census import capabilities, gather
 from vit.hetero.memory import likely_precision
 from vit.hetero.profile import time_layers
@@ -28,11 +28,13 @@ from vit.planner.inputs import describe_layers, ranks_from_census
 from vit.planner.links import measure_links, network
 from vit.planner.search import rank_candidates
 from vit.runtime.dist_env import rank0_decides
+from vit.telemetry.metrics import write_json
 
 TOP = 10  # rows printed
 ROUNDS = 30  # of every layer's forward and backward, the median kept: ranks timed at once are noisier than alone
 TIE = 0.02  # predictions this close are a tie (the model's error is larger)
 PICK = "VIT_ENGINE_AUTO_PICK"  # a family (family()) to run instead of the choice: the model's validation, bench planner
+PLAN_ONLY = "VIT_ENGINE_AUTO_PLAN_ONLY"  # a file: rank 0 writes the table and the choice there, nothing trains
 
 
 def choose(plan: Plan, dev: torch.device) -> Plan:
@@ -53,6 +55,10 @@ def choose(plan: Plan, dev: torch.device) -> Plan:
     text = record.pop("text")
     if job.is_main:
         print(text, flush=True)
+    if only := os.environ.get(PLAN_ONLY):
+        if job.is_main:
+            write_json(only, record)
+        raise NothingToDo(f"engine auto: planned only (${PLAN_ONLY}): the table and the choice are in {only}")
     return replan(plan, record)
 
 

@@ -63,7 +63,8 @@ def plan_partition(c: Candidate, profile: list[dict], layers: list, reports: lis
               "links_mbit": {h: 8 * b / 1e6 for h, b in net.host_bytes_s.items()}}
     dp = len(reports) // c.stages
     lines = [f"pipeline plan (--partition balanced): the planner's cost model from each layer's forward and backward "
-             f"time measured on each rank, the links and fixed costs from {source or 'the defaults'}"]
+             f"time measured on each rank, the links and fixed costs from "
+             f"{source or 'the defaults (python -m bench planner --save-calibration measures them)'}"]
     for s in range(c.stages):
         i, j = parts[s], parts[s + 1]
         names = ", ".join(f"{n} x{len(list(g))}" for n, g in itertools.groupby(p["name"] for p in profile[i:j]))

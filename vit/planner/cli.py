@@ -5,7 +5,9 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from vit.config.settings import ROOT, positive_int
@@ -39,10 +41,14 @@ def rate(text: str, zero_ok: bool = False) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog=PROG, description="Rank every engine, ZeRO stage, pipeline split, batch split, compression and "
+    p = Parser(prog=PROG, usage=f"{PROG} RUN [options] | {PROG} --hostfile FILE [--json OUT] [-- TRAIN_OPTIONS]",
+               description="Rank every engine, ZeRO stage, pipeline split, batch split, compression and "
                "micro-batch by predicted step time, from a previous run's census (its cluster.json) and the "
-               "links between its hosts. Predictions only: nothing trains (docs/planner.md).")
-    p.add_argument("run", help="a run's log dir (with cluster.json and config.json) or a cluster.json")
+               "links between its hosts, or measured now on every slot of a hostfile (--engine auto's "
+               "measurements, then it stops). Predictions only: nothing trains (docs/planner.md).")
+    p.add_argument("run", nargs="?", help="a run's log dir (with cluster.json and config.json) or a cluster.json")
+    p.add_argument("--hostfile", help="measure now: mpirun a rank on each of its slots with --engine auto and the "
+                   "vit.train options after --, print the top 10 and stop before training (no RUN then)")
     p.add_argument("--link-mbit", type=rate, help="every host's link in Mbit/s")
     p.add_argument("--link-file", help="setup/doctor.sh --link's output ('link from A to B: X Mbit/s'), or "
                    "'HOST MBIT' lines; --link-mbit fills hosts it lacks")
@@ -163,7 +169,20 @@ def table(rows: list[dict], top: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    train = argv[argv.index("--") + 1:] if "--" in argv else []
+    p = parser()
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if (args.run is None) == (args.hostfile is None):
+        p.error("give a run's log dir or --hostfile, one of the two")
+    if args.hostfile:
+        given = [k for k, v in vars(args).items() if k not in ("run", "hostfile", "json") and v != p.get_default(k)]
+        if given:
+            p.error(f"--{given[0].replace('_', '-')} plans from a run's census; with --hostfile the ranks measure "
+                    "(vit.train options such as --model go after --)")
+        return measure_hostfile(args.hostfile, args.json, train)
+    if train:
+        p.error("vit.train options after -- go with --hostfile")
     try:
         ranks, net, job, calib, what = inputs(args)
         rows = [row(p, job.global_batch) for p in rank_candidates(ranks, net, job, calib)]
@@ -182,3 +201,25 @@ def main(argv: list[str] | None = None) -> int:
                        "latency_ms": 1e3 * net.latency_s, "calibration": dataclasses.asdict(calib),
                        "candidates": rows}, f, indent=2)
     return 0
+
+
+def measure_hostfile(hostfile: str, out: str | None, train: list[str]) -> int:
+    """--hostfile: `mpirun --hostfile HOSTFILE ./entry_cn.sh --engine auto TRAIN...` with $VIT_ENGINE_AUTO_PLAN_ONLY
+    set, so that every rank measures, rank 0 prints the table and writes it (JSON) to `out`, and all stop."""
+    from vit.planner.auto import PLAN_ONLY  # torch and the engines: only for a measurement
+    from vit.runtime.preflight import hostfile_slots
+
+    try:
+        slots = hostfile_slots(hostfile)
+    except (OSError, ValueError) as e:
+        print(f"{PROG}: error: --hostfile {hostfile}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return 2
+    folder = os.path.dirname(os.path.abspath(out)) if out else None
+    if out and (os.path.isdir(out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+        print(f"{PROG}: error: --json {out}: not a file this user can write", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, PLAN_ONLY: os.path.abspath(out or os.path.join(tmp, "plan.json"))}
+        cmd = [str(ROOT / "scripts" / "mpirun"), "-np", str(slots), "--hostfile", hostfile, "-x", PLAN_ONLY,
+               str(ROOT / "entry_cn.sh"), "--engine", "auto", *train]
+        return subprocess.run(cmd, env=env, cwd=ROOT).returncode

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -113,6 +113,7 @@ class Watchdog(threading.Thread):
         self.step, self.last_beat = 0, None  # armed by the first beat: start-up (JIT builds) can be slow
         self.peers: dict[int, Peer] = {}
         self._stop_event = threading.Event()
+        self._pending: Future | None = None  # the store call in flight
         # A heartbeat that has not changed for this long means that rank's process is stopped or gone.
         self.frozen_s = max(5.0, 5 * poll_s)
         self.linger_s = 2 * poll_s  # rank 0's last moment: every other watchdog reads the store once meanwhile
@@ -122,7 +123,14 @@ class Watchdog(threading.Thread):
         self.step, self.last_beat = self.step if step is None else step, time.monotonic()
 
     def stop(self) -> None:
+        """Stop, and wait (at most ANSWER_S) for the store call in flight: one that returns while the interpreter
+        exits ends the process with 'terminate called without an active exception' (seen on ZeRO-3 at the end of a
+        run on the simulated hosts, once rank 0 and its store had gone)."""
         self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=2 * self.poll_s)
+        if self._pending is not None:
+            wait([self._pending], timeout=ANSWER_S)
 
     def _die(self, why: str) -> NoReturn:
         self._exit(f"{self.who} stops at step {self.step}: {why}")
@@ -216,6 +224,7 @@ class Watchdog(threading.Thread):
                     self._take(pending)
                 seq += 1
                 pending, asked_at = _in_thread(self._exchange, store, world_size, seq), now
+                self._pending = pending
             elif now - asked_at > self.timeout_s:
                 self._die(f"{self._stopped(0, now)}: the job's store, in its process, has not answered for "
                           f"{now - asked_at:.0f} s (--dist-timeout {self.timeout_s:g})")
