@@ -10,6 +10,7 @@ import json
 import os
 import statistics
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 
 from bench.common import OthersCpu, failure_tail, load_avg, median_step_s, mpirun_train, publish
@@ -17,6 +18,8 @@ from vit.config.settings import positive_int
 from vit.errors import ConfigError
 from vit.planner.auto import PICK, family
 from vit.planner.cli import CALIBRATION, calibration
+from vit.planner.cost import Candidate
+from vit.planner.predict import slots
 from vit.telemetry.metrics import write_json
 
 
@@ -58,15 +61,23 @@ def result(run: dict, is_auto: bool) -> dict:
     return {"family": family(c), "candidate": c["candidate"], "predicted_ms": c["step_ms"],
             "measured_ms": run["measured_ms"], "error": c["step_ms"] / run["measured_ms"] - 1,
             "bottleneck": c["bottleneck"], "others_cores": run["others_cores"], "auto": is_auto,
-            "engine_key": c["engine_key"], "fixed_ms": c["fixed_ms"], "grad_accum": c["grad_accum"]}
+            "engine_key": c["engine_key"], "fixed_ms": c["fixed_ms"], "grad_accum": c["grad_accum"],
+            "stages": c["stages"], "slots": slots(Candidate(**{f.name: c[f.name] for f in fields(Candidate)}))}
 
 
-def fit(rows: list[dict], step_s: float) -> dict[str, float]:
-    """Each engine's fixed seconds a micro-batch: the median over its rows of what the measured step leaves once
-    the model's compute, link, bubble and per-step cost are taken off, over the step's micro-batches."""
+def fit(rows: list[dict], used: dict) -> dict[str, float]:
+    """Each engine's fixed seconds a micro-batch, the median over its rows, from the calibration `used` (asdict) in
+    the predictions. A data-parallel engine's sits in the step's fixed part (step_s + micro-batches x it): what the
+    measured step leaves once compute, link and step_s are taken off, over the micro-batches. A pipeline's sits in
+    each stage's slot: the value used plus what the measured step leaves over the predicted, over the slots (where
+    compute sets the step: measure where the link is fast)."""
     left = {}
     for r in rows:
-        seconds = ((r["measured_ms"] - r["predicted_ms"] + r["fixed_ms"]) / 1e3 - step_s) / r["grad_accum"]
+        if r["stages"] > 1:
+            before = used["engine_micro_s"].get(r["engine_key"], used["micro_s"])
+            seconds = before + (r["measured_ms"] - r["predicted_ms"]) / 1e3 / r["slots"]
+        else:
+            seconds = ((r["measured_ms"] - r["predicted_ms"] + r["fixed_ms"]) / 1e3 - used["step_s"]) / r["grad_accum"]
         left.setdefault(r["engine_key"], []).append(seconds)
     return {k: round(max(0.0, statistics.median(v)), 5) for k, v in left.items()}
 
@@ -115,7 +126,7 @@ def planner(a) -> int:
               f"choice measured #{by_measured.index(auto_row) + 1} of {len(rows)}, "
               f"{by_measured[0]['measured_ms'] / auto_row['measured_ms']:.2f} of the best measured images/s"]
     if a.save_calibration:
-        fitted = fit(rows, first["record"]["calibration"]["step_s"])
+        fitted = fit(rows, first["record"]["calibration"])
         write_json(a.save_calibration, {"engine_micro_s": fitted})
         lines += ["", f"fixed seconds a micro-batch per engine, fitted to these runs ({a.save_calibration}): {fitted}"]
     publish(a.out, "planner", {"args": {k: v for k, v in vars(a).items() if k != "func"}, "rows": rows,

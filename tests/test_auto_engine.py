@@ -122,8 +122,9 @@ def test_the_planner_from_a_hostfile_refuses_bad_input_in_one_line(tmp_path, cap
 def test_the_planner_measures_every_slot_of_a_hostfile_and_trains_nothing(tmp_path):
     hosts, out, log_dir = tmp_path / "hosts.txt", tmp_path / "plan.json", tmp_path / "run"
     hosts.write_text("localhost slots=2\n")
-    r = run_cmd([sys.executable, "-m", "vit.planner", "--hostfile", str(hosts), "--json", str(out), "--", "--model",
-                 "vit_digits", "--dataset", "synthetic", "--micro-batch-size", "16", "--log-dir", str(log_dir)], timeout=280)
+    cmd = [sys.executable, "-m", "vit.planner", "--hostfile", hosts, "--json", out, "--", "--model", "vit_digits",
+           "--dataset", "synthetic", "--micro-batch-size", 16, "--log-dir", log_dir]
+    r = run_cmd([str(c) for c in cmd], timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     record = json.loads(out.read_text())
     rows, choice = record["candidates"], record["choice"]

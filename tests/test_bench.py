@@ -175,3 +175,19 @@ def test_planner_measures_the_choice_and_a_forced_family_in_the_layout_predicted
             forced = json.loads((tmp_path / "logs" / str(i) / "config.json").read_text())["engine_auto"]["choice"]
             assert family(forced) == row["family"] != family(record["choice"]), (row, forced["candidate"])
     assert record["choice"]["candidate"] in (tmp_path / "planner.md").read_text()
+
+
+def test_the_calibration_fit_puts_each_engines_cost_where_the_model_charges_it():
+    from bench.planner import fit
+
+    used = {"step_s": 0.002, "micro_s": 0.0005, "engine_micro_s": {"pipeline": 0.001}}
+    rows = [  # data parallel: fixed 4 ms = step 2 ms + 2 micro-batches x 1 ms; 10 ms more than predicted
+        {"engine_key": "ddp", "stages": 1, "slots": 2, "grad_accum": 2, "measured_ms": 30.0, "predicted_ms": 20.0,
+         "fixed_ms": 4.0},
+        # a pipeline's cost is in each of its 5 slots (4 micro-batches, 2 stages): 10 ms more over 5 slots
+        {"engine_key": "pipeline", "stages": 2, "slots": 5, "grad_accum": 4, "measured_ms": 60.0,
+         "predicted_ms": 50.0, "fixed_ms": 2.0},
+        # the async pipeline had the default 0.5 ms; 2 ms less than predicted over its 4 slots
+        {"engine_key": "async-pipeline", "stages": 2, "slots": 4, "grad_accum": 4, "measured_ms": 48.0,
+         "predicted_ms": 50.0, "fixed_ms": 2.0}]
+    assert fit(rows, used) == {"ddp": 0.006, "pipeline": 0.003, "async-pipeline": 0.0}
