@@ -22,7 +22,7 @@ from vit.hetero.census import capabilities, gather
 from vit.hetero.memory import likely_precision
 from vit.hetero.profile import time_layers
 from vit.model.layers import build_layers
-from vit.planner.cli import row, run_calibration, table
+from vit.planner.cli import PLAN_ONLY, row, run_calibration, table
 from vit.planner.cost import Job
 from vit.planner.inputs import describe_layers, ranks_from_census
 from vit.planner.links import measure_links, network
@@ -34,7 +34,6 @@ TOP = 10  # rows printed
 ROUNDS = 30  # of every layer's forward and backward, the median kept: ranks timed at once are noisier than alone
 TIE = 0.02  # predictions this close are a tie (the model's error is larger)
 PICK = "VIT_ENGINE_AUTO_PICK"  # a family (family()) to run instead of the choice: the model's validation, bench planner
-PLAN_ONLY = "VIT_ENGINE_AUTO_PLAN_ONLY"  # a file: rank 0 writes the table and the choice there, nothing trains
 
 
 def choose(plan: Plan, dev: torch.device) -> Plan:

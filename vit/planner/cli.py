@@ -20,6 +20,7 @@ from vit.planner.search import rank_candidates
 PROG = "python -m vit.planner"
 CALIBRATION = "VIT_PLANNER_CALIBRATION"  # the fixed costs bench planner --save-calibration measured; else
 CALIBRATION_FILE = ROOT / "logs" / "planner_calibration.json"  # when it exists; else the defaults
+PLAN_ONLY = "VIT_ENGINE_AUTO_PLAN_ONLY"  # --engine auto with it: rank 0 writes the table to this file, nothing trains
 
 
 class Parser(argparse.ArgumentParser):
@@ -206,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
 def measure_hostfile(hostfile: str, out: str | None, train: list[str]) -> int:
     """--hostfile: `mpirun --hostfile HOSTFILE ./entry_cn.sh --engine auto TRAIN...` with $VIT_ENGINE_AUTO_PLAN_ONLY
     set, so that every rank measures, rank 0 prints the table and writes it (JSON) to `out`, and all stop."""
-    from vit.planner.auto import PLAN_ONLY  # torch and the engines: only for a measurement
     from vit.runtime.preflight import hostfile_slots
 
     try:
