@@ -21,7 +21,8 @@ from bench.common import failure_tail, median_step_s, mpirun_train, publish
 from vit.config.cli import defaults
 from vit.config.settings import positive_int
 from vit.engines.registry import spec
-from vit.planner.cli import CALIBRATION
+from vit.errors import ConfigError
+from vit.planner.cli import CALIBRATION, calibration
 from vit.runtime import slowdown
 
 MIXED_RUNS = [  # (row name, vit.train options)
@@ -51,6 +52,10 @@ def ideal_ratio(speeds: list[float]) -> float:
 def mixed(a) -> int:
     if a.global_batch % (4 * a.ranks):
         sys.exit(f"bench mixed: --global-batch {a.global_batch} must be a multiple of 4 x --ranks")
+    try:  # the balanced run would find a bad file only after the others have run
+        calibration(a.calibration)
+    except ConfigError as e:
+        sys.exit(f"bench mixed: {e}")
     common = ["--model", a.model, "--dataset", "synthetic", "--steps", a.warmup + a.steps, "--log-interval", a.warmup,
               "--no-save", "--monitor-interval", 0, "--simulate-slowdown", a.slowdown,
               "--micro-batch-size", a.global_batch // a.ranks, "--grad-accum", 1]
