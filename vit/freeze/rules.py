@@ -162,6 +162,9 @@ class Freezer:
         current = engine.layout  # a pipeline's stages, else None
         # Without re-planning a pipeline's first stage must keep an active layer (it would have no backward).
         frozen = self.decide(step, cap=current.parts[1] - 1 if current and not self.replan else None)
+        if self.said:
+            metrics.write("freeze_decision", step, frozen=self.frozen, changes=self.change,
+                          norms=self.previous, threshold=self.threshold)
         if frozen is None:
             if self.said and dist.get_rank() == 0:
                 print(f"freeze at step {step}: nothing frozen ({self.said})", flush=True)

@@ -18,6 +18,9 @@ Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore u
    stage per micro-batch from the measured layer times); "old_engine_freed" (bool) whether the old engine's module was
    gone before the new engine was built, "process_groups" the process groups alive after the rebuild (the same at
    every freeze point)
+  {"kind": "freeze_decision", "step", "time", "rank", "host", "frozen", "changes", "norms", "threshold"}: every
+   --freeze decision point: the frozen layers after it, each freezable layer's gradient norm over the interval
+   ("norms") and its relative change since the last decision point ("changes", null at the first)
 """
 import json
 import os
