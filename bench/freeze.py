@@ -1,12 +1,17 @@
-"""python -m bench freeze: freeze training (PipeTransformer's breakdown) on 2 ranks, from a model this project
-pretrained.
+"""python -m bench freeze: freeze training on 2 ranks, the pipeline engine with 2 stages: PipeTransformer's breakdown
+and the freeze rules against no freezing, on four cases.
 
-Pretraining: the default job with --export. Fine-tuning: the ten digits drawn as 16x16 RGB images in an image
-folder (every training image; the 360 held-out ones for evaluation), from the export, on the pipeline engine with
-2 stages on 2 ranks, each configuration for the same epochs, as in PipeTransformer's Table 1 and Fig. 9:
-baseline (no freezing), freeze only (--freeze-replan off, no cache), + AutoPipe/AutoDP (2 stages become 1 stage x
-2 copies), + AutoCache; with --configs also `grad + AutoCache` (--freeze grad instead of the schedule). Optionally
-with rank 1 slowed (--slow 1=2). Time is summary.json's wall time."""
+Cases (--cases), each a training run on the ten digits drawn as RGB images in an image folder (every training
+image; the 360 held-out ones for evaluation):
+- finetune: 16x16, 10 epochs at lr 5e-4, from the default job's export (vit_digits on the 8x8 digits, --export);
+- undertrained: the same from an export of the default job stopped at 20 of its 40 epochs, 12 epochs;
+- scratch: 16x16, 10 epochs at the default lr, from a random initialisation;
+- timm32: a timm name (vit_tiny_patch16_224) at 32x32, 10 epochs at lr 5e-4, from its own export after 10 epochs on
+  another task (even or odd, 2 classes) at 32x32: the head is reset for the 10 digits.
+Configurations (--configs): baseline (no freezing), freeze only (--freeze-replan off, no cache), + AutoPipe/AutoDP
+(2 stages become 1 stage x 2 copies), + AutoCache (PipeTransformer's Table 1 and Fig. 9, all with the schedule),
+settled + AutoCache and grad + AutoCache (the convergence rules instead of the schedule). Optionally with rank 1
+slowed (--slow 1=2). Time is summary.json's wall time; top-1 and wall time are medians over --seeds."""
 import json
 import statistics
 import tempfile
@@ -17,80 +22,116 @@ from bench.common import device_name, failure_tail, load_avg, mpirun_train, publ
 from bench.finetune import write_parity_folder
 from vit.config.settings import positive_int
 
-CONFIGS = {  # name -> options on top of the fine-tuning run
+CONFIGS = {  # name -> options on top of the case's run
     "baseline": [],
     "freeze only": ["--freeze", "schedule", "--freeze-replan", "off", "--freeze-cache", "off"],
     "+ AutoPipe/AutoDP": ["--freeze", "schedule", "--freeze-replan", "on", "--freeze-cache", "off"],
     "+ AutoCache": ["--freeze", "schedule", "--freeze-replan", "on", "--freeze-cache", "on"],
-    "grad + AutoCache": ["--freeze", "grad", "--freeze-replan", "on", "--freeze-cache", "on"],  # --configs only
+    "settled + AutoCache": ["--freeze", "settled", "--freeze-replan", "on", "--freeze-cache", "on"],
+    "grad + AutoCache": ["--freeze", "grad", "--freeze-replan", "on", "--freeze-cache", "on"],
 }
 DEFAULT_CONFIGS = "baseline,freeze only,+ AutoPipe/AutoDP,+ AutoCache"
+TIMM = "vit_tiny_patch16_224"
+# name -> (data task and side, pretraining options or None for none, fine-tuning options)
+CASES = {
+    "finetune": (("digit", 16), [], ["--epochs", 10, "--lr", "5e-4"]),
+    "undertrained": (("digit", 16), ["--epochs", 20], ["--epochs", 12, "--lr", "5e-4"]),
+    "scratch": (("digit", 16), None, ["--epochs", 10]),
+    "timm32": (("digit", 32), ["--model", TIMM, "--img-size", 32, "--epochs", 10, "parity"],
+               ["--model", TIMM, "--epochs", 10, "--lr", "5e-4"]),
+}
+
+
+def pretrain(case: str, options: list, logs: Path, data: Path, timeout: int) -> Path:
+    """The case's export: the default job with `options`, or (options ending in 'parity') that model on the even
+    or odd task in an image folder at the case's side."""
+    out = logs / f"pretrain.{case}"
+    out.mkdir(parents=True, exist_ok=True)
+    if options and options[-1] == "parity":
+        write_parity_folder(data / "parity", 10_000, task="parity")
+        options = [*options[:-1], "--dataset", "imagefolder", "--data-path", data / "parity"]
+    rc = mpirun_train([*options, "--no-save", "--monitor-interval", 0, "--export", out / "model.safetensors",
+                       "--log-dir", out], 2, out, timeout)
+    if rc != 0:
+        raise SystemExit(f"bench freeze: pretraining for {case} failed: {failure_tail(out)}")
+    return out / "model.safetensors"
 
 
 def run(a) -> int:
     seeds = [int(s) for s in a.seeds.split(",")]
-    if unknown := [n for n in a.configs.split(",") if n not in CONFIGS] or "baseline" not in a.configs.split(","):
+    configs, cases = a.configs.split(","), a.cases.split(",")
+    if unknown := [n for n in configs if n not in CONFIGS] or "baseline" not in configs:
         raise SystemExit(f"bench freeze: --configs {a.configs}: each of {', '.join(CONFIGS)}, baseline among them "
                          f"({unknown or 'no baseline'})")
+    if unknown := [n for n in cases if n not in CASES]:
+        raise SystemExit(f"bench freeze: --cases {a.cases}: each of {', '.join(CASES)} ({unknown})")
     slows = [""] + ([a.slow] if a.slow else [])
     rows, load = [], load_avg()
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(a.out) / "logs" if a.out else Path(tmp)
-        data, export = Path(tmp) / "digits16", logs / "pretrain" / "digits.safetensors"
-        write_parity_folder(data, 10_000, task="digit")
-        (logs / "pretrain").mkdir(parents=True, exist_ok=True)
-        rc = mpirun_train(["--no-save", "--export", export, "--log-dir", logs / "pretrain"], 2, logs / "pretrain",
-                          a.timeout)
-        if rc != 0:
-            raise SystemExit(f"bench freeze: pretraining failed: {failure_tail(logs / 'pretrain')}")
-        task = ["--dataset", "imagefolder", "--data-path", data, "--img-size", 16, "--pretrained-path", export,
-                "--lr", a.lr, "--engine", "pipeline", "--pipeline-stages", 2, "--ds-config",
-                "deepspeed_configs/pipeline.json", "--epochs", a.epochs, "--no-save", "--monitor-interval", 0]
-        for slow in slows:
-            for name, extra in ((n, CONFIGS[n]) for n in a.configs.split(",")):
-                runs = []
+        for case in cases:
+            (task, side), before, options = CASES[case]
+            data = Path(tmp) / task  # 16x16 PNGs; --img-size scales them
+            if not data.exists():
+                write_parity_folder(data, 10_000, task=task)
+            start = [] if before is None else ["--pretrained-path", pretrain(case, before, logs, Path(tmp), a.timeout)]
+            common = ["--dataset", "imagefolder", "--data-path", data, "--img-size", side, *start, *options,
+                      "--engine", "pipeline", "--pipeline-stages", 2, "--ds-config", "deepspeed_configs/pipeline.json",
+                      "--no-save", "--monitor-interval", 0]
+            for slow in slows:  # seeds outermost: a change of load spreads over every configuration alike
+                runs = {name: [] for name in configs}
                 for seed in seeds:
-                    log_dir = logs / f"{name.replace(' ', '_').replace('/', '-')}{'.slow' if slow else ''}.seed{seed}"
-                    log_dir.mkdir(parents=True, exist_ok=True)
-                    more = ["--simulate-slowdown", slow] if slow else []
-                    t0, before = time.perf_counter(), load_avg()
-                    rc = mpirun_train([*task, *extra, *more, "--seed", seed, "--log-dir", log_dir], 2, log_dir,
-                                      a.timeout)
-                    if rc != 0:
-                        raise SystemExit(f"bench freeze: {name} failed: {failure_tail(log_dir)}")
-                    s = json.loads((log_dir / "summary.json").read_text())
-                    runs.append({"seed": seed, "top1": s["top1"], "wall_s": s["wall_s"], "load": before,
-                                 "outside_s": time.perf_counter() - t0})
-                    print(f"{name}{' ' + slow if slow else ''} seed {seed}: top-1 {100 * s['top1']:.2f}% in "
-                          f"{s['wall_s']:.1f} s (load {before})", flush=True)
-                rows.append({"config": name, "slow": slow, "runs": runs,
-                             "top1": statistics.median(r["top1"] for r in runs),
-                             "wall_s": statistics.median(r["wall_s"] for r in runs)})
-    result = {"benchmark": "freeze", "device": device_name(), "epochs": a.epochs, "seeds": seeds,
-              "load_before": load, "load_after": load_avg(), "rows": rows}
+                    for name in configs:
+                        runs[name].append(measure(case, name, [*common, *CONFIGS[name]], slow, seed, logs, a.timeout))
+                rows += [{"case": case, "config": name, "slow": slow, "runs": r,
+                          "top1": statistics.median(x["top1"] for x in r),
+                          "wall_s": statistics.median(x["wall_s"] for x in r)} for name, r in runs.items()]
+    result = {"benchmark": "freeze", "device": device_name(), "seeds": seeds, "load_before": load,
+              "load_after": load_avg(), "rows": rows}
     publish(a.out, "freeze", result, table(result))
     return 0
 
 
+def measure(case: str, name: str, train: list, slow: str, seed: int, logs: Path, timeout: int) -> dict:
+    """One run of a configuration: its top-1, wall time, load before it and layers frozen at the end."""
+    log_dir = logs / f"{case}.{name.replace(' ', '_').replace('/', '-')}{'.slow' if slow else ''}.seed{seed}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    more = ["--simulate-slowdown", slow] if slow else []
+    t0, before = time.perf_counter(), load_avg()
+    rc = mpirun_train([*train, *more, "--seed", seed, "--log-dir", log_dir], 2, log_dir, timeout)
+    if rc != 0:
+        raise SystemExit(f"bench freeze: {case}, {name} failed: {failure_tail(log_dir)}")
+    s = json.loads((log_dir / "summary.json").read_text())
+    frozen = [r["frozen"] for r in map(json.loads, (log_dir / "metrics_rank0.jsonl").read_text().splitlines())
+              if r["kind"] == "freeze"]
+    run = {"seed": seed, "top1": s["top1"], "wall_s": s["wall_s"], "load": before, "steps": s["steps"],
+           "outside_s": time.perf_counter() - t0, "frozen": frozen[-1] if frozen else 0}
+    print(f"{case}, {name}{' ' + slow if slow else ''} seed {seed}: top-1 {100 * s['top1']:.2f}% in "
+          f"{s['wall_s']:.1f} s, {run['frozen']} layers frozen at the end (load {before})", flush=True)
+    return run
+
+
 def table(result: dict) -> str:
-    lines = [f"{result['device']}, 2 ranks, pipeline 2 stages; ten digits as 16x16 RGB images fine-tuned from the "
-             f"digits export; {result['epochs']} epochs; seeds {result['seeds']}; load {result['load_before']} "
+    lines = [f"{result['device']}, 2 ranks, pipeline 2 stages; seeds {result['seeds']}; load {result['load_before']} "
              f"before, {result['load_after']} after", "",
-             "| configuration | rank 1 | top-1 % (median) | each seed | wall s (median) | speed-up | load |",
-             "|---|---|---|---|---|---|---|"]
-    base = {r["slow"]: r["wall_s"] for r in result["rows"] if r["config"] == "baseline"}
+             "| case | configuration | rank 1 | top-1 % (median) | each seed | vs baseline | wall s (median) | "
+             "speed-up | layers frozen at the end | load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["case"], r["slow"]): r for r in result["rows"] if r["config"] == "baseline"}
     for r in result["rows"]:
+        b = base[r["case"], r["slow"]]
         each = " / ".join(f"{100 * x['top1']:.2f}" for x in r["runs"])
         loads = ", ".join(f"{x['load']:.1f}" for x in r["runs"])
-        lines.append(f"| {r['config']} | {'slowed ' + r['slow'].split('=')[1] + 'x' if r['slow'] else 'as is'} | "
-                     f"{100 * r['top1']:.2f} | {each} | {r['wall_s']:.1f} | {base[r['slow']] / r['wall_s']:.2f}x "
-                     f"| {loads} |")
+        frozen = " / ".join(str(x["frozen"]) for x in r["runs"])
+        rank1 = f"slowed {r['slow'].split('=')[1]}x" if r["slow"] else "as is"
+        lines.append(f"| {r['case']} | {r['config']} | {rank1} | {100 * r['top1']:.2f} | {each} | "
+                     f"{100 * (r['top1'] - b['top1']):+.2f} | {r['wall_s']:.1f} | {b['wall_s'] / r['wall_s']:.2f}x | "
+                     f"{frozen} | {loads} |")
     return "\n".join(lines) + "\n"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--epochs", type=positive_int, default=10, help="fine-tuning epochs")
-    p.add_argument("--lr", default="5e-4", help="fine-tuning peak learning rate")
+    p.add_argument("--cases", default="finetune", help=f"comma-separated cases of {', '.join(CASES)}")
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated configurations of {', '.join(CONFIGS)}"
                    " (baseline among them: the speed-ups are against it)")
@@ -100,5 +141,5 @@ def add_arguments(p) -> None:
     p.add_argument("--out", help="write freeze.md, freeze.json and the runs' logs here")
 
 
-COMMANDS = {"freeze": ("freeze training's breakdown (PipeTransformer's Table 1 / Fig. 9) on 2 ranks", add_arguments,
+COMMANDS = {"freeze": ("freeze training: PipeTransformer's breakdown and the freeze rules, on 2 ranks", add_arguments,
                        run)}

@@ -9,8 +9,9 @@ from helpers import launch, read_jsonl, run_cmd, train_losses
 
 from vit.config.cli import defaults, parse
 from vit.errors import ConfigError
+from vit.freeze.measures import changes
 from vit.freeze.replan import Layout, replan
-from vit.freeze.rules import Freezer, by_gradient, changes, freeze_prefix, next_measure, scheduled
+from vit.freeze.rules import Freezer, by_measure, freeze_prefix, next_measure, scheduled
 from vit.loop.reference import reference_losses
 from vit.model.layers import build_layers
 
@@ -31,14 +32,14 @@ def test_gradient_change_is_relative_to_the_previous_decision_point():
 
 def test_gradient_rule_freezes_the_settled_prefix_at_most_alpha_and_the_schedule():
     settled = [0.01, 0.02, 0.03, 0.04, 0.05, 0.06]
-    assert by_gradient(settled, 0, 0.1, 1 / 3, allowed=6) == 2  # 2 of 6 = alpha of the active layers
-    assert by_gradient(settled, 0, 0.1, 0.1, allowed=6) == 1  # at most alpha, at least one
-    assert by_gradient(settled, 0, 0.1, 1.0, allowed=3) == 3  # never past the schedule's count
-    assert by_gradient(settled, 2, 0.1, 1.0, allowed=2) == 2
+    assert by_measure(settled, 0, 0.1, 1 / 3, allowed=6) == 2  # 2 of 6 = alpha of the active layers
+    assert by_measure(settled, 0, 0.1, 0.1, allowed=6) == 1  # at most alpha, at least one
+    assert by_measure(settled, 0, 0.1, 1.0, allowed=3) == 3  # never past the schedule's count
+    assert by_measure(settled, 2, 0.1, 1.0, allowed=2) == 2
     # The prefix rule: layers 1-5 settled behind layer 0 still learning do not freeze; nor does layer 3 behind 2.
-    assert by_gradient([0.5, 0.0, 0.0, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 0
-    assert by_gradient([0.0, 0.0, 0.3, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 2
-    assert by_gradient([0.0, 0.0, 0.1, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 2  # at the threshold: learning
+    assert by_measure([0.5, 0.0, 0.0, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 0
+    assert by_measure([0.0, 0.0, 0.3, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 2
+    assert by_measure([0.0, 0.0, 0.1, 0.0, 0.0, 0.0], 0, 0.1, 1.0, allowed=6) == 2  # at the threshold: learning
 
 
 def test_the_decision_line_names_the_next_layers_measure():
@@ -217,7 +218,7 @@ def test_resume_across_and_between_freeze_points(tmp_path, engine):
 
 @pytest.mark.ranks
 @pytest.mark.timeout(300)
-def test_freeze_by_gradient_decides_alike_everywhere_and_matches_the_loop(tmp_path):
+def test_freeze_by_measure_decides_alike_everywhere_and_matches_the_loop(tmp_path):
     r = launch(["--engine", "ddp", "--steps", 8, "--log-interval", 1, "--no-save", "--log-dir", tmp_path,
                 "--freeze", "grad", "--freeze-interval-epochs", 0.05], timeout=240)
     assert r.ok, r

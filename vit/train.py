@@ -145,7 +145,6 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
                       census=adapted.record, micro_batch=batch.micro_batch)
     freezer.freeze(layers, frozen)
     engine = make_engine(layers, replan.Layout(**layout) if layout else None)
-    freezer.watch(engine.live_module())
     if ema_layers:
         engine.ema = Ema(ema_layers, engine, s.recipe.model_ema_decay)
     if plan.resume:
@@ -153,6 +152,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
         start = client_state["step"]
         if "freeze" in client_state:
             freezer.load_state_dict(client_state["freeze"])
+    freezer.watch(engine, start)
     if job.is_main:
         start_record(log_dir, plan, ds_config=ds_config, precision=adapted.precision, cluster=adapted.record,
                      start_step=start, resumed_from=resumed_from)

@@ -35,8 +35,7 @@ def option(default, help: str, check: str | None = None, needs: str | None = Non
     """A settings field: its default, its --help text, `check` ('positive', 'non_negative', 'probability': 0 to 1,
     or 'below_one': 0 up to 1; every float must also be finite), `needs`: what it has no effect without (a key of
     vit.config.compat.NEEDS; changed from its default without that, it is refused) and extra argparse arguments
-    (choices,
-    metavar, flag, ...)."""
+    (choices, metavar, flag, ...)."""
     return field(default=default, metadata={"help": help, "check": check, "needs": needs, "cli": cli})
 
 
@@ -189,13 +188,14 @@ class RecipeSettings:
 class FreezeSettings:
     """Freeze training (PipeTransformer's AutoFreeze): a growing prefix of the layers stops training (vit/freeze)."""
     freeze: str = option("none", "freeze a prefix of the layers as training goes: schedule (frozen(e) = "
-                         "ceil(L(1-(1-A)^e)) after e intervals, L the embedding and blocks) or grad (the prefix of "
-                         "layers whose gradients settled, see --freeze-threshold; never more than the schedule)",
-                         choices=("none", "schedule", "grad"))
-    freeze_alpha: float = option(1 / 3, "the schedule's A; grad: at most this share of the active layers freezes "
-                                 "at once", "positive", needs="freeze")
-    freeze_threshold: float = option(0.1, "grad: a layer has settled when its gradient norm summed over an interval "
-                                     "changed by less than this share since the last", "positive", needs="freeze")
+                         "ceil(L(1-(1-A)^e)) after e intervals, L the embedding and blocks), settled (recommended: the "
+                         "layers whose weights settled) or grad (whose gradient norms did); these two never pass the "
+                         "schedule", choices=("none", "schedule", "settled", "grad"))
+    freeze_alpha: float = option(1 / 3, "the schedule's A; settled, grad: at most this share of the active layers "
+                                 "freezes at once", "positive", needs="freeze")
+    freeze_threshold: float | None = option(None, "over an interval, settled: a layer's weights moved less than this "
+                                            "share of their largest move (default 0.5); grad: its gradient norm "
+                                            "changed by less than this share (default 0.1)", "positive", needs="freeze")
     freeze_interval_epochs: float = option(1.0, "epochs between decisions (fractions ok)", "positive", needs="freeze")
     freeze_replan: str = option("on", "pipeline engine: at a freeze point plan the stages again (frozen layers hold "
                                 "weights only) and halve them when the active layers fit, the freed ranks becoming "

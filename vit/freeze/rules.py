@@ -3,7 +3,8 @@ freezing means (no gradients, no activations kept, no optimizer state, nothing t
 
 The freezable layers are the embedding and the blocks (layer list indices 0 .. L-1); the head, last, never freezes.
 Decisions are taken every --freeze-interval-epochs, at the end of a step, from values every rank holds alike (the
-step, or gradient norms summed over all ranks), so every rank rebuilds its engine at the same step.
+step, gradient norms summed over all ranks or weight moves taken as the largest over them; vit.freeze.measures), so
+every rank rebuilds its engine at the same step.
 """
 import gc
 import math
@@ -15,6 +16,7 @@ from torch import nn
 
 from vit.config.settings import FreezeSettings
 from vit.freeze.activation_cache import FeatureCache, cached_batches
+from vit.freeze.measures import GradNorms, WeightMoves, changes
 from vit.freeze.replan import Layout, replan
 from vit.runtime.dist_env import live_process_groups
 
@@ -25,16 +27,13 @@ def scheduled(intervals: int, num_freezable: int, alpha: float) -> int:
     return min(num_freezable, math.ceil(num_freezable * (1 - (1 - alpha) ** intervals) - 1e-9))
 
 
-def changes(previous: list[float], now: list[float]) -> list[float]:
-    """Each layer's relative change of its accumulated gradient norm between two decision points (PipeTransformer's
-    and AutoFreeze's measure of how much a layer still learns): |now - previous| / previous."""
-    return [abs(n - p) / max(p, 1e-12) for p, n in zip(previous, now)]
+THRESHOLDS = {"grad": 0.1, "settled": 0.5}  # --freeze-threshold's default for each rule (and the schedule's warning)
 
 
-def by_gradient(change: list[float], frozen: int, threshold: float, alpha: float, allowed: int) -> int:
-    """The convergence rule: the frozen prefix grows over the next layers while each one's change is below
-    `threshold` (a settled layer behind one still learning does not freeze), by at most alpha of the active layers
-    (at least one) at a time, and to at most `allowed` (the schedule's count at this point) in all."""
+def by_measure(change: list[float], frozen: int, threshold: float, alpha: float, allowed: int) -> int:
+    """The convergence rules (grad, settled): the frozen prefix grows over the next layers while each one's measure
+    is below `threshold` (a settled layer behind one still learning does not freeze), by at most alpha of the active
+    layers (at least one) at a time, and to at most `allowed` (the schedule's count at this point) in all."""
     cap = min(len(change), allowed, frozen + max(1, math.floor(alpha * (len(change) - frozen))))
     count = frozen
     while count < cap and change[count] < threshold:
@@ -42,14 +41,18 @@ def by_gradient(change: list[float], frozen: int, threshold: float, alpha: float
     return count
 
 
-def next_measure(change: list[float] | None, frozen: int, threshold: float, num_freezable: int) -> str:
-    """What the decision line says of the next layer to freeze: its change against the threshold."""
+def next_measure(change: list[float] | None, frozen: int, threshold: float, num_freezable: int,
+                 rule: str = "grad") -> str:
+    """What the decision line says of the next layer to freeze: its measure against the threshold."""
     if frozen >= num_freezable:
         return "all freezable layers frozen"
     if change is None:
-        return f"next: layer {frozen}, no gradient change yet (the first interval has nothing to compare with)"
+        return f"next: layer {frozen}, " + ("no weight move over a whole interval yet (resumed)" if rule == "settled"
+                                            else "no gradient change yet (the first interval has nothing to compare "
+                                            "with)")
     sign = "<" if change[frozen] < threshold else ">="
-    return f"next: layer {frozen}, gradient change {change[frozen]:.3g} {sign} {threshold:g}"
+    what = "weights moved {:.3g} of their fastest" if rule == "settled" else "gradient change {:.3g}"
+    return f"next: layer {frozen}, {what.format(change[frozen])} {sign} {threshold:g}"
 
 
 def layer_range(frozen: int) -> str:
@@ -76,40 +79,6 @@ def freeze_prefix(layers: list[nn.Module], count: int, cached: bool = False) -> 
             layer.forward = _frozen_forward(layer, layer.frozen_forward, cached)
 
 
-class GradNorms:
-    """Each freezable layer's gradient norm, summed over the steps of an interval and over the ranks. Tensor hooks
-    see each micro-batch's local gradient before any engine reduces or partitions it; the sums stay on the device
-    until a decision reads them."""
-
-    def __init__(self, num_freezable: int, device: torch.device):
-        self.sums = torch.zeros(num_freezable, dtype=torch.float64, device=device)
-
-    def attach(self, module: nn.Module) -> None:
-        for name, p in module.named_parameters():
-            layer = int(name.split(".")[0])
-            if p.requires_grad and layer < len(self.sums):
-                p.register_hook(lambda g, i=layer: self._add(i, g))
-
-    def _add(self, layer: int, grad: torch.Tensor) -> None:
-        self.sums[layer] += grad.detach().double().pow(2).sum()
-
-    def take(self) -> list[float]:
-        """Collective: the interval's norms, the same on every rank; starts the next interval."""
-        total = self.sums.clone()
-        dist.all_reduce(total)
-        self.sums.zero_()
-        return total.sqrt().tolist()
-
-    def state_dict(self) -> list[float]:
-        """Collective: the current interval's sums over all ranks (a checkpoint holds one copy)."""
-        total = self.sums.clone()
-        dist.all_reduce(total)
-        return total.tolist()
-
-    def load_state_dict(self, sums: list[float]) -> None:
-        self.sums.copy_(torch.tensor(sums, dtype=torch.float64)).div_(dist.get_world_size())
-
-
 class Freezer:
     """Decides its own cadence: after each step, `decide(step)` returns the new number of frozen layers at a freeze
     point where it grew, else None."""
@@ -124,9 +93,10 @@ class Freezer:
         self.num_freezable = num_layers - 1
         self.interval_steps = max(1, round(s.freeze_interval_epochs * steps_per_epoch))
         self.frozen, self.previous, self.replan = frozen, None, s.freeze_replan == "on"
-        self.threshold = s.freeze_threshold
-        # Both rules measure each layer's gradients: grad decides by them, schedule warns when it outruns them.
-        self.norms = GradNorms(self.num_freezable, device) if self.mode != "none" else None
+        self.threshold = s.freeze_threshold or THRESHOLDS.get(self.mode, THRESHOLDS["grad"])
+        # grad decides by each layer's gradients and schedule warns when it outruns them; settled decides by weights.
+        self.norms = GradNorms(self.num_freezable, device) if self.mode in ("grad", "schedule") else None
+        self.moves = WeightMoves(self.num_freezable, self.interval_steps) if self.mode == "settled" else None
         self.make_layers, self.make_engine = make_layers, make_engine
         self.census, self.micro_batch = census, micro_batch
         self.planned = None  # the StagePlan of the last re-plan
@@ -134,7 +104,7 @@ class Freezer:
         self.cache = FeatureCache(s.freeze_cache_gib, cache_dir) if cache_dir else None
         self.layers = None
         self.said = None  # the last decision's measure of the next layer to freeze
-        self.change = None  # the last decision's per-layer gradient changes (None: nothing to compare yet)
+        self.change = None  # the last decision's per-layer measure (None: nothing to compare yet)
         self.warned = False  # the schedule froze a layer still learning (said once per run)
 
     def freeze(self, layers: list[nn.Module], frozen: int) -> None:
@@ -161,7 +131,7 @@ class Freezer:
         """Collective: at a freeze point, the engine rebuilt with the longer frozen prefix (else None)."""
         current = engine.layout  # a pipeline's stages, else None
         # Without re-planning a pipeline's first stage must keep an active layer (it would have no backward).
-        frozen = self.decide(step, cap=current.parts[1] - 1 if current and not self.replan else None)
+        frozen = self.decide(step, cap=current.parts[1] - 1 if current and not self.replan else None, engine=engine)
         if self.said:
             metrics.write("freeze_decision", step, frozen=self.frozen, changes=self.change,
                           norms=self.previous, threshold=self.threshold)
@@ -180,7 +150,7 @@ class Freezer:
         self.layers = None  # the old engine's: nothing may keep them alive while the new one is built
         rebuilt, freed = rebuild(engine, lambda layers: self.freeze(layers, frozen), self.make_layers,
                                  self.make_engine, plan)
-        self.watch(rebuilt.live_module())
+        self.watch(rebuilt, step)
         self.rescale(current, rebuilt.layout if current else None)
         if self.cache is not None:
             self.cache.clear()  # a new boundary
@@ -207,12 +177,14 @@ class Freezer:
         if before and after and self.previous and before.grad_accum != after.grad_accum:
             self.previous = [p * before.grad_accum / after.grad_accum for p in self.previous]
 
-    def watch(self, module: nn.Module) -> None:
-        """Measure the gradients of this (newly built) engine's module."""
+    def watch(self, engine, step: int) -> None:
+        """Collective: measure this (newly built) engine's gradients, or its weights from this step on."""
         if self.norms is not None:
-            self.norms.attach(module)
+            self.norms.attach(engine.live_module())
+        if self.moves is not None:
+            self.moves.snapshot(engine, step)
 
-    def decide(self, step: int, cap: int | None = None) -> int | None:
+    def decide(self, step: int, cap: int | None = None, engine=None) -> int | None:
         """The new number of frozen layers (at most `cap`) at a freeze point where it grew, else None; at every
         freeze point `self.said` gives the next layer's measure. No decision once no more layers can freeze."""
         self.said = None
@@ -220,17 +192,20 @@ class Freezer:
         if self.mode == "none" or step % self.interval_steps or step >= self.total_steps or self.frozen >= limit:
             return None
         allowed = min(limit, scheduled(step // self.interval_steps, self.num_freezable, self.alpha))
-        now = self.norms.take()
-        self.change = changes(self.previous, now) if self.previous is not None else None
-        self.previous = now
+        if self.moves is not None:
+            self.change = self.moves.take(engine, step)
+        else:
+            now = self.norms.take()
+            self.change = changes(self.previous, now) if self.previous is not None else None
+            self.previous = now
         if self.mode == "schedule":
             frozen = max(allowed, self.frozen)
             self.warn_if_learning(step, frozen)
         elif self.change is None:
             frozen = self.frozen
         else:
-            frozen = by_gradient(self.change, self.frozen, self.threshold, self.alpha, allowed)
-        self.said = next_measure(self.change, frozen, self.threshold, self.num_freezable)
+            frozen = by_measure(self.change, self.frozen, self.threshold, self.alpha, allowed)
+        self.said = next_measure(self.change, frozen, self.threshold, self.num_freezable, self.mode)
         if frozen <= self.frozen:
             return None
         self.frozen = frozen
@@ -252,13 +227,15 @@ class Freezer:
 
     def state_dict(self) -> dict:
         """Collective under --freeze (the gradient norms)."""
-        return {"frozen": self.frozen, "previous": self.previous,
+        return {"frozen": self.frozen, "previous": self.previous, "peak": self.moves.peak if self.moves else None,
                 "layout": self.layout.__dict__ if self.layout else None,
                 "sums": self.norms.state_dict() if self.norms is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.frozen, self.previous = state["frozen"], state["previous"]
         self.layout = Layout(**state["layout"]) if state.get("layout") else None
+        if self.moves is not None and state.get("peak"):
+            self.moves.peak = state["peak"]
         if self.norms is not None and state["sums"] is not None:
             self.norms.load_state_dict(state["sums"])
 
