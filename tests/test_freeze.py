@@ -6,10 +6,11 @@ import sys
 import pytest
 import torch
 from helpers import launch, read_jsonl, run_cmd, train_losses
+from torch import nn
 
 from vit.config.cli import defaults, parse
 from vit.errors import ConfigError
-from vit.freeze.measures import changes
+from vit.freeze.measures import WeightMoves, changes
 from vit.freeze.replan import Layout, replan
 from vit.freeze.rules import Freezer, by_measure, freeze_prefix, next_measure, scheduled
 from vit.loop.reference import reference_losses
@@ -47,6 +48,10 @@ def test_the_decision_line_names_the_next_layers_measure():
     assert next_measure([0.0, 0.05, 0.0], 1, 0.1, 3) == "next: layer 1, gradient change 0.05 < 0.1"
     assert next_measure(None, 0, 0.1, 3).startswith("next: layer 0, no gradient change yet")
     assert next_measure(None, 3, 0.1, 3) == next_measure([0.0] * 3, 3, 0.1, 3) == "all freezable layers frozen"
+    assert next_measure([0.0, 0.42, 1.0], 1, 0.5, 3, "settled") == "next: layer 1, weights moved 0.42 of their " \
+        "fastest < 0.5"
+    assert next_measure(None, 1, 0.5, 3, "settled") == "next: layer 1, no weight move over a whole interval yet " \
+        "(resumed)"
 
 
 def test_a_replan_that_halves_the_micro_batches_keeps_the_measure_on_one_scale():
@@ -61,10 +66,14 @@ def test_a_replan_that_halves_the_micro_batches_keeps_the_measure_on_one_scale()
 
 def replay(history: list[list[float]], rule: str = "grad", **options) -> list[int]:
     """The frozen count after each decision point of a Freezer fed a synthetic history of per-layer gradient norms
-    (one entry per decision point, a decision every step)."""
+    (grad) or weight moves as a share of the largest (settled), one entry per decision point, a decision every step."""
     s = defaults().with_(freeze=rule, freeze_interval_epochs=0.1, **options).freeze
     f = Freezer(s, num_layers=len(history[0]) + 1, steps_per_epoch=10, total_steps=1000, device=torch.device("cpu"))
-    f.norms = type("Norms", (), {"take": staticmethod(iter(history).__next__)})()  # GradNorms.take without ranks
+    measure = iter(history).__next__
+    if rule == "settled":  # WeightMoves.take without ranks or an engine
+        f.moves = type("Moves", (), {"take": staticmethod(lambda engine, step: measure())})()
+    else:  # GradNorms.take without ranks
+        f.norms = type("Norms", (), {"take": staticmethod(measure)})()
     counts = []
     for step in range(1, len(history) + 1):
         f.decide(step)
@@ -99,15 +108,81 @@ def test_gradient_rule_never_freezes_more_than_the_schedule():
             assert got == sorted(got)
 
 
+def test_settled_rule_freezes_nothing_while_weights_still_move():
+    # Each interval every layer moves 10% less than in the one before: at 0.6 of its fastest after 5 intervals.
+    history = [[0.9 ** e] * 5 for e in range(6)]
+    assert replay(history, "settled") == [0] * 6
+    assert replay(history, "settled", freeze_alpha=1.0) == [0] * 6
+    assert replay(history, "settled", freeze_threshold=0.7, freeze_alpha=1.0) == [0, 0, 0, 0, 5, 5]
+
+
+def test_settled_rule_freezes_a_prefix_once_weights_settle():
+    history = [[1.0] * 5, [0.8] * 5, [0.4] * 5, [0.3] * 5, [0.2] * 5, [0.1] * 5]
+    # Below 0.5 of their fastest from the third point; then alpha 1/3 of the active layers (at least one) at a time.
+    assert replay(history, "settled") == [0, 0, 1, 2, 3, 4]
+    # Only the front settles: the prefix stops at the first layer still moving, though layer 3 behind it settled.
+    front = [[0.1, 0.2, 0.9, 0.1, 1.0]] * 4
+    assert replay(front, "settled", freeze_alpha=1.0) == [2] * 4
+
+
+def test_settled_rule_never_freezes_more_than_the_schedule():
+    gen = torch.Generator().manual_seed(0)
+    for alpha in (0.2, 1 / 3, 0.5, 1.0):
+        for _ in range(20):
+            got = replay(torch.rand(8, 6, generator=gen).tolist(), "settled", freeze_alpha=alpha)
+            assert all(n <= scheduled(e + 1, 6, alpha) for e, n in enumerate(got)), (alpha, got)
+            assert got == sorted(got)
+
+
+def test_weight_moves_are_a_share_of_each_layers_largest_move_per_unit_of_learning_rate(tmp_path):
+    """||W_now - W_then|| / ||W_then|| / (the interval's learning rates summed) per layer, over the freezable layers
+    (not the head), against the largest so far; frozen layers count 0; a copy younger than an interval (a resume)
+    or an interval at learning rate 0 measures nothing."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    module = nn.Sequential(nn.Linear(1, 2, bias=False), nn.Linear(2, 2, bias=False), nn.Linear(2, 1))
+    holder = type("Engine", (), {"device": torch.device("cpu"), "gathered": lambda self: contextlib.nullcontext(),
+                                 "live_module": lambda self: module})()  # what WeightMoves asks of an engine
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with torch.no_grad():
+            module[0].weight.copy_(torch.tensor([[3.0], [4.0]]))  # norm 5
+            moves = WeightMoves(num_freezable=2, interval_steps=2)
+            moves.snapshot(holder, 0)
+            module[0].weight += torch.tensor([[0.3], [0.4]])  # moved 0.5 of 5 at learning rates 0.5 + 0.5: 0.1
+            module[2].weight += 1.0  # the head: not measured
+            moves.stepped(0.5), moves.stepped(0.5)
+            assert moves.take(holder, 2) == pytest.approx([1.0, 0.0])
+            module[0].weight += torch.tensor([[0.15], [0.2]])  # 0.25 of 5.5 at 0.25 + 0.25: 0.0909 against 0.1
+            module[1].weight += 0.1
+            moves.stepped(0.25), moves.stepped(0.25)
+            assert moves.take(holder, 4) == pytest.approx([0.25 / 5.5 / 0.5 / 0.1, 1.0])
+            assert moves.peak[0] == pytest.approx(0.1) and moves.peak[1] > 0
+            moves.stepped(0.5)
+            assert moves.take(holder, 5) is None  # one step after the last copy: not a whole interval
+            moves.stepped(0.0), moves.stepped(0.0)
+            assert moves.take(holder, 7) is None  # learning rate 0: nothing to measure
+            module[0].weight.requires_grad_(False)  # frozen
+            module[1].weight += 0.1
+            moves.stepped(1.0), moves.stepped(1.0)
+            shares = moves.take(holder, 9)
+            assert shares[0] == 0.0 and 0 < shares[1] <= 1.0
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("rule", ["grad", "schedule"])
+@pytest.mark.parametrize("rule", ["grad", "schedule", "settled"])
 def test_each_decision_says_what_froze_and_the_next_layers_measure(tmp_path, rule):
     """One rank, 4 steps an interval: a decision at steps 4 and 8. grad with a threshold every layer is under
-    freezes nothing first (nothing to compare yet), then layer 0; the schedule freezes 2 then 3 layers and warns
-    once when layer 2 still learns."""
+    freezes nothing first (nothing to compare yet), then layer 0; settled, whose first interval is its own fastest
+    move, layer 0 then layer 1 (alpha 1/3 of the active layers at a time); the schedule freezes 2 then 3 layers and
+    warns once when layer 2 still learns."""
     args = ["--engine", "ddp", "--freeze", rule, "--freeze-interval-epochs", 0.1, "--steps", 9, "--no-save",
-            "--freeze-threshold", 10 if rule == "grad" else 1e-6, "--log-dir", tmp_path]
+            "--freeze-threshold", 1e-6 if rule == "schedule" else 10, "--log-dir", tmp_path]
     r = run_cmd([sys.executable, "-m", "vit.train", *map(str, args)], timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     said = re.findall(r"^freeze at step (\d+): (.*)$", r.stdout, re.MULTILINE)
@@ -116,6 +191,11 @@ def test_each_decision_says_what_froze_and_the_next_layers_measure(tmp_path, rul
         assert [s for s, _ in said] == ["4", "8"] and said[0][1] == f"nothing frozen ({first.format(0)})", said
         assert re.match(r"layer 0 frozen \(next: layer 1, gradient change [0-9.e-]+ < 10\); 1 stages", said[1][1])
         assert [(x["step"], x["frozen"], x["threshold"]) for x in freeze_records(tmp_path)] == [(8, 1, 10)]
+    elif rule == "settled":
+        assert said[0][1].startswith("layer 0 frozen (next: layer 1, weights moved 1 of their fastest < 10); "), said
+        assert re.match(r"layers 0-1 frozen \(next: layer 2, weights moved 0?\.[0-9]+ of their fastest < 10\)",
+                        said[1][1]), said
+        assert [(x["step"], x["frozen"]) for x in freeze_records(tmp_path)] == [(4, 1), (8, 2)]
     else:
         assert said[0][1].startswith(f"layers 0-1 frozen ({first.format(2)})"), said
         assert re.match(r"layers 0-2 frozen \(next: layer 3, gradient change [0-9.e-]+ >= 1e-06\)", said[1][1])
@@ -236,23 +316,32 @@ FREEZING_ENGINES = {"zero": ["--engine", "zero"], "ddp": ["--engine", "ddp"], "p
 
 @pytest.mark.ranks
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("rule", ["schedule", "grad"])
+@pytest.mark.parametrize("rule", ["schedule", "grad", "settled"])
 @pytest.mark.parametrize("engine", FREEZING_ENGINES)
 def test_every_rule_on_every_engine_says_each_decision_and_matches_the_loop(tmp_path, engine, rule):
+    # settled under a threshold every move is below: alpha 1/2 of the active layers at a time, 2 then 3 layers.
+    threshold = ["--freeze-threshold", 10] if rule == "settled" else []
     r = launch([*FREEZING_ENGINES[engine], "--freeze", rule, "--freeze-alpha", 0.5, "--freeze-interval-epochs", 0.1,
-                "--steps", 5, "--log-interval", 1, "--no-save", "--log-dir", tmp_path], timeout=160)
+                *threshold, "--steps", 5, "--log-interval", 1, "--no-save", "--log-dir", tmp_path], timeout=160)
     assert r.ok, r
     points = [(x["step"], x["frozen"]) for x in freeze_records(tmp_path)]
     assert points == [(x["step"], x["frozen"]) for x in freeze_records(tmp_path, 1)]
+    decisions = [[x for x in read_jsonl(tmp_path / f"metrics_rank{rank}.jsonl") if x["kind"] == "freeze_decision"]
+                 for rank in (0, 1)]
+    assert [x["changes"] for x in decisions[0]] == [x["changes"] for x in decisions[1]]  # measured alike
     capped = engine == "pipeline, replan off"
-    if rule == "schedule":
+    if rule == "settled":  # every layer's first move is its fastest; the next a share of it, one stage's or another's
+        assert points == ([(2, 2)] if capped else [(2, 2), (4, 3)])
+        assert decisions[0][0]["changes"] == [1.0] * 5, decisions
+        assert capped or all(0 < x <= 1 for x in decisions[0][1]["changes"][2:]), decisions
+    elif rule == "schedule":
         assert points == ([(2, 2)] if capped else [(2, 3), (4, 4)])
     else:  # the first decision has no previous interval to compare with
         assert points in ([], [(4, 1)], [(4, 2)]) and "freeze at step 2: nothing frozen (next: layer 0, no " \
             "gradient change yet (the first interval has nothing to compare with))" in r.outputs[0], r.outputs[0]
     # One console line per decision: what froze, or why nothing did.
     said = re.findall(r"^freeze at step (\d+): (.*)$", r.outputs[0], re.MULTILINE)
-    assert [int(step) for step, _ in said] == ([2] if capped and rule == "schedule" else [2, 4]), said
+    assert [int(step) for step, _ in said] == ([2] if capped and rule != "grad" else [2, 4]), said
     assert all(line.startswith("nothing frozen") == (int(step) not in dict(points)) for step, line in said), said
     assert_losses(train_losses(tmp_path), reference(5, dict(points)), range(1, 6))
 

@@ -52,17 +52,24 @@ class GradNorms:
 
 
 class WeightMoves:
-    """settled's measure: how far each freezable layer's weights moved over the last interval, ||W_now - W_then|| /
-    ||W_then||, as a share of the largest move that layer has made in any interval so far (1: as fast as ever; near
-    0: it has settled). W_then is a host copy taken at the previous decision point, of the trained layers this rank
-    holds: host memory for one more copy of them. A move is measured only over a whole interval: after a resume
-    the first decision point has none."""
+    """settled's measure: how far each freezable layer's weights moved over the last interval per unit of learning
+    rate, ||W_now - W_then|| / ||W_then|| / (the sum of the interval's per-step learning rates), as a share of the
+    largest such move that layer has made in any interval so far (1: as fast as ever; near 0: settled). Dividing by
+    the learning rate leaves what the optimizer's steps do: Adam's shrink when a layer's gradients turn into noise
+    around zero, while the LR schedule's decay alone does not count. W_then is a host copy taken at the previous
+    decision point, of the trained layers this rank holds: host memory for one more copy of them. A move is measured
+    only over a whole interval: after a resume the first decision point has none."""
 
     def __init__(self, num_freezable: int, interval_steps: int):
         self.num_freezable, self.interval_steps = num_freezable, interval_steps
         self.then: dict[str, torch.Tensor] = {}
         self.since = None  # the step of the copy
+        self.lr_sum = 0.0  # the learning rates of the steps since (a device tensor under fused Adam)
         self.peak = [0.0] * num_freezable
+
+    def stepped(self, lr) -> None:
+        """After each step: the learning rate it (or the next one, alike for every interval) trains at."""
+        self.lr_sum = self.lr_sum + lr
 
     def snapshot(self, engine, step: int) -> None:
         """Collective under ZeRO-3 (it gathers the weights): copy the trained freezable layers' weights."""
@@ -70,12 +77,12 @@ class WeightMoves:
             self.then = {n: p.detach().to("cpu", torch.float32, copy=True)
                          for n, p in engine.live_module().named_parameters()
                          if p.requires_grad and layer_of(n) < self.num_freezable}
-        self.since = step
+        self.since, self.lr_sum = step, 0.0
 
     def take(self, engine, step: int) -> list[float] | None:
-        """Collective: each layer's move since the last copy as a share of its largest (0 for a frozen layer), or
-        None when the copy is not one interval old; then a new copy."""
-        then, since = self.then, self.since
+        """Collective: each layer's move since the last copy per unit of learning rate as a share of its largest (0
+        for a frozen layer), or None when the copy is not one interval old or the rate was 0; then a new copy."""
+        then, since, lr_sum = self.then, self.since, float(self.lr_sum)
         self.snapshot(engine, step)
         sums = torch.zeros(2, self.num_freezable, dtype=torch.float64)
         for name, now in self.then.items():
@@ -86,8 +93,8 @@ class WeightMoves:
         # are alike on every rank.
         sums = sums.to(engine.device)
         dist.all_reduce(sums, op=dist.ReduceOp.MAX)
-        if since is None or step - since != self.interval_steps:
+        if since is None or step - since != self.interval_steps or lr_sum <= 0:
             return None
-        moves = (sums[0] / sums[1].clamp_min(1e-30)).sqrt().tolist()
+        moves = ((sums[0] / sums[1].clamp_min(1e-30)).sqrt() / lr_sum).tolist()
         self.peak = [max(p, m) for p, m in zip(self.peak, moves)]
         return [m / p if p > 0 else 0.0 for m, p in zip(moves, self.peak)]

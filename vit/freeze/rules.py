@@ -131,6 +131,8 @@ class Freezer:
         """Collective: at a freeze point, the engine rebuilt with the longer frozen prefix (else None)."""
         current = engine.layout  # a pipeline's stages, else None
         # Without re-planning a pipeline's first stage must keep an active layer (it would have no backward).
+        if self.moves is not None:
+            self.moves.stepped(engine.lr)
         frozen = self.decide(step, cap=current.parts[1] - 1 if current and not self.replan else None, engine=engine)
         if self.said:
             metrics.write("freeze_decision", step, frozen=self.frozen, changes=self.change,

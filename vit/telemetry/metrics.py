@@ -19,8 +19,9 @@ Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore u
    gone before the new engine was built, "process_groups" the process groups alive after the rebuild (the same at
    every freeze point)
   {"kind": "freeze_decision", "step", "time", "rank", "host", "frozen", "changes", "norms", "threshold"}: every
-   --freeze decision point: the frozen layers after it, each freezable layer's gradient norm over the interval
-   ("norms") and its relative change since the last decision point ("changes", null at the first)
+   --freeze decision point: the frozen layers after it and each freezable layer's measure ("changes": settled's
+   weight move as a share of its largest, or grad's and the schedule's relative change of the gradient norm, whose
+   "norms" it also gives; null where nothing was measured yet)
 """
 import json
 import os
