@@ -32,25 +32,23 @@ CONFIGS = {  # name -> options on top of the case's run
 }
 DEFAULT_CONFIGS = "baseline,freeze only,+ AutoPipe/AutoDP,+ AutoCache"
 TIMM = "vit_tiny_patch16_224"
-# name -> (data task and side, pretraining options or None for none, fine-tuning options)
+# name -> (image side, pretraining options (None: from scratch), whether it pretrains on even or odd in an image
+# folder instead of the default job's 8x8 digits, fine-tuning options)
 CASES = {
-    "finetune": (("digit", 16), [], ["--epochs", 10, "--lr", "5e-4"]),
-    "undertrained": (("digit", 16), ["--epochs", 20], ["--epochs", 12, "--lr", "5e-4"]),
-    "scratch": (("digit", 16), None, ["--epochs", 10]),
-    "timm32": (("digit", 32), ["--model", TIMM, "--img-size", 32, "--epochs", 10, "parity"],
+    "finetune": (16, [], False, ["--epochs", 10, "--lr", "5e-4"]),
+    "undertrained": (16, ["--epochs", 20], False, ["--epochs", 12, "--lr", "5e-4"]),
+    "scratch": (16, None, False, ["--epochs", 10]),
+    "timm32": (32, ["--model", TIMM, "--img-size", 32, "--epochs", 10], True,
                ["--model", TIMM, "--epochs", 10, "--lr", "5e-4"]),
 }
 
 
-def pretrain(case: str, options: list, logs: Path, data: Path, timeout: int) -> Path:
-    """The case's export: the default job with `options`, or (options ending in 'parity') that model on the even
-    or odd task in an image folder at the case's side."""
+def pretrain(case: str, options: list, parity: Path | None, logs: Path, timeout: int) -> Path:
+    """The case's export: the default job with `options`, or with parity (an image folder) that model on it."""
     out = logs / f"pretrain.{case}"
     out.mkdir(parents=True, exist_ok=True)
-    if options and options[-1] == "parity":
-        write_parity_folder(data / "parity", 10_000, task="parity")
-        options = [*options[:-1], "--dataset", "imagefolder", "--data-path", data / "parity"]
-    rc = mpirun_train([*options, "--no-save", "--monitor-interval", 0, "--export", out / "model.safetensors",
+    data = ["--dataset", "imagefolder", "--data-path", parity] if parity else []
+    rc = mpirun_train([*options, *data, "--no-save", "--monitor-interval", 0, "--export", out / "model.safetensors",
                        "--log-dir", out], 2, out, timeout)
     if rc != 0:
         raise SystemExit(f"bench freeze: pretraining for {case} failed: {failure_tail(out)}")
@@ -58,7 +56,10 @@ def pretrain(case: str, options: list, logs: Path, data: Path, timeout: int) -> 
 
 
 def run(a) -> int:
-    seeds = [int(s) for s in a.seeds.split(",")]
+    try:
+        seeds = [int(s) for s in a.seeds.split(",")]
+    except ValueError:
+        raise SystemExit(f"bench freeze: --seeds {a.seeds!r}: comma-separated whole numbers") from None
     configs, cases = a.configs.split(","), a.cases.split(",")
     if unknown := [n for n in configs if n not in CONFIGS] or "baseline" not in configs:
         raise SystemExit(f"bench freeze: --configs {a.configs}: each of {', '.join(CONFIGS)}, baseline among them "
@@ -69,12 +70,14 @@ def run(a) -> int:
     rows, load = [], load_avg()
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(a.out) / "logs" if a.out else Path(tmp)
+        data, parity = Path(tmp) / "digit", Path(tmp) / "parity"  # 16x16 PNGs; --img-size scales them
+        write_parity_folder(data, 10_000, task="digit")
+        if any(CASES[case][2] for case in cases):
+            write_parity_folder(parity, 10_000, task="parity")
         for case in cases:
-            (task, side), before, options = CASES[case]
-            data = Path(tmp) / task  # 16x16 PNGs; --img-size scales them
-            if not data.exists():
-                write_parity_folder(data, 10_000, task=task)
-            start = [] if before is None else ["--pretrained-path", pretrain(case, before, logs, Path(tmp), a.timeout)]
+            side, before, on_parity, options = CASES[case]
+            start = [] if before is None else \
+                ["--pretrained-path", pretrain(case, before, parity if on_parity else None, logs, a.timeout)]
             common = ["--dataset", "imagefolder", "--data-path", data, "--img-size", side, *start, *options,
                       "--engine", "pipeline", "--pipeline-stages", 2, "--ds-config", "deepspeed_configs/pipeline.json",
                       "--no-save", "--monitor-interval", 0]

@@ -180,10 +180,11 @@ class Freezer:
             self.previous = [p * before.grad_accum / after.grad_accum for p in self.previous]
 
     def watch(self, engine, step: int) -> None:
-        """Collective: measure this (newly built) engine's gradients, or its weights from this step on."""
+        """Collective: measure this (newly built) engine's gradients, or its weights from this step on (a freeze
+        point's decision copied them already: the same weights)."""
         if self.norms is not None:
             self.norms.attach(engine.live_module())
-        if self.moves is not None:
+        if self.moves is not None and self.moves.since != step:
             self.moves.snapshot(engine, step)
 
     def decide(self, step: int, cap: int | None = None, engine=None) -> int | None:
