@@ -54,15 +54,15 @@ def test_bad_values_are_refused_naming_the_option(argv, message):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--freeze-alpha", "0.5"], "--freeze-alpha has no effect without --freeze schedule or grad"),
+    (["--freeze-alpha", "0.5"], "--freeze-alpha has no effect without --freeze schedule, settled or grad"),
     (["--engine", "pipeline", "--freeze-interval-epochs", "2"],
-     "--freeze-interval-epochs has no effect without --freeze schedule or grad"),
-    (["--freeze-cache", "off"], "--freeze-cache has no effect without --freeze schedule or grad"),
-    (["--freeze-cache-gib", "1"], "--freeze-cache-gib has no effect without --freeze schedule or grad"),
+     "--freeze-interval-epochs has no effect without --freeze schedule, settled or grad"),
+    (["--freeze-cache", "off"], "--freeze-cache has no effect without --freeze schedule, settled or grad"),
+    (["--freeze-cache-gib", "1"], "--freeze-cache-gib has no effect without --freeze schedule, settled or grad"),
     (["--engine", "pipeline", "--freeze-replan", "off"],
-     "--freeze-replan has no effect without --freeze schedule or grad on --engine pipeline"),
+     "--freeze-replan has no effect without --freeze schedule, settled or grad on --engine pipeline"),
     (["--freeze", "grad", "--freeze-replan", "off"],
-     "--freeze-replan has no effect without --freeze schedule or grad on --engine pipeline"),
+     "--freeze-replan has no effect without --freeze schedule, settled or grad on --engine pipeline"),
     (["--engine", "pipeline", "--async-update-interval", "2"],
      "--async-update-interval has no effect without --engine async-pipeline"),
     (["--weight-prediction", "none"], "--weight-prediction has no effect without --engine async-pipeline"),

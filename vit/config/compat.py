@@ -18,11 +18,11 @@ def _engines(has) -> str:
 # it).
 NEEDS = {
     "async": (lambda s: spec(s.parallel.engine).async_options, _engines(lambda e: e.async_options)),
-    "freeze": (lambda s: s.freeze.freeze != "none", "--freeze schedule or grad"),
+    "freeze": (lambda s: s.freeze.freeze != "none", "--freeze schedule, settled or grad"),
     "powersgd": (lambda s: s.comm.comm_hook == "powersgd", "--comm-hook powersgd"),
     "pipeline freeze": (lambda s: s.freeze.freeze != "none" and spec(s.parallel.engine).pipeline
                         and spec(s.parallel.engine).freeze,
-                        f"--freeze schedule or grad on {_engines(lambda e: e.pipeline and e.freeze)}"),
+                        f"--freeze schedule, settled or grad on {_engines(lambda e: e.pipeline and e.freeze)}"),
 }
 
 
