@@ -11,6 +11,7 @@
     python -m bench freeze      freeze training's breakdown (PipeTransformer's Table 1 / Fig. 9) on 2 ranks
     python -m bench async-pipeline  the asynchronous pipeline against DeepSpeed's and the no-bubble ideal; top-1
     python -m bench planner     the planner's predicted step times against real runs; --engine auto's rank
+    python -m bench calibrate   the planner's fixed costs fitted to several `bench planner` runs
     python -m bench gpu         the GPU acceptance check: every engine on one device, fp16, syncs, memory, MFU
 
 `python -m bench COMMAND --help` for each.

@@ -65,21 +65,41 @@ def result(run: dict, is_auto: bool) -> dict:
             "stages": c["stages"], "slots": slots(Candidate(**{f.name: c[f.name] for f in fields(Candidate)}))}
 
 
-def fit(rows: list[dict], used: dict) -> dict[str, float]:
-    """Each engine's fixed seconds a micro-batch, the median over its rows, from the calibration `used` (asdict) in
-    the predictions. A data-parallel engine's sits in the step's fixed part (step_s + micro-batches x it): what the
-    measured step leaves once compute, link and step_s are taken off, over the micro-batches. A pipeline's sits in
-    each stage's slot: the value used plus what the measured step leaves over the predicted, over the slots (where
-    compute sets the step: measure where the link is fast)."""
+def calibration_key(r: dict) -> str:
+    """A result row's Candidate.calibration_key (its family ends in its compression)."""
+    compression = r["family"].rsplit(":", 1)[1]
+    return r["engine_key"] + ("" if compression == "none" else f" {compression}")
+
+
+def fit(runs: list[tuple[list[dict], dict]]) -> dict[str, float]:
+    """Each engine's fixed seconds a micro-batch, with each compression apart (its casts cost CPU time): the median
+    over the rows of every run, each run with the calibration `used` (asdict) in its predictions. A data-parallel
+    engine's sits in the step's fixed part (step_s + micro-batches x it): what the measured step leaves once
+    compute, link and step_s are taken off, over the micro-batches. A pipeline's sits in each stage's slot: the value
+    used plus what the measured step leaves over the predicted, over the slots (where compute sets the step:
+    measure where the link is fast)."""
     left = {}
-    for r in rows:
-        if r["stages"] > 1:
-            before = used["engine_micro_s"].get(r["engine_key"], used["micro_s"])
-            seconds = before + (r["measured_ms"] - r["predicted_ms"]) / 1e3 / r["slots"]
-        else:
-            seconds = ((r["measured_ms"] - r["predicted_ms"] + r["fixed_ms"]) / 1e3 - used["step_s"]) / r["grad_accum"]
-        left.setdefault(r["engine_key"], []).append(seconds)
+    for rows, used in runs:
+        for r in rows:
+            key, per_engine = calibration_key(r), used["engine_micro_s"]
+            if r["stages"] > 1:
+                before = per_engine.get(key, per_engine.get(r["engine_key"], used["micro_s"]))
+                seconds = before + (r["measured_ms"] - r["predicted_ms"]) / 1e3 / r["slots"]
+            else:
+                seconds = ((r["measured_ms"] - r["predicted_ms"] + r["fixed_ms"]) / 1e3 - used["step_s"]) \
+                    / r["grad_accum"]
+            left.setdefault(key, []).append(seconds)
     return {k: round(max(0.0, statistics.median(v)), 5) for k, v in left.items()}
+
+
+def writable(path: str, prog: str) -> None:
+    """Refuse, before tens of minutes of runs, a calibration file that cannot be written."""
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError("a folder")
+        tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
+    except OSError as e:
+        raise SystemExit(f"{prog}: {path}: cannot write a file there ({e.strerror or e})") from None
 
 
 def planner(a) -> int:
@@ -89,13 +109,7 @@ def planner(a) -> int:
     except ConfigError as e:
         raise SystemExit(f"bench planner: {e}") from None
     if a.save_calibration:
-        try:
-            if os.path.isdir(a.save_calibration):
-                raise IsADirectoryError("a folder")
-            tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(a.save_calibration))).close()
-        except OSError as e:
-            raise SystemExit(f"bench planner: --save-calibration {a.save_calibration}: cannot write a file there "
-                             f"({e.strerror or e})") from None
+        writable(a.save_calibration, "bench planner: --save-calibration")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(a.out or tmp) / "logs"
@@ -126,7 +140,7 @@ def planner(a) -> int:
               f"choice measured #{by_measured.index(auto_row) + 1} of {len(rows)}, "
               f"{by_measured[0]['measured_ms'] / auto_row['measured_ms']:.2f} of the best measured images/s"]
     if a.save_calibration:
-        fitted = fit(rows, first["record"]["calibration"])
+        fitted = fit([(rows, first["record"]["calibration"])])
         write_json(a.save_calibration, {"engine_micro_s": fitted})
         lines += ["", f"fixed seconds a micro-batch per engine, fitted to these runs ({a.save_calibration}): {fitted}"]
     publish(a.out, "planner", {"args": {k: v for k, v in vars(a).items() if k != "func"}, "rows": rows,
@@ -134,5 +148,30 @@ def planner(a) -> int:
     return 0
 
 
+def add_calibrate_arguments(p) -> None:
+    p.add_argument("save", metavar="FILE", help="the calibration JSON to write (logs/planner_calibration.json is "
+                   "where --engine auto looks)")
+    p.add_argument("results", nargs="+", metavar="PLANNER_JSON", help="planner.json of bench planner runs (--out)")
+
+
+def calibrate(a) -> int:
+    """A calibration fitted to several bench planner runs: one run's residuals carry its layer timings' noise."""
+    writable(a.save, "bench calibrate")
+    runs = []
+    for path in a.results:
+        try:
+            result = json.loads(Path(path).read_text())
+            runs.append((result["rows"], result["record"]["calibration"]))
+            fit(runs[-1:])  # every field the fit reads is there
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"bench calibrate: {path}: not a bench planner result ({type(e).__name__}: {e})") from None
+    fitted = fit(runs)
+    write_json(a.save, {"engine_micro_s": fitted})
+    print(f"fixed seconds a micro-batch, the median over {len(runs)} runs ({a.save}): {fitted}")
+    return 0
+
+
 COMMANDS = {"planner": ("the planner's predicted step times against real runs, and --engine auto's rank",
-                        add_arguments, planner)}
+                        add_arguments, planner),
+            "calibrate": ("fit the planner's calibration to several bench planner runs' results",
+                          add_calibrate_arguments, calibrate)}

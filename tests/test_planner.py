@@ -312,15 +312,20 @@ def test_the_planner_reads_a_real_runs_log_dir(tmp_path, capsys):
 def test_a_calibration_per_engine_is_taken_and_an_infinite_or_folder_one_refused(tmp_path):
     write_run(tmp_path)
     cal = tmp_path / "cal.json"
-    cal.write_text('{"engine_micro_s": {"ddp": 0.25}}')
+    cal.write_text('{"engine_micro_s": {"ddp": 0.25, "ddp bf16": 0.5}}')  # the bf16 hook's casts cost more
     assert cli.main([str(tmp_path), "--link-mbit", "1000", "--calibration", str(cal), "--json",
                      str(tmp_path / "plan.json")]) == 0
     rows = json.loads((tmp_path / "plan.json").read_text())["candidates"]
     ddp = [r for r in rows if r["engine"] == "ddp"]
-    assert ddp and all(r["fixed_ms"] == pytest.approx(2.0 + 250.0 * r["grad_accum"]) for r in ddp)
+    assert {r["compression"] for r in ddp} == {"none", "fp16", "bf16", "powersgd"}
+    for r in ddp:  # ddp bf16 its own, the other compressions the engine's
+        assert r["fixed_ms"] == pytest.approx(2.0 + (500.0 if r["compression"] == "bf16" else 250.0) * r["grad_accum"])
     for text in ('{"engine_micro_s": {"ddp": Infinity}}', '{"engine_micro_s": {"ddp": "fast"}}'):
         cal.write_text(text)
         with pytest.raises(ConfigError, match="engine_micro_s: an object of seconds >= 0 per engine"):
             cli.calibration(str(cal))
+    cal.write_text('{"engine_micro_s": {"dpp": 0.25, "ddp wire-bf16": 0.1}}')  # a typo, a compression ddp lacks
+    with pytest.raises(ConfigError, match=r"engine_micro_s: unknown keys \['ddp wire-bf16', 'dpp'\]; known: zero0, "):
+        cli.calibration(str(cal))
     with pytest.raises(ConfigError, match="cannot be read as a file"):
         cli.calibration(str(tmp_path))

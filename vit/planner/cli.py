@@ -12,7 +12,7 @@ from pathlib import Path
 
 from vit.config.settings import ROOT, positive_int
 from vit.errors import ConfigError
-from vit.planner.cost import Calibration, Job
+from vit.planner.cost import Calibration, Job, calibration_keys
 from vit.planner.inputs import load_run, network, profile_model, ranks_from_census, read_json
 from vit.planner.predict import Prediction
 from vit.planner.search import rank_candidates
@@ -91,7 +91,11 @@ def calibration(path: str | None, name: str = "--calibration") -> Calibration:
             ok, want = isinstance(value, bool), "true or false"
         elif isinstance(default, dict):
             ok, want = isinstance(value, dict) and all(map(number, value.values())), \
-                "an object of seconds >= 0 per engine (ddp, zero0..zero3, pipeline, async-pipeline)"
+                "an object of seconds >= 0 per engine (ddp, zero0..zero3, pipeline, async-pipeline, 'ddp bf16')"
+            unknown = sorted(set(value) - set(calibration_keys())) if ok else []
+            if unknown:
+                raise ConfigError(f"{name} {path}: {key}: unknown keys {unknown}; known: "
+                                  f"{', '.join(calibration_keys())}")
         elif isinstance(default, tuple):
             ok, want = isinstance(value, list) and len(value) == len(default) and all(map(number, value)), \
                 f"a list of {len(default)} numbers >= 0 (one per ZeRO stage)"

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vit.engines.registry import EngineSpec, spec
+from vit.engines.registry import SPECS, EngineSpec, spec
 
 DS_CONFIGS = Path(__file__).resolve().parents[2] / "deepspeed_configs"
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -75,11 +75,12 @@ class Calibration:
     ddp_bucket_bytes: float = 25 * 2**20  # torch DDP's bucket_cap_mb
     ddp_overlap: bool = True  # DDP's buckets all-reduce during backward
     pipe_overlap: bool = True  # a pipeline's p2p runs while other stages compute (else each slot pays it)
-    engine_micro_s: dict = field(default_factory=dict)  # measured per engine (Candidate.engine_key): its micro_s
+    engine_micro_s: dict = field(default_factory=dict)  # measured per engine, with its compression: its micro_s
 
     def micro_of(self, c: "Candidate") -> float:
-        """The engine's measured micro_s, else the default."""
-        return self.engine_micro_s.get(c.engine_key(), self.micro_s)
+        """The engine's measured micro_s with c's compression (Candidate.calibration_key: a cast each way costs CPU
+        time), else the engine's (Candidate.engine_key), else the default."""
+        return self.engine_micro_s.get(c.calibration_key(), self.engine_micro_s.get(c.engine_key(), self.micro_s))
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,10 @@ class Candidate:
         """The engine as a calibration names it: with its ZeRO stage where its DeepSpeed JSON sets it ('zero2')."""
         engine = spec(self.engine)
         return f"{self.engine}{self.zero_stage}" if engine.zero_stage is None and not engine.pipeline else self.engine
+
+    def calibration_key(self) -> str:
+        """The engine key with the compression, where there is one ('ddp bf16', 'zero1 comm-bf16')."""
+        return self.engine_key() + ("" if self.compression == "none" else f" {self.compression}")
 
     def label(self) -> str:
         engine = spec(self.engine)
@@ -124,6 +129,17 @@ def compressions(engine: EngineSpec, precision: str) -> tuple[str, ...]:
     if engine.pipeline:
         return "none", "wire-bf16"
     return ("none",)
+
+
+def calibration_keys() -> list[str]:
+    """Every key Calibration.engine_micro_s may hold: each engine's (at each ZeRO stage its JSON can set), alone or
+    with a compression it has."""
+    keys = []
+    for name, engine in SPECS.items():
+        zeros = engine.zero_stages if engine.zero_stage is None and not engine.pipeline else (0,)
+        keys += [Candidate(name, z, 1, 1, 1, comp).calibration_key() for z in zeros
+                 for comp in compressions(engine, "fp32")]
+    return keys
 
 
 def grad_bytes(engine: EngineSpec, job: Job, layers: tuple[Layer, ...], compression: str) -> float:
