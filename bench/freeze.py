@@ -22,6 +22,7 @@ from bench.common import device_name, failure_tail, load_avg, mpirun_train, publ
 from bench.finetune import write_parity_folder
 from vit.config.settings import positive_int
 
+REPLAN_CACHE = ["--freeze-replan", "on", "--freeze-cache", "on"]
 CONFIGS = {  # name -> options on top of the case's run
     "baseline": [],
     "freeze only": ["--freeze", "schedule", "--freeze-replan", "off", "--freeze-cache", "off"],
@@ -29,6 +30,10 @@ CONFIGS = {  # name -> options on top of the case's run
     "+ AutoCache": ["--freeze", "schedule", "--freeze-replan", "on", "--freeze-cache", "on"],
     "settled + AutoCache": ["--freeze", "settled", "--freeze-replan", "on", "--freeze-cache", "on"],
     "grad + AutoCache": ["--freeze", "grad", "--freeze-replan", "on", "--freeze-cache", "on"],
+    # how much speed there is within 0.5 points (docs/benchmarks.md): freezing earlier than the defaults
+    "settled 0.7": ["--freeze", "settled", "--freeze-threshold", 0.7, *REPLAN_CACHE],
+    "settled 0.85": ["--freeze", "settled", "--freeze-threshold", 0.85, *REPLAN_CACHE],
+    "schedule every 2": ["--freeze", "schedule", "--freeze-interval-epochs", 2, *REPLAN_CACHE],
 }
 DEFAULT_CONFIGS = "baseline,freeze only,+ AutoPipe/AutoDP,+ AutoCache"
 TIMM = "vit_tiny_patch16_224"

@@ -33,10 +33,10 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=positive_int, default=3)
     p.add_argument("--timeout", type=positive_int, default=600, help="seconds per run")
     p.add_argument("--calibration", help="a calibration JSON every run's planner reads ($VIT_PLANNER_CALIBRATION)")
-    p.add_argument("--save-calibration", metavar="FILE", help="write each engine's fixed seconds a micro-batch, "
-                   "fitted to these runs, as a calibration JSON (measure where the link is fast: what the model's "
-                   "compute, link and bubble leave of a step; logs/planner_calibration.json is where --engine auto "
-                   "looks)")
+    p.add_argument("--save-calibration", metavar="FILE", help="write each engine's (and compression's) fixed seconds "
+                   "a micro-batch, fitted to these runs, as a calibration JSON (measure where the link is fast: what "
+                   "the model's compute, link and bubble leave of a step; logs/planner_calibration.json is where "
+                   "--engine auto looks)")
     p.add_argument("--out", help="write planner.md and planner.json here")
     p.add_argument("train", nargs="*", help="vit.train options after --, e.g. -- --dataset synthetic --img-size 4 "
                    "--simulate-slowdown 1=2")
@@ -77,8 +77,9 @@ def fit(runs: list[tuple[list[dict], dict]]) -> dict[str, float]:
     engine's sits in the step's fixed part (step_s + micro-batches x it): what the measured step leaves once
     compute, link and step_s are taken off, over the micro-batches. A pipeline's sits in each stage's slot: the value
     used plus what the measured step leaves over the predicted, over the slots (where compute sets the step:
-    measure where the link is fast)."""
-    left = {}
+    measure where the link is fast). An engine measured only with a compression gets its own key from those rows,
+    so that its uncompressed candidates do not fall back to the default."""
+    left, engines = {}, {}
     for rows, used in runs:
         for r in rows:
             key, per_engine = calibration_key(r), used["engine_micro_s"]
@@ -89,7 +90,11 @@ def fit(runs: list[tuple[list[dict], dict]]) -> dict[str, float]:
                 seconds = ((r["measured_ms"] - r["predicted_ms"] + r["fixed_ms"]) / 1e3 - used["step_s"]) \
                     / r["grad_accum"]
             left.setdefault(key, []).append(seconds)
-    return {k: round(max(0.0, statistics.median(v)), 5) for k, v in left.items()}
+            engines.setdefault(r["engine_key"], []).append(seconds)
+    fitted = {k: round(max(0.0, statistics.median(v)), 5) for k, v in left.items()}
+    for engine, v in engines.items():  # measured compressed only: the engine's own from those, not the default
+        fitted.setdefault(engine, round(max(0.0, statistics.median(v)), 5))
+    return fitted
 
 
 def writable(path: str, prog: str) -> None:
@@ -99,7 +104,7 @@ def writable(path: str, prog: str) -> None:
             raise IsADirectoryError("a folder")
         tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
     except OSError as e:
-        raise SystemExit(f"{prog}: {path}: cannot write a file there ({e.strerror or e})") from None
+        raise SystemExit(f"{prog}{path}: cannot write a file there ({e.strerror or e})") from None
 
 
 def planner(a) -> int:
@@ -109,7 +114,7 @@ def planner(a) -> int:
     except ConfigError as e:
         raise SystemExit(f"bench planner: {e}") from None
     if a.save_calibration:
-        writable(a.save_calibration, "bench planner: --save-calibration")
+        writable(a.save_calibration, "bench planner: --save-calibration ")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(a.out or tmp) / "logs"
@@ -151,19 +156,20 @@ def planner(a) -> int:
 def add_calibrate_arguments(p) -> None:
     p.add_argument("save", metavar="FILE", help="the calibration JSON to write (logs/planner_calibration.json is "
                    "where --engine auto looks)")
-    p.add_argument("results", nargs="+", metavar="PLANNER_JSON", help="planner.json of bench planner runs (--out)")
+    p.add_argument("results", nargs="+", metavar="PLANNER_JSON", help="planner.json of bench planner runs (--out), "
+                   "measured where the link is fast: where it sets the step, its error lands in the fixed costs")
 
 
 def calibrate(a) -> int:
     """A calibration fitted to several bench planner runs: one run's residuals carry its layer timings' noise."""
-    writable(a.save, "bench calibrate")
+    writable(a.save, "bench calibrate: ")
     runs = []
     for path in a.results:
         try:
             result = json.loads(Path(path).read_text())
             runs.append((result["rows"], result["record"]["calibration"]))
             fit(runs[-1:])  # every field the fit reads is there
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, IndexError, ZeroDivisionError) as e:
             raise SystemExit(f"bench calibrate: {path}: not a bench planner result ({type(e).__name__}: {e})") from None
     fitted = fit(runs)
     write_json(a.save, {"engine_micro_s": fitted})

@@ -196,13 +196,20 @@ def test_the_calibration_fit_puts_each_engines_cost_where_the_model_charges_it()
         {"family": "async-pipeline:zero0:stages2:none", "engine_key": "async-pipeline", "stages": 2, "slots": 4,
          "grad_accum": 4, "measured_ms": 48.0, "predicted_ms": 50.0, "fixed_ms": 2.0}]
     assert fit([(rows, used)]) == {"ddp": 0.006, "ddp bf16": 0.011, "pipeline": 0.003, "async-pipeline": 0.0}
-    # several runs: the median per key, each run's residual from the calibration it used (this one: ddp bf16 at
-    # 11 ms, which its prediction already held: 2 ms more than predicted is 12 ms)
-    used2 = {**used, "engine_micro_s": {"ddp bf16": 0.011}}
-    rerun = [{**rows[1], "predicted_ms": 38.0, "fixed_ms": 24.0, "measured_ms": 40.0}]
-    third = [{**rows[1], "measured_ms": 20.0}]  # 0 ms over the prediction: 1 ms a micro-batch
-    assert fit([(rows, used), (rerun, used2), (third, used)])["ddp bf16"] == 0.011
-    assert fit([(rerun, used2)]) == {"ddp bf16": 0.012}
+    # several runs: the median per key, each run's residual from the calibration it used. ddp bf16: 11 ms (run 1),
+    # 12 ms (run 2, whose prediction held 11 ms already: 2 ms more than predicted), 21 ms (run 3): 12 ms.
+    # async-pipeline wire-bf16 (1 ms more a slot than predicted in each run) on what each run used: the engine's
+    # 2 ms (run 1), its own 4 ms (run 2), its own 10 ms (run 3): 3, 5 and 11 ms, the median 5 ms.
+    wire = {"family": "async-pipeline:zero0:stages2:wire-bf16", "engine_key": "async-pipeline", "stages": 2,
+            "slots": 4, "grad_accum": 4, "measured_ms": 54.0, "predicted_ms": 50.0, "fixed_ms": 2.0}
+    runs = [([rows[1], wire], {**used, "engine_micro_s": {"async-pipeline": 0.002}}),
+            ([{**rows[1], "predicted_ms": 38.0, "fixed_ms": 24.0}, wire],
+             {**used, "engine_micro_s": {"ddp bf16": 0.011, "async-pipeline wire-bf16": 0.004}}),
+            ([{**rows[1], "measured_ms": 60.0}, wire], {**used, "engine_micro_s": {"async-pipeline wire-bf16": 0.01}})]
+    fitted = fit(runs)
+    assert (fitted["ddp bf16"], fitted["async-pipeline wire-bf16"]) == (0.012, 0.005), fitted
+    # measured compressed only: the engines' own keys from those rows, not the default
+    assert (fitted["ddp"], fitted["async-pipeline"]) == (0.012, 0.005), fitted
 
 
 def test_bench_calibrate_fits_several_runs_and_refuses_what_is_not_a_result(tmp_path):
@@ -215,12 +222,17 @@ def test_bench_calibrate_fits_several_runs_and_refuses_what_is_not_a_result(tmp_
         (tmp_path / f"{i}.json").write_text(json.dumps({"rows": rows, "record": {"calibration": used}}))
     out = tmp_path / "calibration.json"
     assert main(["calibrate", str(out), *(str(tmp_path / f"{i}.json") for i in range(3))]) == 0
-    assert json.loads(out.read_text()) == {"engine_micro_s": {"zero1 comm-bf16": 0.008}}
-    assert cli_calibration(str(out)).engine_micro_s == {"zero1 comm-bf16": 0.008}  # what --engine auto reads
+    assert json.loads(out.read_text()) == {"engine_micro_s": {"zero1 comm-bf16": 0.008, "zero1": 0.008}}
+    assert cli_calibration(str(out)).engine_micro_s == {"zero1 comm-bf16": 0.008, "zero1": 0.008}  # what auto reads
     (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "odd.json").write_text(json.dumps({"rows": [{**rows[0], "family": "zero1"}],
+                                                   "record": {"calibration": used}}))
     for args, error in (([str(tmp_path / "new.json"), str(tmp_path / "bad.json")], "bad.json: not a bench planner "
-                         "result (KeyError: 'record')"), ([str(tmp_path), str(tmp_path / "0.json")],
-                                                          "cannot write a file there (a folder)")):
+                         "result (KeyError: 'record')"),
+                        ([str(tmp_path / "new.json"), str(tmp_path / "odd.json")], "odd.json: not a bench planner "
+                         "result (IndexError"),
+                        ([str(tmp_path), str(tmp_path / "0.json")], f"bench calibrate: {tmp_path}: cannot write a "
+                         "file there (a folder)")):
         with pytest.raises(SystemExit, match=re.escape(error)):
             main(["calibrate", *args])
     assert not (tmp_path / "new.json").exists()

@@ -344,7 +344,7 @@ def test_the_rules_on_the_freezing_engines_say_each_decision_and_match_the_loop(
             "gradient change yet (the first interval has nothing to compare with))" in r.outputs[0], r.outputs[0]
     # One console line per decision: what froze, or why nothing did.
     said = re.findall(r"^freeze at step (\d+): (.*)$", r.outputs[0], re.MULTILINE)
-    assert [int(step) for step, _ in said] == ([2] if capped and rule != "grad" else [2, 4]), said
+    assert [int(step) for step, _ in said] == ([2] if capped else [2, 4]), said
     assert all(line.startswith("nothing frozen") == (int(step) not in dict(points)) for step, line in said), said
     assert_losses(train_losses(tmp_path), reference(5, dict(points)), range(1, 6))
 
