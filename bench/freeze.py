@@ -27,9 +27,9 @@ CONFIGS = {  # name -> options on top of the case's run
     "baseline": [],
     "freeze only": ["--freeze", "schedule", "--freeze-replan", "off", "--freeze-cache", "off"],
     "+ AutoPipe/AutoDP": ["--freeze", "schedule", "--freeze-replan", "on", "--freeze-cache", "off"],
-    "+ AutoCache": ["--freeze", "schedule", "--freeze-replan", "on", "--freeze-cache", "on"],
-    "settled + AutoCache": ["--freeze", "settled", "--freeze-replan", "on", "--freeze-cache", "on"],
-    "grad + AutoCache": ["--freeze", "grad", "--freeze-replan", "on", "--freeze-cache", "on"],
+    "+ AutoCache": ["--freeze", "schedule", *REPLAN_CACHE],
+    "settled + AutoCache": ["--freeze", "settled", *REPLAN_CACHE],
+    "grad + AutoCache": ["--freeze", "grad", *REPLAN_CACHE],
     # how much speed there is within 0.5 points (docs/benchmarks.md): freezing earlier than the defaults
     "settled 0.7": ["--freeze", "settled", "--freeze-threshold", 0.7, *REPLAN_CACHE],
     "settled 0.85": ["--freeze", "settled", "--freeze-threshold", 0.85, *REPLAN_CACHE],

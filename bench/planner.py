@@ -58,17 +58,12 @@ def one_run(a, log_dir: Path, pick: str | None) -> dict:
 
 def result(run: dict, is_auto: bool) -> dict:
     c = run["record"]["choice"]
+    candidate = Candidate(**{f.name: c[f.name] for f in fields(Candidate)})
     return {"family": family(c), "candidate": c["candidate"], "predicted_ms": c["step_ms"],
             "measured_ms": run["measured_ms"], "error": c["step_ms"] / run["measured_ms"] - 1,
             "bottleneck": c["bottleneck"], "others_cores": run["others_cores"], "auto": is_auto,
-            "engine_key": c["engine_key"], "fixed_ms": c["fixed_ms"], "grad_accum": c["grad_accum"],
-            "stages": c["stages"], "slots": slots(Candidate(**{f.name: c[f.name] for f in fields(Candidate)}))}
-
-
-def calibration_key(r: dict) -> str:
-    """A result row's Candidate.calibration_key (its family ends in its compression)."""
-    compression = r["family"].rsplit(":", 1)[1]
-    return r["engine_key"] + ("" if compression == "none" else f" {compression}")
+            "engine_key": candidate.engine_key(), "calibration_key": candidate.calibration_key(),
+            "fixed_ms": c["fixed_ms"], "grad_accum": c["grad_accum"], "stages": c["stages"], "slots": slots(candidate)}
 
 
 def fit(runs: list[tuple[list[dict], dict]]) -> dict[str, float]:
@@ -82,7 +77,7 @@ def fit(runs: list[tuple[list[dict], dict]]) -> dict[str, float]:
     left, engines = {}, {}
     for rows, used in runs:
         for r in rows:
-            key, per_engine = calibration_key(r), used["engine_micro_s"]
+            key, per_engine = r["calibration_key"], used["engine_micro_s"]
             if r["stages"] > 1:
                 before = per_engine.get(key, per_engine.get(r["engine_key"], used["micro_s"]))
                 seconds = before + (r["measured_ms"] - r["predicted_ms"]) / 1e3 / r["slots"]
@@ -169,7 +164,7 @@ def calibrate(a) -> int:
             result = json.loads(Path(path).read_text())
             runs.append((result["rows"], result["record"]["calibration"]))
             fit(runs[-1:])  # every field the fit reads is there
-        except (OSError, ValueError, KeyError, TypeError, IndexError, ZeroDivisionError) as e:
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
             raise SystemExit(f"bench calibrate: {path}: not a bench planner result ({type(e).__name__}: {e})") from None
     fitted = fit(runs)
     write_json(a.save, {"engine_micro_s": fitted})

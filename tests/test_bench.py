@@ -184,23 +184,23 @@ def test_the_calibration_fit_puts_each_engines_cost_where_the_model_charges_it()
 
     used = {"step_s": 0.002, "micro_s": 0.0005, "engine_micro_s": {"pipeline": 0.001}}
     rows = [  # data parallel: fixed 4 ms = step 2 ms + 2 micro-batches x 1 ms; 10 ms more than predicted
-        {"family": "ddp:zero0:stages1:none", "engine_key": "ddp", "stages": 1, "slots": 2, "grad_accum": 2,
+        {"calibration_key": "ddp", "engine_key": "ddp", "stages": 1, "slots": 2, "grad_accum": 2,
          "measured_ms": 30.0, "predicted_ms": 20.0, "fixed_ms": 4.0},
         # the bf16 hook's casts: 20 ms more than predicted, a key of its own
-        {"family": "ddp:zero0:stages1:bf16", "engine_key": "ddp", "stages": 1, "slots": 2, "grad_accum": 2,
+        {"calibration_key": "ddp bf16", "engine_key": "ddp", "stages": 1, "slots": 2, "grad_accum": 2,
          "measured_ms": 40.0, "predicted_ms": 20.0, "fixed_ms": 4.0},
         # a pipeline's cost is in each of its 5 slots (4 micro-batches, 2 stages): 10 ms more over 5 slots
-        {"family": "pipeline:zero0:stages2:none", "engine_key": "pipeline", "stages": 2, "slots": 5, "grad_accum": 4,
+        {"calibration_key": "pipeline", "engine_key": "pipeline", "stages": 2, "slots": 5, "grad_accum": 4,
          "measured_ms": 60.0, "predicted_ms": 50.0, "fixed_ms": 2.0},
         # the async pipeline had the default 0.5 ms; 2 ms less than predicted over its 4 slots
-        {"family": "async-pipeline:zero0:stages2:none", "engine_key": "async-pipeline", "stages": 2, "slots": 4,
+        {"calibration_key": "async-pipeline", "engine_key": "async-pipeline", "stages": 2, "slots": 4,
          "grad_accum": 4, "measured_ms": 48.0, "predicted_ms": 50.0, "fixed_ms": 2.0}]
     assert fit([(rows, used)]) == {"ddp": 0.006, "ddp bf16": 0.011, "pipeline": 0.003, "async-pipeline": 0.0}
     # several runs: the median per key, each run's residual from the calibration it used. ddp bf16: 11 ms (run 1),
     # 12 ms (run 2, whose prediction held 11 ms already: 2 ms more than predicted), 21 ms (run 3): 12 ms.
     # async-pipeline wire-bf16 (1 ms more a slot than predicted in each run) on what each run used: the engine's
     # 2 ms (run 1), its own 4 ms (run 2), its own 10 ms (run 3): 3, 5 and 11 ms, the median 5 ms.
-    wire = {"family": "async-pipeline:zero0:stages2:wire-bf16", "engine_key": "async-pipeline", "stages": 2,
+    wire = {"calibration_key": "async-pipeline wire-bf16", "engine_key": "async-pipeline", "stages": 2,
             "slots": 4, "grad_accum": 4, "measured_ms": 54.0, "predicted_ms": 50.0, "fixed_ms": 2.0}
     runs = [([rows[1], wire], {**used, "engine_micro_s": {"async-pipeline": 0.002}}),
             ([{**rows[1], "predicted_ms": 38.0, "fixed_ms": 24.0}, wire],
@@ -217,7 +217,7 @@ def test_bench_calibrate_fits_several_runs_and_refuses_what_is_not_a_result(tmp_
 
     used = {"step_s": 0.002, "micro_s": 0.0005, "engine_micro_s": {}}
     for i, measured in enumerate((30.0, 34.0, 50.0)):  # 6, 8 and 16 ms a micro-batch: the median is 8
-        rows = [{"family": "zero:zero1:stages1:comm-bf16", "engine_key": "zero1", "stages": 1, "slots": 2,
+        rows = [{"calibration_key": "zero1 comm-bf16", "engine_key": "zero1", "stages": 1, "slots": 2,
                  "grad_accum": 2, "measured_ms": measured, "predicted_ms": 20.0, "fixed_ms": 4.0}]
         (tmp_path / f"{i}.json").write_text(json.dumps({"rows": rows, "record": {"calibration": used}}))
     out = tmp_path / "calibration.json"
@@ -225,12 +225,12 @@ def test_bench_calibrate_fits_several_runs_and_refuses_what_is_not_a_result(tmp_
     assert json.loads(out.read_text()) == {"engine_micro_s": {"zero1 comm-bf16": 0.008, "zero1": 0.008}}
     assert cli_calibration(str(out)).engine_micro_s == {"zero1 comm-bf16": 0.008, "zero1": 0.008}  # what auto reads
     (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
-    (tmp_path / "odd.json").write_text(json.dumps({"rows": [{**rows[0], "family": "zero1"}],
+    (tmp_path / "odd.json").write_text(json.dumps({"rows": [{**rows[0], "grad_accum": 0}],
                                                    "record": {"calibration": used}}))
     for args, error in (([str(tmp_path / "new.json"), str(tmp_path / "bad.json")], "bad.json: not a bench planner "
                          "result (KeyError: 'record')"),
                         ([str(tmp_path / "new.json"), str(tmp_path / "odd.json")], "odd.json: not a bench planner "
-                         "result (IndexError"),
+                         "result (ZeroDivisionError"),
                         ([str(tmp_path), str(tmp_path / "0.json")], f"bench calibrate: {tmp_path}: cannot write a "
                          "file there (a folder)")):
         with pytest.raises(SystemExit, match=re.escape(error)):
