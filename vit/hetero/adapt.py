@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.hetero.batch_split import split_batches
-from vit.hetero.census import capabilities, census_table, gather, measure_speed
+from vit.hetero.census import WARMUP_S, capabilities, census_table, gather, measure_speed
 from vit.hetero.footprint import plan_bytes
 from vit.hetero.loss_scale import tune
 from vit.hetero.profile import LAYER_TURNS, profile_layers, time_layers
@@ -56,13 +56,15 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     with torch.no_grad(), fork_rng(device):
         block_input = (micro_batch, *layers[0](sample).shape[1:])
     timing = bool(balanced or layer_times)
-    # One rank at a time (ranks sharing a host's cores would slow each other), LAYER_TURNS alternations for layers
-    for turn in range(job.world_size * (LAYER_TURNS if timing else 1)):
+    # One rank at a time (ranks sharing a host's cores would slow each other), LAYER_TURNS alternations for balanced
+    # stages' layers; one for a freeze point's re-plan (it halves the stages by memory, its times say which layers move)
+    for turn in range(job.world_size * (LAYER_TURNS if balanced else 1)):
         if turn % job.world_size == job.rank:
             if turn < job.world_size:
                 speed = measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown)
             if timing:
-                now = time_layers(layers, sample, micro_batch, precision, device, slowdown)
+                now = time_layers(layers, sample, micro_batch, precision, device, slowdown,  # warm from turn 1
+                                  warmup_s=WARMUP_S if turn < job.world_size else 0.0)
                 speed["layer_ms"] = [[min(a, b) for a, b in zip(old, new)] for old, new in
                                      zip(speed.get("layer_ms", now), now)]
                 speed["layer_ms_micro_batch"] = micro_batch

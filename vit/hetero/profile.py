@@ -51,14 +51,16 @@ LAYER_TURNS = 2
 
 
 def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int, precision: str,
-                dev: torch.device, slowdown: float = 1.0, rounds: int = LAYER_ROUNDS, pick=min) -> list[list[float]]:
+                dev: torch.device, slowdown: float = 1.0, rounds: int = LAYER_ROUNDS, pick=min,
+                warmup_s: float = WARMUP_S) -> list[list[float]]:
     """[forward ms, backward ms] of each layer at the run's micro-batch on this rank, slowed like the rank's
     layers: the fastest of `rounds` rounds that each time every layer once, after WARMUP_S of such rounds.
     Round by round, so that a burst of load on a shared host slows all layers alike, not a few. Identical layers
     (the blocks) get their group's fastest: they cost the same, and any difference is noise. The fixed costs of
     tiny layers (kernel launches, the embedding's reshapes) count, which FLOPs do not see. Runs a copy of the
     layers on `dev`. `pick`: how a layer's rounds (and a group's layers) become one time; statistics.median for the
-    time while other ranks load the host as training does (--engine auto times every rank at once)."""
+    time while other ranks load the host as training does (--engine auto times every rank at once). `warmup_s`: 0
+    for a rank timed moments before, whose times are kept only where faster."""
     dtype, clock = DTYPES[precision], Clock(slowdown, dev)
     copies = [copy.deepcopy(layer).to(dev, dtype) for layer in layers]
     inputs, grads = [], []
@@ -85,7 +87,7 @@ def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int,
                     times[i].append((forward_s, clock.now() - mid))
 
         start = clock.now()
-        while clock.now() - start < WARMUP_S:
+        while clock.now() - start < warmup_s:
             one_round(False)
         for _ in range(rounds):
             one_round(True)
