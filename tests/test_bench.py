@@ -236,3 +236,36 @@ def test_bench_calibrate_fits_several_runs_and_refuses_what_is_not_a_result(tmp_
         with pytest.raises(SystemExit, match=re.escape(error)):
             main(["calibrate", *args])
     assert not (tmp_path / "new.json").exists()
+
+
+def test_freeze_table_compares_each_configuration_with_its_cases_baseline_and_refuses_unknown_names():
+    from argparse import Namespace
+
+    from bench.freeze import run as freeze_run
+    from bench.freeze import table as freeze_table
+
+    def row(case, config, top1s, walls, frozen):
+        runs = [{"top1": t, "wall_s": w, "load": 1.5, "frozen": f} for t, w, f in zip(top1s, walls, frozen)]
+        return {"case": case, "config": config, "slow": "", "runs": runs, "top1": sorted(top1s)[1],
+                "wall_s": sorted(walls)[1]}
+    result = {"device": "a CPU", "seeds": [0, 1, 2], "load_before": 1.0, "load_after": 2.0, "rows": [
+        row("finetune", "baseline", [0.99, 0.98, 0.97], [30.0, 28.0, 29.0], [0, 0, 0]),
+        row("finetune", "settled 0.7", [0.98, 0.97, 0.96], [20.0, 21.0, 22.0], [5, 5, 4]),
+        row("scratch", "baseline", [0.60, 0.65, 0.70], [25.0, 26.0, 27.0], [0, 0, 0]),
+        row("scratch", "settled 0.7", [0.60, 0.65, 0.70], [26.0, 26.0, 26.0], [0, 0, 0])]}
+    lines = freeze_table(result).splitlines()
+    # each configuration against its own case's baseline: 29/21 and 26/26, the medians' difference in points
+    assert "| finetune | settled 0.7 | as is | 97.00 | 98.00 / 97.00 / 96.00 | -1.00 | 21.0 | 1.38x | 5 / 5 / 4 |" \
+        " 1.5, 1.5, 1.5 |" in lines, lines
+    assert "| scratch | settled 0.7 | as is | 65.00 | 60.00 / 65.00 / 70.00 | +0.00 | 26.0 | 1.00x | 0 / 0 / 0 |" \
+        " 1.5, 1.5, 1.5 |" in lines, lines
+    good = {"seeds": "0", "configs": "baseline,settled 0.7", "cases": "finetune", "slow": "", "timeout": 10,
+            "out": None}
+    for bad, message in [({"configs": "baseline,settled 0.65"}, "baseline among them (unknown: settled 0.65)"),
+                         ({"configs": "settled 0.7"}, "(no baseline)"),
+                         ({"cases": "finetune,cifar"}, "--cases finetune,cifar: each of finetune, undertrained, "
+                                                       "scratch, timm32 (unknown: cifar)"),
+                         ({"seeds": "0,one"}, "--seeds '0,one': comma-separated whole numbers")]:
+        with pytest.raises(SystemExit) as e:
+            freeze_run(Namespace(**{**good, **bad}))
+        assert str(e.value).startswith("bench freeze: ") and message in str(e.value) and "\n" not in str(e.value)
