@@ -49,22 +49,20 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
     `reserved_bytes`: a GPU's headroom for NCCL, ZeRO's buckets and cuBLAS, which memory plans keep free;
     `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model);
     `layer_times`: time every layer and profile them even without balanced stages (census layer_ms, record["layers"])
-    for stages.plan_stages(..., frozen=k) at a freeze point; `parts`: --engine auto's stages."""
+    for stages.plan_stages(..., frozen=k) at a freeze point, one turn a rank; `parts`: --engine auto's stages."""
     reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
     caps = gather({**capabilities(device, job.local_world_size, engine), "mem_reserved_gib": reserved_gib})
     precision, why = choose(requested_precision, engine, caps)
     with torch.no_grad(), fork_rng(device):
         block_input = (micro_batch, *layers[0](sample).shape[1:])
     timing = bool(balanced or layer_times)
-    # One rank at a time (ranks sharing a host's cores would slow each other), LAYER_TURNS alternations for balanced
-    # stages' layers; one for a freeze point's re-plan (it halves the stages by memory, its times say which layers move)
+    # One rank at a time (ranks sharing a host's cores would slow each other); balanced stages: LAYER_TURNS times
     for turn in range(job.world_size * (LAYER_TURNS if balanced else 1)):
         if turn % job.world_size == job.rank:
-            if turn < job.world_size:
+            if (first := turn < job.world_size):
                 speed = measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown)
-            if timing:
-                now = time_layers(layers, sample, micro_batch, precision, device, slowdown,  # warm from turn 1
-                                  warmup_s=WARMUP_S if turn < job.world_size else 0.0)
+            if timing:  # warmed up on a rank's first turn only: a later turn's times are kept where faster
+                now = time_layers(layers, sample, micro_batch, precision, device, slowdown, warmup_s=WARMUP_S * first)
                 speed["layer_ms"] = [[min(a, b) for a, b in zip(old, new)] for old, new in
                                      zip(speed.get("layer_ms", now), now)]
                 speed["layer_ms_micro_batch"] = micro_batch

@@ -46,15 +46,15 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str
     return out
 
 
-LAYER_ROUNDS = 10  # rounds per turn of time_layers; adapt() alternates the ranks' turns LAYER_TURNS times
-LAYER_TURNS = 2
+LAYER_ROUNDS = 10  # rounds per turn of time_layers
+LAYER_TURNS = 2  # for balanced stages adapt() alternates the ranks' turns this many times
 
 
 def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int, precision: str,
                 dev: torch.device, slowdown: float = 1.0, rounds: int = LAYER_ROUNDS, pick=min,
                 warmup_s: float = WARMUP_S) -> list[list[float]]:
     """[forward ms, backward ms] of each layer at the run's micro-batch on this rank, slowed like the rank's
-    layers: the fastest of `rounds` rounds that each time every layer once, after WARMUP_S of such rounds.
+    layers: the fastest of `rounds` rounds that each time every layer once, after `warmup_s` of such rounds.
     Round by round, so that a burst of load on a shared host slows all layers alike, not a few. Identical layers
     (the blocks) get their group's fastest: they cost the same, and any difference is noise. The fixed costs of
     tiny layers (kernel launches, the embedding's reshapes) count, which FLOPs do not see. Runs a copy of the
