@@ -11,7 +11,8 @@ image; the 360 held-out ones for evaluation):
 Configurations (--configs): baseline (no freezing), freeze only (--freeze-replan off, no cache), + AutoPipe/AutoDP
 (2 stages become 1 stage x 2 copies), + AutoCache (PipeTransformer's Table 1 and Fig. 9, all with the schedule),
 settled + AutoCache and grad + AutoCache (the convergence rules instead of the schedule). Optionally with rank 1
-slowed (--slow 1=2). Time is summary.json's wall time; top-1 and wall time are medians over --seeds."""
+slowed (--slow 1=2), or every case fine-tuned for --epochs instead of its own. Time is summary.json's wall time;
+top-1 and wall time are medians over --seeds."""
 import json
 import statistics
 import tempfile
@@ -86,6 +87,9 @@ def run(a) -> int:
             side, before, on_parity, options = CASES[case]
             start = [] if before is None else \
                 ["--pretrained-path", pretrain(case, before, parity if on_parity else None, logs, a.timeout)]
+            if a.epochs:  # every case's fine-tuning options name its epochs
+                at = options.index("--epochs") + 1
+                options = [*options[:at], a.epochs, *options[at + 1:]]
             common = ["--dataset", "imagefolder", "--data-path", data, "--img-size", side, *start, *options,
                       "--engine", "pipeline", "--pipeline-stages", 2, "--ds-config", "deepspeed_configs/pipeline.json",
                       "--no-save", "--monitor-interval", 0]
@@ -146,6 +150,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated configurations of {', '.join(CONFIGS)}"
                    " (baseline among them: the speed-ups are against it)")
+    p.add_argument("--epochs", type=positive_int, help="fine-tuning epochs of every case (default: each case's own)")
     p.add_argument("--slow", default="1=2", help="also run every configuration with --simulate-slowdown SLOW "
                    "('' to skip)")
     p.add_argument("--timeout", type=positive_int, default=900, help="seconds per run")

@@ -259,8 +259,8 @@ def test_freeze_table_compares_each_configuration_with_its_cases_baseline_and_re
         " 1.5, 1.5, 1.5 |" in lines, lines
     assert "| scratch | settled 0.7 | as is | 65.00 | 60.00 / 65.00 / 70.00 | +0.00 | 26.0 | 1.00x | 0 / 0 / 0 |" \
         " 1.5, 1.5, 1.5 |" in lines, lines
-    good = {"seeds": "0", "configs": "baseline,settled 0.7", "cases": "finetune", "slow": "", "timeout": 10,
-            "out": None}
+    good = {"seeds": "0", "configs": "baseline,settled 0.7", "cases": "finetune", "slow": "", "epochs": None,
+            "timeout": 10, "out": None}
     for bad, message in [({"configs": "baseline,settled 0.65"}, "baseline among them (unknown: settled 0.65)"),
                          ({"configs": "settled 0.7"}, "(no baseline)"),
                          ({"cases": "finetune,cifar"}, "--cases finetune,cifar: each of finetune, undertrained, "
