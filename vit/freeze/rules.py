@@ -27,7 +27,7 @@ def scheduled(intervals: int, num_freezable: int, alpha: float) -> int:
     return min(num_freezable, math.ceil(num_freezable * (1 - (1 - alpha) ** intervals) - 1e-9))
 
 
-THRESHOLDS = {"grad": 0.1, "settled": 0.6}  # --freeze-threshold's default for each rule (and the schedule's warning)
+THRESHOLDS = {"grad": 0.1, "settled": 0.5}  # --freeze-threshold's default for each rule (and the schedule's warning)
 
 
 def by_measure(change: list[float], frozen: int, threshold: float, alpha: float, allowed: int) -> int:
