@@ -93,9 +93,8 @@ def calibration(path: str | None, name: str = "--calibration") -> Calibration:
             ok, want = isinstance(value, dict) and all(map(number, value.values())), \
                 "an object of seconds >= 0 per engine (ddp, zero0..zero3, pipeline, async-pipeline, 'ddp bf16')"
             keys = calibration_keys()
-            if ok and set(value) - set(keys):
-                raise ConfigError(f"{name} {path}: {key}: unknown keys {sorted(set(value) - set(keys))}; known: "
-                                  f"{', '.join(keys)}")
+            if ok and (unknown := sorted(set(value) - set(keys))):
+                raise ConfigError(f"{name} {path}: {key}: unknown keys {unknown}; known: {', '.join(keys)}")
         elif isinstance(default, tuple):
             ok, want = isinstance(value, list) and len(value) == len(default) and all(map(number, value)), \
                 f"a list of {len(default)} numbers >= 0 (one per ZeRO stage)"
