@@ -34,6 +34,7 @@ CONFIGS = {  # name -> options on top of the case's run
     # the trade between speed and accuracy (docs/benchmarks.md): settled's thresholds above its default 0.5, the
     # schedule deciding every 2 epochs
     "settled 0.6": ["--freeze", "settled", "--freeze-threshold", 0.6, *REPLAN_CACHE],
+    "settled 0.65": ["--freeze", "settled", "--freeze-threshold", 0.65, *REPLAN_CACHE],
     "settled 0.7": ["--freeze", "settled", "--freeze-threshold", 0.7, *REPLAN_CACHE],
     "settled 0.85": ["--freeze", "settled", "--freeze-threshold", 0.85, *REPLAN_CACHE],
     "schedule every 2": ["--freeze", "schedule", "--freeze-interval-epochs", 2, *REPLAN_CACHE],

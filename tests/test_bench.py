@@ -261,7 +261,7 @@ def test_freeze_table_compares_each_configuration_with_its_cases_baseline_and_re
         " 1.5, 1.5, 1.5 |" in lines, lines
     good = {"seeds": "0", "configs": "baseline,settled 0.7", "cases": "finetune", "slow": "", "epochs": None,
             "timeout": 10, "out": None}
-    for bad, message in [({"configs": "baseline,settled 0.65"}, "baseline among them (unknown: settled 0.65)"),
+    for bad, message in [({"configs": "baseline,settled 0.75"}, "baseline among them (unknown: settled 0.75)"),
                          ({"configs": "settled 0.7"}, "(no baseline)"),
                          ({"cases": "finetune,cifar"}, "--cases finetune,cifar: each of finetune, undertrained, "
                                                        "scratch, timm32 (unknown: cifar)"),

@@ -1,11 +1,12 @@
 """Freeze training (--freeze): the rules of vit/freeze/rules.py, and real 2-rank runs whose engines are rebuilt in place
 at each freeze point compared with the single-process loop that freezes the same layers after the same steps."""
+import json
 import re
 import sys
 
 import pytest
 import torch
-from helpers import launch, read_jsonl, run_cmd, train_losses
+from helpers import launch, plugin_env, read_jsonl, run_cmd, train_losses
 from torch import nn
 
 from vit.config.cli import defaults, parse
@@ -13,6 +14,7 @@ from vit.errors import ConfigError
 from vit.freeze.measures import WeightMoves, changes
 from vit.freeze.replan import Layout, replan
 from vit.freeze.rules import Freezer, by_measure, freeze_prefix, next_measure, scheduled
+from vit.hetero import stages
 from vit.loop.reference import reference_losses
 from vit.model.layers import build_layers
 
@@ -393,6 +395,27 @@ def test_replan_moves_the_cut_by_measured_times_and_halves_only_when_memory_allo
     assert layout.parts == [0, 5, 6]
 
 
+def test_replan_times_the_layers_only_when_a_plan_has_boundaries_to_place():
+    timed = []
+
+    def time_layers():  # every rank's [forward, backward] ms: the second layer slower
+        timed.append(1)
+        return [[[1.0, 2.0], [5.0, 10.0], *[[1.0, 2.0]] * 4]] * 2
+    untimed = census(free_gib=1.0)
+    for report in untimed["census"]:
+        del report["layer_ms"], report["layer_ms_micro_batch"]
+    # One stage fits: nothing timed, no times predicted.
+    layout, plan = replan(untimed, 2, Layout(2, [0, 3, 6], 4), micro_batch=4, time_layers=time_layers)
+    assert layout == Layout(1, [0, 6], 2) and plan.times == [0.0] and not timed
+    # 2 stages stay (3 micro-batches cannot halve): timed once, kept in the census, the cut placed by the times.
+    for _ in range(2):
+        layout, plan = replan(untimed, 1, Layout(2, [0, 3, 6], 3), micro_batch=4, time_layers=time_layers)
+        assert layout.parts == [0, 2, 6] and max(plan.times) == pytest.approx(16e-3)  # 1 + 15 | 4 x 3 ms
+    assert len(timed) == 1 and untimed["census"][1]["layer_ms"][1] == [5.0, 10.0]
+    with pytest.raises(ValueError, match="several stages needs every rank's layer_ms"):
+        stages.plan_stages(untimed["layers"], [{"mem_free_gib": 1.0}] * 2, 2, 4, 3, 16)
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(480)
 def test_pipeline_shrinks_to_data_parallel_and_matches_the_loop_and_resumes(tmp_path):
@@ -400,13 +423,15 @@ def test_pipeline_shrinks_to_data_parallel_and_matches_the_loop_and_resumes(tmp_
     common = ["--engine", "pipeline", "--steps", 8, "--log-interval", 1, *FREEZE]
     r = launch([*common, "--save-interval", 3, "--log-dir", full], timeout=240)
     assert r.ok, r
-    # Re-planned from the measured layer times: all 6 layers fit one rank's (CPU) memory once 2 froze, so the first
-    # freeze point halves the pipeline: 1 stage x 2 copies (micro-batches 16 x 4 -> 16 x 2 each).
+    # Re-planned: all 6 layers fit one rank's (CPU) memory once 2 froze, so the first freeze point halves the
+    # pipeline: 1 stage x 2 copies (micro-batches 16 x 4 -> 16 x 2 each). One stage has no boundary to place: the
+    # layers were never timed, and no time is predicted.
     points = [(2, 2, 1, 2), (4, 3, 1, 2), (6, 4, 1, 2)]
     for rank in (0, 1):
         records = freeze_records(full, rank)
         assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in records] == points
-        assert all(x["parts"] == [0, 6] and x["predicted_ms"] > 0 for x in records)
+        assert all(x["parts"] == [0, 6] and "predicted_ms" not in x for x in records)
+    assert not any("layer_ms" in report for report in json.loads((full / "cluster.json").read_text())["census"])
     assert "freeze at step 2: layers 0-1 frozen (next: layer 2, no gradient change yet (the first interval has " \
         "nothing to compare with)); 1 stages x 2 data-parallel, layers [0, 6]" in r.outputs[0]
     assert_released(full)
@@ -418,6 +443,24 @@ def test_pipeline_shrinks_to_data_parallel_and_matches_the_loop_and_resumes(tmp_
                    timeout=200)
         assert r.ok, r
         assert_losses(train_losses(resumed), want, range(start + 1, 9))
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_a_replan_that_keeps_two_stages_times_the_layers_at_that_freeze_point(tmp_path):
+    # 5 MiB usable a rank: with 2 layers frozen one stage needs about 6.1 MiB (weights, Adam state and 16 samples'
+    # activations of 3 blocks), 2 stages fit; with 3 frozen one stage needs 4.4 MiB.
+    env = plugin_env(census=json.dumps({"mem_free_gib": 5 / 1024 / 0.9}))
+    r = launch(["--engine", "pipeline", "--steps", 6, "--log-interval", 1, "--no-save", "--log-dir", tmp_path,
+                *FREEZE], env=env, timeout=240)
+    assert r.ok, r
+    for rank in (0, 1):
+        records = freeze_records(tmp_path, rank)
+        assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in records] == [(2, 2, 2, 1), (4, 3, 1, 2)]
+        assert all(x["predicted_ms"] > 0 for x in records)  # timed for the 2 stages; the times then kept
+    assert re.search(r"freeze at step 2: layers 0-1 frozen .*; 2 stages x 1 data-parallel, layers \[0, \d, 6\], "
+                     r"slowest stage [0-9.]+ ms predicted", r.outputs[0])
+    assert_losses(train_losses(tmp_path), reference(6, {2: 2, 4: 3}), range(1, 7))
 
 
 @pytest.mark.ranks

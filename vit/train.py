@@ -24,7 +24,7 @@ from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.freeze import activation_cache, replan
 from vit.freeze.rules import Freezer
 from vit.hetero import memory
-from vit.hetero.adapt import Adapted, adapt
+from vit.hetero.adapt import Adapted, adapt, time_each_rank
 from vit.hetero.footprint import gpu_reserved_bytes, is_oom
 from vit.loop import checkpoint
 from vit.loop.ema import Ema
@@ -100,16 +100,15 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
 
 
 def setup(plan: Plan, watchdog: Watchdog) -> Session:
-    s, job, batch = plan.settings, plan.job, plan.batch
+    s, job, batch, factor = plan.settings, plan.job, plan.batch, plan.slowdowns.get(plan.job.rank, 1.0)
     preflight.check(job.world_size, s.cluster.hostfile)
     preflight.check_offload(plan.ds_config, job.device_type)
     dev = device(job)
     log_dir = agree_log_dir(plan)
     save_dir = plan.save_dir or os.path.join(log_dir, "checkpoints")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    if job.is_main:
-        for note in plan.notes:
-            print(note, flush=True)
+    if job.is_main and plan.notes:
+        print("\n".join(plan.notes), flush=True)
     start, resumed_from, frozen, layout, earlier = 0, None, 0, None, {}
     if plan.resume:
         resumed_from = rank0_decides(lambda: choose_resume(plan))
@@ -124,7 +123,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     if (tf32 := set_tf32(dev, s.parallel.tf32 == "on")) and job.is_main:  # before the census: it times fp32 as trained
         print(tf32, flush=True)
     adapted = adapt_to_cluster(plan, dev, layers, start)
-    slowdown.attach_all(layers, plan.slowdowns.get(job.rank, 1.0), dev)
+    slowdown.attach_all(layers, factor, dev)
     locks = lock_run_dirs(log_dir, save_dir, s.checkpoint.no_save)
     hidden_to = console.to_file(log_dir, job.rank)
     ds_config = with_precision(plan.ds_config, adapted.precision, adapted.scale_power)
@@ -136,12 +135,14 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
         with console.library_prints():
             return build(s.parallel.engine, replan.with_layout(ctx, layout) if layout else ctx)
 
+    def fresh_layers() -> list:
+        return build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
+                            s.model.drop_path)
     freezer = Freezer(s.freeze, len(layers), plan.steps_per_epoch, plan.total_steps, dev, frozen=frozen,
-                      make_layers=lambda: slowdown.attach_all(build_layers(
-                          s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed,
-                          s.model.drop_path), plan.slowdowns.get(job.rank, 1.0), dev),
-                      make_engine=make_engine, cache_dir=activation_cache.directory(s, log_dir, job.rank),
-                      census=adapted.record, micro_batch=batch.micro_batch)
+                      make_layers=lambda: slowdown.attach_all(fresh_layers(), factor, dev), make_engine=make_engine,
+                      cache_dir=activation_cache.directory(s, log_dir, job.rank), census=adapted.record,
+                      micro_batch=batch.micro_batch, time_layers=lambda: time_each_rank(
+                          job, fresh_layers, data.train[0][0][None], batch.micro_batch, adapted.precision, dev, factor))
     freezer.freeze(layers, frozen)
     engine = make_engine(layers, replan.Layout(**layout) if layout else None)
     if ema_layers:
@@ -179,12 +180,11 @@ def adapt_to_cluster(plan: Plan, dev: torch.device, layers: list, start_step: in
         state_bytes=lambda precision: memory.state_bytes_per_param(plan, precision),
         reserved_bytes=gpu_reserved_bytes(plan.ds_config, memory.likely_precision(plan, dev)),
         probe_on_cpu=pipeline or plan.layout["zero_stage"] == 3,
-        layer_times=pipeline and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
+        profile_only=pipeline and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
 
 
 def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_dir: str, start: int,
-            adapted: Adapted, ds_config: dict, locks: list[RunLock], freezer: Freezer,
-            earlier: dict) -> Session:
+            adapted: Adapted, ds_config: dict, locks: list[RunLock], freezer: Freezer, earlier: dict) -> Session:
     s, job, batch, data = plan.settings, plan.job, plan.batch, plan.data
     pin = engine.device.type == "cuda"
     # The driver (NVML, nvidia-smi) numbers GPUs unlike CUDA does; the UUID names this rank's GPU in both.
@@ -192,8 +192,7 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
     monitor = Monitor(log_dir, job.rank, s.log.monitor_interval, s.log.monitor_backend, gpu_indices=gpus,
                       say=None if job.is_main or s.log.verbose else console.CAPTURE.add)
     monitor.start()
-    metrics = tracking.metrics_log(log_dir, job.rank, s.log.report_to, monitor, start_step=start,
-                                   verbose=s.log.verbose)
+    metrics = tracking.metrics_log(log_dir, job.rank, s.log.report_to, monitor, start_step=start, verbose=s.log.verbose)
     my_micro = adapted.split[engine.dp_rank] if adapted.split else batch.micro_batch
     stats = StepStats(engine, metrics, global_batch=batch.global_size, rank_images=my_micro * batch.grad_accum,
                       total_steps=plan.total_steps, log_interval=s.log.log_interval, precision=adapted.precision,

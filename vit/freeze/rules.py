@@ -85,10 +85,11 @@ class Freezer:
 
     def __init__(self, s: FreezeSettings, num_layers: int, steps_per_epoch: int, total_steps: int,
                  device: torch.device, *, frozen: int = 0, make_layers=None, make_engine=None,
-                 cache_dir: str | None = None, census: dict | None = None, micro_batch: int = 1):
+                 cache_dir: str | None = None, census: dict | None = None, micro_batch: int = 1, time_layers=None):
         """frozen: layers frozen already (a resumed run); make_layers(): a fresh copy of the layer list;
         make_engine(layers, layout): the run's engine built on them; cache_dir: --freeze-cache's spill folder
-        (None: no cache); census: hetero.adapt's record with layer times, for --freeze-replan."""
+        (None: no cache); census: hetero.adapt's record, and time_layers() (collective) every rank's layer times,
+        for --freeze-replan."""
         self.mode, self.alpha, self.total_steps = s.freeze, s.freeze_alpha, total_steps
         self.num_freezable = num_layers - 1
         self.interval_steps = max(1, round(s.freeze_interval_epochs * steps_per_epoch))
@@ -98,7 +99,7 @@ class Freezer:
         self.norms = GradNorms(self.num_freezable, device) if self.mode in ("grad", "schedule") else None
         self.moves = WeightMoves(self.num_freezable, self.interval_steps) if self.mode == "settled" else None
         self.make_layers, self.make_engine = make_layers, make_engine
-        self.census, self.micro_batch = census, micro_batch
+        self.census, self.micro_batch, self.time_layers = census, micro_batch, time_layers
         self.planned = None  # the StagePlan of the last re-plan
         self.layout = None  # the pipeline's layout once a freeze point changed it
         self.cache = FeatureCache(s.freeze_cache_gib, cache_dir) if cache_dir else None
@@ -146,7 +147,7 @@ class Freezer:
             if current is None or not self.replan:
                 self.layout = current  # explicit boundaries: DeepSpeed's own methods count trainable layers
                 return current
-            self.layout, self.planned = replan(self.census, frozen, current, self.micro_batch)
+            self.layout, self.planned = replan(self.census, frozen, current, self.micro_batch, self.time_layers)
             return self.layout
 
         self.layers = None  # the old engine's: nothing may keep them alive while the new one is built
@@ -158,7 +159,7 @@ class Freezer:
             self.cache.clear()  # a new boundary
         stages = rebuilt.layout.stages if current else 1
         planned = {"parts": rebuilt.layout.parts} if current else {}
-        if current and self.replan:
+        if current and self.replan and any(self.planned.times):  # one stage, never timed: no prediction
             planned["predicted_ms"] = 1e3 * max(self.planned.times)
         measure = {"next_change": self.change[frozen] if self.change and frozen < len(self.change) else None,
                    "threshold": self.threshold}

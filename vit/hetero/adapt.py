@@ -41,37 +41,36 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
           micro_batch: int, grad_accum: int, sample: torch.Tensor, balanced: "Candidate | None", proportional: bool,
           probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
           state_bytes: Callable[[str], float], reserved_bytes: float = 0.0, probe_on_cpu: bool = False,
-          layer_times: bool = False, parts: list[int] | None = None) -> Adapted:
+          profile_only: bool = False, parts: list[int] | None = None) -> Adapted:
     """Collective. `requested_precision`: --precision's, or the JSON's, or None (vit.runtime.precision.choose);
     `sample`: one input image batch of 1; `balanced`: the pipeline whose stages to balance (vit.planner.balance);
     `probe_batches`: this rank's batches for the fp16 loss-scale probe (--loss-scale auto); `split`: proportional
     micro-batches chosen before (--engine or --micro-batch-size auto); `state_bytes`: precision -> bytes/parameter;
     `reserved_bytes`: a GPU's headroom for NCCL, ZeRO's buckets and cuBLAS, which memory plans keep free;
     `probe_on_cpu`: run the loss-scale probe on the CPU (engines whose GPUs hold only part of the model);
-    `layer_times`: time every layer and profile them even without balanced stages (census layer_ms, record["layers"])
-    for stages.plan_stages(..., frozen=k) at a freeze point, one turn a rank; `parts`: --engine auto's stages."""
+    `profile_only`: profile the layers (record["layers"]) for a re-plan at a freeze point, which times them when it
+    first needs the times (time_each_rank); `parts`: --engine auto's stages."""
     reserved_gib = reserved_bytes / 2**30 if device.type == "cuda" else 0.0
     caps = gather({**capabilities(device, job.local_world_size, engine), "mem_reserved_gib": reserved_gib})
     precision, why = choose(requested_precision, engine, caps)
     with torch.no_grad(), fork_rng(device):
         block_input = (micro_batch, *layers[0](sample).shape[1:])
-    timing = bool(balanced or layer_times)
-    # One rank at a time (ranks sharing a host's cores would slow each other); balanced stages: LAYER_TURNS times
-    for turn in range(job.world_size * (LAYER_TURNS if balanced else 1)):
-        if turn % job.world_size == job.rank:
-            if (first := turn < job.world_size):
-                speed = measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown)
-            if timing:  # warmed up on a rank's first turn only: a later turn's times are kept where faster
-                now = time_layers(layers, sample, micro_batch, precision, device, slowdown, warmup_s=WARMUP_S * first)
-                speed["layer_ms"] = [[min(a, b) for a, b in zip(old, new)] for old, new in
-                                     zip(speed.get("layer_ms", now), now)]
-                speed["layer_ms_micro_batch"] = micro_batch
-        dist.barrier()
+    speed = {}
+
+    def measure(first: bool) -> None:
+        if first:
+            speed.update(measure_speed(device, precision, copy.deepcopy(layers[1]), block_input, slowdown))
+        if balanced:  # warmed up on a rank's first turn only: a later turn's times are kept where faster
+            now = time_layers(layers, sample, micro_batch, precision, device, slowdown, warmup_s=WARMUP_S * first)
+            speed["layer_ms"] = [[min(a, b) for a, b in zip(old, new)] for old, new in
+                                 zip(speed.get("layer_ms", now), now)]
+            speed["layer_ms_micro_batch"] = micro_batch
+    in_turns(job, LAYER_TURNS if balanced else 1, measure)
     reports = gather({**caps[job.rank], **speed, "slowdown": slowdown})
     per_param = state_bytes(precision)
     record = {"census": reports, "precision": precision, "precision_why": why, "state_bytes_per_param": per_param}
     say, decided = [census_table(reports, precision), f"precision {precision}: {why}"], {}
-    if balanced or proportional or layer_times:
+    if balanced or proportional or profile_only:
         record["layers"] = profile = profile_layers(layers, sample, precision)
     if parts:
         decided["parts"], record["stages"] = parts, {"parts": parts, "by": "--engine auto"}
@@ -98,3 +97,23 @@ def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_
         print("\n".join(say), flush=True)
     return Adapted(precision, record=record, **decided)
 
+
+def in_turns(job: Job, turns: int, measure: Callable[[bool], None]) -> None:
+    """Collective: measure(first turn) on one rank at a time (ranks sharing a host's cores would slow each other),
+    every rank `turns` times in turn."""
+    for turn in range(job.world_size * turns):
+        if turn % job.world_size == job.rank:
+            measure(turn < job.world_size)
+        dist.barrier()
+
+
+def time_each_rank(job: Job, make_layers: Callable[[], list[nn.Module]], sample: torch.Tensor, micro_batch: int,
+                   precision: str, device: torch.device, slowdown: float) -> list[list[list[float]]]:
+    """Collective: every rank's layer times (time_layers, one turn a rank, on layers from make_layers(), which
+    leaves torch's generator as it was) for a re-plan at a freeze point, measured when one first needs them: a run
+    that never freezes, or halves its 2 stages to 1, times nothing."""
+    with fork_rng(device):
+        layers = make_layers()
+    mine = []
+    in_turns(job, 1, lambda first: mine.extend(time_layers(layers, sample, micro_batch, precision, device, slowdown)))
+    return gather(mine)

@@ -92,10 +92,12 @@ def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_bat
     """plan_layers from the census: each rank's measured layer times (layer_ms, at layer_ms_micro_batch) and free
     memory, the profile's parameters (bytes_per_param each: vit.hetero.footprint.bytes_per_param) and activations. A
     re-plan at another micro-batch (more data-parallel copies after a freeze) scales the times in proportion,
-    which keeps the fixed costs' share as measured."""
+    which keeps the fixed costs' share as measured. One stage needs no times: without layer_ms they count 0."""
+    if stages > 1 and not all("layer_ms" in r for r in reports):
+        raise ValueError("a plan of several stages needs every rank's layer_ms")
     layer_s = [[(f / 1e3 * micro_batch / r.get("layer_ms_micro_batch", micro_batch),
-                 b / 1e3 * micro_batch / r.get("layer_ms_micro_batch", micro_batch)) for f, b in r["layer_ms"]]
-               for r in reports]
+                 b / 1e3 * micro_batch / r.get("layer_ms_micro_batch", micro_batch))
+                for f, b in r.get("layer_ms", [(0.0, 0.0)] * len(profile))] for r in reports]
     return plan_layers(layer_s, [p["params"] * bytes_per_param for p in profile],
                        [p["act_bytes"] * micro_batch for p in profile],  # profiled in the run's precision
                        [plan_bytes(r) for r in reports], stages, grad_accum, frozen, first_active,

@@ -14,10 +14,10 @@ Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore u
    "process_groups"[, "parts", "predicted_ms"]}: --freeze rebuilt the engine after `step`; "frozen" layers of the
    list (a prefix: embedding, then blocks) train no more from the next step on, laid out as "stages" pipeline stages
    x "dp" data-parallel copies, "cache" (bool) whether the frozen prefix's outputs are read from a cache instead of
-   computed; a pipeline's "parts" (stage boundaries) and, re-planned (--freeze-replan), "predicted_ms" (its slowest
-   stage per micro-batch from the measured layer times); "old_engine_freed" (bool) whether the old engine's module was
-   gone before the new engine was built, "process_groups" the process groups alive after the rebuild (the same at
-   every freeze point)
+   computed; a pipeline's "parts" (stage boundaries) and, re-planned (--freeze-replan) once the layer times were
+   measured (a plan of several stages needs them), "predicted_ms" (its slowest stage per micro-batch);
+   "old_engine_freed" (bool) whether the old engine's module was gone before the new engine was built,
+   "process_groups" the process groups alive after the rebuild (the same at every freeze point)
   {"kind": "freeze_decision", "step", "time", "rank", "host", "frozen", "changes", "norms", "threshold"}: every
    --freeze decision point: the frozen layers after it and each freezable layer's measure ("changes": settled's
    weight move as a share of its largest, or grad's and the schedule's relative change of the gradient norm, whose
