@@ -28,7 +28,7 @@ def replan(census: dict, frozen: int, current: Layout, micro_batch: int,
     layer_ms from time_layers() (every rank's) the first time a plan of several stages needs them (a one-stage
     plan has no boundary to place: its predicted times are 0)."""
     def plan(stages: int, grad_accum: int) -> StagePlan:
-        if stages > 1 and "layer_ms" not in census["census"][0]:  # the census is alike on every rank
+        if stages > 1 and "layer_ms" not in census["census"][0] and time_layers:  # alike on every rank
             for report, layer_ms in zip(census["census"], time_layers()):
                 report.update(layer_ms=layer_ms, layer_ms_micro_batch=micro_batch)
         return plan_stages(census["layers"], census["census"], stages, micro_batch, grad_accum,

@@ -1,6 +1,7 @@
 """Before the engine is built, adapt() takes a census of every rank (device, memory, what it can run,
 how fast it is), settles the precision, and where asked plans balanced pipeline stages (vit.planner.balance),
 proportional batches and the fp16 loss scale. Rank 0 prints each decision; `record` goes to cluster.json.
+time_each_rank: the layer times a re-plan at a freeze point measures when it first needs them.
 
 census: the measuring, collective part; profile: per-layer costs and times; stages (re-planning at a freeze point),
 batch_split: the planners (pure, tested against brute force); loss_scale: the fp16 probe.
@@ -114,6 +115,9 @@ def time_each_rank(job: Job, make_layers: Callable[[], list[nn.Module]], sample:
     that never freezes, or halves its 2 stages to 1, times nothing."""
     with fork_rng(device):
         layers = make_layers()
-    mine = []
-    in_turns(job, 1, lambda first: mine.extend(time_layers(layers, sample, micro_batch, precision, device, slowdown)))
-    return gather(mine)
+    mine = {}
+
+    def measure(first: bool) -> None:
+        mine["layer_ms"] = time_layers(layers, sample, micro_batch, precision, device, slowdown)
+    in_turns(job, 1, measure)
+    return [report["layer_ms"] for report in gather(mine)]

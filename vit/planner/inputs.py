@@ -78,7 +78,7 @@ def network(hosts: list[str], link_mbit: float | None, link_file: str | None, la
 
 def ranks_from_census(census: list[dict], flops: list[float], run_micro_batch: int) -> tuple[list[Rank], str]:
     """Each rank's per-sample layer seconds: the census's layer_ms at layer_ms_micro_batch where it measured them
-    (--partition balanced, --freeze-replan), else its block_ms (one block's forward and backward at the run's
+    (--partition balanced), else its block_ms (one block's forward and backward at the run's
     micro-batch) shared over the layers by their FLOPs, 1/3 forward and 2/3 backward. Times scale linearly
     with the micro-batch (the fixed costs per micro-batch are the calibration's)."""
     ranks, how = [], "measured per layer (census layer_ms)"
