@@ -1,5 +1,7 @@
 """What the two DeepSpeed engines (ZeRO and pipeline) share: DeepSpeed's comm layer, its checkpoints, its loss
 scaler's skipped steps, and the optimizer state a rebuilt engine continues from (--freeze)."""
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -121,17 +123,18 @@ def _fragments(flat: torch.Tensor, state: dict, params: list):
 @torch.no_grad()
 def whole_adam_state(zopt, group: int) -> dict:
     """Collective over the data-parallel ranks: each parameter of ZeRO group `group` with its whole fp32 weights
-    and Adam moments (flat), assembled from every rank's partition."""
+    and Adam moments (flat), assembled from every rank's partition. Views of one buffer, summed in one all-reduce
+    (an all-reduce a tensor took up to 0.3 s a rebuild for vit_digits on 2 CPU ranks)."""
     flats, groups, dp_groups = partitions(zopt)
     flat, params = flats[group], groups[group]
-    out = {p: {k: torch.zeros(p.numel(), dtype=flat.dtype, device=flat.device) for k in ("master", *ADAM_KEYS)}
-           for p in params}
+    keys = ("master", *ADAM_KEYS)
+    buffer = torch.zeros(len(keys), sum(p.numel() for p in params), dtype=flat.dtype, device=flat.device)
+    starts = itertools.accumulate((p.numel() for p in params), initial=0)
+    out = {p: {k: row.narrow(0, start, p.numel()) for k, row in zip(keys, buffer)} for p, start in zip(params, starts)}
     for p, parts, (start, numel) in _fragments(flat, zopt.optimizer.state[flat], params):
         for key, part in parts.items():
             out[p][key].narrow(0, start, numel).copy_(part)
-    for whole in out.values():
-        for t in whole.values():
-            dist.all_reduce(t, group=dp_groups[group])
+    dist.all_reduce(buffer, group=dp_groups[group])
     return out
 
 
