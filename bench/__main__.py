@@ -1,5 +1,6 @@
 """python -m bench COMMAND ...: see bench/__init__.py."""
 import argparse
+import os
 import sys
 
 import bench
@@ -20,6 +21,8 @@ def main(argv=None) -> int:
             add_arguments(sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter))
             runs[name] = run
     a = p.parse_args(argv)
+    if getattr(a, "out", None) and os.path.exists(a.out) and not os.path.isdir(a.out):
+        p.error(f"--out {a.out}: a file, not a folder")  # before any run: every benchmark writes its files there
     prepare_environment()  # DeepSpeed's op cache, as vit.train has it
     return runs[a.command](a)
 

@@ -238,6 +238,18 @@ def test_bench_calibrate_fits_several_runs_and_refuses_what_is_not_a_result(tmp_
     assert not (tmp_path / "new.json").exists()
 
 
+def test_every_benchmark_refuses_a_file_as_its_out_folder_before_it_runs(tmp_path, capsys):
+    from bench.__main__ import main
+
+    taken = tmp_path / "results.md"
+    taken.write_text("kept")
+    for command in ("freeze", "train", "planner"):
+        with pytest.raises(SystemExit) as e:
+            main([command, "--out", str(taken)])
+        assert e.value.code == 2 and f"--out {taken}: a file, not a folder" in capsys.readouterr().err
+    assert taken.read_text() == "kept"
+
+
 def test_freeze_table_compares_each_configuration_with_its_cases_baseline_and_refuses_unknown_names():
     from argparse import Namespace
 
