@@ -54,15 +54,20 @@ def test_sigkill_of_rank1_ends_every_rank_within_60s(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stopped", [0, 1])
-def test_stopped_rank_ends_every_rank_naming_it(tmp_path, stopped):
+@pytest.mark.parametrize(("stopped", "first"), [(0, "either"), (1, "either"), (1, "collective")])
+def test_stopped_rank_ends_every_rank_naming_it(tmp_path, stopped, first):
     """A rank that stops without dying (SIGSTOP: a driver stall, swap, an NFS hang). Rank 0 holds the job's store,
-    so when it stops, every store call of the others hangs too."""
+    so when it stops, every store call of the others hangs too. The survivor's watchdog and its collective wait the
+    same --dist-timeout, so either may end it; "collective": the watchdog is 15 s late, so the main thread's report
+    of its timed-out collective is the one read."""
     run = tmp_path / "run"
     cmd = [*MPIRUN, "-np", "2", "./entry_cn.sh", "--steps", "100000", "--log-interval", "1", "--no-save",
            "--dist-timeout", "20", "--log-dir", str(run)]
+    if first == "collective":  # DDP's collectives are the default group's, whose timeout is --dist-timeout
+        cmd += ["--engine", "ddp"]
     out = open(tmp_path / "mpirun.log", "w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    env = base_env(**(plugin_env(late_watchdog="15") if first == "collective" else {}))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     victim = None
     try:
         wait_for(lambda: last_step(run, 0) >= 3 and last_step(run, 1) >= 3, 200, "both ranks to train 3 steps")
@@ -90,6 +95,7 @@ def test_stopped_rank_ends_every_rank_naming_it(tmp_path, stopped):
     host = socket.gethostname()
     assert re.search(rf"rank {1 - stopped} \({host}\) stops at step \d+: rank {stopped} \({host}\) made no "
                      rf"progress for \d+ s \(last step \d+\)", log), log[-3000:]
+    assert first != "collective" or "(a collective waited --dist-timeout 20 s for it)" in log, log[-3000:]
 
 
 @pytest.mark.timeout(240)

@@ -5,7 +5,8 @@ and exits non-zero. Every rank runs a watchdog thread that publishes its last st
 rank), reads everyone else's, and exits its process with os._exit, whatever its main thread is waiting
 in, when a failure is announced, when the store is gone, when the store does not answer for
 --dist-timeout seconds, or when, after the first step, no step, evaluation batch or save finished here
-for --dist-timeout seconds. It names the rank that stopped: the one whose heartbeat stopped changing.
+for --dist-timeout seconds. It names the rank that stopped: the one whose heartbeat stopped changing. A collective
+of the default group waits as long; when it times out first, the main thread names that rank the same way.
 
 The store lives in rank 0's process. When rank 0 stops (SIGSTOP, a driver stall, swap, an NFS hang) a
 store call from any other rank never returns and no timeout applies, not even to a new connection; so
@@ -37,6 +38,8 @@ BEAT_KEY = "vit/beat/{}"
 ANSWER_S = 3.0  # how long the main thread's own store calls may take before they are given up
 # gloo's words for a connection its peer closed (a read of 0 bytes, ECONNRESET, EPIPE): the peer's process is gone
 CLOSED = re.compile(r"(closed|reset) by peer|Broken pipe")
+# A collective that waited --dist-timeout for its peers (gloo: "Timed out waiting 20000ms for recv operation")
+TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _REPORT = threading.Lock()  # one report per process: the main thread's or the watchdog's, whichever comes first
 
 
@@ -152,8 +155,12 @@ class Watchdog(threading.Thread):
         if elsewhere is not None:
             self._exit(f"{self.who} stops: {elsewhere}")
         died = self.lost_peer(e)
+        hung = None if died else self.hung_peer(e)
         if not explained:
-            (console.aside if died else sys.stderr.write)("".join(traceback.format_exception(e)))
+            (console.aside if died or hung else sys.stderr.write)("".join(traceback.format_exception(e)))
+        if hung:
+            announce_failure(hung)
+            self._die(hung)
         message = died or f"{self.who} failed at step {self.step}: {e}"
         announce_failure(message)
         self._exit(message)
@@ -175,6 +182,16 @@ class Watchdog(threading.Thread):
             time.sleep(self.poll_s / 4)
             suspects = [r for r in suspects if r not in self.peers or self.peers[r].seq == seqs.get(r)]
         return self._died(suspects, why) if suspects else None
+
+    def hung_peer(self, e: BaseException) -> str | None:
+        """When e says a collective timed out, what the watchdog would have said a moment later: the rank whose
+        heartbeat stopped first, else the one furthest behind, made no progress. None: e says nothing of the kind,
+        or no other rank is to blame. (The collective's timeout and the watchdog's are both --dist-timeout; which
+        ends the wait first is chance.)"""
+        now = time.monotonic()
+        if not TIMED_OUT.search(str(e)) or (culprit := self._culprit(now)) == self.rank:
+            return None
+        return f"{self._stopped(culprit, now)} (a collective waited --dist-timeout {self.timeout_s:g} s for it)"
 
     def _died(self, ranks: list[int], why: str) -> str:
         names = ", ".join(f"rank {r} ({self.hosts[r]})" for r in ranks)
