@@ -224,12 +224,13 @@ class Watchdog(threading.Thread):
     def _culprit(self, now: float) -> int:
         """The rank to blame when this one made no progress: the one whose heartbeat stopped first, else the one
         furthest behind, else this one (every watchdog runs, so the hang is inside a collective)."""
-        others = [r for r in self.peers if r != self.rank]
-        frozen = [r for r in others if now - self.peers[r].beat_seen_at > self.frozen_s]
+        peers = dict(self.peers)  # the main thread asks too (hung_peer) while the watchdog's adds ranks
+        others = [r for r in peers if r != self.rank]
+        frozen = [r for r in others if now - peers[r].beat_seen_at > self.frozen_s]
         if frozen:
-            return min(frozen, key=lambda r: self.peers[r].beat_seen_at)
-        behind = [r for r in others if self.peers[r].step < self.step]
-        return min(behind, key=lambda r: self.peers[r].step) if behind else self.rank
+            return min(frozen, key=lambda r: peers[r].beat_seen_at)
+        behind = [r for r in others if peers[r].step < self.step]
+        return min(behind, key=lambda r: peers[r].step) if behind else self.rank
 
     def run(self) -> None:
         store, world_size = _store(), self.world_size
