@@ -6,7 +6,8 @@ rank), reads everyone else's, and exits its process with os._exit, whatever its 
 in, when a failure is announced, when the store is gone, when the store does not answer for
 --dist-timeout seconds, or when, after the first step, no step, evaluation batch or save finished here
 for --dist-timeout seconds. It names the rank that stopped: the one whose heartbeat stopped changing. A collective
-of the default group waits as long; when it times out first, the main thread names that rank the same way.
+of the default group waits as long; when it times out first, the main thread names that rank the same way (its own
+failure when no other rank is stuck).
 
 The store lives in rank 0's process. When rank 0 stops (SIGSTOP, a driver stall, swap, an NFS hang) a
 store call from any other rank never returns and no timeout applies, not even to a new connection; so
@@ -38,8 +39,8 @@ BEAT_KEY = "vit/beat/{}"
 ANSWER_S = 3.0  # how long the main thread's own store calls may take before they are given up
 # gloo's words for a connection its peer closed (a read of 0 bytes, ECONNRESET, EPIPE): the peer's process is gone
 CLOSED = re.compile(r"(closed|reset) by peer|Broken pipe")
-# A collective that waited --dist-timeout for its peers (gloo: "Timed out waiting 20000ms for recv operation")
-TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+# A collective that waited its process group's timeout for its peers (gloo's words, then NCCL's)
+TIMED_OUT = re.compile(r"Timed out waiting \d+ms for (recv|send) operation|collective operation timeout")
 _REPORT = threading.Lock()  # one report per process: the main thread's or the watchdog's, whichever comes first
 
 
@@ -117,6 +118,7 @@ class Watchdog(threading.Thread):
         self.peers: dict[int, Peer] = {}
         self._stop_event = threading.Event()
         self._pending: Future | None = None  # the store call in flight
+        self._asked_at = time.monotonic()  # when it was made
         # A heartbeat that has not changed for this long means that rank's process is stopped or gone.
         self.frozen_s = max(5.0, 5 * poll_s)
         self.linger_s = 2 * poll_s  # rank 0's last moment: every other watchdog reads the store once meanwhile
@@ -184,14 +186,25 @@ class Watchdog(threading.Thread):
         return self._died(suspects, why) if suspects else None
 
     def hung_peer(self, e: BaseException) -> str | None:
-        """When e says a collective timed out, what the watchdog would have said a moment later: the rank whose
-        heartbeat stopped first, else the one furthest behind, made no progress. None: e says nothing of the kind,
-        or no other rank is to blame. (The collective's timeout and the watchdog's are both --dist-timeout; which
-        ends the wait first is chance.)"""
+        """When e says a collective timed out, what the watchdog would have said a moment later: rank 0 when the
+        store does not answer, else the rank whose heartbeat stopped first, or the one furthest behind, if its step
+        has not changed for frozen_s. None: e says nothing of the kind, or no other rank is to blame. (The
+        collective's timeout and the watchdog's are both --dist-timeout; which ends the wait first is chance.)"""
         now = time.monotonic()
-        if not TIMED_OUT.search(str(e)) or (culprit := self._culprit(now)) == self.rank:
+        if not TIMED_OUT.search(str(e)):
+            return None
+        pending = self._pending
+        if self.rank != 0 and pending is not None and not pending.done() and now - self._asked_at > self.frozen_s:
+            return self._store_silent(now)
+        culprit = self._culprit(now)
+        peer = self.peers.get(culprit)
+        if culprit == self.rank or peer is None or now - peer.step_seen_at <= self.frozen_s:
             return None
         return f"{self._stopped(culprit, now)} (a collective waited --dist-timeout {self.timeout_s:g} s for it)"
+
+    def _store_silent(self, now: float) -> str:
+        return (f"{self._stopped(0, now)}: the job's store, in its process, has not answered for "
+                f"{now - self._asked_at:.0f} s (--dist-timeout {self.timeout_s:g})")
 
     def _died(self, ranks: list[int], why: str) -> str:
         names = ", ".join(f"rank {r} ({self.hosts[r]})" for r in ranks)
@@ -234,18 +247,17 @@ class Watchdog(threading.Thread):
 
     def run(self) -> None:
         store, world_size = _store(), self.world_size
-        pending, asked_at, seq = None, time.monotonic(), 0
+        pending, seq = None, 0
         while not self._stop_event.wait(self.poll_s):
             now = time.monotonic()
             if pending is None or pending.done():
                 if pending is not None:
                     self._take(pending)
                 seq += 1
-                pending, asked_at = _in_thread(self._exchange, store, world_size, seq), now
+                pending, self._asked_at = _in_thread(self._exchange, store, world_size, seq), now
                 self._pending = pending
-            elif now - asked_at > self.timeout_s:
-                self._die(f"{self._stopped(0, now)}: the job's store, in its process, has not answered for "
-                          f"{now - asked_at:.0f} s (--dist-timeout {self.timeout_s:g})")
+            elif now - self._asked_at > self.timeout_s:
+                self._die(self._store_silent(now))
             idle = 0 if self.last_beat is None else now - self.last_beat
             if idle > self.timeout_s:
                 culprit = self._culprit(now)
