@@ -246,16 +246,15 @@ class Watchdog(threading.Thread):
         return min(behind, key=lambda r: peers[r].step) if behind else self.rank
 
     def run(self) -> None:
-        store, world_size = _store(), self.world_size
-        pending, seq = None, 0
+        store, world_size, seq = _store(), self.world_size, 0
         while not self._stop_event.wait(self.poll_s):
-            now = time.monotonic()
+            now, pending = time.monotonic(), self._pending
             if pending is None or pending.done():
                 if pending is not None:
                     self._take(pending)
                 seq += 1
-                pending, self._asked_at = _in_thread(self._exchange, store, world_size, seq), now
-                self._pending = pending
+                self._asked_at = now  # first: hung_peer (main thread) reads the two
+                self._pending = _in_thread(self._exchange, store, world_size, seq)
             elif now - self._asked_at > self.timeout_s:
                 self._die(self._store_silent(now))
             idle = 0 if self.last_beat is None else now - self.last_beat
