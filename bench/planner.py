@@ -19,7 +19,6 @@ from vit.errors import ConfigError
 from vit.planner.auto import PICK, family
 from vit.planner.cli import CALIBRATION, calibration
 from vit.planner.cost import Candidate
-from vit.planner.predict import slots
 from vit.telemetry.metrics import write_json
 
 
@@ -63,7 +62,7 @@ def result(run: dict, is_auto: bool) -> dict:
             "measured_ms": run["measured_ms"], "error": c["step_ms"] / run["measured_ms"] - 1,
             "bottleneck": c["bottleneck"], "others_cores": run["others_cores"], "auto": is_auto,
             "engine_key": candidate.engine_key(), "calibration_key": candidate.calibration_key(),
-            "fixed_ms": c["fixed_ms"], "grad_accum": c["grad_accum"], "stages": c["stages"], "slots": slots(candidate)}
+            "fixed_ms": c["fixed_ms"], "grad_accum": c["grad_accum"], "stages": c["stages"], "slots": c["slots"]}
 
 
 def fit(runs: list[tuple[list[dict], dict]]) -> dict[str, float]:
@@ -71,9 +70,9 @@ def fit(runs: list[tuple[list[dict], dict]]) -> dict[str, float]:
     over the rows of every run, each run with the calibration `used` (asdict) in its predictions. A data-parallel
     engine's sits in the step's fixed part (step_s + micro-batches x it): what the measured step leaves once
     compute, link and step_s are taken off, over the micro-batches. A pipeline's sits in each stage's slot: the value
-    used plus what the measured step leaves over the predicted, over the slots (where compute sets the step:
-    measure where the link is fast). An engine measured only with a compression gets its own key from those rows,
-    so that its uncompressed candidates do not fall back to the default."""
+    used plus what the measured step leaves over the predicted, over the slots it is paid in (predict.busy_slots;
+    where compute sets the step: measure where the link is fast). An engine measured only with a compression gets
+    its own key from those rows, so that its uncompressed candidates do not fall back to the default."""
     left, engines = {}, {}
     for rows, used in runs:
         for r in rows:

@@ -83,6 +83,10 @@ def test_auto_on_two_ranks_runs_the_models_first_and_gives_a_slowed_rank_less_wo
     assert summary["grad_accum"] == choice["grad_accum"] and summary["global_batch"] == 64  # zero2.json's 32 x 2
     assert (summary["pipeline_stages"] or 1) == choice["stages"]
     assert record["links_mbit"] == {} and record["planning_s"] < 30
+    # each rank's layer times at once over alone (predict.busy_slots), and the census's machine: one kernel here
+    assert len(record["contention"]) == 2 and all(k >= 1.0 for k in record["contention"])
+    census = json.loads((log_dir / "cluster.json").read_text())["census"]
+    assert len({rank["machine"] for rank in census}) == 1 and census[0]["machine"]
     # Rank 1 computes 3x slower: the choice gives it less than half of the work.
     flops, micro = record["layer_flops"], choice["micro_batch"]
     if choice["stages"] == 1:

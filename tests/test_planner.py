@@ -1,6 +1,7 @@
 """The planner's cost model (vit.planner) against hand-computed cases and brute force, its monotonicity, and
 `python -m vit.planner` on a cluster.json in the run's format. Fast, in-process, except the last test (a real
 1-rank run whose log dir the planner reads)."""
+import dataclasses
 import itertools
 import json
 import random
@@ -23,7 +24,8 @@ from vit.planner.cost import (
     ring_allreduce_s,
     wire_bytes_per_elem,
 )
-from vit.planner.predict import predict
+from vit.planner.inputs import ranks_from_census
+from vit.planner.predict import busy_slots, predict
 from vit.planner.search import best_parts, rank_candidates
 from vit.telemetry.metrics import write_json
 
@@ -104,6 +106,30 @@ def test_pipeline_step_is_the_slowest_stage_over_its_slots_or_its_link_and_the_a
     a_slow = predict(Candidate(ASYNC_PIPE, 0, 2, 2, 4, parts=(0, 1, 2)), ranks, net(1e3), j, ZERO_COST)
     wire = predict(Candidate(ASYNC_PIPE, 0, 2, 2, 4, "wire-bf16", parts=(0, 1, 2)), ranks, net(1e3), j, ZERO_COST)
     assert (a_slow.step_s, wire.step_s) == pytest.approx((4 * 40e-3, 4 * 20e-3))  # bf16 halves the p2p bytes
+
+
+def test_ranks_sharing_a_machines_processors_pay_less_for_the_pipelines_fill_and_drain():
+    same = [Rank(h, (1e-3,) * 5, (2e-3,) * 5, BIG, machine="m", contention=2.5) for h in "abcde"]
+    j, c = job(n_layers=5, batch=10), Candidate(DS_PIPE, 0, 5, 2, 5, parts=(0, 1, 2, 3, 4, 5))
+    # 9 slots; 1, 2, 3, 4, 5, 4, 3, 2, 1 of the 5 ranks compute; measured with all 5 at once (2.5x alone), k of
+    # them take max(1 / 2.5, k / 5) of a slot: 0.4 + 0.4 + 0.6 + 0.8 + 1 + 0.8 + 0.6 + 0.4 + 0.4 = 5.4 slots
+    assert busy_slots(c, same) == pytest.approx(5.4)
+    p = predict(c, same, net(1e9), j, ZERO_COST)  # each stage 2 x 3 ms a micro-batch
+    assert (p.compute_s, p.bubble_s, p.slots_paid) == pytest.approx((5 * 6e-3, 0.4 * 6e-3, 5.4))
+    # GPUs of one machine (nothing contended), ranks on machines of their own, and the async pipeline: whole slots
+    gpus = [dataclasses.replace(r, contention=1.0) for r in same]
+    apart = [dataclasses.replace(r, machine="") for r in same]
+    assert busy_slots(c, gpus) == busy_slots(c, apart) == 9
+    assert busy_slots(dataclasses.replace(c, engine=ASYNC_PIPE), same) == 5
+    # two machines of two ranks each, contended 2x: 7 slots, computing {0}, {0,1}, .., {3}; a slot takes the
+    # largest share of its machines': 0.5 (1 of A's 2), 1, 1, 1, 1 (B's 2 of 2), 1, 0.5
+    pairs = [Rank(h, (1e-3,) * 4, (2e-3,) * 4, BIG, machine=m, contention=2.0) for h, m in zip("abcd", "AABB")]
+    assert busy_slots(Candidate(DS_PIPE, 0, 4, 2, 4, parts=(0, 1, 2, 3, 4)), pairs) == pytest.approx(6.0)
+    # the census gives both where --engine auto measured them; an older one neither
+    census = [{"host": "a", "mem_free_gib": 1.0, "block_ms": 3.0, "machine": "m", "contention": 2.5},
+              {"host": "b", "mem_free_gib": 1.0, "block_ms": 3.0}]
+    ranks, _ = ranks_from_census(census, [1.0, 1.0, 1.0], 1)
+    assert [(r.machine, r.contention) for r in ranks] == [("m", 2.5), ("", 1.0)]
 
 
 def test_pipeline_data_parallel_copies_all_reduce_their_stage_gradients():

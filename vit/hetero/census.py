@@ -1,6 +1,7 @@
 """The census: what every rank's device is and can run, and how fast it is (vit.runtime.precision settles the
 precision)."""
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,20 @@ def capabilities(dev: torch.device, local_world_size: int, engine: str) -> dict:
         capability = None
         acc = get_accelerator()
         native = {"fp16": bool(acc.is_fp16_supported()), "bf16": bool(acc.is_bf16_supported())}
-    report = {"host": socket.gethostname(), "device": name, "capability": capability,
+    report = {"host": socket.gethostname(), "machine": machine_id(), "device": name, "capability": capability,
               "mem_total_gib": total / 2**30, "mem_free_gib": free / 2**30, **native}
     plugins.call("census", report)
     return report
+
+
+def machine_id() -> str:
+    """What ranks sharing one machine's processors have in common and ranks on other machines do not: the running
+    kernel's boot id (network namespaces and containers on one machine share it, with their own host names), else
+    the host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 WARMUP_S = 0.2  # consumer GPUs ramp their clocks up over the first few hundred ms of load: time only after that

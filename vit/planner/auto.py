@@ -1,8 +1,9 @@
 """--engine auto: once the process group runs, measure what the cost model needs (each rank's layer times at the
-run's micro-batch, every rank at once, and its free memory; the link from the first host to each other host), rank every
-candidate (vit.planner.search), take the fastest that fits every rank and that runs as a command line would ask
-for it, and plan the run again with it. Rank 0 prints the table and the choice; config.json keeps both
-(engine_auto). The fixed costs come from a calibration file where there is one, else the defaults (docs/planner.md)."""
+run's micro-batch, every rank at once and then one at a time, and its free memory; the link from the first host to
+each other host), rank every candidate (vit.planner.search), take the fastest that fits every rank and that runs as
+a command line would ask for it, and plan the run again with it. Rank 0 prints the table and the choice;
+config.json keeps both (engine_auto). The fixed costs come from a calibration file where there is one, else the
+defaults (docs/planner.md)."""
 import dataclasses
 import functools
 import os
@@ -18,6 +19,7 @@ from vit.config.plan import Plan, make_plan
 from vit.config.settings import ROOT
 from vit.engines.registry import spec
 from vit.errors import ConfigError, NothingToDo
+from vit.hetero.adapt import in_turns
 from vit.hetero.census import capabilities, gather
 from vit.hetero.memory import likely_precision
 from vit.hetero.profile import time_layers
@@ -32,6 +34,8 @@ from vit.telemetry.metrics import write_json
 
 TOP = 10  # rows printed
 ROUNDS = 30  # of every layer's forward and backward, the median kept: ranks timed at once are noisier than alone
+ALONE_ROUNDS = 5  # the same, one rank at a time
+SHARED = 1.2  # contention above which the table's heading says so
 TIE = 0.02  # predictions this close are a tie (the model's error is larger)
 PICK = "VIT_ENGINE_AUTO_PICK"  # a family (family()) to run instead of the choice: the model's validation, bench planner
 
@@ -45,9 +49,14 @@ def choose(plan: Plan, dev: torch.device) -> Plan:
     sample, micro, precision = plan.data.train[0][0][None], plan.batch.micro_batch, likely_precision(plan, dev)
     report = capabilities(dev, job.local_world_size, s.parallel.engine)
     dist.barrier()  # every rank at once, as training runs: ranks sharing a host's cores slow each other there too
-    report["layer_ms"] = time_layers(layers, sample, micro, precision, dev, plan.slowdowns.get(job.rank, 1.0),
-                                     rounds=ROUNDS, pick=statistics.median)
+    slowdown = plan.slowdowns.get(job.rank, 1.0)
+    report["layer_ms"] = time_layers(layers, sample, micro, precision, dev, slowdown, rounds=ROUNDS,
+                                     pick=statistics.median)
     report["layer_ms_micro_batch"] = micro
+    alone = {}  # and one rank at a time: where the two differ, ranks share processors (predict.busy_slots)
+    in_turns(job, 1, lambda first: alone.update(layer_ms=time_layers(
+        layers, sample, micro, precision, dev, slowdown, rounds=ALONE_ROUNDS, pick=statistics.median)))
+    report["contention"] = max(1.0, sum(map(sum, report["layer_ms"])) / sum(map(sum, alone["layer_ms"])))
     reports = gather(report)
     links = measure_links([r["host"] for r in reports], job.rank, dev)
     record = rank0_decides(lambda: decide(plan, layers, sample, precision, reports, links, start))
@@ -88,6 +97,10 @@ def decide(plan: Plan, layers: list, sample: torch.Tensor, precision: str, repor
             f"batch {job.global_batch}; links " + (", ".join(f"{h} {v:.1f} Mbit/s" for h, v in mbit.items())
                                                    or "none (one host)") + f", latency {1e3 * net.latency_s:.2f} ms; "
             f"fixed costs from {calib_from or 'the defaults (bench planner --save-calibration measures them)'}"]
+    if (shared := [r["contention"] for r in reports if r["contention"] > SHARED]):
+        said.append(f"  {len(shared)} ranks share processors: layer times with every rank at once "
+                    f"{min(shared):.1f}x to {max(shared):.1f}x their times alone (their pipelines' idle stages leave "
+                    "the processors to the others: docs/planner.md)")
     said.append(table(rows, TOP))
     said += [f"  not #{i}: {r['not_chosen']}" for i, r in enumerate(rows[:min(rows.index(chosen), TOP)], 1)]
     plan_s = time.perf_counter() - start
@@ -95,6 +108,7 @@ def decide(plan: Plan, layers: list, sample: torch.Tensor, precision: str, repor
                 f"{chosen['step_ms']:.1f} ms a step, {chosen['images_per_s']:.0f} images/s; planned in {plan_s:.1f} s)")
     return {"choice": chosen, "candidates": rows, "links_mbit": mbit, "latency_ms": 1e3 * net.latency_s,
             "precision": precision, "layer_flops": flops, "calibration": dataclasses.asdict(calib),
+            "contention": [r["contention"] for r in reports],
             "calibration_from": calib_from,
             "planning_s": plan_s, "text": "\n".join(said)}
 

@@ -156,7 +156,7 @@ def row(p: Prediction, global_batch: int) -> dict:
             "images_per_s": p.images_per_s(global_batch), "compute_ms": 1e3 * p.compute_s, "link_ms": 1e3 * p.link_s,
             "bubble_ms": 1e3 * p.bubble_s, "fixed_ms": 1e3 * p.fixed_s, "bottleneck": p.bottleneck,
             "mem_gib": [m / 2**30 for m in p.mem_bytes], "capacity_gib": [m / 2**30 for m in p.capacity_bytes],
-            "fits": p.fits}
+            "fits": p.fits, "slots": p.slots_paid}
 
 
 def table(rows: list[dict], top: int) -> str:

@@ -19,12 +19,17 @@ TORCH_GRAD_BYTES = 4  # DDP and the async pipeline keep fp32 weights under autoc
 @dataclass(frozen=True)
 class Rank:
     """One rank as the census measured it: per-layer forward and backward seconds per sample (the census's
-    layer_ms at its micro-batch, divided by it), the bytes a plan may fill, and whether it is a GPU."""
+    layer_ms at its micro-batch, divided by it), the bytes a plan may fill, whether it is a GPU, the machine whose
+    processors it shares with the other ranks there (one kernel: several ranks on a host's CPU cores, or on one GPU)
+    and its contention: its layer times with every rank computing at once over its times alone (1: nothing shared,
+    or not measured)."""
     host: str
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
     capacity_bytes: float  # footprint.USABLE_MEMORY of the free memory; the candidate's GPU headroom comes off it
     gpu: bool = False
+    machine: str = ""  # "": its own
+    contention: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,8 @@ def ranks_from_census(census: list[dict], flops: list[float], run_micro_batch: i
     """Each rank's per-sample layer seconds: the census's layer_ms at layer_ms_micro_batch where it measured them
     (--partition balanced), else its block_ms (one block's forward and backward at the run's
     micro-batch) shared over the layers by their FLOPs, 1/3 forward and 2/3 backward. Times scale linearly
-    with the micro-batch (the fixed costs per micro-batch are the calibration's)."""
+    with the micro-batch (the fixed costs per micro-batch are the calibration's). The machine and contention where
+    --engine auto measured them (else each rank its own machine, nothing shared)."""
     ranks, how = [], "measured per layer (census layer_ms)"
     for r in census:
         if "layer_ms" in r:
@@ -93,7 +94,8 @@ def ranks_from_census(census: list[dict], flops: list[float], run_micro_batch: i
             per_flop = r["block_ms"] / 1e3 / run_micro_batch / flops[1]  # the census times layers[1], a block
             fwd, bwd = [f * per_flop / 3 for f in flops], [2 * f * per_flop / 3 for f in flops]
         ranks.append(Rank(r["host"], tuple(fwd), tuple(bwd), USABLE_MEMORY * r["mem_free_gib"] * 2**30,
-                          gpu=r.get("capability") is not None))
+                          gpu=r.get("capability") is not None, machine=r.get("machine", ""),
+                          contention=r.get("contention", 1.0)))
     return ranks, how
 
 

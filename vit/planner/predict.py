@@ -1,6 +1,7 @@
 """One candidate's predicted step: time split into compute, link (communication not hidden), bubble (a pipeline's
 fill and drain) and fixed costs, its bottleneck, and each rank's memory (vit.hetero.footprint's rules). Pure."""
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from vit.engines.registry import spec
@@ -32,6 +33,7 @@ class Prediction:
     fixed_s: float
     mem_bytes: tuple[float, ...]  # per rank
     capacity_bytes: tuple[float, ...]  # per rank: what the candidate may fill
+    slots_paid: float = 0.0  # a pipeline's busy_slots: how many times each stage's compute per micro-batch counts
 
     @property
     def step_s(self) -> float:
@@ -133,12 +135,29 @@ def slots(c: Candidate) -> int:
     return c.grad_accum + (c.stages - 1 if not spec(c.engine).async_options else 0)
 
 
-def stage_step_s(c: Candidate, calib: Calibration, compute: float, transfer: float) -> float:
-    """What one stage alone makes the step: overlapped (calib.pipe_overlap), its compute over all the slots or its
-    link over the m micro-batches, whichever is longer; else every slot pays both."""
+def busy_slots(c: Candidate, ranks: list[Rank]) -> float:
+    """The slots a step as the stages' compute pays them. In slot j of slots(c), stage s computes when
+    s <= j < s + m (the async pipeline: every stage in every slot). Layer times are measured with every rank
+    computing at once; where ranks share a machine's processors (Rank.contention k > 1), a slot in which only some of
+    the machine's ranks compute runs faster: it costs max(1 / k, computing / the machine's ranks) of a whole slot
+    (the largest over the stages computing). With nothing shared every slot is whole: slots(c)."""
+    m, dp, bubble_free = c.grad_accum, len(ranks) // c.stages, bool(spec(c.engine).async_options)
+    machine = [r.machine or f"rank {i}" for i, r in enumerate(ranks)]
+    total = Counter(machine)
+    busy = 0.0
+    for j in range(slots(c)):
+        computing = [i for s in range(c.stages) if bubble_free or s <= j < s + m for i in range(s * dp, s * dp + dp)]
+        here = Counter(machine[i] for i in computing)
+        busy += max(max(1 / max(1.0, ranks[i].contention), here[machine[i]] / total[machine[i]]) for i in computing)
+    return busy
+
+
+def stage_step_s(c: Candidate, calib: Calibration, compute: float, transfer: float, busy: float) -> float:
+    """What one stage alone makes the step: overlapped (calib.pipe_overlap), its compute over the busy slots
+    (busy_slots) or its link over the m micro-batches, whichever is longer; else every slot pays both."""
     if calib.pipe_overlap:
-        return max(slots(c) * compute, c.grad_accum * transfer)
-    return slots(c) * (compute + transfer)
+        return max(busy * compute, c.grad_accum * transfer)
+    return busy * compute + slots(c) * transfer
 
 
 def stage_mem_bytes(c: Candidate, job: Job, dp: int, s: int, i: int, j: int) -> float:
@@ -153,11 +172,12 @@ def stage_mem_bytes(c: Candidate, job: Job, dp: int, s: int, i: int, j: int) -> 
 
 def pipeline(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> Prediction:
     """1F1B over m = grad_accum micro-batches and S stages: the slowest stage's stage_step_s, split into compute
-    (m x its compute), bubble (the other slots' compute) and link (the rest). Then each stage all-reduces its
+    (m x its compute), bubble (the other busy slots' compute) and link (the rest). Then each stage all-reduces its
     gradients among its data-parallel copies (not overlapped; ZeRO's factor on DeepSpeed's)."""
     engine, dp, m, parts = spec(c.engine), len(ranks) // c.stages, c.grad_accum, c.parts
     times = [stage_time_s(c, ranks, net, job, calib, s, parts[s], parts[s + 1]) for s in range(c.stages)]
-    step = max(stage_step_s(c, calib, *t) for t in times)
+    busy = busy_slots(c, ranks)
+    step = max(stage_step_s(c, calib, *t, busy) for t in times)
     compute = max(t[0] for t in times) if calib.pipe_overlap else max(times, key=lambda t: sum(t))[0]
     factor = calib.zero_comm_factor[c.zero_stage] if engine.deepspeed else 1.0
 
@@ -171,9 +191,8 @@ def pipeline(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Cal
         for r in ranks[s * dp:(s + 1) * dp]:
             mems.append(mem)
             caps.append(capacity(r, c.engine, c.zero_stage, job.precision))
-    bubble = (slots(c) - m) * compute
-    return Prediction(c, m * compute, step - slots(c) * compute + reduce, bubble,
-                      calib.step_s, tuple(mems), tuple(caps))
+    return Prediction(c, m * compute, step - busy * compute + reduce, (busy - m) * compute,
+                      calib.step_s, tuple(mems), tuple(caps), busy)
 
 
 def predict(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> Prediction:

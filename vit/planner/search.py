@@ -11,6 +11,7 @@ from vit.hetero.stages import balanced_split
 from vit.planner.cost import Calibration, Candidate, Job, Network, Rank, compressions
 from vit.planner.predict import (
     Prediction,
+    busy_slots,
     capacity,
     per_param_bytes,
     predict,
@@ -44,12 +45,13 @@ def best_parts(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: C
     n, dp = len(job.layers), len(ranks) // c.stages
     caps = [min(capacity(r, c.engine, c.zero_stage, job.precision) for r in ranks[s * dp:(s + 1) * dp])
             for s in range(c.stages)]
-    costs = {}
+    costs, busy = {}, busy_slots(c, ranks)
 
     def cost(s: int, i: int, j: int) -> tuple[float, float, float]:
         if (s, i, j) not in costs:
             compute, transfer = stage_time_s(c, ranks, net, job, calib, s, i, j)
-            costs[s, i, j] = stage_step_s(c, calib, compute, transfer), stage_mem_bytes(c, job, dp, s, i, j), compute
+            costs[s, i, j] = (stage_step_s(c, calib, compute, transfer, busy), stage_mem_bytes(c, job, dp, s, i, j),
+                              compute)
         return costs[s, i, j]
 
     def split(caps: list[float], limit: float = math.inf):
