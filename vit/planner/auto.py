@@ -28,6 +28,7 @@ from vit.planner.cli import PLAN_ONLY, row, run_calibration, table
 from vit.planner.cost import Job
 from vit.planner.inputs import describe_layers, ranks_from_census
 from vit.planner.links import measure_links, network
+from vit.planner.predict import SHARED
 from vit.planner.search import rank_candidates
 from vit.runtime.dist_env import rank0_decides
 from vit.telemetry.metrics import write_json
@@ -35,7 +36,6 @@ from vit.telemetry.metrics import write_json
 TOP = 10  # rows printed
 ROUNDS = 30  # of every layer's forward and backward, the median kept: ranks timed at once are noisier than alone
 ALONE_ROUNDS = 5  # the same, one rank at a time
-SHARED = 1.2  # contention above which the table's heading says so
 TIE = 0.02  # predictions this close are a tie (the model's error is larger)
 PICK = "VIT_ENGINE_AUTO_PICK"  # a family (family()) to run instead of the choice: the model's validation, bench planner
 
@@ -54,8 +54,12 @@ def choose(plan: Plan, dev: torch.device) -> Plan:
                                      pick=statistics.median)
     report["layer_ms_micro_batch"] = micro
     alone = {}  # and one rank at a time: where the two differ, ranks share processors (predict.busy_slots)
-    in_turns(job, 1, lambda first: alone.update(layer_ms=time_layers(
-        layers, sample, micro, precision, dev, slowdown, rounds=ALONE_ROUNDS, pick=statistics.median)))
+
+    def time_alone(first: bool) -> None:
+        alone["layer_ms"] = time_layers(layers, sample, micro, precision, dev, slowdown, rounds=ALONE_ROUNDS,
+                                        pick=statistics.median)
+    dist.barrier()  # no rank's turn alone while another still times at once
+    in_turns(job, 1, time_alone)
     report["contention"] = max(1.0, sum(map(sum, report["layer_ms"])) / sum(map(sum, alone["layer_ms"])))
     reports = gather(report)
     links = measure_links([r["host"] for r in reports], job.rank, dev)
@@ -98,7 +102,7 @@ def decide(plan: Plan, layers: list, sample: torch.Tensor, precision: str, repor
                                                    or "none (one host)") + f", latency {1e3 * net.latency_s:.2f} ms; "
             f"fixed costs from {calib_from or 'the defaults (bench planner --save-calibration measures them)'}"]
     if (shared := [r["contention"] for r in reports if r["contention"] > SHARED]):
-        said.append(f"  {len(shared)} ranks share processors: layer times with every rank at once "
+        said.append(f"  {len(shared)} of the ranks share processors: layer times with every rank at once "
                     f"{min(shared):.1f}x to {max(shared):.1f}x their times alone (their pipelines' idle stages leave "
                     "the processors to the others: docs/planner.md)")
     said.append(table(rows, TOP))

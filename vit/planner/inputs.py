@@ -80,8 +80,9 @@ def ranks_from_census(census: list[dict], flops: list[float], run_micro_batch: i
     """Each rank's per-sample layer seconds: the census's layer_ms at layer_ms_micro_batch where it measured them
     (--partition balanced), else its block_ms (one block's forward and backward at the run's
     micro-batch) shared over the layers by their FLOPs, 1/3 forward and 2/3 backward. Times scale linearly
-    with the micro-batch (the fixed costs per micro-batch are the calibration's). The machine and contention where
-    --engine auto measured them (else each rank its own machine, nothing shared)."""
+    with the micro-batch (the fixed costs per micro-batch are the calibration's). The machine where the census
+    has it; the contention where the reports are --engine auto's own (cluster.json's census has none: 1, nothing
+    shared)."""
     ranks, how = [], "measured per layer (census layer_ms)"
     for r in census:
         if "layer_ms" in r:

@@ -22,6 +22,7 @@ from vit.planner.cost import (
 )
 
 PARTS = ("compute", "link", "bubble", "fixed")
+SHARED = 1.2  # a rank's contention (its layer times with every rank at once over alone) above which it shares
 
 
 @dataclass(frozen=True)
@@ -136,19 +137,24 @@ def slots(c: Candidate) -> int:
 
 
 def busy_slots(c: Candidate, ranks: list[Rank]) -> float:
-    """The slots a step as the stages' compute pays them. In slot j of slots(c), stage s computes when
-    s <= j < s + m (the async pipeline: every stage in every slot). Layer times are measured with every rank
-    computing at once; where ranks share a machine's processors (Rank.contention k > 1), a slot in which only some of
-    the machine's ranks compute runs faster: it costs max(1 / k, computing / the machine's ranks) of a whole slot
-    (the largest over the stages computing). With nothing shared every slot is whole: slots(c)."""
+    """How many whole slots a step's compute costs. Layer times are measured with every rank computing at once
+    (--engine auto). In slot j of slots(c), stage s computes when s <= j < s + m (the async pipeline: every stage in
+    every slot). Where ranks share a machine's processors (Rank.contention k above SHARED), a slot in which only
+    some of the machine's ranks compute runs faster: it costs max(1 / k, those computing / the machine's ranks) of a
+    whole slot, the largest over the ranks computing. With nothing shared every slot is whole: slots(c)."""
     m, dp, bubble_free = c.grad_accum, len(ranks) // c.stages, bool(spec(c.engine).async_options)
     machine = [r.machine or f"rank {i}" for i, r in enumerate(ranks)]
     total = Counter(machine)
+
+    def share(i: int, here: Counter) -> float:
+        k = ranks[i].contention if ranks[i].contention > SHARED else 1.0
+        return max(1 / k, here[machine[i]] / total[machine[i]])
+
     busy = 0.0
     for j in range(slots(c)):
         computing = [i for s in range(c.stages) if bubble_free or s <= j < s + m for i in range(s * dp, s * dp + dp)]
         here = Counter(machine[i] for i in computing)
-        busy += max(max(1 / max(1.0, ranks[i].contention), here[machine[i]] / total[machine[i]]) for i in computing)
+        busy += max(share(i, here) for i in computing)
     return busy
 
 
@@ -178,7 +184,8 @@ def pipeline(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Cal
     times = [stage_time_s(c, ranks, net, job, calib, s, parts[s], parts[s + 1]) for s in range(c.stages)]
     busy = busy_slots(c, ranks)
     step = max(stage_step_s(c, calib, *t, busy) for t in times)
-    compute = max(t[0] for t in times) if calib.pipe_overlap else max(times, key=lambda t: sum(t))[0]
+    compute = max(t[0] for t in times) if calib.pipe_overlap else \
+        max(times, key=lambda t: stage_step_s(c, calib, *t, busy))[0]
     factor = calib.zero_comm_factor[c.zero_stage] if engine.deepspeed else 1.0
 
     def reduce_s(s: int, compression: str) -> float:
