@@ -183,9 +183,9 @@ def pipeline(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Cal
     engine, dp, m, parts = spec(c.engine), len(ranks) // c.stages, c.grad_accum, c.parts
     times = [stage_time_s(c, ranks, net, job, calib, s, parts[s], parts[s + 1]) for s in range(c.stages)]
     busy = busy_slots(c, ranks)
-    step = max(stage_step_s(c, calib, *t, busy) for t in times)
-    compute = max(t[0] for t in times) if calib.pipe_overlap else \
-        max(times, key=lambda t: stage_step_s(c, calib, *t, busy))[0]
+    worst = max(times, key=lambda t: stage_step_s(c, calib, *t, busy))  # the stage that sets the step
+    step = stage_step_s(c, calib, *worst, busy)
+    compute = max(t[0] for t in times) if calib.pipe_overlap else worst[0]
     factor = calib.zero_comm_factor[c.zero_stage] if engine.deepspeed else 1.0
 
     def reduce_s(s: int, compression: str) -> float:
