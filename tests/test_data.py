@@ -234,3 +234,41 @@ def test_a_labels_only_rank_gets_the_same_labels_and_mixed_targets_without_readi
     assert [int(without_images(synthetic.train, synthetic)[i][1]) for i in range(32)] == [i % 10 for i in range(32)]
     neither = _Unreadable(None)
     assert without_images(neither, data) is neither
+
+
+class _Counting(torch.utils.data.Dataset):
+    """A data set with `targets` that notes each image read; its labels are ints, as ImageFolder's."""
+
+    def __init__(self, ds):
+        self.ds, self.targets, self.read = ds, ds.tensors[1].tolist(), []
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        self.read.append(i)
+        return self.ds[i][0], self.targets[i]
+
+
+def test_samples_the_freeze_cache_holds_are_not_read():
+    """--freeze-cache's samples come with a blank image and their label, without reading the image; the rest as
+    before, in the same batches."""
+    from dataclasses import replace
+
+    from vit.config.cli import defaults
+    from vit.data.augment import train_batches
+    from vit.data.sets import load_digits
+
+    data, r = load_digits(), defaults().with_(no_aug=True).recipe
+    counting = _Counting(data.train)
+    data = replace(data, train=counting)
+    order = dict(micro_batch=8, grad_accum=2, dp_rank=1, dp_size=2, start_step=0, end_step=3)
+    full = list(train_batches(data, r, 3, **order))
+    every = sorted(set(counting.read))
+    held, counting.read = set(every[::2]), []
+    part = list(train_batches(data, r, 3, cached=held, **order))
+    assert sorted(set(counting.read)) == every[1::2] and len(part) == len(full) == 6
+    for (x, y), (x2, y2), idx in zip(full, part, TrainBatches(len(counting), seed=3, **order)):
+        assert torch.equal(y, y2)
+        for row, i in enumerate(idx):
+            assert not x2[row].any() if i in held else torch.equal(x2[row], x[row])

@@ -141,7 +141,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     freezer = Freezer(s.freeze, len(layers), plan.steps_per_epoch, plan.total_steps, dev, frozen=frozen,
                       make_layers=lambda: slowdown.attach_all(fresh_layers(), factor, dev), make_engine=make_engine,
                       cache_dir=activation_cache.directory(s, log_dir, job.rank), census=adapted.record,
-                      micro_batch=batch.micro_batch, time_layers=lambda: time_each_rank(
+                      micro_batch=batch.micro_batch, on_progress=watchdog.beat, time_layers=lambda: time_each_rank(
                           job, fresh_layers, data.train[0][0][None], batch.micro_batch, adapted.precision, dev, factor))
     freezer.freeze(layers, frozen)
     engine = make_engine(layers, replan.Layout(**layout) if layout else None)
@@ -212,7 +212,7 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
         order = dict(micro_batch=batch.micro_batch, grad_accum=engine.grad_accum, dp_rank=engine.dp_rank,
                      dp_size=engine.dp_size, start_step=start, end_step=plan.total_steps, sizes=adapted.split)
         batches = train_batches(data, s.recipe, s.train.seed, workers=workers, pin_memory=pin,
-                                labels_only=not engine.reads_images, **order)
+                                labels_only=not engine.reads_images, cached=freezer.samples(engine, workers), **order)
         return freezer.cached(batches, TrainBatches(len(data.train), seed=s.train.seed, **order), engine)
     return Session(engine, log_dir, start, adapted.precision, ds_config, make_batches(engine, start), stats,
                    evaluator, checkpointer, metrics, monitor, locks, freezer, make_batches)

@@ -194,7 +194,7 @@ class FreezeSettings:
     freeze_alpha: float = option(1 / 3, "the schedule's A; settled, grad: at most this share of the active layers "
                                  "freezes at once", "positive", needs="freeze")
     freeze_threshold: float | None = option(None, "over an interval, settled: a layer's weights moved less than this "
-                                            "share of their largest move (default 0.5); grad: its gradient norm "
+                                            "share of their largest move (default 0.65); grad: its gradient norm "
                                             "changed by less than this share (default 0.1)", "positive", needs="freeze")
     freeze_interval_epochs: float = option(1.0, "epochs between decisions (fractions ok)", "positive", needs="freeze")
     freeze_replan: str = option("on", "pipeline engine: at a freeze point plan the stages again (frozen layers hold "

@@ -77,6 +77,30 @@ class LabelsOnly(Dataset):
         return self.blank, self.labels[key % len(self.labels)]  # keyed (step x N + index) or not
 
 
+class ImagesUnless(Dataset):
+    """`ds`, but a sample in `skip` (looked up as it is fetched) comes from `blank` (LabelsOnly) without reading
+    its image: --freeze-cache holds its features already (vit.freeze.activation_cache)."""
+
+    def __init__(self, ds: Dataset, blank: LabelsOnly, skip):
+        self.ds, self.blank, self.skip = ds, blank, skip
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, key: int):
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[int]) -> list:
+        skipped = [k in self.skip for k in keys]
+        read = [k for k, s in zip(keys, skipped) if not s]
+        got = iter(self.ds.__getitems__(read) if hasattr(self.ds, "__getitems__") else [self.ds[k] for k in read])
+        samples = []
+        for k, s in zip(keys, skipped):
+            x, y = self.blank[k] if s else next(got)
+            samples.append((x, torch.as_tensor(y)))  # one type of label: a batch may collate some of each
+        return samples
+
+
 def without_images(ds: Dataset, data) -> Dataset:
     """`ds` for a rank that uses only its labels: LabelsOnly where they come without the images (a TensorDataset's
     second tensor, or `targets` as torchvision's data sets and this project's have them), else `ds` itself."""
@@ -152,15 +176,18 @@ class Mixed:
 
 
 def train_batches(data, r: RecipeSettings, seed: int, *, partners: bool = True, workers: int = 0,
-                  pin_memory: bool = False, labels_only: bool = False, **sampler):
+                  pin_memory: bool = False, labels_only: bool = False, cached=None, **sampler):
     """This rank's training batches: vit.data.sets.TrainBatches(**sampler) over the (augmented) training set, mixed
     when --mixup or --cutmix is on. partners=False: the single-process reference, which mixes whole global
     batches. labels_only: the same labels (and mixed targets) with blank images, where the data set can give its
-    labels without its images (without_images)."""
+    labels without its images (without_images). cached: the samples whose images are not needed (their features are
+    in --freeze-cache's cache), also given blank where the labels come without the images."""
     r = data_recipe(r, data)
     dataset, keyed = train_dataset(data, r, seed)
     if labels_only:
         dataset = without_images(data.train, data)
+    elif cached is not None and not keyed and isinstance(blank := without_images(data.train, data), LabelsOnly):
+        dataset = ImagesUnless(dataset, blank, cached)
     mixup = make_mixup(r, data.num_classes)
     order = TrainBatches(num_samples=len(data.train), seed=seed, keyed=keyed, partners=partners and bool(mixup),
                          **sampler)

@@ -1,9 +1,12 @@
 """--freeze-cache (PipeTransformer's AutoCache): the frozen prefix's output for each training sample, kept in host
 memory (past --freeze-cache-gib in files under the log dir) and fed to the engine in place of the images, whose
-frozen layers then pass their input through while training.
+frozen layers then pass their input through while training. Where the loader reads in the training process (no
+workers) and the data set gives its labels without its images, the images of a sample it holds are not read at all
+(vit.data.augment.ImagesUnless).
 
-Valid only when a sample is the same every epoch: no random augmentation, no mixup. It is emptied at each new
-freeze boundary. Dropout or drop-path inside the frozen layers would be drawn once per sample instead of per step.
+Valid only when a sample is the same every epoch: no random augmentation, no mixup. At a new freeze boundary each
+entry is carried through the newly frozen layers (`advance`) rather than computed again from its image. Dropout or
+drop-path inside the frozen layers would be drawn once per sample instead of per step.
 """
 import os
 import shutil
@@ -12,11 +15,14 @@ import torch
 
 from vit.data.sets import TrainBatches
 
+ADVANCE_BATCH = 256  # entries carried through the newly frozen layers at a time
+
 
 class FeatureCache:
     def __init__(self, limit_gib: float, spill_dir: str):
         self.limit_bytes, self.spill_dir = limit_gib * 2**30, spill_dir
         self.memory, self.spilled, self.bytes = {}, set(), 0
+        self.depth = 0  # the entries are the output of the first `depth` layers
 
     def __contains__(self, i: int) -> bool:
         return i in self.memory or i in self.spilled
@@ -38,6 +44,32 @@ class FeatureCache:
     def clear(self) -> None:
         self.memory, self.spilled, self.bytes = {}, set(), 0
         shutil.rmtree(self.spill_dir, ignore_errors=True)
+
+    def advance(self, depth: int, run, on_progress=None) -> None:
+        """Make the entries the output of the first `depth` layers: run(x, start) is the frozen prefix from layer
+        `start` on (host tensors in and out), applied to ADVANCE_BATCH entries at a time, on_progress() after each
+        (a large spilled cache rewrites every file: the watchdog hears of it). A shorter prefix empties the cache."""
+        if depth < self.depth:
+            self.clear()
+        keys, start = [*self.memory, *self.spilled], self.depth
+        self.depth = depth
+        if depth == start or not keys:
+            return
+        memory, spilled = self.memory, self.spilled
+        self.memory, self.spilled, self.bytes = {}, set(), 0
+        for first in range(0, len(keys), ADVANCE_BATCH):
+            chunk = keys[first:first + ADVANCE_BATCH]
+            old = torch.stack([memory.pop(i) if i not in spilled else self._take_file(i) for i in chunk])
+            for i, row in zip(chunk, run(old, start)):
+                self.put(i, row.clone())
+            if on_progress is not None:
+                on_progress()
+
+    def _take_file(self, i: int) -> torch.Tensor:
+        path = os.path.join(self.spill_dir, f"{i}.pt")
+        t = torch.load(path, weights_only=True)
+        os.remove(path)
+        return t
 
 
 def cached_batches(batches, order: TrainBatches, prefix, cache: FeatureCache, device: torch.device):

@@ -27,7 +27,7 @@ def scheduled(intervals: int, num_freezable: int, alpha: float) -> int:
     return min(num_freezable, math.ceil(num_freezable * (1 - (1 - alpha) ** intervals) - 1e-9))
 
 
-THRESHOLDS = {"grad": 0.1, "settled": 0.5}  # --freeze-threshold's default for each rule (and the schedule's warning)
+THRESHOLDS = {"grad": 0.1, "settled": 0.65}  # --freeze-threshold's default for each rule (and the schedule's warning)
 
 
 def by_measure(change: list[float], frozen: int, threshold: float, alpha: float, allowed: int) -> int:
@@ -85,11 +85,12 @@ class Freezer:
 
     def __init__(self, s: FreezeSettings, num_layers: int, steps_per_epoch: int, total_steps: int,
                  device: torch.device, *, frozen: int = 0, make_layers=None, make_engine=None,
-                 cache_dir: str | None = None, census: dict | None = None, micro_batch: int = 1, time_layers=None):
+                 cache_dir: str | None = None, census: dict | None = None, micro_batch: int = 1, time_layers=None,
+                 on_progress=None):
         """frozen: layers frozen already (a resumed run); make_layers(): a fresh copy of the layer list;
         make_engine(layers, layout): the run's engine built on them; cache_dir: --freeze-cache's spill folder
         (None: no cache); census: hetero.adapt's record, and time_layers() (collective) every rank's layer times,
-        for --freeze-replan."""
+        for --freeze-replan; on_progress(): a sign of life inside a long carry of the cache."""
         self.mode, self.alpha, self.total_steps = s.freeze, s.freeze_alpha, total_steps
         self.num_freezable = num_layers - 1
         self.interval_steps = max(1, round(s.freeze_interval_epochs * steps_per_epoch))
@@ -103,6 +104,7 @@ class Freezer:
         self.planned = None  # the StagePlan of the last re-plan
         self.layout = None  # the pipeline's layout once a freeze point changed it
         self.cache = FeatureCache(s.freeze_cache_gib, cache_dir) if cache_dir else None
+        self.on_progress = on_progress
         self.layers = None
         self.said = None  # the last decision's measure of the next layer to freeze
         self.change = None  # the last decision's per-layer measure (None: nothing to compare yet)
@@ -113,19 +115,34 @@ class Freezer:
         freeze_prefix(layers, frozen, cached=self.cache is not None)
         self.layers = layers
 
-    def cached(self, batches, order, engine):
-        """This rank's batches, through the cache when it is on and this rank holds the frozen layers."""
+    def feeds_from_cache(self, engine) -> bool:
+        """Whether this rank's engine takes the cache's features: the cache is on, something is frozen and this rank
+        holds the first layer."""
         holds = any(name.startswith("0.") for name, _ in engine.live_module().named_parameters())
-        if self.cache is None or not self.frozen or not holds:
+        return self.cache is not None and self.frozen > 0 and holds
+
+    def samples(self, engine, workers: int):
+        """The samples whose images this rank needs not read (the cache, looked up as they are fetched), where it
+        feeds the engine from the cache and fetches in this process; a loader worker's copy of the cache would not
+        see it grow. Else None."""
+        return self.cache if workers == 0 and self.feeds_from_cache(engine) else None
+
+    def cached(self, batches, order, engine):
+        """This rank's batches, through the cache where it feeds the engine from it (its entries carried to the
+        current frozen prefix first)."""
+        if not self.feeds_from_cache(engine):
+            if self.cache is not None:
+                self.cache.clear()  # nothing to keep it for on this rank
             return batches
         prefix = self.layers[:self.frozen]
         dtype = next(prefix[0].parameters()).dtype
 
-        def run(x):
+        def run(x, start: int = 0):
             x = x.to(dtype)
-            for layer in prefix:
+            for layer in prefix[start:]:
                 x = layer.frozen_forward(x)
             return x
+        self.cache.advance(self.frozen, lambda x, start: run(x.to(engine.device), start).cpu(), self.on_progress)
         return cached_batches(batches, order, run, self.cache, engine.device)
 
     def after_step(self, step: int, engine, metrics) -> "object | None":
@@ -155,8 +172,6 @@ class Freezer:
                                  self.make_engine, plan)
         self.watch(rebuilt, step)
         self.rescale(current, rebuilt.layout if current else None)
-        if self.cache is not None:
-            self.cache.clear()  # a new boundary
         stages = rebuilt.layout.stages if current else 1
         planned = {"parts": rebuilt.layout.parts} if current else {}
         if current and self.replan and any(self.planned.times):  # one stage, never timed: no prediction
