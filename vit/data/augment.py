@@ -21,7 +21,7 @@ from timm.data import Mixup, create_transform
 from torch.utils.data import Dataset, TensorDataset
 
 from vit.config.settings import RecipeSettings
-from vit.data.sets import TrainBatches, make_loader
+from vit.data.sets import TrainBatches, fetch, make_loader
 from vit.errors import ConfigError
 
 
@@ -92,8 +92,7 @@ class ImagesUnless(Dataset):
 
     def __getitems__(self, keys: list[int]) -> list:
         skipped = [k in self.skip for k in keys]
-        read = [k for k, s in zip(keys, skipped) if not s]
-        got = iter(self.ds.__getitems__(read) if hasattr(self.ds, "__getitems__") else [self.ds[k] for k in read])
+        got = iter(fetch(self.ds, [k for k, s in zip(keys, skipped) if not s]))
         samples = []
         for k, s in zip(keys, skipped):
             x, y = self.blank[k] if s else next(got)

@@ -256,9 +256,13 @@ class _Padded(Dataset):
         return len(self.ds)
 
     def __getitems__(self, keys: list[int]) -> list:
-        real = [k for k in keys if k >= 0]
-        got = iter(self.ds.__getitems__(real) if hasattr(self.ds, "__getitems__") else [self.ds[k] for k in real])
+        got = iter(fetch(self.ds, [k for k in keys if k >= 0]))
         return [(self.pad, torch.tensor(PAD_LABEL)) if k < 0 else next(got) for k in keys]
+
+
+def fetch(ds: Dataset, keys: list[int]) -> list:
+    """`ds`'s samples `keys`, in one batched call where it has one (__getitems__)."""
+    return ds.__getitems__(keys) if hasattr(ds, "__getitems__") else [ds[k] for k in keys]
 
 
 def eval_batches(num_samples: int, micro_batch: int, dp_rank: int, dp_size: int) -> list[list[int]]:
