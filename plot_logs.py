@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Charts, a comparison table and one self-contained report.html from run folders written by vit.train: the command
-line of vit.telemetry.charts, which reads only the logs' schema (vit.telemetry.runlogs), never stdout."""
+line of vit.reports.charts, which reads only the logs' schema (vit.reports.runlogs), never stdout."""
 import argparse
 import os
 import sys
 from pathlib import Path
 
-from vit.telemetry.charts import write
-from vit.telemetry.runlogs import LogError, Run
+from vit.reports.charts import write
+from vit.reports.runlogs import LogError, Run
 
 
 def main(argv=None) -> int:

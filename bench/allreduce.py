@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import device_name, load_avg, publish
-from vit.config.settings import positive_int
+from vit.core.settings import positive_int
 from vit.runtime.dist_env import MPI_LAUNCHERS, device, discover, init_process_group, resolve_master
 
 

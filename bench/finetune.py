@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image
 
 from bench.common import device_name, failure_tail, load_avg, mpirun_train, publish
-from vit.config.settings import positive_int
+from vit.core.settings import positive_int
 
 
 def write_parity_folder(root: Path, per_class: int, task: str = "parity") -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.common import device_name, failure_tail, load_avg, mpirun_train, publish
 from bench.finetune import write_parity_folder
-from vit.config.settings import positive_int
+from vit.core.settings import positive_int
 
 REPLAN_CACHE = ["--freeze-replan", "on", "--freeze-cache", "on"]
 CONFIGS = {  # name -> options on top of the case's run

@@ -19,9 +19,9 @@ from torch import nn
 
 from bench.common import failure_tail, median_step_s, mpirun_train, publish
 from vit.config.cli import defaults
-from vit.config.settings import positive_int
+from vit.core.settings import positive_int
 from vit.engines.registry import spec
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.planner.cli import CALIBRATION, calibration
 from vit.runtime import slowdown
 
@@ -113,8 +113,8 @@ def mixed_table(a, chosen: list, best: dict) -> str:
 def grad_max_per_step(a) -> tuple[list[float], float]:
     """fp32 training on the global batch for --steps steps: the largest |gradient| of each step over the
     parameters and the layer outputs; and the --loss-scale auto probe's value at step 0."""
-    from vit.data.sets import TrainBatches, load_dataset, make_loader
-    from vit.hetero.loss_scale import GradPeak, probe_grad_max
+    from vit.data.datasets import TrainBatches, load_dataset, make_loader
+    from vit.planner.loss_scale import GradPeak, probe_grad_max
     from vit.loop.optim import make_optimizer, make_scheduler
     from vit.loop.reference import train_step
     from vit.model.layers import build_layers, model_shape
@@ -141,7 +141,7 @@ def skipped_steps(peaks: list[float], power: int) -> int:
     with overflow = max|g| x scale reaches the fp16 limit."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from vit.hetero.loss_scale import FP16_MAX
+    from vit.planner.loss_scale import FP16_MAX
 
     scaler = DynamicLossScaler(init_scale=2.0**power, scale_window=1000, min_scale=1, delayed_shift=2,
                                consecutive_hysteresis=False)
@@ -158,7 +158,7 @@ def lossscale(a) -> int:
 
     from vit.config.ds_config import DEFAULT_FP16_SCALE_POWER
     from vit.engines.deepspeed_engine import deepspeed_comm
-    from vit.hetero.loss_scale import scale_power
+    from vit.planner.loss_scale import scale_power
 
     with tempfile.TemporaryDirectory() as tmp:  # the loss scaler logs through torch.distributed's rank
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)

@@ -14,7 +14,7 @@ import statistics
 import tempfile
 import time
 
-from vit.config.settings import ROOT, positive_int
+from vit.core.settings import ROOT, positive_int
 from vit.telemetry.monitor import Monitor
 
 

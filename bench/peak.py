@@ -4,7 +4,7 @@ import time
 import torch
 
 from bench.common import device_name, load_avg
-from vit.config.settings import positive_int
+from vit.core.settings import positive_int
 
 
 def run(a) -> int:

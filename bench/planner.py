@@ -14,8 +14,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from bench.common import OthersCpu, failure_tail, load_avg, median_step_s, mpirun_train, publish
-from vit.config.settings import positive_int
-from vit.errors import ConfigError
+from vit.core.settings import positive_int
+from vit.core.errors import ConfigError
 from vit.planner.auto import PICK, family
 from vit.planner.cli import CALIBRATION, calibration
 from vit.planner.cost import Candidate

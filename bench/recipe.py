@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from bench.common import OthersCpu, device_name, failure_tail, load_avg, mpirun_train, publish, seed_list
-from vit.config.settings import positive_int
+from vit.core.settings import positive_int
 
 # name -> extra vit.train options. 'baseline' is the default job as it ships.
 VARIANTS = {

@@ -4,7 +4,7 @@ registry: the ZeRO engine once per stage (zero0..zero3, each with its zeroN.json
 import argparse
 import sys
 
-from vit.config.settings import ROOT
+from vit.core.settings import ROOT
 from vit.engines.registry import SPECS, EngineSpec
 
 CONFIGS = ROOT / "deepspeed_configs"

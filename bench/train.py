@@ -26,8 +26,8 @@ from bench.common import (
 )
 from bench.runs import CONFIGS, RUN_ENGINES, RUNS, engine_options
 from vit.config.cli import defaults
-from vit.config.settings import positive_int
-from vit.errors import ConfigError
+from vit.core.settings import positive_int
+from vit.core.errors import ConfigError
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.reference import train_step
 from vit.model.layers import PRESETS, build_layers, check_model, model_shape

@@ -24,7 +24,7 @@ from torch.func import functional_call
 
 from vit.config.cli import defaults, parse
 from vit.data.augment import train_batches
-from vit.data.sets import load_dataset
+from vit.data.datasets import load_dataset
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.reference import reference_losses
 from vit.model.layers import build_layers, loss_fn, model_shape
@@ -65,7 +65,7 @@ class Stage:
 def test_prediction_is_the_optimizers_own_steps_with_no_new_gradient(opt, options, updates):
     """msnag's weights d updates ahead are those d zero-gradient steps of the optimizer itself give (the emulator's
     definition), before the first update too; for SGD with momentum alone, FTPipe's closed form."""
-    from vit.engines.msnag import predict
+    from vit.engines.async_pipeline.msnag import predict
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 3)

@@ -9,8 +9,8 @@ from helpers import launch, run_cmd
 
 from vit.config.cli import parse
 from vit.config.compat import PROVISIONAL
-from vit.config.settings import ROOT
-from vit.errors import ConfigError
+from vit.core.settings import ROOT
+from vit.core.errors import ConfigError
 from vit.planner import auto, links
 from vit.planner.cost import Network
 

@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from vit.engines.registry import SPECS
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.planner import balance, cli
 from vit.planner.cost import Candidate
 

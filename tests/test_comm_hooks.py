@@ -7,7 +7,7 @@ import pytest
 from helpers import base_env, launch, run_cmd, train_losses
 
 from vit.config.cli import parse
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 STEPS, START = 8, 3  # PowerSGD compresses from step START + 1 on
 COMMON = ["--engine", "ddp", "--steps", STEPS, "--log-interval", 1]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import base_env, run_cmd
 
-from vit.data.sets import PAD_LABEL, TrainBatches, eval_batches, load_dataset, make_loader
-from vit.errors import ConfigError
+from vit.data.datasets import PAD_LABEL, TrainBatches, eval_batches, load_dataset, make_loader
+from vit.core.errors import ConfigError
 
 
 def test_digits_split_is_fixed_and_stratified():
@@ -152,7 +152,7 @@ RECIPE = dict(scale=(0.6, 1.0), hflip=0.5, aa="rand-m9-mstd0.5", color_jitter=0.
 def test_augmented_mixed_global_batch_is_the_same_for_any_width_and_workers(dp, ga, workers):
     from vit.config.cli import defaults
     from vit.data.augment import train_batches
-    from vit.data.sets import load_digits
+    from vit.data.datasets import load_digits
 
     data, r, steps, g = load_digits(), defaults().with_(**RECIPE).recipe, 3, 32
     whole = list(train_batches(data, r, 3, partners=False, micro_batch=g, grad_accum=1, dp_rank=0, dp_size=1,
@@ -179,7 +179,7 @@ def test_an_augmented_batch_is_its_samples_and_leaves_the_callers_generators_alo
 
     from vit.config.cli import defaults
     from vit.data.augment import train_dataset
-    from vit.data.sets import load_digits
+    from vit.data.datasets import load_digits
 
     data = load_digits()
     ds, keyed = train_dataset(data, defaults().with_(**{**RECIPE, "mixup": 0.0, "cutmix": 0.0}).recipe, 5)
@@ -215,7 +215,7 @@ def test_a_labels_only_rank_gets_the_same_labels_and_mixed_targets_without_readi
 
     from vit.config.cli import defaults
     from vit.data.augment import train_batches, without_images
-    from vit.data.sets import load_digits
+    from vit.data.datasets import load_digits
 
     data, r = load_digits(), defaults().with_(**RECIPE).recipe
     order = dict(micro_batch=8, grad_accum=2, dp_rank=1, dp_size=2, start_step=0, end_step=3)
@@ -257,7 +257,7 @@ def test_samples_the_freeze_cache_holds_are_not_read():
 
     from vit.config.cli import defaults
     from vit.data.augment import train_batches
-    from vit.data.sets import load_digits
+    from vit.data.datasets import load_digits
 
     data, r = load_digits(), defaults().with_(no_aug=True).recipe
     counting = _Counting(data.train)

@@ -3,7 +3,7 @@ import ipaddress
 
 import pytest
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.runtime.dist_env import choose_master_addr, discover
 
 

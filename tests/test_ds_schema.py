@@ -6,8 +6,8 @@ import json
 import pytest
 
 from vit.config.ds_config import precision_of, resolve
-from vit.config.settings import ParallelSettings
-from vit.errors import ConfigError
+from vit.core.settings import ParallelSettings
+from vit.core.errors import ConfigError
 
 
 def resolve_file(tmp_path, **cfg):

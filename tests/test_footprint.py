@@ -1,4 +1,4 @@
-"""The memory model (vit.hetero.footprint): the bytes per parameter each engine holds, term by term as DeepSpeed's and
+"""The memory model (vit.planner.memory): the bytes per parameter each engine holds, term by term as DeepSpeed's and
 torch's sources allocate them, and one measurement of the real thing (a DDP model after one step)."""
 import gc
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vit.hetero import footprint
+from vit.planner import memory as footprint
 
 CONFIGS = Path(__file__).parent.parent / "deepspeed_configs"
 
@@ -117,13 +117,13 @@ def test_the_estimate_covers_what_a_real_ddp_model_holds_after_one_step(tmp_path
 
 
 def test_the_memory_model_is_a_lower_layer_than_the_plan_and_the_census():
-    """vit.hetero.footprint imports no other part of vit but its errors and the engine registry, and
-    vit.hetero.memory (the out-of-memory message and
+    """vit.planner.memory imports no other part of vit but its errors and the engine registry, and
+    vit.planner.fit (the out-of-memory message and
     --micro-batch-size auto) not the plan it serves: nothing hides a cycle behind a function-level import."""
-    code = ("import sys, vit.hetero.footprint; print(sorted(m for m in sys.modules if m.startswith('vit.'))); "
-            "import vit.hetero.memory; print('vit.config.plan' in sys.modules)")
+    code = ("import sys, vit.planner.memory; print(sorted(m for m in sys.modules if m.startswith('vit.'))); "
+            "import vit.planner.fit; print('vit.config.plan' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    light = {"vit.errors", "vit.engines.registry", "vit.hetero.footprint"}  # the registry imports no torch
+    light = {"vit.core.errors", "vit.engines.registry", "vit.planner.memory"}  # the registry imports no torch
     light |= {m.rsplit(".", 1)[0] for m in light if m.count(".") > 1}  # and their packages
     assert out.stdout.split("\n")[:2] == [str(sorted(light)), "False"], out
 

@@ -1,4 +1,4 @@
-"""Freeze training (--freeze): the rules of vit/freeze/rules.py, and real 2-rank runs whose engines are rebuilt in place
+"""Freeze training (--freeze): the rules of vit/freeze/freezer.py, and real 2-rank runs whose engines are rebuilt in place
 at each freeze point compared with the single-process loop that freezes the same layers after the same steps."""
 import json
 import re
@@ -10,13 +10,13 @@ from helpers import launch, plugin_env, read_jsonl, run_cmd, train_losses
 from torch import nn
 
 from vit.config.cli import defaults, parse
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.freeze import activation_cache
 from vit.freeze.activation_cache import FeatureCache
 from vit.freeze.measures import WeightMoves, changes
 from vit.freeze.replan import Layout, replan
-from vit.freeze.rules import Freezer, by_measure, freeze_prefix, next_measure, scheduled
-from vit.hetero import stages
+from vit.freeze.freezer import Freezer, by_measure, freeze_prefix, next_measure, scheduled
+from vit.planner import stages
 from vit.loop.reference import reference_losses
 from vit.model.layers import build_layers
 

@@ -12,8 +12,8 @@ from helpers import ROOT, launch
 from vit.config.cli import parse
 from vit.config.compat import check_precision
 from vit.config.plan import make_plan
-from vit.errors import ConfigError
-from vit.hetero import census
+from vit.core.errors import ConfigError
+from vit.planner import census
 from vit.runtime import dist_env, gpu
 from vit.runtime.dist_env import Job
 from vit.runtime.precision import choose
@@ -342,7 +342,7 @@ def test_torch_threads_follow_the_cpu_affinity(monkeypatch):
 
 
 def test_gpu_ranks_load_data_with_persistent_workers_and_cpu_ranks_stay_as_they_were():
-    from vit.data.sets import MAX_GPU_WORKERS, loader_workers, make_loader
+    from vit.data.datasets import MAX_GPU_WORKERS, loader_workers, make_loader
 
     assert loader_workers(None, "cpu", cores=16) == 0  # the CPU default is unchanged
     assert loader_workers(None, "cuda", cores=16) == MAX_GPU_WORKERS == 4

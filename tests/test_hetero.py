@@ -10,9 +10,9 @@ import torch
 from helpers import base_env, launch, plugin_env, run_cmd, train_losses
 
 from vit.config.cli import defaults
-from vit.data.sets import TrainBatches
-from vit.errors import ConfigError
-from vit.hetero import batch_split, census, loss_scale, stages
+from vit.data.datasets import TrainBatches
+from vit.core.errors import ConfigError
+from vit.planner import batch_split, census, loss_scale, stages
 from vit.loop.reference import reference_losses
 from vit.runtime import slowdown
 from vit.runtime.precision import choose
@@ -160,7 +160,7 @@ def test_proportional_split_follows_speed_within_memory():
 def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
     from pathlib import Path
 
-    from vit.hetero import footprint
+    from vit.planner import memory as footprint
 
     zero2 = json.loads((Path(__file__).parent.parent / "deepspeed_configs" / "zero2.json").read_text())
     z = zero2["zero_optimization"]
@@ -180,7 +180,7 @@ def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
 
 
 def test_activations_are_profiled_in_the_runs_precision():
-    from vit.hetero import profile
+    from vit.planner import profile
     from vit.model.layers import build_layers
 
     layers = build_layers("vit_digits", 10, 1, None, 0)
@@ -195,7 +195,7 @@ def test_activations_are_profiled_in_the_runs_precision():
 
 
 def test_layer_times_pool_identical_blocks_and_leave_the_layers_alone():
-    from vit.hetero import profile
+    from vit.planner import profile
     from vit.model.layers import build_layers
 
     layers = build_layers("vit_digits", 10, 1, None, 0)
@@ -494,7 +494,7 @@ def test_the_probe_chunk_fits_an_fp32_copy_or_goes_to_the_cpu(tmp_path):
 def test_a_probe_that_runs_out_of_memory_says_so_in_one_line(tmp_path):
     """cuBLAS's failed allocation in the probe's fp32 copy: the message names the probe, not step 1, and how to
     skip it; the run's layers are left as they were."""
-    from vit.errors import OutOfMemory
+    from vit.core.errors import OutOfMemory
 
     INJECTED_OOM = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 

@@ -9,7 +9,8 @@ from helpers import launch, plugin_env
 
 from vit.config.cli import parse
 from vit.config.plan import make_plan
-from vit.hetero import footprint, memory
+from vit.planner import fit as memory
+from vit.planner import memory as footprint
 from vit.runtime.dist_env import Job
 
 
@@ -52,7 +53,7 @@ def test_every_form_of_a_gpu_out_of_memory_is_one():
     failed allocations (RuntimeError), a CUDA call's (torch.AcceleratorError), NCCL's at communicator creation."""
     import torch.distributed as dist
 
-    from vit.errors import OutOfMemory
+    from vit.core.errors import OutOfMemory
 
     ooms = [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), RuntimeError(CUBLAS_OOM),
             RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), torch.AcceleratorError("CUDA error: out of memory"),

@@ -5,7 +5,7 @@ import timm
 import torch
 from torch import nn
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.model.layers import check_model, create_vit, layer_state_dict, model_shape, timm_state_dict, to_layers
 
 

@@ -1,5 +1,5 @@
 """DeepSpeed's 1-bit optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB) are refused in one line, asked for by --opt or by
-the JSON's optimizer section, because the pinned DeepSpeed no longer has them (vit/config/onebit.py cites its
+the JSON's optimizer section, because the pinned DeepSpeed no longer has them (vit/core/onebit.py cites its
 source; the first test checks that the installed one still lacks them). communication_data_type in the DeepSpeed
 JSON is read as DeepSpeed reads it and applies only to DeepSpeed's engines."""
 import importlib.util
@@ -11,8 +11,8 @@ from helpers import base_env, run_cmd
 
 from vit.config.cli import parse
 from vit.config.ds_config import resolve
-from vit.config.settings import ParallelSettings
-from vit.errors import ConfigError
+from vit.core.settings import ParallelSettings
+from vit.core.errors import ConfigError
 
 ALTERNATIVES = ("for smaller gradients use --engine ddp --comm-hook fp16, bf16 or powersgd, or communication_data_type "
                 "fp16 or bf16 in the DeepSpeed JSON (docs/ethernet.md)")
@@ -31,7 +31,7 @@ def resolve_file(tmp_path, engine="zero", **cfg):
 
 
 def test_the_installed_deepspeed_has_no_onebit_optimizers():
-    """What vit/config/onebit.py says of DeepSpeed 0.19.8: should an upgrade bring them back, this fails first."""
+    """What vit/core/onebit.py says of DeepSpeed 0.19.8: should an upgrade bring them back, this fails first."""
     from deepspeed.runtime import config
     from deepspeed.runtime.engine import DeepSpeedEngine
 

@@ -37,7 +37,7 @@ def test_layer_decay_scales_each_layer_of_the_list_as_timm_does():
 def test_fused_adamw_is_the_default_on_cuda_only():
     import torch
 
-    from vit.config.settings import OptimSettings
+    from vit.core.settings import OptimSettings
     from vit.loop.optim import make_optimizer, use_fused
 
     assert use_fused(OptimSettings(), "cuda") and not use_fused(OptimSettings(), "cpu")
@@ -54,9 +54,9 @@ def test_ddp_fp16_skips_an_overflowed_step_without_advancing_the_lr(tmp_path, fu
     import torch.distributed as dist
 
     from vit.config.ds_config import Batch
-    from vit.config.settings import OptimSettings
+    from vit.core.settings import OptimSettings
     from vit.engines.base import EngineContext
-    from vit.engines.ddp import DDPEngine
+    from vit.engines.ddp.engine import DDPEngine
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)]

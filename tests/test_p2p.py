@@ -1,4 +1,4 @@
-"""The async pipeline's channels (vit.engines.p2p) between two real gloo ranks: what arrives is what was sent, in
+"""The async pipeline's channels (vit.engines.async_pipeline.p2p) between two real gloo ranks: what arrives is what was sent, in
 every shape and dtype change, each received tensor an allocation of its own (offset 0, contiguous, no flag or
 header element beside it), and a receive never touches the values of a tensor it receives: on a GPU that would be
 a host sync per message. Tensor ops are observed with torch's dispatch mode, the same on a CPU as on a GPU."""
@@ -47,7 +47,7 @@ def worker(out: str) -> None:
     back doubled."""
     import torch.distributed as dist
 
-    from vit.engines.p2p import Links
+    from vit.engines.async_pipeline.p2p import Links
 
     dist.init_process_group("gloo")
     links, rank, report = Links(2, 1, torch.device("cpu")), dist.get_rank(), []

@@ -10,7 +10,7 @@ import pytest
 from helpers import launch
 
 from vit.engines.registry import SPECS, spec
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.planner import cli
 from vit.planner.cost import (
     Calibration,
@@ -252,7 +252,7 @@ CENSUS_RANK = {"bf16": True, "capability": None, "device": "AMD EPYC", "fp16": F
 
 
 def write_run(tmp_path, block_ms=(1.6, 3.2), hosts=("h0", "h1")):
-    """cluster.json and config.json as vit.telemetry.summary.start_record writes them (write_json)."""
+    """cluster.json and config.json as vit.config.records.start_record writes them (write_json)."""
     census = [{**CENSUS_RANK, "host": h, "block_ms": b} for h, b in zip(hosts, block_ms)]
     write_json(str(tmp_path / "cluster.json"), {"census": census, "precision": "fp32", "precision_why": "cpu",
                                                 "state_bytes_per_param": 24.0})

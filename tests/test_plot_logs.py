@@ -1,4 +1,4 @@
-"""plot_logs.py (the command line of vit.telemetry.charts) on the logs of real 2-rank runs (ZeRO-2 and the pipeline,
+"""plot_logs.py (the command line of vit.reports.charts) on the logs of real 2-rank runs (ZeRO-2 and the pipeline,
 CPU and
 gloo), trained once for the module; and on broken or odd folders."""
 import csv
@@ -12,7 +12,7 @@ import pytest
 from helpers import ROOT, base_env, launch, plugin_env, run_cmd
 
 from vit.config.cli import parser
-from vit.telemetry import charts, runlogs
+from vit.reports import charts, runlogs
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 

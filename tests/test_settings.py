@@ -3,9 +3,9 @@ checks between options, and --data-path never ignored."""
 import pytest
 
 from vit.config.cli import defaults, parse, parser
-from vit.config.settings import DataSettings, Settings
-from vit.data.sets import dataset_for
-from vit.errors import ConfigError
+from vit.core.settings import DataSettings, Settings
+from vit.data.datasets import dataset_for
+from vit.core.errors import ConfigError
 
 
 def test_defaults_need_no_command_line():
@@ -98,7 +98,7 @@ def test_digits_crop_by_default_and_no_aug_turns_every_augmentation_off():
     """The digits' default crop applies where --scale is not given; --no-aug (timm's) wins over every transform
     option and the default, and leaves mixup; other data sets have no default augmentation."""
     from vit.data.augment import data_recipe, train_dataset
-    from vit.data.sets import load_dataset
+    from vit.data.datasets import load_dataset
 
     digits, synthetic = load_dataset("digits", None, 8), load_dataset("synthetic", None, 32, synthetic_size=64)
     assert data_recipe(defaults().recipe, digits).scale == (0.95, 1.0)

@@ -13,7 +13,7 @@ from helpers import MPIRUN, ROOT, base_env, launch, read_jsonl, run_cmd
 
 from vit.config import ds_schema
 from vit.config.cli import parse
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 FAKE_BIN = ROOT / "tests" / "fake_bin"
 TRAIN = ["--log-interval", 5, "--eval-interval", 10, "--monitor-interval", 0.1, "--report-to", "tensorboard,wandb,csv",

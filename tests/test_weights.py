@@ -10,7 +10,7 @@ from helpers import base_env, launch, run_cmd
 from safetensors.torch import save_file
 from torch import nn
 
-from vit.data.sets import load_dataset
+from vit.data.datasets import load_dataset
 from vit.model.layers import build_layers, timm_state_dict
 from vit.model.weights import initial_layers
 
@@ -30,7 +30,7 @@ def timm_file(tmp_path_factory):
 def test_normalisation_comes_from_the_pretrained_config(tmp_path):
     """Pretrained weights are fine-tuned on images normalised as in their pretraining: the config beside the file
     (an --export's PATH.json, a Hugging Face folder's config.json), else timm's config of the model's tag."""
-    from vit.errors import ConfigError
+    from vit.core.errors import ConfigError
     from vit.model.weights import pretrained_norm
 
     weights = tmp_path / "export.safetensors"
@@ -170,7 +170,7 @@ def test_misfit_foreign_damaged_and_offline_pretrained_are_one_line(tmp_path, ti
 
 def test_damaged_and_foreign_files_say_what_they_are(tmp_path, timm_file):
     """Each in one line naming the file: a damaged file, another network's keys, a file of a checkpoint folder."""
-    from vit.errors import ConfigError
+    from vit.core.errors import ConfigError
     from vit.model.weights import check
 
     path, want = timm_file

@@ -17,15 +17,15 @@ from vit.config.cli import PROG, parse
 from vit.config.ds_config import with_precision
 from vit.config.plan import Plan, choose_resume, make_plan, with_micro_batch
 from vit.data.augment import train_batches
-from vit.data.sets import TrainBatches, loader_workers, make_loader
+from vit.data.datasets import TrainBatches, loader_workers, make_loader
 from vit.engines import Engine, EngineContext, build
 from vit.engines.registry import spec
-from vit.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
+from vit.core.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.freeze import activation_cache, replan
-from vit.freeze.rules import Freezer
-from vit.hetero import memory
-from vit.hetero.adapt import Adapted, adapt, time_each_rank
-from vit.hetero.footprint import gpu_reserved_bytes, is_oom
+from vit.freeze.freezer import Freezer
+from vit.planner import fit
+from vit.planner.survey import Adapted, adapt, time_each_rank
+from vit.planner.memory import gpu_reserved_bytes, is_oom
 from vit.loop import checkpoint
 from vit.loop.ema import Ema
 from vit.loop.evaluate import Evaluator
@@ -38,11 +38,11 @@ from vit.runtime import console, plugins, preflight, slowdown
 from vit.runtime.dist_env import device, discover, end_process_group, init_process_group, rank0_decides, rank_cores
 from vit.runtime.faults import Watchdog, announce_failure
 from vit.runtime.gpu import set_tf32
-from vit.runtime.rundir import RunLock, agree_log_dir, lock_run_dirs
+from vit.config.rundir import RunLock, agree_log_dir, lock_run_dirs
 from vit.telemetry import tracking
 from vit.telemetry.metrics import MetricsLog, peak_mem_gib
 from vit.telemetry.monitor import Monitor
-from vit.telemetry.summary import start_record, write_summary
+from vit.config.records import start_record, write_summary
 
 
 def prepare_environment() -> None:
@@ -177,8 +177,8 @@ def adapt_to_cluster(plan: Plan, dev: torch.device, layers: list, start_step: in
         balanced=balance.candidate(plan), proportional=s.parallel.batch_split == "proportional",
         probe_batches=probe_batches if s.parallel.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split, parts=plan.stage_parts,
-        state_bytes=lambda precision: memory.state_bytes_per_param(plan, precision),
-        reserved_bytes=gpu_reserved_bytes(plan.ds_config, memory.likely_precision(plan, dev)),
+        state_bytes=lambda precision: fit.state_bytes_per_param(plan, precision),
+        reserved_bytes=gpu_reserved_bytes(plan.ds_config, fit.likely_precision(plan, dev)),
         probe_on_cpu=pipeline or plan.layout["zero_stage"] == 3,
         profile_only=pipeline and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
 
@@ -249,7 +249,7 @@ def run(plan: Plan, start_time: float) -> int:
         if not is_oom(e):
             raise
         print(f"rank {plan.job.rank} ({socket.gethostname()}) failed at start: "
-              f"{memory.nccl_out_of_memory(device(plan.job), e)}", file=sys.stderr, flush=True)
+              f"{fit.nccl_out_of_memory(device(plan.job), e)}", file=sys.stderr, flush=True)
         return 1
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
@@ -258,14 +258,14 @@ def run(plan: Plan, start_time: float) -> int:
         if plan.auto is not None:  # --engine auto
             plan = auto_engine.choose(plan, device(plan.job))
         if plan.settings.parallel.micro_batch_size == "auto":
-            plan = with_micro_batch(plan, *memory.fit_micro_batch(plan, device(plan.job)))
+            plan = with_micro_batch(plan, *fit.fit_micro_batch(plan, device(plan.job)))
         train(plan, start_time, watchdog)
     except NothingToDo as e:  # decided on rank 0 before anything was written
         if plan.job.is_main:
             print(f"{PROG}: {e}", flush=True)
     except Exception as e:
         if is_oom(e):
-            e = memory.out_of_memory(plan, device(plan.job), watchdog.step, e)
+            e = fit.out_of_memory(plan, device(plan.job), watchdog.step, e)
         if isinstance(e, ConfigError):  # a collective finding (preflight, census, lock): the same on every rank
             announce_failure(f"rank {plan.job.rank} ({socket.gethostname()}): {e}")
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)

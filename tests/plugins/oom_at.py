@@ -1,11 +1,11 @@
 """VIT_TEST_OOM_AT=RANK:STEP (STEP >= 2): rank RANK's forward raises cuBLAS's out-of-memory error (a RuntimeError,
 as torch raises it) during step STEP, so that tests reach the real handling without a GPU; RANK:probe makes the
---loss-scale auto probe's first loss raise it (vit.hetero.loss_scale)."""
+--loss-scale auto probe's first loss raise it (vit.planner.loss_scale)."""
 import os
 
 import torch
 
-from vit.hetero import loss_scale
+from vit.planner import loss_scale
 from vit.runtime import plugins
 
 INJECTED = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` (injected by VIT_TEST_OOM_AT)"

@@ -1,4 +1,4 @@
-"""The command line: the parser generated from vit.config.settings' fields (flags, types, choices, help), the checks
+"""The command line: the parser generated from vit.core.settings' fields (flags, types, choices, help), the checks
 that
 span options, `parse(argv)` and `defaults()` (the settings of a run with no options, for tools and tests)."""
 import argparse
@@ -9,9 +9,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from vit.config.compat import NEEDS, PROVISIONAL, check_auto, check_settings
-from vit.config.settings import DEFAULT_EPOCHS, GROUPS, ROOT, TRACKERS, Settings
+from vit.core.settings import DEFAULT_EPOCHS, GROUPS, ROOT, TRACKERS, Settings
 from vit.engines.registry import AUTO, spec
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 PROG = "entry_cn.sh"  # the launcher users run: the usage and the training's messages name it
 

@@ -4,7 +4,7 @@ engine (tests/test_architecture.py holds the rest to that). Each refusal is one 
 import sys
 
 from vit.engines.registry import AUTO, NAMES, SPECS, spec
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 
 def _engines(has) -> str:
@@ -13,7 +13,7 @@ def _engines(has) -> str:
     return "--engine " + (" or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}")
 
 
-# What an option with `needs` (vit.config.settings.option) has no effect without: (whether the settings have it, how
+# What an option with `needs` (vit.core.settings.option) has no effect without: (whether the settings have it, how
 # to say
 # it).
 NEEDS = {

@@ -9,10 +9,10 @@ from pathlib import Path
 from vit.config.compat import check_comm_dtype, check_zero_stage
 from vit.config.ds_schema import deepspeed_parses
 from vit.config.ds_schema import validate as validate_ds_schema
-from vit.config.onebit import check_json_optimizer
-from vit.config.settings import ParallelSettings
+from vit.core.onebit import check_json_optimizer
+from vit.core.settings import ParallelSettings
 from vit.engines.registry import spec
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 DEFAULT_FP16_SCALE_POWER = 12  # 2^16, DeepSpeed's default, overflowed on every step in users' ViT runs
 
@@ -114,7 +114,7 @@ def resolve(par: ParallelSettings, world_size: int) -> tuple[dict, Batch]:
         raise ConfigError(f"--pipeline-stages {stages} does not divide the world size {world_size}")
     if par.micro_batch_size or par.grad_accum:
         cfg.pop("train_batch_size", None)  # recomputed from the overrides
-    if par.micro_batch_size and par.micro_batch_size != "auto":  # auto: the JSON's until vit.hetero.memory measures
+    if par.micro_batch_size and par.micro_batch_size != "auto":  # auto: the JSON's until vit.planner.fit measures
         cfg["train_micro_batch_size_per_gpu"] = par.micro_batch_size
     if par.grad_accum:
         cfg["gradient_accumulation_steps"] = par.grad_accum

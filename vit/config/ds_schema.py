@@ -20,7 +20,7 @@ from functools import cache
 import annotated_types as at
 import pydantic
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 # Top-level values DeepSpeed reads without checking their type or range (no pydantic model).
 SCALAR_TYPES = {

@@ -9,17 +9,17 @@ from pathlib import Path
 
 from vit.config.compat import PROVISIONAL, check_freeze, check_precision
 from vit.config.ds_config import Batch, precision_of, resolve
-from vit.config.settings import ROOT, Settings
+from vit.core.settings import ROOT, Settings
 from vit.data.augment import data_recipe
-from vit.data.sets import DataSplit, dataset_for, load_dataset, steps_per_epoch
+from vit.data.datasets import DataSplit, dataset_for, load_dataset, steps_per_epoch
 from vit.engines.registry import AUTO, spec
-from vit.errors import ConfigError, NothingToDo
+from vit.core.errors import ConfigError, NothingToDo
 from vit.loop import checkpoint
 from vit.model import weights
 from vit.model.layers import check_img_size, model_shape
 from vit.runtime import slowdown
 from vit.runtime.dist_env import Job, resolve_master
-from vit.runtime.rundir import check_export, check_unused, check_writable
+from vit.config.rundir import check_export, check_unused, check_writable
 from vit.telemetry import tracking
 
 

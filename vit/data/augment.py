@@ -3,7 +3,7 @@
 Every engine, data-parallel width and number of workers must see the same augmented global batch, or the engines
 would not train the same network. So:
 
-- a training sample is asked for by key step x N + index (vit.data.sets.TrainBatches(keyed=True)), and `Augmented`
+- a training sample is asked for by key step x N + index (vit.data.datasets.TrainBatches(keyed=True)), and `Augmented`
   runs timm's create_transform on it with torch's, numpy's and Python's generators seeded from (seed, step,
   index), in a forked state that leaves the model's (drop-path's) generator alone;
 - timm's Mixup mixes a batch with its reverse (sample p with sample B-1-p) with one lam per batch, drawn from
@@ -20,9 +20,9 @@ import torch
 from timm.data import Mixup, create_transform
 from torch.utils.data import Dataset, TensorDataset
 
-from vit.config.settings import RecipeSettings
-from vit.data.sets import TrainBatches, fetch, make_loader
-from vit.errors import ConfigError
+from vit.core.settings import RecipeSettings
+from vit.data.datasets import TrainBatches, fetch, make_loader
+from vit.core.errors import ConfigError
 
 
 def _seed(*parts: int) -> int:
@@ -176,7 +176,7 @@ class Mixed:
 
 def train_batches(data, r: RecipeSettings, seed: int, *, partners: bool = True, workers: int = 0,
                   pin_memory: bool = False, labels_only: bool = False, cached=None, **sampler):
-    """This rank's training batches: vit.data.sets.TrainBatches(**sampler) over the (augmented) training set, mixed
+    """This rank's training batches: vit.data.datasets.TrainBatches(**sampler) over the (augmented) training set, mixed
     when --mixup or --cutmix is on. partners=False: the single-process reference, which mixes whole global
     batches. labels_only: the same labels (and mixed targets) with blank images, where the data set can give its
     labels without its images (without_images). cached: the samples whose images are not needed (their features are

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 SHOWN = 3  # unreadable files named in the message; the rest are counted
 
@@ -45,7 +45,7 @@ def check_images(root: Path, paths: list[str]) -> None:
 def load_imagefolder(data_path: str, img_size: int, mean: tuple, std: tuple) -> tuple:
     """ImageNet-style tree: DATA/train/<class>/*.jpg and DATA/val/<class>/*.jpg. (the training set, the validation
     set), normalised with (mean, std), and the training images as they are, for augmentation
-    (vit.data.sets.DataSplit)."""
+    (vit.data.datasets.DataSplit)."""
     from torchvision import datasets, transforms
 
     root = Path(data_path)

@@ -4,7 +4,7 @@ supports in vit.engines.registry:
     engine = build(name, ctx)          # ctx: EngineContext
     loss = engine.train_step(batches)  # one optimizer step; this rank's share of the loss, no host sync
     engine.mean_loss(loss); engine.evaluate(batches); engine.save(...); engine.load(...); engine.breakdown(steps)
-    rebuilt.take_over(engine.handover())  # --freeze: an engine on other trainable layers goes on (vit.freeze.rules)
+    rebuilt.take_over(engine.handover())  # --freeze: an engine on other trainable layers goes on (vit.freeze.freezer)
 
 Nothing outside this package and vit.config.compat knows which engine runs: the rest asks the engine's spec.
 Importing the

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.config.ds_config import Batch
-from vit.config.settings import AsyncSettings, CommSettings, OptimSettings
-from vit.data.sets import PAD_LABEL
+from vit.core.settings import AsyncSettings, CommSettings, OptimSettings
+from vit.data.datasets import PAD_LABEL
 from vit.loop.stats import PhaseTimer
 
 

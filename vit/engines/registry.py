@@ -35,16 +35,16 @@ class EngineSpec:
 
 ZERO_STAGES = (0, 1, 2, 3)
 SPECS = {spec.name: spec for spec in (
-    EngineSpec("zero", "vit.engines.zero", pipeline=False, deepspeed=True, zero_stage=None, zero_stages=ZERO_STAGES,
+    EngineSpec("zero", "vit.engines.zero.engine", pipeline=False, deepspeed=True, zero_stage=None, zero_stages=ZERO_STAGES,
                fp16=True, freeze=True, async_options=False, micro_batch_auto=True, default_ds_config="zero2.json",
                comm_hooks=False),
-    EngineSpec("pipeline", "vit.engines.pipeline", pipeline=True, deepspeed=True, zero_stage=None,
+    EngineSpec("pipeline", "vit.engines.pipeline.engine", pipeline=True, deepspeed=True, zero_stage=None,
                zero_stages=(0, 1), fp16=True, freeze=True, async_options=False, micro_batch_auto=False,
                default_ds_config="pipeline.json", comm_hooks=False),
-    EngineSpec("async-pipeline", "vit.engines.async_pipeline", pipeline=True, deepspeed=False, zero_stage=0,
+    EngineSpec("async-pipeline", "vit.engines.async_pipeline.engine", pipeline=True, deepspeed=False, zero_stage=0,
                zero_stages=(0, 1), fp16=False, freeze=False, async_options=True, micro_batch_auto=False,
                default_ds_config="pipeline.json", comm_hooks=False),
-    EngineSpec("ddp", "vit.engines.ddp", pipeline=False, deepspeed=False, zero_stage=0, zero_stages=(0,),
+    EngineSpec("ddp", "vit.engines.ddp.engine", pipeline=False, deepspeed=False, zero_stage=0, zero_stages=(0,),
                fp16=True, freeze=True, async_options=False, micro_batch_auto=True, default_ds_config="zero0.json",
                comm_hooks=True),
 )}

@@ -13,7 +13,7 @@ import shutil
 
 import torch
 
-from vit.data.sets import TrainBatches
+from vit.data.datasets import TrainBatches
 
 ADVANCE_BATCH = 256  # entries carried through the newly frozen layers at a time
 

@@ -1,4 +1,4 @@
-"""What the freeze rules measure of each freezable layer (vit.freeze.rules): grad's gradient norms and their change
+"""What the freeze rules measure of each freezable layer (vit.freeze.freezer): grad's gradient norms and their change
 between decision points (PipeTransformer's and AutoFreeze's measure), settled's weight moves."""
 import torch
 import torch.distributed as dist

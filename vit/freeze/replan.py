@@ -1,7 +1,7 @@
 """--freeze-replan (PipeTransformer's AutoPipe and AutoDP): the pipeline's stages planned again at a freeze point,
 and halved when the active layers fit in fewer stages, the freed ranks becoming data-parallel copies.
 
-One planner, vit.hetero.stages, with the free memory measured at startup and the layer times measured when a plan of
+One planner, vit.planner.stages, with the free memory measured at startup and the layer times measured when a plan of
 more than one stage first needs them (hetero.adapt.time_each_rank): frozen layers cost their forward only and keep
 their weights only, no activations. K stages shrink to K/2 when such a plan fits every rank's memory, else K stages
 are balanced again; the first stage keeps an active layer (a stage of frozen layers only has no backward, which
@@ -9,8 +9,8 @@ DeepSpeed's pipeline cannot skip)."""
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from vit.errors import ConfigError
-from vit.hetero.stages import StagePlan, plan_stages
+from vit.core.errors import ConfigError
+from vit.planner.stages import StagePlan, plan_stages
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from timm.models import split_model_name_tag
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.runtime import plugins
 
 MANIFEST = "manifest.json"

@@ -6,8 +6,8 @@ import math
 import torch
 from torch import nn
 
-from vit.config.settings import OptimSettings
-from vit.errors import ConfigError
+from vit.core.settings import OptimSettings
+from vit.core.errors import ConfigError
 
 
 def param_groups(model: nn.Module, weight_decay: float, lr: float = 0.0, layer_decay: float | None = None,

@@ -9,9 +9,9 @@ import contextlib
 import torch
 from torch import nn
 
-from vit.config.settings import Settings
+from vit.core.settings import Settings
 from vit.data.augment import train_batches
-from vit.data.sets import load_dataset
+from vit.data.datasets import load_dataset
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.model.layers import build_layers, loss_fn, model_shape
 from vit.model.weights import pretrained_norm

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from vit.errors import NonFiniteLoss
+from vit.core.errors import NonFiniteLoss
 from vit.runtime.gpu import wait_for_queued
 from vit.telemetry.metrics import log_line, peak_mem_gib, progress
 

@@ -17,7 +17,7 @@ from timm.models import split_model_name_tag
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from timm.layers import resample_abs_pos_embed
 from timm.models import adapt_input_conv
 from torch import nn
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.model import weightfile
 from vit.model.layers import PRESETS, build_layers, check_model, create_vit, layer_state_dict, timm_state_dict
 from vit.runtime.console import library_prints
@@ -235,7 +235,7 @@ def hub_weights(name: str) -> str:
 
 def export(path: str, layer_state: dict, model_name: str, data) -> None:
     """Rank 0: the layer list's final weights as timm's, and the config timm and Hugging Face read (data: the run's
-    vit.data.sets.DataSplit, for the classes, channels, image size and normalisation)."""
+    vit.data.datasets.DataSplit, for the classes, channels, image size and normalisation)."""
     depth = max(int(k.split(".")[0]) for k in layer_state) - 1
     write_export(path, timm_state_dict(layer_state, depth), model_name, data)
 

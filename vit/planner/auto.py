@@ -16,13 +16,13 @@ import torch.distributed as dist
 from vit.config.cli import validate
 from vit.config.ds_config import load_json
 from vit.config.plan import Plan, make_plan
-from vit.config.settings import ROOT
+from vit.core.settings import ROOT
 from vit.engines.registry import spec
-from vit.errors import ConfigError, NothingToDo
-from vit.hetero.adapt import in_turns
-from vit.hetero.census import capabilities, gather
-from vit.hetero.memory import likely_precision
-from vit.hetero.profile import time_layers
+from vit.core.errors import ConfigError, NothingToDo
+from vit.planner.survey import in_turns
+from vit.planner.census import capabilities, gather
+from vit.planner.fit import likely_precision
+from vit.planner.profile import time_layers
 from vit.model.layers import build_layers
 from vit.planner.cli import PLAN_ONLY, row, run_calibration, table
 from vit.planner.cost import Job

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 
 from vit.engines.registry import spec
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.planner.cli import run_calibration
 from vit.planner.cost import Candidate, Job
 from vit.planner.inputs import from_profile, ranks_from_census
@@ -33,7 +33,7 @@ def candidate(plan) -> Candidate | None:
 def plan_partition(c: Candidate, profile: list[dict], layers: list, reports: list[dict],
                    links: dict[str, tuple[float, float]], precision: str) -> tuple[list[int], dict, str]:
     """(stage boundaries, cluster.json's record, the plan as rank 0 prints it) from the census (`reports`, with
-    each rank's layer_ms), vit.hetero.profile's `profile` of `layers` and the links (links.measure_links)."""
+    each rank's layer_ms), vit.planner.profile's `profile` of `layers` and the links (links.measure_links)."""
     from deepspeed.runtime import utils as ds_utils
 
     described, flops = from_profile(profile, layers)

@@ -10,8 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vit.config.settings import ROOT, positive_int
-from vit.errors import ConfigError
+from vit.core.settings import ROOT, positive_int
+from vit.core.errors import ConfigError
 from vit.planner.cost import Calibration, Job, calibration_keys
 from vit.planner.inputs import load_run, network, profile_model, ranks_from_census, read_json
 from vit.planner.predict import Prediction

@@ -6,8 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from vit.errors import ConfigError
-from vit.hetero.footprint import USABLE_MEMORY
+from vit.core.errors import ConfigError
+from vit.planner.memory import USABLE_MEMORY
 from vit.planner.cost import Layer, Network, Rank
 
 DOCTOR_LINE = re.compile(r"link from (\S+) to (\S+): ([\d.]+) Mbit/s")
@@ -103,10 +103,10 @@ def ranks_from_census(census: list[dict], flops: list[float], run_micro_batch: i
 def profile_model(model: str, dataset: str, img_size: int | None, precision: str,
                   data_path: str | None = None) -> tuple[list[Layer], list[float]]:
     """(layers, forward FLOPs per sample of each) of `model` as the run built it, profiled on the CPU at one
-    sample (vit.hetero.profile): parameters, activations kept for backward, output elements, weight matrices."""
+    sample (vit.planner.profile): parameters, activations kept for backward, output elements, weight matrices."""
     import torch
 
-    from vit.data.sets import load_dataset
+    from vit.data.datasets import load_dataset
     from vit.model.layers import build_layers, model_shape
 
     img = img_size or model_shape(model).img_size
@@ -122,13 +122,13 @@ def profile_model(model: str, dataset: str, img_size: int | None, precision: str
 def describe_layers(layers: list, sample, precision: str) -> tuple[list[Layer], list[float]]:
     """(the cost model's Layer of each, forward FLOPs per sample of each) of built layers, profiled at `sample`
     (one input) on its device."""
-    from vit.hetero.profile import profile_layers
+    from vit.planner.profile import profile_layers
 
     return from_profile(profile_layers(layers, sample, precision), layers)
 
 
 def from_profile(profile: list[dict], layers: list) -> tuple[list[Layer], list[float]]:
-    """describe_layers from vit.hetero.profile's profile of `layers`, made before."""
+    """describe_layers from vit.planner.profile's profile of `layers`, made before."""
     return [Layer(p["params"], float(p["act_bytes"]), p["out_elems"],
                   tuple((q.shape[0], q.numel() // q.shape[0]) for q in layer.parameters() if q.dim() > 1))
             for p, layer in zip(profile, layers)], [float(p["flops"]) for p in profile]

@@ -1,12 +1,12 @@
 """One candidate's predicted step: time split into compute, link (communication not hidden), bubble (a pipeline's
-fill and drain) and fixed costs, its bottleneck, and each rank's memory (vit.hetero.footprint's rules). Pure."""
+fill and drain) and fixed costs, its bottleneck, and each rank's memory (vit.planner.memory's rules). Pure."""
 import math
 from collections import Counter
 from dataclasses import dataclass
 
 from vit.engines.registry import spec
-from vit.hetero.footprint import ZERO_BUCKET_DEFAULT, gpu_reserved_bytes, state_bytes
-from vit.hetero.stages import pipeline_inflight
+from vit.planner.memory import ZERO_BUCKET_DEFAULT, gpu_reserved_bytes, state_bytes
+from vit.planner.stages import pipeline_inflight
 from vit.planner.cost import (
     Calibration,
     Candidate,

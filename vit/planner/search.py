@@ -6,8 +6,8 @@ import math
 from collections.abc import Iterator
 
 from vit.engines.registry import SPECS, EngineSpec
-from vit.hetero.batch_split import proportional_split
-from vit.hetero.stages import balanced_split
+from vit.planner.batch_split import proportional_split
+from vit.planner.stages import balanced_split
 from vit.planner.cost import Calibration, Candidate, Job, Network, Rank, compressions
 from vit.planner.predict import (
     Prediction,
@@ -37,7 +37,7 @@ def zero_stages(engine: EngineSpec, dp: int) -> tuple[int, ...]:
 
 def best_parts(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> tuple[int, ...] | None:
     """The contiguous split of the layers whose slowest stage (what it alone makes the step, from its compute and
-    its link per micro-batch: predict.stage_step_s) is fastest and fits each stage's memory: vit.hetero.stages'
+    its link per micro-batch: predict.stage_step_s) is fastest and fits each stage's memory: vit.planner.stages'
     exact dynamic programming with the planner's stage cost (the stages' all-reduce among data-parallel copies
     aside). Among the splits that reach that step (many, where the link sets it), the one with the least compute
     on its busiest stage: a second pass of the same programming, the others ruled out. When no split fits, the

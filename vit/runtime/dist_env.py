@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 DEFAULT_PORT = 29500
 

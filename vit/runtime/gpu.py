@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.runtime import precision
 
 # CUDA major version of a torch build -> the oldest Linux driver that runs it (NVIDIA's minor-version

@@ -8,7 +8,7 @@ import torch
 
 from vit.config.compat import check_precision
 from vit.engines.registry import spec
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.runtime.dist_env import rank0_decides
 
 PACKAGES = ("torch", "deepspeed", "timm")

@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.runtime.gpu import wait_for_queued
 
 

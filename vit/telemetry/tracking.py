@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 from vit.runtime.dist_env import rank0_decides
 from vit.telemetry.metrics import MetricsLog
 
@@ -176,9 +176,9 @@ class TrackedMetrics(MetricsLog):
 
 
 def plot(log_dir: str) -> list[Path]:
-    """The run's charts (vit.telemetry.charts, into <log-dir>/plots), for the trackers to keep beside the curves."""
-    from vit.telemetry.charts import write  # matplotlib: imported only by a run that reports to a tracker
-    from vit.telemetry.runlogs import Run
+    """The run's charts (vit.reports.charts, into <log-dir>/plots), for the trackers to keep beside the curves."""
+    from vit.reports.charts import write  # matplotlib: imported only by a run that reports to a tracker
+    from vit.reports.runlogs import Run
 
     try:
         return sorted(write([Run(log_dir)], Path(log_dir) / "plots")[1])

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vit.config.settings import FreezeSettings
+from vit.core.settings import FreezeSettings
 from vit.freeze.activation_cache import FeatureCache, cached_batches
 from vit.freeze.measures import GradNorms, WeightMoves, changes
 from vit.freeze.replan import Layout, replan

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from vit.engines.registry import EngineSpec, spec
-from vit.errors import OutOfMemory
+from vit.core.errors import OutOfMemory
 
 USABLE_MEMORY = 0.9  # plans leave 10% of the free memory for the allocator's fragmentation and the unforeseen
 # What a GPU rank holds outside the weights, gradients, optimizer state and activations a plan counts: NCCL's
@@ -58,7 +58,7 @@ def torch_state(engine: EngineSpec, precision: str, dp_size: int, stashed_copies
         # torch/nn/parallel/distributed.py: gradient_as_bucket_view=False (our default) copies the gradients into
         # allreduce buckets as big as the gradients
         terms["DDP buckets"] = 4
-    elif stashed_copies:  # vit/engines/async_pipeline.py _weights: p.detach().clone() (or msnag's prediction)
+    elif stashed_copies:  # vit/engines/async_pipeline/engine.py _weights: p.detach().clone() (or msnag's prediction)
         terms["stashed weights"] = 4 * stashed_copies
     if engine.pipeline and dp_size > 1:  # async_pipeline.py _update: torch.cat of every gradient
         terms["allreduce flat gradients"] = 4

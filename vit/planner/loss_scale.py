@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.config.ds_config import DEFAULT_FP16_SCALE_POWER
-from vit.errors import ConfigError, OutOfMemory
-from vit.hetero.footprint import ELEMENT_BYTES, first_line, is_oom
-from vit.hetero.profile import profile_layers
+from vit.core.errors import ConfigError, OutOfMemory
+from vit.planner.memory import ELEMENT_BYTES, first_line, is_oom
+from vit.planner.profile import profile_layers
 from vit.model.layers import loss_fn
 
 FP16_MAX = 65504.0
@@ -46,7 +46,7 @@ class GradPeak:
 
 def probe_chunk(capacity_bytes: float, params: int, act_bytes_per_sample: float, micro_batch: int) -> int:
     """Samples per forward and backward of the probe: its fp32 copy's weights and gradients and fp32 activations
-    within capacity_bytes (vit.hetero.footprint.plan_bytes), at most micro_batch; 0 when not even one sample fits."""
+    within capacity_bytes (vit.planner.memory.plan_bytes), at most micro_batch; 0 when not even one sample fits."""
     room = capacity_bytes - 2 * ELEMENT_BYTES["fp32"] * params
     return max(0, min(micro_batch, int(room // act_bytes_per_sample)))
 

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-from vit.config.settings import CommSettings
+from vit.core.settings import CommSettings
 from vit.engines.base import save_atomic
 
 HALF_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}

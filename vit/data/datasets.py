@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-from vit.config.settings import DATASETS, DataSettings
+from vit.core.settings import DATASETS, DataSettings
 from vit.data.imagefolder import load_imagefolder
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 READS_DATA_PATH = ("cifar10", "cifar100", "imagefolder")
 PAD_LABEL = -100  # evaluation padding, ignored by the loss and by top-1

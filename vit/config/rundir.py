@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from vit.config.settings import ROOT
-from vit.errors import ConfigError
+from vit.core.settings import ROOT
+from vit.core.errors import ConfigError
 from vit.loop import checkpoint
 from vit.runtime.dist_env import rank0_decides
 

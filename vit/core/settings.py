@@ -9,7 +9,7 @@ import argparse
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from vit.config.onebit import check_opt_name
+from vit.core.onebit import check_opt_name
 from vit.engines.registry import AUTO, NAMES, SPECS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vit.hetero.batch_split import split_batches
-from vit.hetero.census import WARMUP_S, capabilities, census_table, gather, measure_speed
-from vit.hetero.footprint import plan_bytes
-from vit.hetero.loss_scale import tune
-from vit.hetero.profile import LAYER_TURNS, profile_layers, time_layers
+from vit.planner.batch_split import split_batches
+from vit.planner.census import WARMUP_S, capabilities, census_table, gather, measure_speed
+from vit.planner.memory import plan_bytes
+from vit.planner.loss_scale import tune
+from vit.planner.profile import LAYER_TURNS, profile_layers, time_layers
 from vit.planner.balance import plan_partition
 from vit.planner.cost import Candidate
 from vit.planner.links import measure_links

@@ -1,11 +1,11 @@
 """Per-layer cost of the network: forward FLOPs, activation bytes kept for backward, parameters, and each layer's
-measured forward and backward time (the memory rules the planners share are vit.hetero.footprint's)."""
+measured forward and backward time (the memory rules the planners share are vit.planner.memory's)."""
 import copy
 
 import torch
 from torch import nn
 
-from vit.hetero.census import WARMUP_S
+from vit.planner.census import WARMUP_S
 from vit.runtime.gpu import fork_rng
 from vit.runtime.precision import DTYPES
 from vit.runtime.slowdown import Clock

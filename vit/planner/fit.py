@@ -7,8 +7,8 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.engines.registry import spec
-from vit.errors import ConfigError, OutOfMemory
-from vit.hetero.footprint import (
+from vit.core.errors import ConfigError, OutOfMemory
+from vit.planner.memory import (
     USABLE_MEMORY,
     bytes_per_param,
     device_memory,
@@ -18,7 +18,7 @@ from vit.hetero.footprint import (
     gpu_reserved_bytes,
     largest_fitting,
 )
-from vit.hetero.profile import profile_layers
+from vit.planner.profile import profile_layers
 from vit.model.layers import build_layers
 from vit.runtime.gpu import fork_rng
 from vit.runtime.precision import DTYPES, likely
@@ -38,7 +38,7 @@ def reserved_on(dev: torch.device, plan, precision: str) -> float:
 
 
 def state_bytes_per_param(plan, precision: str) -> float:
-    """vit.hetero.footprint.bytes_per_param for this run's engine, DeepSpeed JSON, data-parallel size, EMA and the async
+    """vit.planner.memory.bytes_per_param for this run's engine, DeepSpeed JSON, data-parallel size, EMA and the async
     pipeline's weight stashing or prediction (one copy of the weights either way)."""
     s = plan.settings
     a = s.asynchrony
@@ -97,7 +97,7 @@ def nccl_out_of_memory(dev: torch.device, error: Exception) -> OutOfMemory:
 def _my_largest(plan, dev: torch.device, precision: str) -> tuple[int, str, float]:
     """(this rank's largest micro-batch, its device's name, its free bytes): forward and backward measured in
     `precision` against its free memory less the engine's state beyond the weights and gradients measured
-    (vit.hetero.footprint.state_bytes; none where ZeRO partitions more than that away) and USABLE_MEMORY's headroom."""
+    (vit.planner.memory.state_bytes; none where ZeRO partitions more than that away) and USABLE_MEMORY's headroom."""
     name, free, _ = device_memory(dev, plan.job.local_world_size)
     # DeepSpeed casts the model to the half dtype; the torch engines keep it in fp32 and autocast the forward
     autocast = DTYPES[precision] if precision != "fp32" and not spec(plan.settings.parallel.engine).deepspeed else None

@@ -1,6 +1,6 @@
 """Charts, a comparison table and one self-contained report.html from run folders written by vit.train (plot_logs.py
 is its command line; vit.telemetry.tracking gives the charts to the trackers). Reads only the logs' schema
-(vit.telemetry.runlogs: the
+(vit.reports.runlogs: the
 records and the tables), never stdout."""
 import base64
 import csv
@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from PIL import Image  # noqa: E402  (installed with matplotlib)
 
-from vit.telemetry.runlogs import (  # noqa: E402
+from vit.reports.runlogs import (  # noqa: E402
     COLUMNS,
     PHASE_COLUMNS,
     PHASE_TITLE,
@@ -231,7 +231,7 @@ def report(out: Path, runs: list[Run], charts: list[Path], rows: list[list[str]]
 
 def write(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
     """Every chart, comparison.md, comparison.csv and report.html into `out`: the markdown table and the charts.
-    Raises vit.telemetry.runlogs.LogError (a log that cannot be read) or OSError."""
+    Raises vit.reports.runlogs.LogError (a log that cannot be read) or OSError."""
     out.mkdir(parents=True, exist_ok=True)
     charts = [out / "loss.png", out / "throughput.png", out / "resources.png", out / "breakdown.png"]
     plot_loss(runs, charts[0])

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vit.engines.base import Engine, EngineContext, save_atomic
-from vit.engines.comm_hooks import CommHook
+from vit.engines.ddp.comm_hooks import CommHook
 from vit.loop.optim import (
     SkipAwareSchedule,
     adam_state,
@@ -74,13 +74,13 @@ class DDPEngine(Engine):
             x, y = next(batches)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             t.lap("data_s")
-            if self.comm_hook.unprimed:  # a resumed PowerSGD state: see vit.engines.comm_hooks
+            if self.comm_hook.unprimed:  # a resumed PowerSGD state: see vit.engines.ddp.comm_hooks
                 self.comm_hook.prime(self.model, x)
             sync = j == self.grad_accum - 1  # all-reduce gradients once, on the last micro-batch
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 with self.autocast():
                     logits = self.model(x)
-                loss = self.loss(logits, y) * self.loss_weight  # DDP averages over ranks: see vit.engines.zero
+                loss = self.loss(logits, y) * self.loss_weight  # DDP averages over ranks: see vit.engines.zero.engine
                 t.lap("forward_s")
                 scaled = loss / self.grad_accum
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()

@@ -5,8 +5,8 @@ freeze point)."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vit.errors import ConfigError
-from vit.hetero.footprint import FROZEN_BYTES_PER_PARAM, plan_bytes
+from vit.core.errors import ConfigError
+from vit.planner.memory import FROZEN_BYTES_PER_PARAM, plan_bytes
 
 
 @dataclass
@@ -90,7 +90,7 @@ def plan_layers(layer_s: list[list[tuple[float, float]]], static_bytes: list[flo
 def plan_stages(profile: list[dict], reports: list[dict], stages: int, micro_batch: int, grad_accum: int,
                 bytes_per_param: float, frozen: int = 0, first_active: bool = False) -> StagePlan:
     """plan_layers from the census: each rank's measured layer times (layer_ms, at layer_ms_micro_batch) and free
-    memory, the profile's parameters (bytes_per_param each: vit.hetero.footprint.bytes_per_param) and activations. A
+    memory, the profile's parameters (bytes_per_param each: vit.planner.memory.bytes_per_param) and activations. A
     re-plan at another micro-batch (more data-parallel copies after a freeze) scales the times in proportion,
     which keeps the fixed costs' share as measured. One stage needs no times: without layer_ms they count 0."""
     if stages > 1 and not all("layer_ms" in r for r in reports):

@@ -27,7 +27,7 @@ first (and engine.py:2026-2028 asserts a client optimizer beside a torch _LRSche
 """
 import argparse
 
-from vit.errors import ConfigError
+from vit.core.errors import ConfigError
 
 # --opt name (lower case, as timm's names) -> (DeepSpeed's JSON optimizer type in the releases that had it, what it is).
 ONEBIT = {"onebitadam": ("OneBitAdam", "1-bit Adam"), "zerooneadam": ("ZeroOneAdam", "0/1 Adam"),

@@ -1,8 +1,8 @@
 """Data-parallel micro-batches in proportion to each rank's measured speed, within its free memory."""
 import math
 
-from vit.errors import ConfigError
-from vit.hetero.footprint import plan_bytes
+from vit.core.errors import ConfigError
+from vit.planner.memory import plan_bytes
 from vit.runtime.precision import who
 
 
@@ -36,7 +36,7 @@ def proportional_split(total: int, speed: list[float], cap: list[int]) -> list[i
 def split_batches(profile: list[dict], reports: list[dict], micro_batch: int, bytes_per_param: float) -> list[int]:
     """Per-rank micro-batch for --batch-split proportional: the data-parallel total micro x ranks shared in
     proportion to the measured block speed, within each rank's free memory less bytes_per_param per parameter
-    (vit.hetero.footprint.bytes_per_param)."""
+    (vit.planner.memory.bytes_per_param)."""
     static = sum(p["params"] for p in profile) * bytes_per_param
     per_sample = sum(p["act_bytes"] for p in profile)  # profiled in the run's precision
     caps = [int((plan_bytes(r) - static) // per_sample) for r in reports]

@@ -1,7 +1,7 @@
 """--engine async-pipeline: the layer list cut into --pipeline-stages stages as the pipeline engine cuts it, trained
 1F1B with no flush (PipeDream-2BW). Each stage applies its update after every --async-update-interval of its
 backward passes, so the first stages forward some micro-batches on weights one update older than those their
-gradients are applied to; weight stashing and msnag weight prediction (vit.engines.msnag) offset that.
+gradients are applied to; weight stashing and msnag weight prediction (vit.engines.async_pipeline.msnag) offset that.
 Data parallelism across copies of the pipeline: each stage all-reduces its gradients in a group of its copies.
 
 The schedule is a fixed function of the stage and the micro-batch counters, never of timing: stage s keeps at
@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from vit.engines import p2p
+from vit.engines.async_pipeline import p2p
 from vit.engines.base import EngineContext, StagedEngine, save_atomic
-from vit.engines.msnag import predict
-from vit.errors import ConfigError
+from vit.engines.async_pipeline.msnag import predict
+from vit.core.errors import ConfigError
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vit.hetero.footprint import device_memory
+from vit.planner.memory import device_memory
 from vit.runtime import plugins
 from vit.runtime.precision import DTYPES, deepspeed_fp16, gpu_precisions
 from vit.runtime.slowdown import Clock
