@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from bench.common import OthersCpu, device_name, failure_tail, load_avg, median_step_s, mpirun_train, publish, seed_list
-from vit.core.settings import ROOT, positive_int
+from vit.core.paths import ROOT
+from vit.core.settings import positive_int
 from vit.telemetry.jsonl import read_jsonl
 
 COMPUTE = ("data_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s", "other_s")  # all but pipe_*_s

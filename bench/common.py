@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vit.core.settings import ROOT
+from vit.core.paths import ROOT
 from vit.telemetry.jsonl import read_jsonl
 from vit.telemetry.metrics import write_json
 

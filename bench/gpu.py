@@ -17,7 +17,8 @@ import torch
 from bench import train as bench_train
 from bench.common import child_env, device_name, load_avg, publish
 from bench.runs import CONFIGS, RUNS, engine_options
-from vit.core.settings import ROOT, positive_int
+from vit.core.paths import ROOT
+from vit.core.settings import positive_int
 from vit.telemetry.jsonl import read_jsonl
 
 SYNC_WARNING = "called a synchronizing CUDA operation"

@@ -157,7 +157,7 @@ def lossscale(a) -> int:
     import torch.distributed as dist
 
     from vit.config.ds_config import DEFAULT_FP16_SCALE_POWER
-    from vit.engines.deepspeed_engine import deepspeed_comm
+    from vit.engines.deepspeed.engine import deepspeed_comm
     from vit.planner.loss_scale import scale_power
 
     with tempfile.TemporaryDirectory() as tmp:  # the loss scaler logs through torch.distributed's rank

@@ -14,7 +14,8 @@ import statistics
 import tempfile
 import time
 
-from vit.core.settings import ROOT, positive_int
+from vit.core.paths import ROOT
+from vit.core.settings import positive_int
 from vit.telemetry.monitor import Monitor
 
 

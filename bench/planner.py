@@ -18,7 +18,8 @@ from vit.core.settings import positive_int
 from vit.core.errors import ConfigError
 from vit.planner.auto import PICK, family
 from vit.planner.cli import CALIBRATION, calibration
-from vit.planner.cost import Candidate
+from vit.core.costs import Candidate
+from vit.planner.predict import calibration_key, engine_key
 from vit.telemetry.metrics import write_json
 
 
@@ -61,7 +62,7 @@ def result(run: dict, is_auto: bool) -> dict:
     return {"family": family(c), "candidate": c["candidate"], "predicted_ms": c["step_ms"],
             "measured_ms": run["measured_ms"], "error": c["step_ms"] / run["measured_ms"] - 1,
             "bottleneck": c["bottleneck"], "others_cores": run["others_cores"], "auto": is_auto,
-            "engine_key": candidate.engine_key(), "calibration_key": candidate.calibration_key(),
+            "engine_key": engine_key(candidate), "calibration_key": calibration_key(candidate),
             "fixed_ms": c["fixed_ms"], "grad_accum": c["grad_accum"], "stages": c["stages"], "slots": c["slots"]}
 
 

@@ -1,25 +1,20 @@
 """The runs that compare the engines, by name, and the vit.train options of each: one map for the training
 benchmark and scripts/compare.sh (which asks `python -m bench.runs NAME`, one option per line). Made from the engine
-registry: the ZeRO engine once per stage (zero0..zero3, each with its zeroN.json), every other engine once."""
+registry: each engine's runs() (the ZeRO engine once per stage, zero0..zero3, each with its zeroN.json)."""
 import argparse
 import sys
 
-from vit.core.settings import ROOT
-from vit.engines.registry import SPECS, EngineSpec
-
-CONFIGS = ROOT / "deepspeed_configs"
+from vit.core.paths import DS_CONFIGS as CONFIGS
+from vit.core.spec import EngineSpec
+from vit.engines.registry import SPECS
 
 
 def _runs() -> dict[str, tuple[EngineSpec, str]]:
-    """Run name -> (its engine, its DeepSpeed JSON under CONFIGS): the plain data-parallel baseline first, then
-    ZeRO's stages, then the pipelines."""
-    runs = {}
-    for engine in sorted(SPECS.values(), key=lambda e: (e.pipeline, not e.pipeline and e.zero_stage is None)):
-        if engine.zero_stage is None and not engine.pipeline:  # its ZeRO stage comes from the JSON: one run each
-            runs.update({f"{engine.name}{n}": (engine, f"{engine.name}{n}.json") for n in engine.zero_stages})
-        else:
-            runs[engine.name] = (engine, engine.default_ds_config)
-    return runs
+    """Run name -> (its engine, its DeepSpeed JSON under CONFIGS), each engine's runs as its spec names them
+    (EngineSpec.runs: ZeRO once per stage): the plain data-parallel baseline first, then DeepSpeed's data
+    parallelism, then the pipelines."""
+    engines = sorted(SPECS.values(), key=lambda e: (e.pipeline, not e.pipeline and e.deepspeed))
+    return {name: (engine, config) for engine in engines for name, config in engine.runs().items()}
 
 
 RUN_ENGINES = _runs()

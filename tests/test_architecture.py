@@ -9,7 +9,7 @@ import pytest
 from helpers import run_cmd
 
 from bench.runs import CONFIGS, RUN_ENGINES
-from vit.core.settings import ROOT
+from vit.core.paths import ROOT
 from vit.engines.registry import NAMES, SPECS
 
 ENGINE_NAMES = frozenset(NAMES) | {n.replace("-", "_") for n in NAMES}  # as --engine and as a module name

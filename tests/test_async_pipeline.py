@@ -292,7 +292,7 @@ def partial_batch_worker(out: str) -> None:
     logits of 7 images."""
     import torch.distributed as dist
 
-    from vit.config.ds_config import Batch
+    from vit.core.batch import Batch
     from vit.engines import EngineContext, build
 
     dist.init_process_group("gloo")

@@ -9,10 +9,11 @@ from helpers import launch, run_cmd
 
 from vit.config.cli import parse
 from vit.config.compat import PROVISIONAL
-from vit.core.settings import ROOT
+from vit.core.paths import ROOT
 from vit.core.errors import ConfigError
 from vit.planner import auto, links
-from vit.planner.cost import Network
+from vit.core.costs import Network
+from vit.engines.registry import spec
 
 
 @pytest.mark.parametrize("argv,option", [
@@ -37,14 +38,14 @@ def test_auto_refuses_what_it_does_not_plan_and_keeps_the_global_batch_options()
 
 
 def test_a_candidate_runs_with_the_deepspeed_json_of_its_zero_stage_or_not_at_all():
-    configs = ROOT / "deepspeed_configs"
-    assert auto.json_for("zero", 1, 1, 4) == str(configs / "zero1.json")
-    assert auto.json_for("zero", 3, 1, 4) == str(configs / "zero3.json")
-    assert auto.json_for("ddp", 0, 1, 4) == str(configs / "zero0.json")
-    assert auto.json_for("pipeline", 1, 2, 4) == str(configs / "pipeline.json")  # its JSON is ZeRO-1
-    assert auto.json_for("pipeline", 0, 2, 4) is None  # no pipeline JSON at ZeRO-0
-    assert auto.json_for("pipeline", 0, 4, 4) == str(configs / "pipeline.json")  # no data parallelism: no ZeRO
-    assert auto.json_for("async-pipeline", 0, 2, 4) == str(configs / "pipeline.json")
+    assert spec("zero").config_for(1, 1, 4) == "zero1.json"
+    assert spec("zero").config_for(3, 1, 4) == "zero3.json"
+    assert spec("ddp").config_for(0, 1, 4) == "zero0.json"
+    assert spec("pipeline").config_for(1, 2, 4) == "pipeline.json"  # its JSON is ZeRO-1
+    assert spec("pipeline").config_for(0, 2, 4) is None  # no pipeline JSON at ZeRO-0
+    assert spec("pipeline").config_for(0, 4, 4) == "pipeline.json"  # no data parallelism: no ZeRO
+    assert spec("async-pipeline").config_for(0, 2, 4) == "pipeline.json"
+    assert all((ROOT / "deepspeed_configs" / spec("zero").config_for(z, 1, 4)).is_file() for z in range(4))
 
 
 def test_a_tie_goes_to_the_plainest_and_a_clear_win_to_the_fastest():

@@ -10,7 +10,7 @@ from torch import nn
 from vit.engines.registry import SPECS
 from vit.core.errors import ConfigError
 from vit.planner import balance, cli
-from vit.planner.cost import Candidate
+from vit.core.costs import Candidate
 
 DS_PIPE = next(e.name for e in SPECS.values() if e.pipeline and e.deepspeed)
 MICRO, ACCUM = 8, 4
@@ -90,5 +90,5 @@ def test_the_runs_pipeline_is_the_candidate_only_when_balanced_is_asked_for(monk
     job = Job(0, 2, 0, 2, "single")
     made = make_plan(parse(["--engine", DS_PIPE, "--pipeline-stages", "2", "--partition", "balanced",
                             "--micro-batch-size", "8", "--grad-accum", "4"]), job)
-    assert balance.candidate(made) == Candidate(DS_PIPE, 1, 2, 8, 4, "none")  # pipeline.json: ZeRO-1
-    assert balance.candidate(make_plan(parse(["--engine", DS_PIPE, "--pipeline-stages", "2"]), job)) is None
+    assert made.balanced_candidate() == Candidate(DS_PIPE, 1, 2, 8, 4, "none")  # pipeline.json: ZeRO-1
+    assert make_plan(parse(["--engine", DS_PIPE, "--pipeline-stages", "2"]), job).balanced_candidate() is None

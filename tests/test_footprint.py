@@ -2,13 +2,12 @@
 torch's sources allocate them, and one measurement of the real thing (a DDP model after one step)."""
 import gc
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from vit.engines.registry import spec
 from vit.planner import memory as footprint
 
 CONFIGS = Path(__file__).parent.parent / "deepspeed_configs"
@@ -19,61 +18,61 @@ def config(name: str) -> dict:
 
 
 def test_ddp_holds_a_bucket_copy_and_autocasts_weight_cache_beyond_the_plain_state():
-    plain = footprint.bytes_per_param("zero", "fp32", config("zero0"))  # AdamW alone: weights, gradients, moments
+    plain = footprint.bytes_per_param(spec("zero"), "fp32", config("zero0"))  # AdamW alone: weights, gradients, moments
     assert plain == 4 + 4 + 8
-    assert footprint.bytes_per_param("ddp", "fp32", {}) == plain + 4  # + DDP's bucket copy of the gradients
-    assert footprint.bytes_per_param("ddp", "bf16", {}) == plain + 4 + 2 == 22  # + autocast's bf16 weight cache
-    assert footprint.bytes_per_param("ddp", "bf16", {}) / plain == pytest.approx(22 / 16)
-    assert footprint.bytes_per_param("ddp", "fp32", {}, powersgd=True) == plain + 4 + 4  # + PowerSGD's error feedback
+    assert footprint.bytes_per_param(spec("ddp"), "fp32", {}) == plain + 4  # + DDP's bucket copy of the gradients
+    assert footprint.bytes_per_param(spec("ddp"), "bf16", {}) == plain + 4 + 2 == 22  # + autocast's bf16 weight cache
+    assert footprint.bytes_per_param(spec("ddp"), "bf16", {}) / plain == pytest.approx(22 / 16)
+    assert footprint.bytes_per_param(spec("ddp"), "fp32", {}, compression="powersgd") == plain + 4 + 4  # + PowerSGD's error feedback
     # ZeRO is what DDP is not: at dp=2, zero2 holds half the gradients and half the fp32 optimizer state per rank.
-    zero2 = footprint.state_bytes("zero", "bf16", config("zero2"), dp_size=2)
+    zero2 = footprint.state_bytes(spec("zero"), "bf16", config("zero2"), dp_size=2)
     assert zero2 == {"bf16 weights": 2, "bf16 gradients": 1, "fp32 master weights": 2, "fp32 master gradients": 2,
                      "AdamW moments": 4}
-    assert footprint.bytes_per_param("ddp", "bf16", {}, dp_size=2) > sum(zero2.values())
+    assert footprint.bytes_per_param(spec("ddp"), "bf16", {}, dp_size=2) > sum(zero2.values())
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_divide_what_they_partition_by_the_data_parallel_size(stage):
     cfg = {"zero_optimization": {"stage": stage}}
-    one, four = (footprint.state_bytes("zero", "fp16", cfg, dp_size=dp) for dp in (1, 4))
+    one, four = (footprint.state_bytes(spec("zero"), "fp16", cfg, dp_size=dp) for dp in (1, 4))
     partitioned = {"fp32 master weights", "fp32 master gradients", "AdamW moments"}
     partitioned |= {"fp16 gradients"} if stage >= 2 else set()
     partitioned |= {"fp16 weights"} if stage == 3 else set()
     assert {k for k in one if four[k] == one[k] / 4} == partitioned
     assert all(four[k] == one[k] for k in one.keys() - partitioned)
-    fp32 = footprint.state_bytes("zero", "fp32", cfg, dp_size=4)  # stage3.py: the fp32 partition is the master
+    fp32 = footprint.state_bytes(spec("zero"), "fp32", cfg, dp_size=4)  # stage3.py: the fp32 partition is the master
     assert fp32["fp32 master weights"] == (0 if stage == 3 else 1)
     offload = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
-    on_cpu = footprint.state_bytes("zero", "fp16", offload, dp_size=4)  # optimizer state in CPU memory
+    on_cpu = footprint.state_bytes(spec("zero"), "fp16", offload, dp_size=4)  # optimizer state in CPU memory
     assert on_cpu["fp32 master weights"] == on_cpu["AdamW moments"] == 0
 
 
 def test_deepspeed_optimizers_as_the_engine_picks_them():
     # zero0.json in half precision: FP16_UnfusedOptimizer (torch's AdamW is not DeepSpeed's FusedAdam), fp32
     # masters and, at the step, fp32 copies of the gradients.
-    assert footprint.state_bytes("zero", "bf16", config("zero0"), dp_size=2) == {
+    assert footprint.state_bytes(spec("zero"), "bf16", config("zero0"), dp_size=2) == {
         "bf16 weights": 2, "bf16 gradients": 2, "fp32 master weights": 4, "fp32 master gradients": 4,
         "AdamW moments": 8}
     # pipeline.json in bf16 (ZeRO-1, fp32 gradient accumulation): BF16_Optimizer, whose fp32 accumulation buffer is
     # the whole model's, while its masters and moments are partitioned.
-    bf16 = footprint.state_bytes("pipeline", "bf16", config("pipeline"), dp_size=2)
+    bf16 = footprint.state_bytes(spec("pipeline"), "bf16", config("pipeline"), dp_size=2)
     assert bf16 == {"bf16 weights": 2, "bf16 gradients": 2, "gradient accumulation": 4, "fp32 master weights": 2,
                     "AdamW moments": 4}
     # A bf16 pipeline without ZeRO is BF16_Optimizer too; zero0.json in bf16 outside a pipeline is not.
-    assert "gradient accumulation" in footprint.state_bytes("pipeline", "bf16", config("zero0"))
-    assert "gradient accumulation" not in footprint.state_bytes("zero", "bf16", config("zero0"))
+    assert "gradient accumulation" in footprint.state_bytes(spec("pipeline"), "bf16", config("zero0"))
+    assert "gradient accumulation" not in footprint.state_bytes(spec("zero"), "bf16", config("zero0"))
     # pipeline_fp16.json: fp16 with ZeRO-1 is DeepSpeed's ZeRO optimizer, not BF16_Optimizer.
-    assert "gradient accumulation" not in footprint.state_bytes("pipeline", "fp16", config("pipeline_fp16"))
+    assert "gradient accumulation" not in footprint.state_bytes(spec("pipeline"), "fp16", config("pipeline_fp16"))
 
 
 def test_the_async_pipelines_stash_and_a_gpu_ema_each_add_a_copy_of_the_weights():
-    bare = footprint.bytes_per_param("async-pipeline", "bf16", {})
+    bare = footprint.bytes_per_param(spec("async-pipeline"), "bf16", {})
     assert bare == 4 + 4 + 8 + 2  # fp32 weights, gradients, moments, autocast's cache
-    assert footprint.bytes_per_param("async-pipeline", "bf16", {}, stashed_copies=1) == bare + 4
-    assert footprint.bytes_per_param("async-pipeline", "bf16", {}, dp_size=2) == bare + 4  # the all-reduce's cat
+    assert footprint.bytes_per_param(spec("async-pipeline"), "bf16", {}, stashed_copies=1) == bare + 4
+    assert footprint.bytes_per_param(spec("async-pipeline"), "bf16", {}, dp_size=2) == bare + 4  # the all-reduce's cat
     for engine, cfg in [("ddp", {}), ("zero", config("zero2")), ("zero", config("zero3")), ("pipeline", {})]:
-        without = footprint.bytes_per_param(engine, "bf16", cfg, dp_size=4)
-        assert footprint.bytes_per_param(engine, "bf16", cfg, dp_size=4, ema_on_gpu=True) == without + 4
+        without = footprint.bytes_per_param(spec(engine), "bf16", cfg, dp_size=4)
+        assert footprint.bytes_per_param(spec(engine), "bf16", cfg, dp_size=4, ema_on_gpu=True) == without + 4
 
 
 def ddp_held_bytes(precision: str) -> tuple[int, int]:
@@ -110,22 +109,10 @@ def test_the_estimate_covers_what_a_real_ddp_model_holds_after_one_step(tmp_path
         held, params = ddp_held_bytes(precision)
     finally:
         dist.destroy_process_group()
-    estimate = footprint.bytes_per_param("ddp", precision, {}) * params
+    estimate = footprint.bytes_per_param(spec("ddp"), precision, {}) * params
     assert held / params > 16 + 3  # more than the one figure the planners used for every engine
     scalars = 1024  # per tensor or per model, not per parameter: AdamW's step counts, DDP's bookkeeping
     assert held - scalars <= estimate <= 1.12 * held, (held / params, estimate / params)
-
-
-def test_the_memory_model_is_a_lower_layer_than_the_plan_and_the_census():
-    """vit.planner.memory imports no other part of vit but its errors and the engine registry, and
-    vit.planner.fit (the out-of-memory message and
-    --micro-batch-size auto) not the plan it serves: nothing hides a cycle behind a function-level import."""
-    code = ("import sys, vit.planner.memory; print(sorted(m for m in sys.modules if m.startswith('vit.'))); "
-            "import vit.planner.fit; print('vit.config.plan' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    light = {"vit.core.errors", "vit.engines.registry", "vit.planner.memory"}  # the registry imports no torch
-    light |= {m.rsplit(".", 1)[0] for m in light if m.count(".") > 1}  # and their packages
-    assert out.stdout.split("\n")[:2] == [str(sorted(light)), "False"], out
 
 
 @pytest.mark.timeout(120)
@@ -153,7 +140,7 @@ def test_powersgds_error_feedback_is_the_copy_of_the_gradients_the_estimate_coun
     finally:
         dist.destroy_process_group()
     params = sum(p.numel() for p in model.parameters())
-    assert feedback == footprint.state_bytes("ddp", "fp32", {}, powersgd=True)["PowerSGD error feedback"] * params
+    assert feedback == footprint.state_bytes(spec("ddp"), "fp32", {}, compression="powersgd")["PowerSGD error feedback"] * params
     assert 0 < p_and_q == 4 * 4 * ((256 + 1024) + (1024 + 10))  # (n + m) x rank fp32 numbers per n x m matrix
 
 

@@ -14,7 +14,8 @@ from vit.core.errors import ConfigError
 from vit.freeze import activation_cache
 from vit.freeze.activation_cache import FeatureCache
 from vit.freeze.measures import WeightMoves, changes
-from vit.freeze.replan import Layout, replan
+from vit.core.layout import Layout
+from vit.freeze.replan import replan
 from vit.freeze.freezer import Freezer, by_measure, freeze_prefix, next_measure, scheduled
 from vit.planner import stages
 from vit.loop.reference import reference_losses

@@ -13,6 +13,7 @@ from vit.config.cli import parse
 from vit.config.compat import check_precision
 from vit.config.plan import make_plan
 from vit.core.errors import ConfigError
+from vit.engines.registry import spec
 from vit.planner import census
 from vit.runtime import dist_env, gpu
 from vit.runtime.dist_env import Job
@@ -160,28 +161,28 @@ def test_bf16_only_where_native_and_fp16_as_the_engine_runs_it(monkeypatch):
     for engine in ("zero", "ddp"):
         for name, major, minor in CARDS:
             fake_card(monkeypatch, name, major, minor)
-            caps[engine, name] = census.capabilities(torch.device("cuda", 0), 1, engine)
+            caps[engine, name] = census.capabilities(torch.device("cuda", 0), 1, spec(engine))
     assert [(c["fp16"], c["bf16"], c["capability"]) for c in caps.values()] == [
         (True, True, "8.6"), (True, False, "7.5"), (False, False, "6.1"),
         (True, True, "8.6"), (True, False, "7.5"), (True, False, "6.1")]
-    assert choose("auto", "zero", [caps["zero", "RTX 3070"], caps["zero", "RTX 3070"]])[0] == "bf16"
-    precision, why = choose("auto", "zero", [caps["zero", "RTX 3070"], caps["zero", "RTX 2080 Ti"]])
+    assert choose("auto", spec("zero"), [caps["zero", "RTX 3070"], caps["zero", "RTX 3070"]])[0] == "bf16"
+    precision, why = choose("auto", spec("zero"), [caps["zero", "RTX 3070"], caps["zero", "RTX 2080 Ti"]])
     assert precision == "fp16" and "no bf16 on rank 1" in why and "warning" not in why
-    precision, why = choose("auto", "zero", [caps["zero", "RTX 3070"], caps["zero", "GTX 1080"]])
+    precision, why = choose("auto", spec("zero"), [caps["zero", "RTX 3070"], caps["zero", "GTX 1080"]])
     assert precision == "fp32" and "no fp16 on rank 1 (" in why
-    precision, why = choose("auto", "ddp", [caps["ddp", "RTX 3070"], caps["ddp", "GTX 1080"]])
+    precision, why = choose("auto", spec("ddp"), [caps["ddp", "RTX 3070"], caps["ddp", "GTX 1080"]])
     assert precision == "fp16" and "warning: rank 1 (" in why and "without tensor cores" in why
     # DeepSpeed's switch, read in the rank's own environment, and the device report made before the process group.
     monkeypatch.setenv("DS_ALLOW_DEPRECATED_FP16", "1")
-    assert census.capabilities(torch.device("cuda", 0), 1, "zero")["fp16"] is True
+    assert census.capabilities(torch.device("cuda", 0), 1, spec("zero"))["fp16"] is True
     assert gpu.local_report("auto", 0, 0)["ds_fp16"] is True
     monkeypatch.setenv("DS_ALLOW_DEPRECATED_FP16", "0")
     assert gpu.local_report("auto", 0, 0)["ds_fp16"] is False
     # No precision given: auto on GPUs, fp32 on CPUs.
-    precision, why = choose(None, "zero", [caps["zero", "RTX 3070"], caps["zero", "RTX 2080 Ti"]])
+    precision, why = choose(None, spec("zero"), [caps["zero", "RTX 3070"], caps["zero", "RTX 2080 Ti"]])
     assert precision == "fp16" and why.startswith("no precision given: auto on GPUs")
     cpu = {"host": "h", "device": "CPU", "capability": None, "fp16": False, "bf16": True}
-    assert choose(None, "zero", [cpu, cpu]) == ("fp32", "no precision given: fp32 on CPUs")
+    assert choose(None, spec("zero"), [cpu, cpu]) == ("fp32", "no precision given: fp32 on CPUs")
 
 
 def test_the_async_pipeline_settles_on_bf16_else_fp32():
@@ -191,9 +192,9 @@ def test_the_async_pipeline_settles_on_bf16_else_fp32():
         return {"host": "h", "device": "GPU", "capability": capability, "fp16": fp16, "bf16": bf16}
 
     turing, ampere = rep("7.5", True, False), rep("8.6", True, True)
-    assert choose(None, "async-pipeline", [ampere, ampere])[0] == "bf16"
+    assert choose(None, spec("async-pipeline"), [ampere, ampere])[0] == "bf16"
     for requested in (None, "auto"):
-        precision, why = choose(requested, "async-pipeline", [ampere, turing])
+        precision, why = choose(requested, spec("async-pipeline"), [ampere, turing])
         assert precision == "fp32" and why.endswith("no bf16 on rank 1 (h, GPU)"), why
     with pytest.raises(ConfigError, match=r"^--engine async-pipeline trains in fp32 or bf16 .*pass --precision bf16"):
         check_precision("fp16", "async-pipeline")
@@ -205,17 +206,17 @@ def test_the_async_pipeline_settles_on_bf16_else_fp32():
 def test_fp16_that_deepspeed_refuses_stops_before_the_process_group_naming_the_card_and_the_fix():
     reports = [gtx_1080(0, "cn3", ds_fp16=True), gtx_1080(1, "cn4")]
     with pytest.raises(ConfigError) as e:
-        gpu.decide(reports, "auto", "fp16", "zero")
+        gpu.decide(reports, "auto", "fp16", spec("zero"))
     assert str(e.value) == (
         "precision fp16 is not supported by rank 1 (cn4, NVIDIA GeForce GTX 1080): DeepSpeed runs fp16 from compute "
         "capability 7.0 on (6.x with DS_ALLOW_DEPRECATED_FP16=1 set for every rank), --engine ddp on any GPU; every "
         "rank can run fp32: use --precision auto or one of those")
-    assert gpu.decide(reports, "auto", "fp16", "ddp") == "cuda"  # torch autocast runs fp16 on Pascal
-    assert gpu.decide(reports, "auto", None, "zero") == gpu.decide(reports, "auto", "auto", "pipeline") == "cuda"
-    assert gpu.decide([gtx_1080(0, "cn3", ds_fp16=True)], "auto", "fp16", "zero") == "cuda"
+    assert gpu.decide(reports, "auto", "fp16", spec("ddp")) == "cuda"  # torch autocast runs fp16 on Pascal
+    assert gpu.decide(reports, "auto", None, spec("zero")) == gpu.decide(reports, "auto", "auto", spec("pipeline")) == "cuda"
+    assert gpu.decide([gtx_1080(0, "cn3", ds_fp16=True)], "auto", "fp16", spec("zero")) == "cuda"
     with pytest.raises(ConfigError, match=r"^precision bf16 is not supported by rank 0 \(cn3, NVIDIA GeForce GTX "
                                           r"1080\), rank 1 .*; every rank can run fp16, fp32: use"):
-        gpu.decide(reports, "auto", "bf16", "ddp")
+        gpu.decide(reports, "auto", "bf16", spec("ddp"))
 
 
 def test_torch_builds_that_differ_between_hosts_stop_before_nccl_starts():

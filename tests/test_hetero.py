@@ -11,7 +11,9 @@ from helpers import base_env, launch, plugin_env, run_cmd, train_losses
 
 from vit.config.cli import defaults
 from vit.data.datasets import TrainBatches
+from vit.core.costs import CUBLAS_BYTES, NCCL_BYTES
 from vit.core.errors import ConfigError
+from vit.engines.registry import spec
 from vit.planner import batch_split, census, loss_scale, stages
 from vit.loop.reference import reference_losses
 from vit.runtime import slowdown
@@ -165,11 +167,11 @@ def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
     zero2 = json.loads((Path(__file__).parent.parent / "deepspeed_configs" / "zero2.json").read_text())
     z = zero2["zero_optimization"]
     buckets = (2 if z.get("overlap_comm") else 1) * z["reduce_bucket_size"] + z["allgather_bucket_size"]
-    fixed = footprint.NCCL_BYTES + footprint.CUBLAS_BYTES
+    fixed = NCCL_BYTES + CUBLAS_BYTES
     assert fixed >= 256 * 2**20
-    assert footprint.gpu_reserved_bytes(zero2, "bf16") == fixed + 2 * buckets  # buckets in the run's precision
-    assert footprint.gpu_reserved_bytes(zero2, "fp32") == fixed + 4 * buckets
-    assert footprint.gpu_reserved_bytes({"zero_optimization": {"stage": 0}}, "fp16") == fixed  # no ZeRO buckets
+    assert footprint.gpu_reserved_bytes(spec("zero"), zero2, "bf16") == fixed + 2 * buckets  # buckets in the run's precision
+    assert footprint.gpu_reserved_bytes(spec("zero"), zero2, "fp32") == fixed + 4 * buckets
+    assert footprint.gpu_reserved_bytes(spec("zero"), {"zero_optimization": {"stage": 0}}, "fp16") == fixed  # no ZeRO buckets
     # Two equally fast ranks with the same free memory; rank 1 keeps 0.3 GiB for NCCL, buckets and cuBLAS.
     even = census_of(free_gib=(0.5, 0.5), block_ms=(10.0, 10.0))
     assert batch_split.split_batches(PROFILE, even, micro_batch=150, bytes_per_param=16) == [150, 150]
@@ -237,12 +239,12 @@ def test_precision_negotiation():
     def rep(fp16, bf16):
         return {"host": "h", "device": "GPU", "fp16": fp16, "bf16": bf16}
 
-    assert choose("auto", "zero", [rep(True, True), rep(True, True)])[0] == "bf16"
-    precision, why = choose("auto", "zero", [rep(True, True), rep(True, False)])
+    assert choose("auto", spec("zero"), [rep(True, True), rep(True, True)])[0] == "bf16"
+    precision, why = choose("auto", spec("zero"), [rep(True, True), rep(True, False)])
     assert precision == "fp16" and "no bf16 on rank 1 (h, GPU)" in why
-    assert choose("auto", "zero", [rep(False, True), rep(True, False)])[0] == "fp32"
+    assert choose("auto", spec("zero"), [rep(False, True), rep(True, False)])[0] == "fp32"
     with pytest.raises(ConfigError, match=r"precision bf16 is not supported by rank 1 \(h, GPU\), rank 2 "):
-        choose("bf16", "zero", [rep(True, True), rep(True, False), rep(True, False)])
+        choose("bf16", spec("zero"), [rep(True, True), rep(True, False), rep(True, False)])
 
 
 def test_scale_power_keeps_the_margin():

@@ -109,3 +109,52 @@ def test_no_import_cycle():
     graph = import_graph()
     found = knots(graph)
     assert not found, "import cycles:\n" + "\n".join(describe(graph, k) for k in found)
+
+
+# The packages of vit/, bottom first: each may import only itself and the packages before it (docs/architecture.md
+# keeps the same table, with what each holds). bench/ and plot_logs.py sit outside the library and may import any.
+LAYERS = ("core", "runtime", "data", "model", "telemetry", "loop", "engines", "planner", "freeze", "reports",
+          "config", "train")
+
+
+def layer_of(module: str) -> str:
+    """'vit.planner.census' -> 'planner', 'vit.train' -> 'train', 'vit' -> '' (the package's own __init__)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def upward_imports(graph: dict[str, set[str]], layers: tuple[str, ...] = LAYERS) -> list[str]:
+    """Each import of vit/ that goes up the table (or names a package the table lacks), as 'a -> b (why)'."""
+    rank = {name: i for i, name in enumerate(layers)}
+    found = []
+    for a in sorted(m for m in graph if m.startswith("vit")):
+        for b in sorted(m for m in graph[a] if m.startswith("vit")):
+            la, lb = layer_of(a), layer_of(b)
+            missing = [x for x in (la, lb) if x and x not in rank]
+            if missing:
+                found.append(f"{a} -> {b} (package {missing[0]} is not in the table)")
+            elif la and lb and rank[lb] > rank[la]:
+                found.append(f"{a} -> {b} ({lb} is above {la})")
+    return found
+
+
+def test_the_layer_check_sees_an_import_that_goes_up():
+    graph = {"vit.core.a": {"vit.runtime.b"}, "vit.runtime.b": {"vit.core.a"}, "vit.train": {"vit.loop.c"},
+             "vit.loop.c": set(), "vit.x.d": {"vit.core.a"}, "vit": set()}
+    assert upward_imports(graph) == ["vit.core.a -> vit.runtime.b (runtime is above core)",
+                                     "vit.x.d -> vit.core.a (package x is not in the table)"]
+
+
+def test_every_package_imports_only_the_packages_below_it():
+    graph = import_graph()
+    packages = {layer_of(m) for m in graph if m.startswith("vit.")}
+    assert packages == set(LAYERS), f"packages not in the table, or table rows with no package: {packages ^ set(LAYERS)}"
+    found = upward_imports(graph)
+    assert not found, "imports that go up the package table (docs/architecture.md):\n" + "\n".join(found)
+
+
+def test_the_architecture_page_lists_the_same_table():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    rows = [line.split("|")[2].strip().strip("`").removeprefix("vit/").rstrip("/").removesuffix(".py")
+            for line in page.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert tuple(rows) == LAYERS, rows

@@ -9,8 +9,9 @@ from helpers import launch, plugin_env
 
 from vit.config.cli import parse
 from vit.config.plan import make_plan
-from vit.planner import fit as memory
+from vit.planner import fit, oom
 from vit.planner import memory as footprint
+from vit.train import out_of_memory
 from vit.runtime.dist_env import Job
 
 
@@ -34,7 +35,7 @@ def test_out_of_memory_message_names_the_card_and_what_fits(monkeypatch, tmp_pat
     plan = make_plan(parse(["--model", "vit_small_patch16_224", "--dataset", "synthetic", "--synthetic-size", "1024",
                             "--micro-batch-size", "256", "--grad-accum", "2", "--log-dir", str(tmp_path)]),
                      Job(0, 1, 0, 1, "single"))
-    e = memory.out_of_memory(plan, torch.device("cuda", 0), 4, torch.cuda.OutOfMemoryError(
+    e = out_of_memory(plan, torch.device("cuda", 0), 4, torch.cuda.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 8.00 GiB\nmore"))
     text = str(e)
     assert text.startswith("out of memory during step 5 on cuda:0 (NVIDIA GeForce RTX 3070, 8.0 GiB) at "
@@ -60,11 +61,11 @@ def test_every_form_of_a_gpu_out_of_memory_is_one():
             dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:2044, unhandled cuda error (run with "
                                   "NCCL_DEBUG=INFO for details), NCCL version 2.27.7\nncclUnhandledCudaError: Call to "
                                   "CUDA function failed.\nLast error:\nCuda failure 'out of memory'")]
-    assert [footprint.is_oom(e) for e in ooms] == [True] * 5
+    assert [oom.is_oom(e) for e in ooms] == [True] * 5
     others = [RuntimeError("CUDA error: an illegal memory access was encountered"), ValueError("out of memory"),
               dist.DistBackendError("NCCL error: remote process exited or there was a network error"),
               OutOfMemory("out of memory during step 3 on cuda:0 ...")]
-    assert [footprint.is_oom(e) for e in others] == [False] * 4
+    assert [oom.is_oom(e) for e in others] == [False] * 4
 
 
 def test_the_micro_batch_search_counts_a_cublas_allocation_failure_as_too_big():
@@ -78,8 +79,8 @@ def test_the_micro_batch_search_counts_a_cublas_allocation_failure_as_too_big():
 
     model[0].register_forward_pre_hook(cublas)
     sample = torch.randn(1, 8, 8)
-    assert footprint.forward_backward_bytes(model, sample, 4) is None
-    assert footprint.largest_fitting(lambda n: footprint.forward_backward_bytes(model, sample, n), 1e12, 100) == 3
+    assert fit.forward_backward_bytes(model, sample, 4) is None
+    assert fit.largest_fitting(lambda n: fit.forward_backward_bytes(model, sample, n), 1e12, 100) == 3
 
 
 def test_the_message_keeps_its_hints_when_its_estimate_fails(monkeypatch, tmp_path):
@@ -90,7 +91,7 @@ def test_the_message_keeps_its_hints_when_its_estimate_fails(monkeypatch, tmp_pa
     monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
     plan = make_plan(parse(["--dataset", "synthetic", "--synthetic-size", "256", "--micro-batch-size", "64",
                             "--log-dir", str(tmp_path)]), Job(0, 1, 0, 1, "single"))
-    text = str(memory.out_of_memory(plan, torch.device("cuda", 0), 2, RuntimeError(CUBLAS_OOM)))
+    text = str(out_of_memory(plan, torch.device("cuda", 0), 2, RuntimeError(CUBLAS_OOM)))
     assert text == (f"out of memory during step 3 on cuda:0 at micro-batch 64: {CUBLAS_OOM}. No estimate "
                     "(AcceleratorError: CUDA error: out of memory). Try --micro-batch-size 32, or --micro-batch-size "
                     "auto, or deepspeed_configs/zero2_offload.json (optimizer state in CPU memory), or --engine "
@@ -131,7 +132,7 @@ def test_the_micro_batch_search_finds_the_largest_that_fits_a_fake_memory_limit(
 
     fitting = [n for n in range(1, upper + 1) if (oom_from is None or n < oom_from) and static + per * n <= budget]
     expected = max(fitting, default=0)
-    assert footprint.largest_fitting(need, budget, upper) == expected
+    assert fit.largest_fitting(need, budget, upper) == expected
     assert len(tried) <= 2 * upper.bit_length() + 1 and len(set(tried)) == len(tried)
     over = [n for n in tried if static + per * n > budget]
     assert len(over) <= 1  # once two sizes are measured, sizes that would not fit are never tried
@@ -142,11 +143,11 @@ def test_the_search_measures_a_real_forward_and_backward_on_the_cpu():
 
     model = torch.nn.Sequential(*build_layers("vit_digits", 10, 1, 8, 0))
     sample = torch.randn(1, 8, 8)
-    one, two, four = (footprint.forward_backward_bytes(model, sample, n) for n in (1, 2, 4))
+    one, two, four = (fit.forward_backward_bytes(model, sample, n) for n in (1, 2, 4))
     assert one < two < four and four - two == pytest.approx(2 * (two - one), rel=0.05)  # affine in n
     assert all(p.grad is None for p in model.parameters())
     budget = two + (four - two) / 2  # room for 3 samples
-    assert footprint.largest_fitting(lambda n: footprint.forward_backward_bytes(model, sample, n), budget, 100) == 3
+    assert fit.largest_fitting(lambda n: fit.forward_backward_bytes(model, sample, n), budget, 100) == 3
 
 
 @pytest.mark.ranks
@@ -184,7 +185,7 @@ def test_the_search_measures_autocast_engines_as_they_train():
     sample = torch.randn(1, 8, 8)
 
     def per_sample(m, autocast=None):
-        two, four = (footprint.forward_backward_bytes(m, sample, n, autocast) for n in (2, 4))
+        two, four = (fit.forward_backward_bytes(m, sample, n, autocast) for n in (2, 4))
         return (four - two) / 2
 
     fp32, autocast = per_sample(model), per_sample(model, torch.bfloat16)

@@ -53,7 +53,7 @@ def test_ddp_fp16_skips_an_overflowed_step_without_advancing_the_lr(tmp_path, fu
     import torch
     import torch.distributed as dist
 
-    from vit.config.ds_config import Batch
+    from vit.core.batch import Batch
     from vit.core.settings import OptimSettings
     from vit.engines.base import EngineContext
     from vit.engines.ddp.engine import DDPEngine

@@ -12,20 +12,10 @@ from helpers import launch
 from vit.engines.registry import SPECS, spec
 from vit.core.errors import ConfigError
 from vit.planner import cli
-from vit.planner.cost import (
-    Calibration,
-    Candidate,
-    Job,
-    Layer,
-    Network,
-    Rank,
-    compressions,
-    grad_bytes,
-    ring_allreduce_s,
-    wire_bytes_per_elem,
-)
+from vit.core.costs import Calibration, Candidate, Layer, Network, Rank, ring_allreduce_s
+from vit.core.costs import Workload as Job
 from vit.planner.inputs import ranks_from_census
-from vit.planner.predict import busy_slots, predict
+from vit.planner.predict import label, predict
 from vit.planner.search import best_parts, rank_candidates
 from vit.telemetry.metrics import write_json
 
@@ -113,18 +103,18 @@ def test_ranks_sharing_a_machines_processors_pay_less_for_the_pipelines_fill_and
     j, c = job(n_layers=5, batch=10), Candidate(DS_PIPE, 0, 5, 2, 5, parts=(0, 1, 2, 3, 4, 5))
     # 9 slots; 1, 2, 3, 4, 5, 4, 3, 2, 1 of the 5 ranks compute; measured with all 5 at once (2.5x alone), k of
     # them take max(1 / 2.5, k / 5) of a slot: 0.4 + 0.4 + 0.6 + 0.8 + 1 + 0.8 + 0.6 + 0.4 + 0.4 = 5.4 slots
-    assert busy_slots(c, same) == pytest.approx(5.4)
+    assert spec(c.engine).busy_slots(c, same) == pytest.approx(5.4)
     p = predict(c, same, net(1e9), j, ZERO_COST)  # each stage 2 x 3 ms a micro-batch
     assert (p.compute_s, p.bubble_s, p.slots_paid) == pytest.approx((5 * 6e-3, 0.4 * 6e-3, 5.4))
     # GPUs of one machine (nothing contended), ranks on machines of their own, and the async pipeline: whole slots
     gpus = [dataclasses.replace(r, contention=1.1) for r in same]  # within SHARED: noise, not sharing
     apart = [dataclasses.replace(r, machine="") for r in same]
-    assert busy_slots(c, gpus) == busy_slots(c, apart) == 9
-    assert busy_slots(dataclasses.replace(c, engine=ASYNC_PIPE), same) == 5
+    assert spec(c.engine).busy_slots(c, gpus) == spec(c.engine).busy_slots(c, apart) == 9
+    assert spec(ASYNC_PIPE).busy_slots(dataclasses.replace(c, engine=ASYNC_PIPE), same) == 5
     # two machines of two ranks each, contended 2x: 7 slots, computing {0}, {0,1}, .., {3}; a slot takes the
     # largest share of its machines': 0.5 (1 of A's 2), 1, 1, 1, 1 (B's 2 of 2), 1, 0.5
     pairs = [Rank(h, (1e-3,) * 4, (2e-3,) * 4, BIG, machine=m, contention=2.0) for h, m in zip("abcd", "AABB")]
-    assert busy_slots(Candidate(DS_PIPE, 0, 4, 2, 4, parts=(0, 1, 2, 3, 4)), pairs) == pytest.approx(6.0)
+    assert spec(DS_PIPE).busy_slots(Candidate(DS_PIPE, 0, 4, 2, 4, parts=(0, 1, 2, 3, 4)), pairs) == pytest.approx(6.0)
     # the census gives both where --engine auto measured them; an older one neither
     census = [{"host": "a", "mem_free_gib": 1.0, "block_ms": 3.0, "machine": "m", "contention": 2.5},
               {"host": "b", "mem_free_gib": 1.0, "block_ms": 3.0}]
@@ -159,7 +149,7 @@ def test_powersgd_sends_low_rank_factors_of_the_matrices_it_compresses():
     layer = Layer(100 * 50 + 4 * 4 + 50, 0.0, 1, ((100, 50), (4, 4)))
     j = Job((layer,), 8, "fp32", powersgd_rank=4)
     # 100x50: 5000 > 2 x 150 x 4, sends 150 x 4; 4x4: 16 <= 2 x 8 x 4, sends whole; the 50-vector whole
-    assert grad_bytes(spec(DP_ENGINE), j, j.layers, "powersgd") == (600 + 16 + 50) * 4
+    assert spec(DP_ENGINE).grad_bytes(j, j.layers, "powersgd") == (600 + 16 + 50) * 4
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -168,21 +158,22 @@ def test_compression_never_increases_the_bytes(precision):
     for engine in SPECS.values():
         if precision == "fp16" and not engine.fp16:
             continue
-        for comp in compressions(engine, precision):
-            assert grad_bytes(engine, j, j.layers, comp) <= grad_bytes(engine, j, j.layers, "none"), (engine, comp)
-            assert wire_bytes_per_elem(engine, precision, comp) <= wire_bytes_per_elem(engine, precision, "none")
+        for comp in engine.compressions(precision):
+            assert engine.grad_bytes(j, j.layers, comp) <= engine.grad_bytes(j, j.layers, "none"), (engine, comp)
+            if engine.pipeline:
+                assert engine.wire_bytes_per_elem(precision, comp) <= engine.wire_bytes_per_elem(precision, "none")
 
 
 def test_a_slower_link_never_makes_a_candidate_faster():
     ranks, j = two_hosts(slow=1.5), job(n_layers=4, params=50_000, batch=16)
     cands = [Candidate(e.name, z, 1, 4, 2, comp) for e in SPECS.values() if not e.pipeline
              for z in ((e.zero_stage,) if e.zero_stage is not None else e.zero_stages)
-             for comp in compressions(e, "fp32")]
+             for comp in e.compressions("fp32")]
     cands += [Candidate(e.name, 0, 2, 2, 4, comp, parts=(0, 2, 4)) for e in SPECS.values() if e.pipeline
-              for comp in compressions(e, "fp32")]
+              for comp in e.compressions("fp32")]
     for c in cands:
         steps = [predict(c, ranks, net(bw, 1e-4), j, Calibration()).step_s for bw in (1e10, 1e8, 1e6, 1e4)]
-        assert steps == sorted(steps), (c.label(), steps)
+        assert steps == sorted(steps), (label(c), steps)
 
 
 @pytest.mark.parametrize("seed", range(8))

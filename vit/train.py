@@ -15,17 +15,17 @@ import torch.distributed as dist
 
 from vit.config.cli import PROG, parse
 from vit.config.ds_config import with_precision
-from vit.config.plan import Plan, choose_resume, make_plan, with_micro_batch
+from vit.config.plan import Plan, choose_resume, make_plan, with_auto_choice, with_micro_batch
 from vit.data.augment import train_batches
 from vit.data.datasets import TrainBatches, loader_workers, make_loader
 from vit.engines import Engine, EngineContext, build
+from vit.core.layout import Layout
 from vit.engines.registry import spec
 from vit.core.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.freeze import activation_cache, replan
 from vit.freeze.freezer import Freezer
-from vit.planner import fit
+from vit.planner import fit, oom
 from vit.planner.survey import Adapted, adapt, time_each_rank
-from vit.planner.memory import gpu_reserved_bytes, is_oom
 from vit.loop import checkpoint
 from vit.loop.ema import Ema
 from vit.loop.evaluate import Evaluator
@@ -33,7 +33,6 @@ from vit.loop.stats import StepStats
 from vit.model import weights
 from vit.model.layers import build_layers
 from vit.planner import auto as auto_engine
-from vit.planner import balance
 from vit.runtime import console, plugins, preflight, slowdown
 from vit.runtime.dist_env import device, discover, end_process_group, init_process_group, rank0_decides, rank_cores
 from vit.runtime.faults import Watchdog, announce_failure
@@ -128,7 +127,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
     hidden_to = console.to_file(log_dir, job.rank)
     ds_config = with_precision(plan.ds_config, adapted.precision, adapted.scale_power)
 
-    def make_engine(layers: list, layout: replan.Layout | None = None) -> Engine:  # layout: --freeze-replan's
+    def make_engine(layers: list, layout: Layout | None = None) -> Engine:  # layout: --freeze-replan's
         ctx = EngineContext(layers, ds_config, batch, dev, s.optim, plan.total_steps, adapted.precision,
                             s.parallel.pipeline_stages, s.parallel.partition, adapted.parts, adapted.loss_weight,
                             s.recipe.smoothing, s.asynchrony, s.parallel.compile, s.comm)
@@ -144,7 +143,7 @@ def setup(plan: Plan, watchdog: Watchdog) -> Session:
                       micro_batch=batch.micro_batch, on_progress=watchdog.beat, time_layers=lambda: time_each_rank(
                           job, fresh_layers, data.train[0][0][None], batch.micro_batch, adapted.precision, dev, factor))
     freezer.freeze(layers, frozen)
-    engine = make_engine(layers, replan.Layout(**layout) if layout else None)
+    engine = make_engine(layers, Layout(**layout) if layout else None)
     if ema_layers:
         engine.ema = Ema(ema_layers, engine, s.recipe.model_ema_decay)
     if plan.resume:
@@ -172,13 +171,13 @@ def adapt_to_cluster(plan: Plan, dev: torch.device, layers: list, start_step: in
         return make_loader(data.train, probe, 0, False)
 
     return adapt(
-        job, dev, layers, requested_precision=plan.requested_precision, engine=s.parallel.engine,
+        job, dev, layers, requested_precision=plan.requested_precision, engine=plan.engine,
         micro_batch=batch.micro_batch, grad_accum=batch.grad_accum, sample=data.train[0][0][None],
-        balanced=balance.candidate(plan), proportional=s.parallel.batch_split == "proportional",
+        balanced=plan.balanced_candidate(), proportional=s.parallel.batch_split == "proportional",
         probe_batches=probe_batches if s.parallel.loss_scale == "auto" else None,
         slowdown=plan.slowdowns.get(job.rank, 1.0), split=plan.micro_split, parts=plan.stage_parts,
-        state_bytes=lambda precision: fit.state_bytes_per_param(plan, precision),
-        reserved_bytes=gpu_reserved_bytes(plan.ds_config, fit.likely_precision(plan, dev)),
+        state_bytes=plan.state_bytes_per_param,
+        reserved_bytes=plan.reserved_bytes(dev, plan.likely_precision(dev)),
         probe_on_cpu=pipeline or plan.layout["zero_stage"] == 3,
         profile_only=pipeline and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on")
 
@@ -192,7 +191,8 @@ def session(plan: Plan, engine: Engine, watchdog: Watchdog, log_dir: str, save_d
     monitor = Monitor(log_dir, job.rank, s.log.monitor_interval, s.log.monitor_backend, gpu_indices=gpus,
                       say=None if job.is_main or s.log.verbose else console.CAPTURE.add)
     monitor.start()
-    metrics = tracking.metrics_log(log_dir, job.rank, s.log.report_to, monitor, start_step=start, verbose=s.log.verbose)
+    metrics = tracking.metrics_log(log_dir, job.rank, s.log.report_to, monitor, start_step=start, verbose=s.log.verbose,
+                                   charts=tracker_charts)
     my_micro = adapted.split[engine.dp_rank] if adapted.split else batch.micro_batch
     stats = StepStats(engine, metrics, global_batch=batch.global_size, rank_images=my_micro * batch.grad_accum,
                       total_steps=plan.total_steps, log_interval=s.log.log_interval, precision=adapted.precision,
@@ -237,35 +237,69 @@ def finish(plan: Plan, run: Session, start_time: float) -> None:
     dist.barrier()
 
 
+def tracker_charts(log_dir: str) -> list:
+    """The run's charts for the trackers (matplotlib is imported only by a run that reports to one)."""
+    from vit.reports.charts import for_trackers
+
+    return for_trackers(log_dir)
+
+
+def choose_engine(plan: Plan, dev: torch.device) -> dict:
+    """--engine auto: vit.planner.auto's choice for this run (collective)."""
+    s = plan.settings
+    return auto_engine.choose(plan.job, dev, plan.fresh_layers(s.model.drop_path), plan.sample, plan.batch,
+                              plan.likely_precision(dev), s.parallel.engine, plan.slowdowns.get(plan.job.rank, 1.0),
+                              s.comm.powersgd_rank)
+
+
+def fit_micro_batch(plan: Plan, dev: torch.device) -> tuple[int, list[int] | None, dict]:
+    """--micro-batch-size auto: vit.planner.fit's search for this run (collective)."""
+    precision, batch = plan.likely_precision(dev), plan.batch
+    return fit.fit_micro_batch(plan.job, dev, precision, upper=len(plan.data.train) // (batch.dp_size * batch.grad_accum),
+                               dp_size=batch.dp_size, proportional=plan.settings.parallel.batch_split == "proportional",
+                               autocast=plan.engine.autocast, layers=plan.fresh_layers, sample=plan.data.train[0][0],
+                               per_param=plan.state_bytes_per_param(precision),
+                               reserved=plan.reserved_bytes(dev, precision))
+
+
+def out_of_memory(plan: Plan, dev: torch.device, step: int, error: Exception) -> OutOfMemory:
+    """An out-of-memory error on this rank as one message (vit.planner.oom), with what this run would fit."""
+    def estimated():
+        return oom.estimate(dev, plan.job.local_world_size, lambda: plan.likely_precision(dev), plan.fresh_layers,
+                            plan.sample, plan.state_bytes_per_param, lambda p: plan.reserved_bytes(dev, p),
+                            plan.settings.parallel.engine)
+    return oom.out_of_memory(error, dev, step, plan.batch, estimated)
+
+
 def run(plan: Plan, start_time: float) -> int:
     """Train; any failure on any rank ends every rank, non-zero, naming the rank that failed."""
     try:  # every rank reaches the same verdict on the job's devices, so each stops alike
         init_process_group(plan.job, plan.settings.cluster.dist_timeout, plan.settings.cluster.device,
-                           plan.requested_precision, plan.settings.parallel.engine)
+                           plan.requested_precision, plan.engine)
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except RuntimeError as e:  # a full GPU: NCCL's communicators did not fit
-        if not is_oom(e):
+        if not oom.is_oom(e):
             raise
         print(f"rank {plan.job.rank} ({socket.gethostname()}) failed at start: "
-              f"{fit.nccl_out_of_memory(device(plan.job), e)}", file=sys.stderr, flush=True)
+              f"{oom.nccl_out_of_memory(device(plan.job), e)}", file=sys.stderr, flush=True)
         return 1
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
     plugins.call("start", plan.job.rank, watchdog)
     try:
         if plan.auto is not None:  # --engine auto
-            plan = auto_engine.choose(plan, device(plan.job))
+            plan = with_auto_choice(plan, choose_engine(plan, device(plan.job)))
         if plan.settings.parallel.micro_batch_size == "auto":
-            plan = with_micro_batch(plan, *fit.fit_micro_batch(plan, device(plan.job)))
+            plan = with_micro_batch(plan, *fit_micro_batch(plan, device(plan.job)))
         train(plan, start_time, watchdog)
     except NothingToDo as e:  # decided on rank 0 before anything was written
         if plan.job.is_main:
             print(f"{PROG}: {e}", flush=True)
     except Exception as e:
-        if is_oom(e):
-            e = fit.out_of_memory(plan, device(plan.job), watchdog.step, e)
+        if oom.is_oom(e):
+            e = out_of_memory(plan, device(plan.job), watchdog.step, e)
         if isinstance(e, ConfigError):  # a collective finding (preflight, census, lock): the same on every rank
             announce_failure(f"rank {plan.job.rank} ({socket.gethostname()}): {e}")
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)

@@ -9,8 +9,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from vit.config.compat import NEEDS, PROVISIONAL, check_auto, check_settings
-from vit.core.settings import DEFAULT_EPOCHS, GROUPS, ROOT, TRACKERS, Settings
-from vit.engines.registry import AUTO, spec
+from vit.core.paths import ROOT
+from vit.core.settings import DEFAULT_EPOCHS, GROUPS, TRACKERS, Settings
+from vit.engines.registry import AUTO, NAMES, SPECS, spec
 from vit.core.errors import ConfigError
 
 PROG = "entry_cn.sh"  # the launcher users run: the usage and the training's messages name it
@@ -42,6 +43,16 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def from_registry(name: str, cli: dict, help: str) -> tuple[dict, str]:
+    """What the settings' types cannot know (vit.core sits below the engines): --engine's choices and --ds-config's
+    default per engine."""
+    if name == "engine":
+        return {**cli, "choices": (*NAMES, AUTO)}, help
+    if name == "ds_config":
+        return cli, help + ", ".join(f"{e.default_ds_config} for {e.name}" for e in SPECS.values())
+    return cli, help
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Train a Vision Transformer with DeepSpeed ZeRO, a DeepSpeed "
                 "pipeline, or plain PyTorch DDP. With no options: the tiny ViT on the embedded digits data set.",
@@ -61,7 +72,8 @@ def parser() -> argparse.ArgumentParser:
                 cli.setdefault("action", "store_true")
             elif "const" not in cli:
                 cli.setdefault("type", _base_type(f))
-            target.add_argument(*flag(f), dest=f.name, default=f.default, help=f.metadata["help"], **cli)
+            cli, text = from_registry(f.name, cli, f.metadata["help"])
+            target.add_argument(*flag(f), dest=f.name, default=f.default, help=text, **cli)
     return p
 
 

@@ -17,7 +17,7 @@ def _engines(has) -> str:
 # to say
 # it).
 NEEDS = {
-    "async": (lambda s: spec(s.parallel.engine).async_options, _engines(lambda e: e.async_options)),
+    "async": (lambda s: spec(s.parallel.engine).async_schedule, _engines(lambda e: e.async_schedule)),
     "freeze": (lambda s: s.freeze.freeze != "none", "--freeze schedule, settled or grad"),
     "powersgd": (lambda s: s.comm.comm_hook == "powersgd", "--comm-hook powersgd"),
     "pipeline freeze": (lambda s: s.freeze.freeze != "none" and spec(s.parallel.engine).pipeline
@@ -73,9 +73,7 @@ def check_comm_dtype(engine_name: str, cfg: dict, config_name: str) -> None:
 
 def check_precision(requested: str | None, engine_name: str) -> None:
     """Before the process group: a precision the engine cannot train in at all."""
-    if requested == "fp16" and not spec(engine_name).fp16:
-        raise ConfigError(f"--engine {engine_name} trains in fp32 or bf16 (it has no fp16 loss scaler); pass "
-                          "--precision bf16 or fp32 (or a --ds-config without fp16)")
+    spec(engine_name).check_precision(requested)
 
 
 def check_freeze(s, ds_config: dict) -> None:

@@ -3,18 +3,17 @@ and the batch arithmetic checked, before any process group starts. Functions ret
 edits a config in place."""
 import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from vit.config.compat import check_comm_dtype, check_zero_stage
 from vit.config.ds_schema import deepspeed_parses
 from vit.config.ds_schema import validate as validate_ds_schema
 from vit.core.onebit import check_json_optimizer
-from vit.core.settings import ParallelSettings
+from vit.core.settings import DEFAULT_FP16_SCALE_POWER, ParallelSettings
 from vit.engines.registry import spec
+from vit.core.batch import Batch
 from vit.core.errors import ConfigError
 
-DEFAULT_FP16_SCALE_POWER = 12  # 2^16, DeepSpeed's default, overflowed on every step in users' ViT runs
 
 
 def load_json(path: str) -> dict:
@@ -29,20 +28,6 @@ def load_json(path: str) -> dict:
         raise ConfigError(f"DeepSpeed config {path}: expected a JSON object, got {type(cfg).__name__}")
     return cfg
 
-
-@dataclass(frozen=True)
-class Batch:
-    micro_batch: int
-    grad_accum: int
-    dp_size: int
-
-    @property
-    def global_size(self) -> int:
-        return self.micro_batch * self.grad_accum * self.dp_size
-
-    def arithmetic(self) -> str:
-        return (f"global batch {self.global_size} = micro-batch {self.micro_batch} x grad accum {self.grad_accum} "
-                f"x data-parallel {self.dp_size}")
 
 
 def zero_stage(cfg: dict) -> int:

@@ -7,18 +7,28 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
+from vit.config.cli import validate
 from vit.config.compat import PROVISIONAL, check_freeze, check_precision
-from vit.config.ds_config import Batch, precision_of, resolve
-from vit.core.settings import ROOT, Settings
+from vit.config.ds_config import precision_of, resolve
+from vit.core.batch import Batch
+from vit.core.costs import Candidate
+from vit.core.paths import DS_CONFIGS, ROOT
+from vit.core.spec import EngineSpec
+from vit.core.settings import Settings
 from vit.data.augment import data_recipe
 from vit.data.datasets import DataSplit, dataset_for, load_dataset, steps_per_epoch
 from vit.engines.registry import AUTO, spec
 from vit.core.errors import ConfigError, NothingToDo
 from vit.loop import checkpoint
 from vit.model import weights
-from vit.model.layers import check_img_size, model_shape
+from vit.model.layers import build_layers, check_img_size, model_shape
+from vit.planner import balance
+from vit.planner.memory import bytes_per_param, gpu_reserved_bytes
 from vit.runtime import slowdown
 from vit.runtime.dist_env import Job, resolve_master
+from vit.runtime.precision import likely
 from vit.config.rundir import check_export, check_unused, check_writable
 from vit.telemetry import tracking
 
@@ -62,6 +72,47 @@ class Plan:
     def checkpoint_meta(self) -> dict:
         """What each checkpoint's manifest records of the run, for a resume to compare with its own."""
         return {**self.layout, "config_hash": self.settings_hash(), "total_steps": self.total_steps}
+
+    @property
+    def engine(self) -> EngineSpec:
+        return spec(self.settings.parallel.engine)
+
+    @property
+    def sample(self) -> torch.Tensor:
+        """One training image (a batch of 1), for measuring the model."""
+        return self.data.train[0][0][None]
+
+    def fresh_layers(self, drop_path: float = 0.0) -> list:
+        """The model's layers as the run's seed builds them (vit.model.layers)."""
+        s, data = self.settings, self.data
+        return build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed, drop_path)
+
+    def likely_precision(self, dev: torch.device) -> str:
+        """What this rank will probably train in, before the census settles it (for memory estimates)."""
+        return likely(self.requested_precision, self.engine, dev)
+
+    def compression(self) -> str:
+        """The compression the settings and the JSON ask of the engine (EngineSpec.compression_of)."""
+        return self.engine.compression_of(self.settings, self.ds_config)
+
+    def state_bytes_per_param(self, precision: str) -> float:
+        """vit.planner.memory.bytes_per_param for this run's engine, DeepSpeed JSON, data-parallel size, EMA,
+        compression and the async pipeline's weight stashing or prediction (one copy of the weights either way)."""
+        a = self.settings.asynchrony
+        stashed = int(a.weight_stashing == "on" or a.weight_prediction == "msnag")  # engines without stages: none
+        return bytes_per_param(self.engine, precision, self.ds_config, self.batch.dp_size,
+                               ema_on_gpu=self.settings.recipe.model_ema, stashed_copies=stashed,
+                               compression=self.compression())
+
+    def reserved_bytes(self, dev: torch.device, precision: str) -> float:
+        """What a GPU rank keeps free beside the plan's memory (0 on a CPU)."""
+        return gpu_reserved_bytes(self.engine, self.ds_config, precision) if dev.type == "cuda" else 0.0
+
+    def balanced_candidate(self) -> Candidate | None:
+        """The run's pipeline as the cost model names it, when it asks for balanced stages."""
+        par = self.settings.parallel
+        return balance.candidate(par.engine, par.partition, par.pipeline_stages, self.batch.micro_batch,
+                                 self.batch.grad_accum, self.layout["zero_stage"] or 0, self.compression())
 
 
 def make_plan(settings: Settings, job: Job) -> Plan:
@@ -168,6 +219,24 @@ def with_micro_batch(plan: Plan, micro_batch: int, split: list[int] | None, sear
     per_epoch, total_steps = run_length(plan.settings, plan.data, batch)
     return replace(plan, ds_config=ds_config, batch=batch, steps_per_epoch=per_epoch, total_steps=total_steps,
                    layout={**plan.layout, "global_batch": batch.global_size}, micro_split=split, micro_search=search)
+
+
+def with_auto_choice(plan: Plan, record: dict) -> Plan:
+    """The run's plan with --engine auto's choice (vit.planner.auto.choose's record): its options as a command line
+    would give them, checked like one."""
+    c, engine = record["choice"], spec(record["choice"]["engine"])
+    changes = dict(engine=c["engine"],
+                   ds_config=str(DS_CONFIGS / engine.config_for(c["zero_stage"], c["stages"], plan.job.world_size)),
+                   micro_batch_size=c["micro_batch"], grad_accum=c["grad_accum"],
+                   batch_split="proportional" if c["split"] else "equal")
+    if engine.pipeline:
+        changes["pipeline_stages"] = c["stages"]
+    options, json_keys = engine.compression_options(c["compression"])
+    new = make_plan(validate(plan.settings.with_(**changes, **options)), plan.job)
+    if json_keys:  # DeepSpeed's gradient reduction in bf16
+        new = replace(new, ds_config={**new.ds_config, **json_keys})
+    return replace(new, auto=record, micro_split=list(c["split"]) if c["split"] else None,
+                   stage_parts=list(c["parts"]) if c["parts"] else None)
 
 
 def find_resume(s: Settings, save_dir: str | None, layout: dict, batch: Batch) -> Resume:

@@ -55,4 +55,4 @@ def write_summary(log_dir: str, plan, *, precision: str, ds_config: dict, start_
 def wire(plan, precision: str) -> dict:
     """--pipe-wire-dtype as the run resolved it, for an engine it applies to; {} for the others."""
     s = plan.settings
-    return {"pipe_wire_dtype": s.asynchrony.wire_dtype(precision)} if spec(s.parallel.engine).async_options else {}
+    return {"pipe_wire_dtype": s.asynchrony.wire_dtype(precision)} if spec(s.parallel.engine).async_schedule else {}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from vit.core.settings import ROOT
+from vit.core.paths import ROOT
 from vit.core.errors import ConfigError
 from vit.loop import checkpoint
 from vit.runtime.dist_env import rank0_decides

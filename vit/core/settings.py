@@ -10,12 +10,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from vit.core.onebit import check_opt_name
-from vit.engines.registry import AUTO, NAMES, SPECS
 
-ROOT = Path(__file__).resolve().parents[2]
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
+DEFAULT_FP16_SCALE_POWER = 12  # fp16's initial loss scale 2^12 (DeepSpeed's 2^16 overflowed on every step in
+#                                users' ViT runs), unless the JSON or --loss-scale auto sets one
 TRACKERS = ("tensorboard", "wandb", "csv")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
@@ -69,9 +69,9 @@ class DataSettings:
 
 @dataclass(frozen=True)
 class ParallelSettings:
-    engine: str = option("zero", "training engine (auto: the planner's, docs/planner.md)", choices=(*NAMES, AUTO))
-    ds_config: str | None = option(None, "DeepSpeed JSON (batch, precision, ZeRO); default deepspeed_configs/"
-                                   + ", ".join(f"{e.default_ds_config} for {e.name}" for e in SPECS.values()))
+    # --engine's choices and --ds-config's defaults come from the engine registry (vit.config.cli adds them)
+    engine: str = option("zero", "training engine (auto: the planner's, docs/planner.md)")
+    ds_config: str | None = option(None, "DeepSpeed JSON (batch, precision, ZeRO); default deepspeed_configs/")
     pipeline_stages: int = option(2, "pipeline engines: number of stages", "positive")
     partition: str = option("parameters", "pipeline engines: how layers are cut into stages: uniform, parameters, "
                             "type:REGEX, or balanced (by the census: each layer's forward and backward time "

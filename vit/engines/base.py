@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vit.config.ds_config import Batch
+from vit.core.batch import Batch
 from vit.core.settings import AsyncSettings, CommSettings, OptimSettings
 from vit.data.datasets import PAD_LABEL
 from vit.loop.stats import PhaseTimer
@@ -54,7 +54,7 @@ class Engine(ABC):
     def autocast(self):
         """Autocast to `dtype` where the engine trains in half precision by autocast; a no-op elsewhere."""
         return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
-    layout = None  # a pipeline's stages (vit.freeze.replan.Layout), which --freeze may re-plan; None without stages
+    layout = None  # a pipeline's stages (vit.core.layout.Layout), which --freeze may re-plan; None without stages
 
     @abstractmethod
     def live_module(self) -> nn.Module:

@@ -17,7 +17,8 @@ from torch import nn
 from vit.core.settings import FreezeSettings
 from vit.freeze.activation_cache import FeatureCache, cached_batches
 from vit.freeze.measures import GradNorms, WeightMoves, changes
-from vit.freeze.replan import Layout, replan
+from vit.core.layout import Layout
+from vit.freeze.replan import replan
 from vit.runtime.dist_env import live_process_groups
 
 
@@ -262,7 +263,7 @@ class Freezer:
 def rebuild(engine, freeze, make_layers, make_engine, plan=lambda layers: None) -> tuple["object", bool]:
     """Collective: a new engine on fresh layers holding the old one's weights, freeze(layers) freezing a prefix,
     continuing the old one's optimizer state, LR schedule, loss scaler and EMA; plan(layers): a pipeline's new
-    vit.freeze.replan.Layout (None: the engine's layout as it was). DeepSpeed and DDP fix their
+    vit.core.layout.Layout (None: the engine's layout as it was). DeepSpeed and DDP fix their
     parameters, buckets and hooks at construction, so freezing means building them again. The old engine is closed
     and its memory freed first, its state held on the host meanwhile: (the new engine, whether the old one's module
     was gone before the new one was built)."""

@@ -7,17 +7,13 @@ their weights only, no activations. K stages shrink to K/2 when such a plan fits
 are balanced again; the first stage keeps an active layer (a stage of frozen layers only has no backward, which
 DeepSpeed's pipeline cannot skip)."""
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from vit.core.batch import Batch
 from vit.core.errors import ConfigError
+from vit.core.layout import Layout
 from vit.planner.stages import StagePlan, plan_stages
 
-
-@dataclass(frozen=True)
-class Layout:
-    stages: int
-    parts: list[int]  # stage s holds layers parts[s] .. parts[s+1]-1
-    grad_accum: int  # micro-batches per step and data-parallel copy
 
 
 def replan(census: dict, frozen: int, current: Layout, micro_batch: int,
@@ -46,8 +42,6 @@ def replan(census: dict, frozen: int, current: Layout, micro_batch: int,
 def with_layout(ctx, layout: Layout):
     """An EngineContext for `layout`: its stages and boundaries, and the batch re-split (the same micro-batch and
     global batch, grad_accum micro-batches per copy)."""
-    from vit.config.ds_config import Batch
-
     world = ctx.pipeline_stages * ctx.batch.dp_size
     batch = Batch(ctx.batch.micro_batch, layout.grad_accum, world // layout.stages)
     ds_config = {**ctx.ds_config, "gradient_accumulation_steps": layout.grad_accum,

@@ -5,7 +5,6 @@ a command line would ask for it, and plan the run again with it. Rank 0 prints t
 config.json keeps both (engine_auto). The fixed costs come from a calibration file where there is one, else the
 defaults (docs/planner.md)."""
 import dataclasses
-import functools
 import os
 import statistics
 import time
@@ -13,24 +12,20 @@ import time
 import torch
 import torch.distributed as dist
 
-from vit.config.cli import validate
-from vit.config.ds_config import load_json
-from vit.config.plan import Plan, make_plan
-from vit.core.settings import ROOT
-from vit.engines.registry import spec
+from vit.core.batch import Batch
+from vit.core.costs import Candidate, Workload
 from vit.core.errors import ConfigError, NothingToDo
-from vit.planner.survey import in_turns
+from vit.engines.registry import spec
+from vit.engines.step_cost import SHARED
 from vit.planner.census import capabilities, gather
-from vit.planner.fit import likely_precision
-from vit.planner.profile import time_layers
-from vit.model.layers import build_layers
 from vit.planner.cli import PLAN_ONLY, row, run_calibration, table
-from vit.planner.cost import Job
 from vit.planner.inputs import describe_layers, ranks_from_census
 from vit.planner.links import measure_links, network
-from vit.planner.predict import SHARED
+from vit.planner.predict import engine_key
+from vit.planner.profile import time_layers
 from vit.planner.search import rank_candidates
-from vit.runtime.dist_env import rank0_decides
+from vit.planner.survey import in_turns
+from vit.runtime.dist_env import Job, rank0_decides
 from vit.telemetry.metrics import write_json
 
 TOP = 10  # rows printed
@@ -40,20 +35,20 @@ TIE = 0.02  # predictions this close are a tie (the model's error is larger)
 PICK = "VIT_ENGINE_AUTO_PICK"  # a family (family()) to run instead of the choice: the model's validation, bench planner
 
 
-def choose(plan: Plan, dev: torch.device) -> Plan:
-    """Collective: measure, rank (rank 0 decides for all), and the run's plan with the choice."""
+def choose(job: Job, dev: torch.device, layers: list, sample: torch.Tensor, batch: Batch, precision: str,
+           engine: str, slowdown: float = 1.0, powersgd_rank: int = 4) -> dict:
+    """Collective: measure `layers` (the model as the run builds it) on every rank at `batch`'s micro-batch in
+    `precision`, rank every candidate (rank 0 decides for all) and return the record of the choice (its table, its
+    measurements), which vit.config.plan.with_auto_choice turns into the run's plan. `engine`: the one the run is
+    planned as until it chooses."""
     start = time.perf_counter()
-    s, job = plan.settings, plan.job
-    layers = build_layers(s.model.model, plan.data.num_classes, plan.data.in_chans, plan.data.img_size, s.train.seed,
-                          s.model.drop_path)
-    sample, micro, precision = plan.data.train[0][0][None], plan.batch.micro_batch, likely_precision(plan, dev)
-    report = capabilities(dev, job.local_world_size, s.parallel.engine)
+    micro = batch.micro_batch
+    report = capabilities(dev, job.local_world_size, spec(engine))
     dist.barrier()  # every rank at once, as training runs: ranks sharing a host's cores slow each other there too
-    slowdown = plan.slowdowns.get(job.rank, 1.0)
     report["layer_ms"] = time_layers(layers, sample, micro, precision, dev, slowdown, rounds=ROUNDS,
                                      pick=statistics.median)
     report["layer_ms_micro_batch"] = micro
-    alone = {}  # and one rank at a time: where the two differ, ranks share processors (predict.busy_slots)
+    alone = {}  # and one rank at a time: where the two differ, ranks share processors (the engines' busy_slots)
 
     def time_alone(first: bool) -> None:
         alone["layer_ms"] = time_layers(layers, sample, micro, precision, dev, slowdown, rounds=ALONE_ROUNDS,
@@ -63,7 +58,8 @@ def choose(plan: Plan, dev: torch.device) -> Plan:
     report["contention"] = max(1.0, sum(map(sum, report["layer_ms"])) / sum(map(sum, alone["layer_ms"])))
     reports = gather(report)
     links = measure_links([r["host"] for r in reports], job.rank, dev)
-    record = rank0_decides(lambda: decide(plan, layers, sample, precision, reports, links, start))
+    work = dict(batch=batch, world_size=job.world_size, powersgd_rank=powersgd_rank)
+    record = rank0_decides(lambda: decide(layers, sample, precision, reports, links, start, **work))
     text = record.pop("text")
     if job.is_main:
         print(text, flush=True)
@@ -71,20 +67,21 @@ def choose(plan: Plan, dev: torch.device) -> Plan:
         if job.is_main:
             write_json(only, record)
         raise NothingToDo(f"engine auto: planned only (${PLAN_ONLY}): the table and the choice are in {only}")
-    return replan(plan, record)
+    return record
 
 
-def decide(plan: Plan, layers: list, sample: torch.Tensor, precision: str, reports: list[dict],
-           links: dict[str, tuple[float, float]], start: float) -> dict:
+def decide(layers: list, sample: torch.Tensor, precision: str, reports: list[dict],
+           links: dict[str, tuple[float, float]], start: float, batch: Batch, world_size: int,
+           powersgd_rank: int) -> dict:
     """Rank 0: every candidate ranked, the first that fits and runs chosen; ConfigError when none does."""
     described, flops = describe_layers(layers, sample, precision)
-    ranks, _ = ranks_from_census(reports, flops, plan.batch.micro_batch)
+    ranks, _ = ranks_from_census(reports, flops, batch.micro_batch)
     net = network(reports, links)
-    job = Job(tuple(described), plan.batch.global_size, precision, plan.settings.comm.powersgd_rank)
+    work = Workload(tuple(described), batch.global_size, precision, powersgd_rank)
     (calib, calib_from), rows = run_calibration(), []
-    for p in rank_candidates(ranks, net, job, calib):
-        cannot = cannot_run(p.candidate, plan, precision)
-        rows.append({**row(p, job.global_batch), "engine_key": p.candidate.engine_key(), "runs": cannot is None,
+    for p in rank_candidates(ranks, net, work, calib):
+        cannot = cannot_run(p.candidate, world_size, precision)
+        rows.append({**row(p, work.global_batch), "engine_key": engine_key(p.candidate), "runs": cannot is None,
                      "not_chosen": "does not fit every rank" if not p.fits else cannot or not_chosen(p.candidate)})
     runs = [r for r in rows if r["not_chosen"] is None]
     if not runs:
@@ -98,7 +95,7 @@ def decide(plan: Plan, layers: list, sample: torch.Tensor, precision: str, repor
     mbit = {h: 8 * b / 1e6 for h, b in net.host_bytes_s.items()}
     hosts = len({r["host"] for r in reports})
     said = [f"engine auto: {len(reports)} ranks on {hosts} host{'s' if hosts > 1 else ''}, {precision}, global "
-            f"batch {job.global_batch}; links " + (", ".join(f"{h} {v:.1f} Mbit/s" for h, v in mbit.items())
+            f"batch {work.global_batch}; links " + (", ".join(f"{h} {v:.1f} Mbit/s" for h, v in mbit.items())
                                                    or "none (one host)") + f", latency {1e3 * net.latency_s:.2f} ms; "
             f"fixed costs from {calib_from or 'the defaults (bench planner --save-calibration measures them)'}"]
     if (shared := [r["contention"] for r in reports if r["contention"] > SHARED]):
@@ -139,50 +136,18 @@ def forced(rows: list[dict], wanted: str) -> dict:
                       f"{', '.join(sorted({family(r) for r in rows}))}")
 
 
-def not_chosen(c) -> str | None:
+def not_chosen(c: Candidate) -> str | None:
     """Why a candidate that fits and runs is not chosen however fast (None: it may be)."""
     if c.compression == "powersgd":
         return "PowerSGD changes what is learned (low-rank gradients): --comm-hook powersgd is yours to choose"
     return None
 
 
-def cannot_run(c, plan: Plan, precision: str) -> str | None:
+def cannot_run(c: Candidate, world_size: int, precision: str) -> str | None:
     """Why a candidate cannot run as a command line would ask for it (None: it can)."""
     engine = spec(c.engine)
     if precision not in engine.precisions:
         return f"--engine {c.engine} does not train in {precision}"
-    if json_for(c.engine, c.zero_stage, c.stages, plan.job.world_size) is None:
+    if engine.config_for(c.zero_stage, c.stages, world_size) is None:
         return f"no DeepSpeed JSON of --engine {c.engine} at ZeRO-{c.zero_stage}"
     return None
-
-
-@functools.lru_cache(maxsize=None)  # asked for each candidate: the engine's default JSON read once
-def json_for(engine_name: str, zero_stage: int, stages: int, world_size: int) -> str | None:
-    """The DeepSpeed JSON that runs a candidate: the engine's default where it runs at the candidate's ZeRO stage
-    (or a pipeline without data parallelism, where the stage changes nothing), else zero{stage}.json for an engine
-    without a pipeline; None if none does."""
-    engine, configs = spec(engine_name), ROOT / "deepspeed_configs"
-    default = configs / engine.default_ds_config
-    if not engine.deepspeed or engine.zero_stage_of(load_json(str(default))) == zero_stage or stages == world_size:
-        return str(default)
-    return None if engine.pipeline else str(configs / f"zero{zero_stage}.json")
-
-
-def replan(plan: Plan, record: dict) -> Plan:
-    """The run's plan with the choice: its options as a command line would give them, checked like one."""
-    c, engine = record["choice"], spec(record["choice"]["engine"])
-    changes = dict(engine=c["engine"],
-                   ds_config=json_for(c["engine"], c["zero_stage"], c["stages"], plan.job.world_size),
-                   micro_batch_size=c["micro_batch"], grad_accum=c["grad_accum"],
-                   batch_split="proportional" if c["split"] else "equal")
-    if engine.pipeline:
-        changes["pipeline_stages"] = c["stages"]
-    if engine.comm_hooks and c["compression"] != "none":
-        changes["comm_hook"] = c["compression"]
-    if c["compression"] == "wire-bf16":
-        changes["pipe_wire_dtype"] = "bf16"
-    new = make_plan(validate(plan.settings.with_(**changes)), plan.job)
-    if c["compression"] == "comm-bf16":  # DeepSpeed's gradient reduction in bf16
-        new = dataclasses.replace(new, ds_config={**new.ds_config, "communication_data_type": "bf16"})
-    return dataclasses.replace(new, auto=record, micro_split=list(c["split"]) if c["split"] else None,
-                               stage_parts=list(c["parts"]) if c["parts"] else None)

@@ -6,28 +6,24 @@ balanced split at least GAIN faster (less is within its error) or uniform does n
 import dataclasses
 import itertools
 
-from vit.engines.registry import spec
+from vit.core.costs import Candidate, Workload
 from vit.core.errors import ConfigError
+from vit.engines.registry import spec
 from vit.planner.cli import run_calibration
-from vit.planner.cost import Candidate, Job
 from vit.planner.inputs import from_profile, ranks_from_census
 from vit.planner.links import network
-from vit.planner.predict import predict, stage_time_s
+from vit.planner.predict import predict
 from vit.planner.search import best_parts
 
 GAIN = 0.05
 
 
-def candidate(plan) -> Candidate | None:
-    """The run's pipeline as the cost model names it (vit.config.plan.Plan), when it asks for balanced stages."""
-    s, par = plan.settings, plan.settings.parallel
-    engine = spec(par.engine)
-    if not engine.pipeline or par.partition != "balanced":
+def candidate(engine: str, partition: str, stages: int, micro_batch: int, grad_accum: int, zero_stage: int,
+              compression: str) -> Candidate | None:
+    """The run's pipeline as the cost model names it, when it asks for balanced stages."""
+    if not spec(engine).pipeline or partition != "balanced":
         return None
-    compression = ("wire-bf16" if engine.async_options and s.asynchrony.pipe_wire_dtype == "bf16" else
-                   "comm-bf16" if plan.ds_config.get("communication_data_type") == "bf16" else "none")
-    return Candidate(par.engine, plan.layout["zero_stage"] or 0, par.pipeline_stages, plan.batch.micro_batch,
-                     plan.batch.grad_accum, compression)
+    return Candidate(engine, zero_stage, stages, micro_batch, grad_accum, compression)
 
 
 def plan_partition(c: Candidate, profile: list[dict], layers: list, reports: list[dict],
@@ -39,12 +35,12 @@ def plan_partition(c: Candidate, profile: list[dict], layers: list, reports: lis
     described, flops = from_profile(profile, layers)
     ranks, _ = ranks_from_census(reports, flops, c.micro_batch)
     net, (calib, source) = network(reports, links), run_calibration()
-    job = Job(tuple(described), c.micro_batch * c.grad_accum * len(ranks) // c.stages, precision)
-    splits = {"balanced": best_parts(c, ranks, net, job, calib),
+    work = Workload(tuple(described), c.micro_batch * c.grad_accum * len(ranks) // c.stages, precision)
+    splits = {"balanced": best_parts(c, ranks, net, work, calib),
               "uniform": ds_utils.partition_uniform(len(layers), c.stages),
               "parameters": ds_utils.partition_balanced([p["params"] for p in profile], c.stages)}
     splits = {k: [int(i) for i in v] for k, v in splits.items()}
-    pred = {k: predict(dataclasses.replace(c, parts=tuple(v)), ranks, net, job, calib) for k, v in splits.items()}
+    pred = {k: predict(dataclasses.replace(c, parts=tuple(v)), ranks, net, work, calib) for k, v in splits.items()}
     if not pred["balanced"].fits:
         smallest = min(pred["balanced"].capacity_bytes) / 2**30
         raise ConfigError(f"--partition balanced: no split of the {len(layers)} layers into {c.stages} stages fits "
@@ -55,7 +51,8 @@ def plan_partition(c: Candidate, profile: list[dict], layers: list, reports: lis
     why = (f"predicted {gain:.1%} faster than uniform" if chosen == "balanced" else
            f"balanced predicted only {gain:.1%} faster than uniform, within the model's error (under {GAIN:.0%})")
     parts = splits[chosen]
-    stage_s = [stage_time_s(c, ranks, net, job, calib, s, parts[s], parts[s + 1]) for s in range(c.stages)]
+    stage_s = [spec(c.engine).stage_time_s(c, ranks, net, work, calib, s, parts[s], parts[s + 1])
+               for s in range(c.stages)]
     record = {"parts": parts, "by": "cost model", "chosen": chosen, "why": why, "compare": splits,
               "predicted_step_s": {k: p.step_s for k, p in pred.items()},
               "stage_compute_s": [t for t, _ in stage_s], "stage_link_s": [t for _, t in stage_s],

@@ -7,13 +7,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vit.core.spec import EngineSpec
 from vit.planner.memory import device_memory
 from vit.runtime import plugins
 from vit.runtime.precision import DTYPES, deepspeed_fp16, gpu_precisions
 from vit.runtime.slowdown import Clock
 
 
-def capabilities(dev: torch.device, local_world_size: int, engine: str) -> dict:
+def capabilities(dev: torch.device, local_world_size: int, engine: EngineSpec) -> dict:
     """This rank's device: name, memory, compute capability and what it trains in under `engine`
     (vit.runtime.precision.gpu_precisions; on a CPU, what DeepSpeed's accelerator says).
 

@@ -10,11 +10,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vit.core.settings import ROOT, positive_int
+from vit.core.paths import ROOT
+from vit.core.settings import positive_int
+from vit.core.costs import Calibration, Prediction, Workload
 from vit.core.errors import ConfigError
-from vit.planner.cost import Calibration, Job, calibration_keys
 from vit.planner.inputs import load_run, network, profile_model, ranks_from_census, read_json
-from vit.planner.predict import Prediction
+from vit.planner.predict import calibration_keys, label
 from vit.planner.search import rank_candidates
 
 PROG = "python -m vit.planner"
@@ -126,7 +127,7 @@ def setting(args, config: dict | None, name: str, value):
     return config[name]
 
 
-def inputs(args) -> tuple[list, object, Job, Calibration, str]:
+def inputs(args) -> tuple[list, object, Workload, Calibration, str]:
     cluster, config = load_run(args.run)
     run_args = (config or {}).get("args", {})
     model = setting(args, config and run_args, "model", args.model)
@@ -145,14 +146,14 @@ def inputs(args) -> tuple[list, object, Job, Calibration, str]:
         layers = [dataclasses.replace(x, act_bytes=float(m["act_bytes"])) for x, m in zip(layers, measured)]
     ranks, how = ranks_from_census(cluster["census"], flops, micro or 1)
     net = network([r.host for r in ranks], args.link_mbit, args.link_file, args.latency_ms, args.same_host_gbit)
-    job = Job(tuple(layers), global_batch, precision, run_args.get("powersgd_rank", 4))
-    return ranks, net, job, calibration(args.calibration), f"{model}, global batch {global_batch}, {precision}; " \
+    work = Workload(tuple(layers), global_batch, precision, run_args.get("powersgd_rank", 4))
+    return ranks, net, work, calibration(args.calibration), f"{model}, global batch {global_batch}, {precision}; " \
         f"{len(ranks)} ranks on {len({r.host for r in ranks})} hosts; layer times {how}"
 
 
 def row(p: Prediction, global_batch: int) -> dict:
     c = p.candidate
-    return {"candidate": c.label(), **dataclasses.asdict(c), "step_ms": 1e3 * p.step_s,
+    return {"candidate": label(c), **dataclasses.asdict(c), "step_ms": 1e3 * p.step_s,
             "images_per_s": p.images_per_s(global_batch), "compute_ms": 1e3 * p.compute_s, "link_ms": 1e3 * p.link_s,
             "bubble_ms": 1e3 * p.bubble_s, "fixed_ms": 1e3 * p.fixed_s, "bottleneck": p.bottleneck,
             "mem_gib": [m / 2**30 for m in p.mem_bytes], "capacity_gib": [m / 2**30 for m in p.capacity_bytes],
@@ -188,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     if train:
         p.error("vit.train options after -- go with --hostfile")
     try:
-        ranks, net, job, calib, what = inputs(args)
-        rows = [row(p, job.global_batch) for p in rank_candidates(ranks, net, job, calib)]
+        ranks, net, work, calib, what = inputs(args)
+        rows = [row(p, work.global_batch) for p in rank_candidates(ranks, net, work, calib)]
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

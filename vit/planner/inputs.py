@@ -6,9 +6,8 @@ import json
 import re
 from pathlib import Path
 
+from vit.core.costs import USABLE_MEMORY, Layer, Network, Rank
 from vit.core.errors import ConfigError
-from vit.planner.memory import USABLE_MEMORY
-from vit.planner.cost import Layer, Network, Rank
 
 DOCTOR_LINE = re.compile(r"link from (\S+) to (\S+): ([\d.]+) Mbit/s")
 PLAIN_LINE = re.compile(r"^\s*(\S+)\s+([\d.]+)\s*$")

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from vit.planner.cost import Network
+from vit.core.costs import Network
 
 PROBE_S = 0.2  # a link's message grows until its transfer takes this long
 PROBE_MAX_BYTES = 64 * 2**20

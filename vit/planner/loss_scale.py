@@ -8,9 +8,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vit.config.ds_config import DEFAULT_FP16_SCALE_POWER
+from vit.core.settings import DEFAULT_FP16_SCALE_POWER
 from vit.core.errors import ConfigError, OutOfMemory
-from vit.planner.memory import ELEMENT_BYTES, first_line, is_oom
+from vit.core.costs import ELEMENT_BYTES
+from vit.planner.oom import first_line, is_oom
 from vit.planner.profile import profile_layers
 from vit.model.layers import loss_fn
 

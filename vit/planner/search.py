@@ -5,20 +5,12 @@ micro-batch that divides the global batch; the best micro-batch of each, ranked 
 import math
 from collections.abc import Iterator
 
-from vit.engines.registry import SPECS, EngineSpec
+from vit.core.costs import Calibration, Candidate, Network, Prediction, Rank, Workload
+from vit.core.spec import EngineSpec
+from vit.engines.registry import SPECS, spec
 from vit.planner.batch_split import proportional_split
+from vit.planner.predict import predict
 from vit.planner.stages import balanced_split
-from vit.planner.cost import Calibration, Candidate, Job, Network, Rank, compressions
-from vit.planner.predict import (
-    Prediction,
-    busy_slots,
-    capacity,
-    per_param_bytes,
-    predict,
-    stage_mem_bytes,
-    stage_step_s,
-    stage_time_s,
-)
 
 # Ranks whose speeds are this close are one speed (proportional): 5 identical ranks sharing 2 cores, timed at once
 # (--engine auto), differed by up to 28%.
@@ -35,23 +27,23 @@ def zero_stages(engine: EngineSpec, dp: int) -> tuple[int, ...]:
     return stages if dp > 1 else (0,)
 
 
-def best_parts(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> tuple[int, ...] | None:
+def best_parts(c: Candidate, ranks: list[Rank], net: Network, work: Workload, calib: Calibration) -> tuple[int, ...] | None:
     """The contiguous split of the layers whose slowest stage (what it alone makes the step, from its compute and
-    its link per micro-batch: predict.stage_step_s) is fastest and fits each stage's memory: vit.planner.stages'
+    its link per micro-batch: the engine's stage_step_s) is fastest and fits each stage's memory: vit.planner.stages'
     exact dynamic programming with the planner's stage cost (the stages' all-reduce among data-parallel copies
     aside). Among the splits that reach that step (many, where the link sets it), the one with the least compute
     on its busiest stage: a second pass of the same programming, the others ruled out. When no split fits, the
     fastest regardless of memory (predicted as not fitting); None only when there are fewer layers than stages."""
-    n, dp = len(job.layers), len(ranks) // c.stages
-    caps = [min(capacity(r, c.engine, c.zero_stage, job.precision) for r in ranks[s * dp:(s + 1) * dp])
+    n, dp, engine = len(work.layers), len(ranks) // c.stages, spec(c.engine)
+    caps = [min(engine.capacity(r, c.zero_stage, work.precision) for r in ranks[s * dp:(s + 1) * dp])
             for s in range(c.stages)]
-    costs, busy = {}, busy_slots(c, ranks)
+    costs, busy = {}, engine.busy_slots(c, ranks)
 
     def cost(s: int, i: int, j: int) -> tuple[float, float, float]:
         if (s, i, j) not in costs:
-            compute, transfer = stage_time_s(c, ranks, net, job, calib, s, i, j)
-            costs[s, i, j] = (stage_step_s(c, calib, compute, transfer, busy), stage_mem_bytes(c, job, dp, s, i, j),
-                              compute)
+            compute, transfer = engine.stage_time_s(c, ranks, net, work, calib, s, i, j)
+            costs[s, i, j] = (engine.stage_step_s(c, calib, compute, transfer, busy),
+                              engine.stage_mem_bytes(c, work, dp, s, i, j), compute)
         return costs[s, i, j]
 
     def split(caps: list[float], limit: float = math.inf):
@@ -68,16 +60,17 @@ def best_parts(c: Candidate, ranks: list[Rank], net: Network, job: Job, calib: C
     return tuple(split(fitting, max(plan.times) * (1 + 1e-12)).parts)
 
 
-def proportional(c: Candidate, ranks: list[Rank], job: Job) -> tuple[int, ...] | None:
+def proportional(c: Candidate, ranks: list[Rank], work: Workload) -> tuple[int, ...] | None:
     """--batch-split proportional: micro_batch x ranks shared in proportion to each rank's speed (1 / its
     per-sample forward and backward) within what its memory holds (batch_split.proportional_split); None when
     it does not fit or equals the equal split, or when the ranks' speeds are within SAME_SPEED of each other."""
     speeds = [1 / (sum(r.fwd_s) + sum(r.bwd_s)) for r in ranks]
     if max(speeds) < (1 + SAME_SPEED) * min(speeds):
         return None
-    state = sum(x.params for x in job.layers) * per_param_bytes(c, job, len(ranks))
-    act = sum(x.act_bytes for x in job.layers)
-    caps = [int((capacity(r, c.engine, c.zero_stage, job.precision) - state) // act) for r in ranks]
+    engine = spec(c.engine)
+    state = work.params * engine.per_param_bytes(c, work, len(ranks))
+    act = sum(x.act_bytes for x in work.layers)
+    caps = [int((engine.capacity(r, c.zero_stage, work.precision) - state) // act) for r in ranks]
     try:
         split = proportional_split(c.micro_batch * len(ranks), speeds, caps)
     except ValueError:
@@ -85,49 +78,49 @@ def proportional(c: Candidate, ranks: list[Rank], job: Job) -> tuple[int, ...] |
     return None if len(set(split)) == 1 else tuple(split)
 
 
-def families(ranks: list[Rank], job: Job) -> Iterator[tuple[EngineSpec, int, int, str, bool]]:
+def families(ranks: list[Rank], work: Workload) -> Iterator[tuple[EngineSpec, int, int, str, bool]]:
     """(engine, pipeline stages, ZeRO stage, compression, proportional split) of every candidate family."""
     n = len(ranks)
     for engine in SPECS.values():
-        for stages in [s for s in divisors(n) if 1 < s <= len(job.layers)] if engine.pipeline else [1]:
+        for stages in [s for s in divisors(n) if 1 < s <= len(work.layers)] if engine.pipeline else [1]:
             dp = n // stages
             for zero in zero_stages(engine, dp):
-                for comp in compressions(engine, job.precision):
+                for comp in engine.compressions(work.precision):
                     if dp == 1 and comp not in ("none", "wire-bf16"):
                         continue  # nothing to all-reduce
                     for split in (False, True) if stages == 1 and n > 1 else (False,):
                         yield engine, stages, zero, comp, split
 
 
-def family_best(family, ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> Prediction | None:
+def family_best(family, ranks: list[Rank], net: Network, work: Workload, calib: Calibration) -> Prediction | None:
     """The family's best micro-batch: the fastest that fits, else the fastest (marked as not fitting). A pipeline
     takes at least as many micro-batches as stages."""
     engine, stages, zero, comp, split = family
     dp = len(ranks) // stages
-    if job.global_batch % dp:
+    if work.global_batch % dp:
         return None
     best = None
-    for micro in divisors(job.global_batch // dp):
-        c = Candidate(engine.name, zero, stages, micro, job.global_batch // dp // micro, comp)
+    for micro in divisors(work.global_batch // dp):
+        c = Candidate(engine.name, zero, stages, micro, work.global_batch // dp // micro, comp)
         if c.grad_accum < stages:
             continue  # 1F1B needs a micro-batch per stage to fill; fewer leave transfers the model assumes hidden
         if split:
-            sizes = proportional(c, ranks, job)
+            sizes = proportional(c, ranks, work)
             if sizes is None:
                 continue
             c = Candidate(engine.name, zero, stages, micro, c.grad_accum, comp, split=sizes)
         if stages > 1:
-            parts = best_parts(c, ranks, net, job, calib)
+            parts = best_parts(c, ranks, net, work, calib)
             if parts is None:
                 continue
             c = Candidate(engine.name, zero, stages, micro, c.grad_accum, comp, parts=parts)
-        p = predict(c, ranks, net, job, calib)
+        p = predict(c, ranks, net, work, calib)
         if best is None or (not p.fits, p.step_s) < (not best.fits, best.step_s):
             best = p
     return best
 
 
-def rank_candidates(ranks: list[Rank], net: Network, job: Job, calib: Calibration) -> list[Prediction]:
+def rank_candidates(ranks: list[Rank], net: Network, work: Workload, calib: Calibration) -> list[Prediction]:
     """Every family's best, those that fit first, then by predicted seconds per image."""
-    found = [p for f in families(ranks, job) if (p := family_best(f, ranks, net, job, calib)) is not None]
-    return sorted(found, key=lambda p: (not p.fits, p.step_s / job.global_batch))
+    found = [p for f in families(ranks, work) if (p := family_best(f, ranks, net, work, calib)) is not None]
+    return sorted(found, key=lambda p: (not p.fits, p.step_s / work.global_batch))

@@ -6,7 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vit.core.errors import ConfigError
-from vit.planner.memory import FROZEN_BYTES_PER_PARAM, plan_bytes
+from vit.core.costs import FROZEN_BYTES_PER_PARAM, pipeline_inflight
+from vit.planner.memory import plan_bytes
 
 
 @dataclass
@@ -53,10 +54,6 @@ def balanced_split(time: list[list[list[float]]], static: list[float], act: list
     stats = [cost(s, parts[s], parts[s + 1]) for s in range(stages)]
     return StagePlan(parts, [t for t, _ in stats], [m for _, m in stats], time)
 
-
-def pipeline_inflight(stages: int, grad_accum: int) -> list[int]:
-    """Micro-batches whose activations stage s holds at once under DeepSpeed's 1F1B schedule."""
-    return [max(1, min(stages - s, grad_accum)) for s in range(stages)]
 
 
 def plan_layers(layer_s: list[list[tuple[float, float]]], static_bytes: list[float], act_bytes: list[float],

@@ -19,8 +19,9 @@ from vit.planner.census import WARMUP_S, capabilities, census_table, gather, mea
 from vit.planner.memory import plan_bytes
 from vit.planner.loss_scale import tune
 from vit.planner.profile import LAYER_TURNS, profile_layers, time_layers
+from vit.core.costs import Candidate
+from vit.core.spec import EngineSpec
 from vit.planner.balance import plan_partition
-from vit.planner.cost import Candidate
 from vit.planner.links import measure_links
 from vit.runtime.dist_env import Job, rank0_decides
 from vit.runtime.gpu import fork_rng
@@ -38,7 +39,8 @@ class Adapted:
     record: dict = field(default_factory=dict)  # cluster.json
 
 
-def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str | None, engine: str,
+def adapt(job: Job, device: torch.device, layers: list[nn.Module], *, requested_precision: str | None,
+          engine: EngineSpec,
           micro_batch: int, grad_accum: int, sample: torch.Tensor, balanced: "Candidate | None", proportional: bool,
           probe_batches: Callable[[], Iterable] | None, slowdown: float, split: list[int] | None = None,
           state_bytes: Callable[[str], float], reserved_bytes: float = 0.0, probe_on_cpu: bool = False,

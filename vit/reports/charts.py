@@ -5,6 +5,7 @@ records and the tables), never stdout."""
 import base64
 import csv
 import html
+import sys
 import io
 from pathlib import Path
 
@@ -251,3 +252,12 @@ def write(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
         csv.writer(f).writerows([COLUMNS, *rows])
     report(out, runs, charts, rows)
     return md, charts
+
+
+def for_trackers(log_dir: str) -> list[Path]:
+    """The run's charts (into <log-dir>/plots), for the trackers to keep beside the curves."""
+    try:
+        return sorted(write([Run(log_dir)], Path(log_dir) / "plots")[1])
+    except Exception as e:  # the charts are an extra: the run and its curves stand without them
+        print(f"warning: no charts for the trackers: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return []

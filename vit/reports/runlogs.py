@@ -97,8 +97,8 @@ class Run:
         known = SPECS.get(engine)  # None: an engine this version does not know
         if known and known.pipeline and s.get("pipeline_stages"):
             engine = f"{engine} ({s['pipeline_stages']} stages)"
-        elif known and not known.pipeline and known.zero_stage is None and stage is not None:
-            engine = f"{engine}{stage}"  # the ZeRO engine's stage, from its DeepSpeed JSON: zero2
+        elif known and stage is not None:
+            engine = known.key(stage)  # with the ZeRO stage where its DeepSpeed JSON sets it: zero2
         ips = s.get("images_per_s")
         if ips is None:  # killed before the summary: the mean of the logged windows
             values = [r["images_per_s"] for r in self.records("train")

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from vit.core.errors import ConfigError
+from vit.core.spec import EngineSpec
 
 DEFAULT_PORT = 29500
 
@@ -183,7 +184,7 @@ def rank_cores(local_world_size: int) -> int:
 
 
 def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto", requested_precision: str | None = None,
-                       engine: str | None = None) -> str:
+                       engine: "EngineSpec | None" = None) -> str:
     """Start torch.distributed on the backend every rank can run (nccl on GPUs, gloo on CPUs), decided from
     every rank's device report before any collective (vit.runtime.gpu, which with an engine also checks the precision);
     export the torchrun variables DeepSpeed reads."""

@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 
 from vit.core.errors import ConfigError
+from vit.core.spec import EngineSpec
 from vit.runtime import precision
 
 # CUDA major version of a torch build -> the oldest Linux driver that runs it (NVIDIA's minor-version
@@ -184,7 +185,7 @@ def check_one_torch(reports: list[dict]) -> None:
                       f"NCCL versions: {fix}")
 
 
-def decide(reports: list[dict], wanted: str, requested_precision: str | None = None, engine: str | None = None) -> str:
+def decide(reports: list[dict], wanted: str, requested_precision: str | None = None, engine: EngineSpec | None = None) -> str:
     """The job's device type from every rank's report, or the ConfigError every rank raises alike; with an engine,
     also a --precision (or the JSON's) that some GPU cannot train in under it (vit.runtime.precision)."""
     kind = choose_device(reports, wanted)

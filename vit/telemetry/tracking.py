@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -153,9 +154,9 @@ class TrackedMetrics(MetricsLog):
     one on each logging step), every rank's latest monitor sample is gathered: a collective on logging steps
     only, and only when trackers are on."""
 
-    def __init__(self, log_dir: str, rank: int, sinks: list, monitor):
+    def __init__(self, log_dir: str, rank: int, sinks: list, monitor, charts: Callable[[str], list[Path]]):
         super().__init__(log_dir, rank)
-        self.log_dir, self.sinks, self.monitor = log_dir, sinks, monitor
+        self.log_dir, self.sinks, self.monitor, self.charts = log_dir, sinks, monitor, charts
 
     def write(self, kind: str, step: int, **fields) -> None:
         super().write(kind, step, **fields)
@@ -170,21 +171,9 @@ class TrackedMetrics(MetricsLog):
     def close(self) -> None:
         super().close()
         summary = _read_json(os.path.join(self.log_dir, "summary.json")) if self.sinks else None
-        charts = plot(self.log_dir) if summary and any(not isinstance(s, CsvSink) for s in self.sinks) else []
+        charts = self.charts(self.log_dir) if summary and any(not isinstance(s, CsvSink) for s in self.sinks) else []
         for sink in self.sinks:
             sink.close(summary, charts)
-
-
-def plot(log_dir: str) -> list[Path]:
-    """The run's charts (vit.reports.charts, into <log-dir>/plots), for the trackers to keep beside the curves."""
-    from vit.reports.charts import write  # matplotlib: imported only by a run that reports to a tracker
-    from vit.reports.runlogs import Run
-
-    try:
-        return sorted(write([Run(log_dir)], Path(log_dir) / "plots")[1])
-    except Exception as e:  # the charts are an extra: the run and its curves stand without them
-        print(f"warning: no charts for the trackers: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return []
 
 
 def _read_json(path: str):
@@ -194,9 +183,11 @@ def _read_json(path: str):
         return json.load(f)
 
 
-def metrics_log(log_dir: str, rank: int, report_to: str, monitor, *, start_step: int, verbose: bool) -> MetricsLog:
+def metrics_log(log_dir: str, rank: int, report_to: str, monitor, *, start_step: int, verbose: bool,
+                charts: Callable[[str], list[Path]]) -> MetricsLog:
     """The run's metrics log: plain, or with the trackers --report-to names (opened on rank 0, after config.json
-    and cluster.json are written: they are the run's hyperparameters)."""
+    and cluster.json are written: they are the run's hyperparameters). `charts`(log dir): the run's charts at its
+    end, for the trackers to keep (vit.reports.charts.for_trackers)."""
     if report_to == "none":
         return MetricsLog(log_dir, rank)
     sinks = []
@@ -208,4 +199,4 @@ def metrics_log(log_dir: str, rank: int, report_to: str, monitor, *, start_step:
         sinks.extend(opened[name]() for name in report_to.split(","))
 
     rank0_decides(open_sinks)
-    return TrackedMetrics(log_dir, rank, sinks, monitor)
+    return TrackedMetrics(log_dir, rank, sinks, monitor, charts)

@@ -1,1 +1,34 @@
-"""placeholder"""
+"""The asynchronous pipeline (PipeDream-2BW's 1F1B without a flush, no DeepSpeed in its step): the engine
+(engine.py), its channels (p2p.py), the weight prediction (msnag.py), and what it declares (SPEC): no bubble, a
+stashed weight copy per further micro-batch in flight, fp32 under autocast, a bf16 wire as its compression."""
+from vit.engines.step_cost import PipelinedSpec, autocast_state
+
+
+class AsyncPipelineSpec(PipelinedSpec):
+    def flushes(self):
+        return False
+
+    def stashed_copies(self, inflight):
+        return inflight - 1
+
+    def compressions(self, precision):
+        return "none", "wire-bf16"  # the p2p activations and gradients in bf16
+
+    def compression_of(self, settings, ds_config):
+        return "wire-bf16" if settings.asynchrony.pipe_wire_dtype == "bf16" else "none"
+
+    def compression_options(self, compression):
+        return ({"pipe_wire_dtype": "bf16"} if compression == "wire-bf16" else {}), {}
+
+    def state_bytes(self, precision, ds_config, dp_size=1, stashed_copies=0, compression="none"):
+        terms = autocast_state(precision)
+        if stashed_copies:  # engine.py _weights: p.detach().clone() (or msnag's prediction)
+            terms["stashed weights"] = 4 * stashed_copies
+        if dp_size > 1:  # engine.py _update: torch.cat of every gradient
+            terms["allreduce flat gradients"] = 4
+        return terms
+
+
+SPEC = AsyncPipelineSpec("async-pipeline", "vit.engines.async_pipeline.engine", pipeline=True, deepspeed=False,
+                         zero_stage=0, zero_stages=(0, 1), fp16=False, freeze=False, async_schedule=True,
+                         micro_batch_auto=False, default_ds_config="pipeline.json", comm_hooks=False, autocast=True)

@@ -6,8 +6,8 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 
 from vit.engines.base import EngineContext, StagedEngine
-from vit.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_comm
-from vit.freeze.replan import Layout
+from vit.engines.deepspeed.engine import DeepSpeedEngine, deepspeed_comm
+from vit.core.layout import Layout
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss

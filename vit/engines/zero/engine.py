@@ -4,7 +4,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.engines.base import EngineContext
-from vit.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_comm
+from vit.engines.deepspeed.engine import DeepSpeedEngine, deepspeed_comm
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
