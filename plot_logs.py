@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Charts, a comparison table and one self-contained report.html from run folders written by vit.train: the command
-line of vit.reports.charts, which reads only the logs' schema (vit.reports.runlogs), never stdout."""
+"""Charts, a comparison table and one self-contained report.html from run folders written by
+vit.train: the command line of vit.reports.charts, which reads only the logs' schema
+(vit.reports.runlogs), never stdout."""
+
 import argparse
 import os
 import sys
@@ -12,15 +14,26 @@ from vit.reports.runlogs import LogError, Run
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="plot_logs.py", description="Charts (PNG), a comparison table (markdown and CSV) and report.html "
-        "from one or more run folders of vit.train. Charts: loss.png (train/eval loss, eval top-1 and top-5), "
-        "throughput.png (images/s), resources.png (GPU utilisation and memory per host and GPU; host CPU % and "
-        "process RSS), breakdown.png (step-time phases per rank, stacked), for several runs compare.png, and for runs "
-        "that froze layers (--freeze) freeze.png (frozen layers over the steps, images/s per phase) and a table of "
-        "the phases in comparison.md.")
+        prog="plot_logs.py",
+        description="Charts (PNG), a comparison table (markdown and CSV) and "
+        "report.html "
+        "from one or more run folders of vit.train. Charts: loss.png (train/eval loss, eval top-1 "
+        "and top-5), "
+        "throughput.png (images/s), resources.png (GPU utilisation and memory per host and GPU; "
+        "host CPU % and "
+        "process RSS), breakdown.png (step-time phases per rank, stacked), for several runs "
+        "compare.png, and for runs "
+        "that froze layers (--freeze) freeze.png (frozen layers over the steps, images/s per "
+        "phase) and a table of "
+        "the phases in comparison.md.",
+    )
     p.add_argument("runs", nargs="+", help="run folders (logs/<run>)")
-    p.add_argument("--out", help="output folder (default: <run>/plots for one run, <common parent of the runs>/plots "
-                                 "for several)")
+    p.add_argument(
+        "--out",
+        help="output folder (default: <run>/plots for one run, <common parent "
+        "of the runs>/plots "
+        "for several)",
+    )
     args = p.parse_args(argv)
     try:
         runs = [Run(r) for r in args.runs]

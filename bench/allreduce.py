@@ -1,5 +1,7 @@
-"""all-reduce time, algbw and busbw per message size through torch.distributed and, under mpirun, MPI (mpi4py):
+"""all-reduce time, algbw and busbw per message size through torch.distributed and, under mpirun,
+MPI (mpi4py):
     mpirun -np N python -m bench allreduce   (or scripts/mpirun ...)"""
+
 import argparse
 import socket
 import sys
@@ -18,17 +20,19 @@ def parse_bytes(text: str) -> int:
     units = {"": 1, "K": 2**10, "KIB": 2**10, "M": 2**20, "MIB": 2**20, "G": 2**30, "GIB": 2**30}
     t = text.strip().upper()
     digits = t.rstrip("KMGIB")
-    if not digits.isdigit() or t[len(digits):] not in units:
+    if not digits.isdigit() or t[len(digits) :] not in units:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 65536, 64K, 64M, 1G)")
-    size = int(digits) * units[t[len(digits):]]
+    size = int(digits) * units[t[len(digits) :]]
     if size <= 0 or size % 4:
-        raise argparse.ArgumentTypeError(f"{text!r}: a message is float32s, so its size must be a positive "
-                                         "multiple of 4 bytes")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a message is float32s, so its size must be a positive multiple of 4 bytes"
+        )
     return size
 
 
 def iterations(n: int, size: int) -> int:
-    return max(1, min(n, 2**30 // size))  # at most 1 GiB per size and phase: big messages stay quick on a CPU
+    # at most 1 GiB per size and phase: big messages stay quick on a CPU
+    return max(1, min(n, 2**30 // size))
 
 
 def time_torch(size: int, a, dev) -> float:
@@ -77,12 +81,23 @@ def allreduce_table(r: dict) -> str:
     link = r.get("link_gbps")
     per_way = " time us | algbw GB/s | busbw GB/s |" + (" busbw / link |" if link else "")
     head = "| bytes |" + "".join(f" {names[w]}{per_way}" for w in ways)
-    link_note = (f"; busbw / link = busbw x 8 / {link:g} Gbit/s (TCP over 1500-byte frames carries at most 0.94-0.96 "
-                 "of a link)" if link else "")
-    lines = [f"all-reduce, float32 sum, {r['world_size']} ranks on {r['placement']}; algbw = bytes / time, "
-             f"busbw = algbw x 2(n-1)/n = algbw x {r['bus_factor']:.3f}{link_note}; time = slowest rank's mean; "
-             f"load average {r['load_avg_before']} -> {r['load_avg_after']}", "", head,
-             "| ---: |" + (" ---: |" * per_way.count("|")) * len(ways)]
+    link_note = (
+        f"; busbw / link = busbw x 8 / {link:g} Gbit/s (TCP over 1500-byte frames carries "
+        f"at most 0.94-0.96 "
+        "of a link)"
+        if link
+        else ""
+    )
+    lines = [
+        f"all-reduce, float32 sum, {r['world_size']} ranks on {r['placement']}; algbw = bytes "
+        f"/ time, "
+        f"busbw = algbw x 2(n-1)/n = algbw x {r['bus_factor']:.3f}{link_note}; time = slowest "
+        f"rank's mean; "
+        f"load average {r['load_avg_before']} -> {r['load_avg_after']}",
+        "",
+        head,
+        "| ---: |" + (" ---: |" * per_way.count("|")) * len(ways),
+    ]
     for row in r["rows"]:
         cells = ""
         for w in ways:
@@ -96,12 +111,18 @@ def allreduce_table(r: dict) -> str:
 def run(a) -> int:
 
     if a.link_gbps is not None and not a.link_gbps > 0:
-        print(f"bench allreduce: --link-gbps must be a positive rate in Gbit/s, got {a.link_gbps}", file=sys.stderr)
+        print(
+            f"bench allreduce: --link-gbps must be a positive rate in Gbit/s, got {a.link_gbps}",
+            file=sys.stderr,
+        )
         return 2
     job = resolve_master(discover())
     if a.no_torch and (a.no_mpi or job.launcher not in MPI_LAUNCHERS):
-        print("bench allreduce: --no-torch leaves nothing to time without MPI (run under mpirun, without --no-mpi)",
-              file=sys.stderr)
+        print(
+            "bench allreduce: --no-torch leaves nothing to time without MPI (run under mpirun, "
+            "without --no-mpi)",
+            file=sys.stderr,
+        )
         return 2
     max_bytes = a.max_bytes or (256 * 2**20 if torch.cuda.is_available() else 64 * 2**20)
     sizes, size = [], a.min_bytes
@@ -109,7 +130,9 @@ def run(a) -> int:
         sizes.append(size)
         size *= 2
     if not sizes:
-        sys.exit(f"bench allreduce: --min-bytes {a.min_bytes} is above the largest size, {max_bytes}")
+        sys.exit(
+            f"bench allreduce: --min-bytes {a.min_bytes} is above the largest size, {max_bytes}"
+        )
     backend = init_process_group(job, a.timeout)
     dev = device(job)
     world = job.world_size
@@ -128,13 +151,26 @@ def run(a) -> int:
             slowest = torch.tensor([t], dtype=torch.float64, device=dev)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             t = slowest.item()
-            row[way] = {"time_s": t, "algbw_gbps": size / t / 1e9, "busbw_gbps": size / t / 1e9 * factor}
+            row[way] = {
+                "time_s": t,
+                "algbw_gbps": size / t / 1e9,
+                "busbw_gbps": size / t / 1e9 * factor,
+            }
         rows.append(row)
         if job.is_main:
             print(f"{size} bytes done", file=sys.stderr, flush=True)
-    result = {"benchmark": "allreduce", "backend": backend, "world_size": world, "placement": placement,
-              "bus_factor": factor, "link_gbps": a.link_gbps, "device": device_name(), "load_avg_before": before,
-              "load_avg_after": load_avg(), "rows": rows}
+    result = {
+        "benchmark": "allreduce",
+        "backend": backend,
+        "world_size": world,
+        "placement": placement,
+        "bus_factor": factor,
+        "link_gbps": a.link_gbps,
+        "device": device_name(),
+        "load_avg_before": before,
+        "load_avg_after": load_avg(),
+        "rows": rows,
+    }
     if job.is_main:
         publish(a.out, "allreduce", result, allreduce_table(result))
     dist.barrier()
@@ -143,19 +179,50 @@ def run(a) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--min-bytes", type=parse_bytes, default=1024, help="smallest message; sizes double from here")
-    p.add_argument("--max-bytes", type=parse_bytes, help="largest message (default 256M on a GPU, 64M on a CPU)")
-    p.add_argument("--iters", type=positive_int, default=20, help="timed iterations per size (fewer where they would "
-                   "move more than 1 GiB)")
+    p.add_argument(
+        "--min-bytes",
+        type=parse_bytes,
+        default=1024,
+        help="smallest message; sizes double from here",
+    )
+    p.add_argument(
+        "--max-bytes",
+        type=parse_bytes,
+        help="largest message (default 256M on a GPU, 64M on a CPU)",
+    )
+    p.add_argument(
+        "--iters",
+        type=positive_int,
+        default=20,
+        help="timed iterations per size (fewer where they would move more than 1 GiB)",
+    )
     p.add_argument("--warmup", type=positive_int, default=5, help="untimed iterations per size")
     p.add_argument("--no-mpi", action="store_true", help="torch.distributed only")
-    p.add_argument("--no-torch", action="store_true", help="MPI only (torch.distributed still gathers the results): "
-                   "time each without the other's processes in the way, e.g. MPI's busy-polling on shared cores")
-    p.add_argument("--link-gbps", type=float, help="the rate of each host's link in Gbit/s (1 for 1 GbE): adds a "
-                   "busbw / link column, the share of the link that the all-reduce uses")
+    p.add_argument(
+        "--no-torch",
+        action="store_true",
+        help="MPI only (torch.distributed still "
+        "gathers the results): "
+        "time each without the other's processes in the way, e.g. MPI's busy-polling on "
+        "shared cores",
+    )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        help="the rate of each host's link in Gbit/s (1 for "
+        "1 GbE): adds a "
+        "busbw / link column, the share of the link that the all-reduce uses",
+    )
     p.add_argument("--timeout", type=float, default=300, help="seconds before a collective fails")
     p.add_argument("--out", help="folder for allreduce.md and allreduce.json")
 
 
-COMMANDS = {"allreduce": ("all-reduce time, algbw and busbw per message size (torch.distributed and MPI); run it under "
-                          "mpirun", add_arguments, run)}
+COMMANDS = {
+    "allreduce": (
+        "all-reduce time, algbw and busbw per message size (torch.distributed "
+        "and MPI); run it under "
+        "mpirun",
+        add_arguments,
+        run,
+    )
+}

@@ -1,7 +1,9 @@
-"""The GPU acceptance check, in one command for the day a GPU is lent: every engine on one device in bf16 and fp16,
-fp16's loss scaler on an overflow, host syncs per step, --micro-batch-size auto and the out-of-memory line, a freeze
-rebuild's memory, the monitor's GPU samples, and ViT-B/16 throughput and MFU, compiled and not. Writes gpu.json and
-gpu.md under --out. Every check is a real vit.train run (one process, no launcher) or bench train."""
+"""The GPU acceptance check, in one command for the day a GPU is lent: every engine on one device in
+bf16 and fp16, fp16's loss scaler on an overflow, host syncs per step, --micro-batch-size auto and
+the out-of-memory line, a freeze rebuild's memory, the monitor's GPU samples, and ViT-B/16
+throughput and MFU, compiled and not. Writes gpu.json and gpu.md under --out. Every check is a real
+vit.train run (one process, no launcher) or bench train."""
+
 import argparse
 import json
 import os
@@ -24,10 +26,13 @@ from vit.telemetry.jsonl import read_jsonl
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
-def vit_train(args: list, log_dir: Path, timeout: float, sync_debug: bool = False) -> tuple[int | str, str]:
+def vit_train(
+    args: list, log_dir: Path, timeout: float, sync_debug: bool = False
+) -> tuple[int | str, str]:
     """One process of vit.train (rank 0 of 1); its exit code (or why it was killed) and output."""
     code = "import sys, torch\nfrom vit.train import main\n"
-    if sync_debug:  # every host sync of the CUDA stream warns, each one (PYTHONWARNINGS=always below)
+    # every host sync of the CUDA stream warns, each one (PYTHONWARNINGS=always below)
+    if sync_debug:
         code += "torch.cuda.set_sync_debug_mode('warn')\n"
     code += "sys.exit(main(sys.argv[1:]))\n"
     env = child_env(PYTHONUNBUFFERED="1", **({"PYTHONWARNINGS": "always"} if sync_debug else {}))
@@ -48,144 +53,286 @@ def losses(log_dir: Path) -> list[float]:
 def learns(values: list[float]) -> bool:
     """Every loss finite, and the last fifth's mean below the first fifth's."""
     k = max(1, len(values) // 5)
-    return bool(values) and all(v == v and abs(v) != float("inf") for v in values) and \
-        sum(values[-k:]) / k < sum(values[:k]) / k
+    return (
+        bool(values)
+        and all(v == v and abs(v) != float("inf") for v in values)
+        and sum(values[-k:]) / k < sum(values[:k]) / k
+    )
 
 
 def engine_runs(a, tmp: Path) -> list[dict]:
-    """Every engine for --steps steps in bf16 and fp16: losses finite and falling; a refusal is recorded as such."""
+    """Every engine for --steps steps in bf16 and fp16: losses finite and falling; a refusal is
+    recorded as such."""
     rows = []
     for name in RUNS:
         for precision in ("bf16", "fp16"):
             opts = engine_options(name, pipeline_stages=1)
             log_dir = tmp / f"{name}-{precision}"
-            rc, out = vit_train([*opts, "--precision", precision, *common(a, a.steps)], log_dir, a.timeout)
+            rc, out = vit_train(
+                [*opts, "--precision", precision, *common(a, a.steps)], log_dir, a.timeout
+            )
             row = {"check": f"{name} {precision}", "exit": rc}
             if rc == 2:  # refused before training, in one line: the refusal is the result
                 row.update(ok=None, detail=last_line(out))
             else:
                 values = losses(log_dir) if rc == 0 else []
-                row.update(ok=rc == 0 and learns(values), detail=f"loss {values[0]:.3f} -> {values[-1]:.3f}"
-                           if values else last_line(out))
+                row.update(
+                    ok=rc == 0 and learns(values),
+                    detail=f"loss {values[0]:.3f} -> {values[-1]:.3f}"
+                    if values
+                    else last_line(out),
+                )
             rows.append(row)
-    rows.append({"check": "pipeline, 2 stages on one GPU", "ok": None,
-                 "detail": "not run: NCCL refuses two ranks on one device (vit.runtime.gpu's one-GPU-per-rank check)"})
+    rows.append(
+        {
+            "check": "pipeline, 2 stages on one GPU",
+            "ok": None,
+            "detail": "not run: NCCL refuses two ranks on one device (vit.runtime.gpu's "
+            "one-GPU-per-rank check)",
+        }
+    )
     return rows
 
 
 def overflow_run(a, tmp: Path) -> dict:
-    """fp16 with a loss scale of 2^32: the first steps overflow, DeepSpeed skips them, and training goes on."""
+    """fp16 with a loss scale of 2^32: the first steps overflow, DeepSpeed skips them, and training
+    goes on."""
     config = json.loads((CONFIGS / "zero2_fp16.json").read_text())
     config["fp16"] = {**config["fp16"], "initial_scale_power": 32}
     path = tmp / "zero2_overflow.json"
     path.write_text(json.dumps(config))
     log_dir = tmp / "overflow"
-    rc, out = vit_train(["--engine", "zero", "--ds-config", path, *common(a, a.steps)], log_dir, a.timeout)
-    skips = [r for r in read_jsonl(log_dir / "metrics_rank0.jsonl") if r["kind"] == "skip"] if rc == 0 else []
-    ok = None if rc == 2 else rc == 0 and len(skips) > 0 and learns(losses(log_dir))  # 2: fp16 refused here
-    return {"check": "fp16 overflow skipped (zero2, scale 2^32)", "exit": rc, "ok": ok,
-            "detail": f"{len(skips)} step(s) skipped" if rc == 0 else last_line(out)}
+    rc, out = vit_train(
+        ["--engine", "zero", "--ds-config", path, *common(a, a.steps)], log_dir, a.timeout
+    )
+    skips = (
+        [r for r in read_jsonl(log_dir / "metrics_rank0.jsonl") if r["kind"] == "skip"]
+        if rc == 0
+        else []
+    )
+    # 2: fp16 refused here
+    ok = None if rc == 2 else rc == 0 and len(skips) > 0 and learns(losses(log_dir))
+    return {
+        "check": "fp16 overflow skipped (zero2, scale 2^32)",
+        "exit": rc,
+        "ok": ok,
+        "detail": f"{len(skips)} step(s) skipped" if rc == 0 else last_line(out),
+    }
 
 
 def sync_sources(out: str) -> Counter:
-    """Host-sync warnings by the file that made them: `deepspeed` for DeepSpeed's own (its optimizer step reads
-    the overflow flag and the gradient norm on the host), `ours` for everything else (this project's code and the
-    torch calls it makes, the backward pass included)."""
+    """Host-sync warnings by the file that made them: `deepspeed` for DeepSpeed's own (its optimizer
+    step reads the overflow flag and the gradient norm on the host), `ours` for everything else
+    (this project's code and the torch calls it makes, the backward pass included)."""
     files = re.findall(r"^(\S+?):\d+: UserWarning: " + SYNC_WARNING, out, flags=re.M)
     return Counter("deepspeed" if "/deepspeed/" in f else "ours" for f in files)
 
 
 def sync_runs(a, tmp: Path) -> list[dict]:
-    """Host syncs per training step: the warnings of torch's sync debug mode in a run of 2N steps less those of
-    a run of N (start-up, evaluation and the end are the same in both), over N; logging only at the end. Ours must
-    be 0; DeepSpeed's are reported."""
+    """Host syncs per training step: the warnings of torch's sync debug mode in a run of 2N steps
+    less those of a run of N (start-up, evaluation and the end are the same in both), over N;
+    logging only at the end. Ours must be 0; DeepSpeed's are reported."""
     rows = []
     for name in ("zero2", "ddp", "pipeline"):
         counts = []
         for steps in (a.steps, 2 * a.steps):
-            rc, out = vit_train([*engine_options(name, pipeline_stages=1), "--precision", "bf16", "--verbose",
-                                 *common(a, steps, log_interval=steps)], tmp / f"sync-{name}-{steps}", a.timeout,
-                                sync_debug=True)
+            rc, out = vit_train(
+                [
+                    *engine_options(name, pipeline_stages=1),
+                    "--precision",
+                    "bf16",
+                    "--verbose",
+                    *common(a, steps, log_interval=steps),
+                ],
+                tmp / f"sync-{name}-{steps}",
+                a.timeout,
+                sync_debug=True,
+            )
             counts.append(sync_sources(out) if rc == 0 else None)
         if None in counts:
-            rows.append({"check": f"host syncs per step, {name} bf16", "ok": False, "detail": "a run failed"})
+            rows.append(
+                {
+                    "check": f"host syncs per step, {name} bf16",
+                    "ok": False,
+                    "detail": "a run failed",
+                }
+            )
             continue
         ours, theirs = ((counts[1][k] - counts[0][k]) / a.steps for k in ("ours", "deepspeed"))
-        rows.append({"check": f"host syncs per step, {name} bf16", "ok": ours == 0,
-                     "detail": f"ours {ours:g} per step ({counts[0]['ours']} in {a.steps} steps, {counts[1]['ours']} "
-                     f"in {2 * a.steps}); DeepSpeed's own {theirs:g} per step"})
+        rows.append(
+            {
+                "check": f"host syncs per step, {name} bf16",
+                "ok": ours == 0,
+                "detail": f"ours {ours:g} per step ({counts[0]['ours']} in {a.steps} steps, "
+                f"{counts[1]['ours']} "
+                f"in {2 * a.steps}); DeepSpeed's own {theirs:g} per step",
+            }
+        )
     return rows
 
 
 def micro_batch_runs(a, tmp: Path) -> list[dict]:
-    """--micro-batch-size auto on ViT-B/16: its choice trains a step, and twice that runs out of memory with our
-    one-line message."""
-    big = ["--model", "vit_base_patch16_224", "--dataset", "synthetic", "--synthetic-size", 4096, "--precision", "bf16",
-           "--steps", 1, "--no-save", "--monitor-interval", 0]
+    """--micro-batch-size auto on ViT-B/16: its choice trains a step, and twice that runs out of
+    memory with our one-line message."""
+    big = [
+        "--model",
+        "vit_base_patch16_224",
+        "--dataset",
+        "synthetic",
+        "--synthetic-size",
+        4096,
+        "--precision",
+        "bf16",
+        "--steps",
+        1,
+        "--no-save",
+        "--monitor-interval",
+        0,
+    ]
     rows = []
     for name in ("zero2", "ddp"):
-        rc, out = vit_train([*engine_options(name), *big, "--micro-batch-size", "auto"], tmp / f"auto-{name}",
-                            a.timeout)
+        rc, out = vit_train(
+            [*engine_options(name), *big, "--micro-batch-size", "auto"],
+            tmp / f"auto-{name}",
+            a.timeout,
+        )
         cfg = json.loads((tmp / f"auto-{name}" / "config.json").read_text()) if rc == 0 else {}
         chosen = cfg.get("deepspeed", {}).get("train_micro_batch_size_per_gpu")
-        rows.append({"check": f"--micro-batch-size auto, {name}", "exit": rc, "ok": rc == 0 and bool(chosen),
-                     "detail": f"chose {chosen}; one step ran" if chosen else last_line(out)})
+        rows.append(
+            {
+                "check": f"--micro-batch-size auto, {name}",
+                "exit": rc,
+                "ok": rc == 0 and bool(chosen),
+                "detail": f"chose {chosen}; one step ran" if chosen else last_line(out),
+            }
+        )
         if chosen:
-            rc, out = vit_train([*engine_options(name), *big, "--micro-batch-size", 2 * chosen],
-                                tmp / f"double-{name}", a.timeout)
+            rc, out = vit_train(
+                [*engine_options(name), *big, "--micro-batch-size", 2 * chosen],
+                tmp / f"double-{name}",
+                a.timeout,
+            )
             line = last_line(out)
-            rows.append({"check": f"micro-batch {2 * chosen} (2x auto), {name}", "exit": rc,
-                         "ok": rc == 1 and "out of memory" in line and "Traceback" not in out, "detail": line})
+            rows.append(
+                {
+                    "check": f"micro-batch {2 * chosen} (2x auto), {name}",
+                    "exit": rc,
+                    "ok": rc == 1 and "out of memory" in line and "Traceback" not in out,
+                    "detail": line,
+                }
+            )
     return rows
 
 
 def freeze_and_monitor_runs(a, tmp: Path) -> list[dict]:
-    """A freeze rebuild on the device (memory before and after from the step records) and the monitor's GPU samples
-    from NVML and from GPUtil."""
+    """A freeze rebuild on the device (memory before and after from the step records) and the
+    monitor's GPU samples from NVML and from GPUtil."""
     rows = []
     for backend in ("nvml", "gputil"):
         log_dir = tmp / f"freeze-{backend}"
-        rc, out = vit_train(["--engine", "zero", "--ds-config", CONFIGS / "zero2.json", "--precision", "bf16",
-                             "--freeze", "schedule", "--freeze-interval-epochs", a.steps // 4, "--monitor-backend",
-                             backend, "--monitor-interval", 0.2, *common(a, 4 * a.steps, monitor=False)], log_dir,
-                            a.timeout)
+        rc, out = vit_train(
+            [
+                "--engine",
+                "zero",
+                "--ds-config",
+                CONFIGS / "zero2.json",
+                "--precision",
+                "bf16",
+                "--freeze",
+                "schedule",
+                "--freeze-interval-epochs",
+                a.steps // 4,
+                "--monitor-backend",
+                backend,
+                "--monitor-interval",
+                0.2,
+                *common(a, 4 * a.steps, monitor=False),
+            ],
+            log_dir,
+            a.timeout,
+        )
         if rc != 0:
-            rows.append({"check": f"freeze rebuild, monitor {backend}", "exit": rc, "ok": False,
-                         "detail": last_line(out)})
+            rows.append(
+                {
+                    "check": f"freeze rebuild, monitor {backend}",
+                    "exit": rc,
+                    "ok": False,
+                    "detail": last_line(out),
+                }
+            )
             continue
         records = read_jsonl(log_dir / "metrics_rank0.jsonl")
         freezes = [r["step"] for r in records if r["kind"] == "freeze"]
         mem = [(r["step"], r["mem_gib"]) for r in records if r["kind"] == "train"]
         samples = [r for r in read_jsonl(log_dir / "monitor_rank0.jsonl") if r.get("gpus")]
-        rows.append({"check": f"freeze rebuild, monitor {backend}", "exit": rc, "ok": bool(freezes) and bool(samples),
-                     "detail": f"froze after steps {freezes}; mem GiB by step {mem[::max(1, len(mem) // 6)]}; "
-                     f"{len(samples)} monitor samples with GPU fields"})
+        rows.append(
+            {
+                "check": f"freeze rebuild, monitor {backend}",
+                "exit": rc,
+                "ok": bool(freezes) and bool(samples),
+                "detail": f"froze after steps {freezes}; mem GiB by step "
+                f"{mem[:: max(1, len(mem) // 6)]}; "
+                f"{len(samples)} monitor samples with GPU fields",
+            }
+        )
     return rows
 
 
 def throughput(a, tmp: Path, compiled: bool = False) -> list[dict]:
     """ViT-B/16 at 224 in bf16: zero1 and zero2 against the plain loop, and MFU; compiled or not."""
-    ns = argparse.Namespace(model="vit_base_patch16_224", global_batch=a.vit_b_batch, ranks=1, steps=20, warmup=5,
-                            repeat=1, precision="bf16", engines="zero1,zero2", pipeline_stages=None,
-                            compile=compiled, fused_adam=False, peak_tflops=None, mpirun_args="",
-                            timeout=a.timeout, out=str(tmp / f"vit-b-{'compiled' if compiled else 'eager'}"))
+    ns = argparse.Namespace(
+        model="vit_base_patch16_224",
+        global_batch=a.vit_b_batch,
+        ranks=1,
+        steps=20,
+        warmup=5,
+        repeat=1,
+        precision="bf16",
+        engines="zero1,zero2",
+        pipeline_stages=None,
+        compile=compiled,
+        fused_adam=False,
+        peak_tflops=None,
+        mpirun_args="",
+        timeout=a.timeout,
+        out=str(tmp / f"vit-b-{'compiled' if compiled else 'eager'}"),
+    )
     rc = bench_train.run(ns)
     rows = []
     for row in json.loads((Path(ns.out) / "train.json").read_text())["rows"]:
         mfu = row.get("mfu")
-        rows.append({"check": f"ViT-B/16 224 bf16 {row['engine']}{' compiled' if compiled else ''}", "exit": rc,
-                     "ok": "error" not in row, "detail": row.get("error") or
-                     f"{row['images_per_s']:.1f} images/s, {row['ratio']:.3f} of the plain loop, MFU "
-                     + (f"{100 * mfu:.1f}%" if mfu is not None else "-")})
+        rows.append(
+            {
+                "check": f"ViT-B/16 224 bf16 {row['engine']}{' compiled' if compiled else ''}",
+                "exit": rc,
+                "ok": "error" not in row,
+                "detail": row.get("error")
+                or f"{row['images_per_s']:.1f} images/s, {row['ratio']:.3f} of the plain loop, MFU "
+                + (f"{100 * mfu:.1f}%" if mfu is not None else "-"),
+            }
+        )
     return rows
 
 
 def common(a, steps: int, log_interval: int = 1, monitor: bool = True) -> list:
-    """vit_digits on 64 synthetic images (2 steps an epoch): a loss that falls within a few dozen steps (on the
-    digits it stays near ln 10 for the first hundred)."""
-    return ["--device", a.device, "--dataset", "synthetic", "--synthetic-size", 64, "--steps", steps,
-            "--log-interval", log_interval, "--eval-interval", 0, "--no-save",
-            *(["--monitor-interval", 0] if monitor else [])]
+    """vit_digits on 64 synthetic images (2 steps an epoch): a loss that falls within a few dozen
+    steps (on the digits it stays near ln 10 for the first hundred)."""
+    return [
+        "--device",
+        a.device,
+        "--dataset",
+        "synthetic",
+        "--synthetic-size",
+        64,
+        "--steps",
+        steps,
+        "--log-interval",
+        log_interval,
+        "--eval-interval",
+        0,
+        "--no-save",
+        *(["--monitor-interval", 0] if monitor else []),
+    ]
 
 
 def last_line(out: str) -> str:
@@ -194,9 +341,15 @@ def last_line(out: str) -> str:
 
 
 def table(result: dict) -> str:
-    lines = [f"GPU acceptance on {result['device']} ({result['host']}), torch {result['torch']}, deepspeed "
-             f"{result['deepspeed']}; load {result['load_avg_before']} -> {result['load_avg_after']}", "",
-             "| check | result | detail |", "| --- | --- | --- |"]
+    lines = [
+        f"GPU acceptance on {result['device']} ({result['host']}), torch {result['torch']}, "
+        f"deepspeed "
+        f"{result['deepspeed']}; load {result['load_avg_before']} -> "
+        f"{result['load_avg_after']}",
+        "",
+        "| check | result | detail |",
+        "| --- | --- | --- |",
+    ]
     for row in result["rows"]:
         verdict = {True: "pass", False: "FAIL", None: "not run"}[row["ok"]]
         lines.append(f"| {row['check']} | {verdict} | {row['detail']} |")
@@ -205,49 +358,87 @@ def table(result: dict) -> str:
 
 def run(a) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench gpu: no CUDA device here; --device cpu runs the checks that mean something on a CPU")
+        sys.exit(
+            "bench gpu: no CUDA device here; --device cpu runs the checks that mean something "
+            "on a CPU"
+        )
     a.checks = a.checks or list(CHECKS if a.device == "cuda" else CPU_CHECKS)
     if a.device == "cpu" and set(a.checks) - set(CPU_CHECKS):
-        sys.exit(f"bench gpu: --checks {','.join(sorted(set(a.checks) - set(CPU_CHECKS)))} need a GPU; on a CPU "
-                 f"only {','.join(CPU_CHECKS)} run")
+        sys.exit(
+            f"bench gpu: --checks {','.join(sorted(set(a.checks) - set(CPU_CHECKS)))} need a "
+            f"GPU; on a CPU "
+            f"only {','.join(CPU_CHECKS)} run"
+        )
     import deepspeed
 
-    result = {"benchmark": "gpu", "device": device_name(), "host": os.uname().nodename, "torch": torch.__version__,
-              "deepspeed": deepspeed.__version__, "load_avg_before": load_avg(), "rows": []}
+    result = {
+        "benchmark": "gpu",
+        "device": device_name(),
+        "host": os.uname().nodename,
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "load_avg_before": load_avg(),
+        "rows": [],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(a.out) / "logs" if a.out else Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
-        for name in a.checks:  # written after each, so a run stopped part way still leaves its report
+        # written after each, so a run stopped part way still leaves its report
+        for name in a.checks:
             result["rows"] += CHECKS[name](a, logs)
             result["load_avg_after"] = load_avg()
             publish(a.out, "gpu", result, table(result), quiet=name != a.checks[-1])
     return 1 if any(row["ok"] is False for row in result["rows"]) else 0
 
 
-CHECKS = {"engines": engine_runs, "overflow": lambda a, logs: [overflow_run(a, logs)], "syncs": sync_runs,
-          "micro-batch": micro_batch_runs, "throughput": throughput,
-          "compiled": lambda a, logs: throughput(a, logs, compiled=True), "freeze": freeze_and_monitor_runs}
-CPU_CHECKS = ("engines", "overflow")  # the others measure what only a GPU has: stream syncs, device memory, NVML
+CHECKS = {
+    "engines": engine_runs,
+    "overflow": lambda a, logs: [overflow_run(a, logs)],
+    "syncs": sync_runs,
+    "micro-batch": micro_batch_runs,
+    "throughput": throughput,
+    "compiled": lambda a, logs: throughput(a, logs, compiled=True),
+    "freeze": freeze_and_monitor_runs,
+}
+# the others measure what only a GPU has: stream syncs, device memory, NVML
+CPU_CHECKS = ("engines", "overflow")
 
 
 def check_list(text: str) -> list[str]:
     names = text.split(",")
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown check {unknown[0]!r}; choose from {','.join(CHECKS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown check {unknown[0]!r}; choose from {','.join(CHECKS)}"
+        )
     return names
 
 
 def add_arguments(t) -> None:
-    t.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: only the engine runs and the "
-                   "overflow check (the rest needs a GPU)")
+    t.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: only the engine runs and the overflow check (the rest needs a GPU)",
+    )
     t.add_argument("--steps", type=positive_int, default=30, help="steps of each engine run")
-    t.add_argument("--vit-b-batch", type=positive_int, default=128, help="global batch of the ViT-B/16 runs")
+    t.add_argument(
+        "--vit-b-batch", type=positive_int, default=128, help="global batch of the ViT-B/16 runs"
+    )
     t.add_argument("--timeout", type=float, default=600, help="seconds before one run is killed")
-    t.add_argument("--checks", type=check_list, help="comma-separated, run in this order (default: all on a GPU; "
-                   f"{','.join(CPU_CHECKS)} with --device cpu): {','.join(CHECKS)}")
-    t.add_argument("--out", help="folder for gpu.md, gpu.json and every run's logs/; the report is rewritten "
-                   "after each check")
+    t.add_argument(
+        "--checks",
+        type=check_list,
+        help="comma-separated, run in this order (default: "
+        "all on a GPU; "
+        f"{','.join(CPU_CHECKS)} with --device cpu): {','.join(CHECKS)}",
+    )
+    t.add_argument(
+        "--out",
+        help="folder for gpu.md, gpu.json and every run's logs/; the report is "
+        "rewritten "
+        "after each check",
+    )
 
 
 COMMANDS = {"gpu": (__doc__.split("\n\n")[0], add_arguments, run)}

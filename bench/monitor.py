@@ -1,12 +1,14 @@
-"""What one monitor sample costs with each backend: NVML (where it initialises), GPUtil (the real nvidia-smi,
-or tests/fake_bin/nvidia-smi when there is none) and CPU-only. A benchmark to read, not a test.
+"""What one monitor sample costs with each backend: NVML (where it initialises), GPUtil (the real
+nvidia-smi, or tests/fake_bin/nvidia-smi when there is none) and CPU-only. A benchmark to read, not
+a test.
 
     python -m bench monitor [--samples N]
 
-Per backend: wall milliseconds per sample (median and 95th percentile; spent in the sampler thread, not
-in the training loop), CPU milliseconds per sample in this process and in child processes (nvidia-smi), and
-the share of one core that costs at the default interval of 1 s.
+Per backend: wall milliseconds per sample (median and 95th percentile; spent in the sampler thread,
+not in the training loop), CPU milliseconds per sample in this process and in child processes
+(nvidia-smi), and the share of one core that costs at the default interval of 1 s.
 """
+
 import os
 import resource
 import shutil
@@ -26,7 +28,8 @@ def children_cpu_s() -> float:
 
 def bench(backend: str, samples: int) -> str:
     with tempfile.TemporaryDirectory() as d:
-        mon = Monitor(d, 0, interval_s=3600, backend=backend)  # the thread sleeps; we call sample() ourselves
+        # the thread sleeps; we call sample() ourselves
+        mon = Monitor(d, 0, interval_s=3600, backend=backend)
         mon.start()
         try:
             if mon.backend != backend:
@@ -43,19 +46,24 @@ def bench(backend: str, samples: int) -> str:
             mon.stop()
     walls.sort()
     median, p95 = 1e3 * statistics.median(walls), 1e3 * walls[int(0.95 * (len(walls) - 1))]
-    return (f"wall {median:7.2f} ms median, {p95:7.2f} ms p95 | CPU {cpu_ms:6.2f} ms in-process + {child_ms:6.2f} ms "
-            f"in nvidia-smi = {(cpu_ms + child_ms) / 10:.2f}% of a core at 1 s")
+    return (
+        f"wall {median:7.2f} ms median, {p95:7.2f} ms p95 | CPU {cpu_ms:6.2f} ms in-process + "
+        f"{child_ms:6.2f} ms "
+        f"in nvidia-smi = {(cpu_ms + child_ms) / 10:.2f}% of a core at 1 s"
+    )
 
 
 def run(args) -> int:
     smi = shutil.which("nvidia-smi")
     if not smi:
         os.environ["PATH"] = f"{ROOT / 'tests' / 'fake_bin'}:{os.environ['PATH']}"
-    print(f"host CPUs: {os.cpu_count()}; nvidia-smi: {smi or 'none, using tests/fake_bin/nvidia-smi (a bash script)'}")
+    print(
+        f"host CPUs: {os.cpu_count()}; nvidia-smi: "
+        f"{smi or 'none, using tests/fake_bin/nvidia-smi (a bash script)'}"
+    )
     for backend in ("nvml", "gputil", "none"):
         print(f"{backend:>7}: {bench(backend, args.samples)}", flush=True)
     return 0
-
 
 
 def add_arguments(p) -> None:

@@ -1,4 +1,6 @@
-"""GEMM TFLOP/s of this machine in fp32 and bf16, the best of --repeats (for a CPU's entry in PEAK_TFLOPS)."""
+"""GEMM TFLOP/s of this machine in fp32 and bf16, the best of --repeats (for a CPU's entry in
+PEAK_TFLOPS)."""
+
 import time
 
 import torch
@@ -22,13 +24,18 @@ def run(a) -> int:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)
-        print(f"{precision}: {2 * a.size**3 / best / 1e12:.4f} TFLOP/s ({a.size}^3 GEMM, best of {a.repeats})")
+        print(
+            f"{precision}: {2 * a.size**3 / best / 1e12:.4f} TFLOP/s ({a.size}^3 GEMM, best of "
+            f"{a.repeats})"
+        )
     return 0
 
 
 def add_arguments(p) -> None:
     p.add_argument("--size", type=positive_int, default=2048, help="side of the square matrices")
-    p.add_argument("--repeats", type=positive_int, default=10, help="GEMMs timed; the fastest counts")
+    p.add_argument(
+        "--repeats", type=positive_int, default=10, help="GEMMs timed; the fastest counts"
+    )
 
 
 COMMANDS = {"peak": (__doc__, add_arguments, run)}

@@ -1,5 +1,7 @@
-"""images/s, step time, peak memory and MFU of each engine (real mpirun runs of vit.train) and their ratio to a
-plain single-process PyTorch loop (vit.loop.reference.train_step), at one global batch."""
+"""images/s, step time, peak memory and MFU of each engine (real mpirun runs of vit.train) and their
+ratio to a plain single-process PyTorch loop (vit.loop.reference.train_step), at one global batch.
+"""
+
 import json
 import os
 import socket
@@ -26,8 +28,8 @@ from bench.common import (
 )
 from bench.runs import CONFIGS, RUN_ENGINES, RUNS, engine_options
 from vit.config.cli import defaults
-from vit.core.settings import positive_int
 from vit.core.errors import ConfigError
+from vit.core.settings import positive_int
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.reference import train_step
 from vit.model.layers import PRESETS, build_layers, check_model, model_shape
@@ -35,13 +37,16 @@ from vit.telemetry.metrics import peak_mem_gib
 
 
 def run_reference(a, dev: torch.device) -> dict:
-    """The plain loop: nn.Sequential of the same layers, the trainer's AdamW and schedule, data in memory."""
-    s = defaults().with_(model=a.model, fused_adam=a.fused_adam)  # the trainer's lr, weight decay, seed, AdamW
+    """The plain loop: nn.Sequential of the same layers, the trainer's AdamW and schedule, data in
+    memory."""
+    # the trainer's lr, weight decay, seed, AdamW
+    s = defaults().with_(model=a.model, fused_adam=a.fused_adam)
     img = model_shape(a.model).img_size
     model = nn.Sequential(*build_layers(a.model, 10, 3, img, s.train.seed)).to(dev)
     opt = make_optimizer(model, s.optim)
     sched = make_scheduler(opt, s.optim, a.warmup + a.steps)
-    clip = json.loads((CONFIGS / "zero0.json").read_text()).get("gradient_clipping", 0.0)  # as the engines do
+    # as the engines do
+    clip = json.loads((CONFIGS / "zero0.json").read_text()).get("gradient_clipping", 0.0)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(a.global_batch, 3, img, img, generator=g).to(dev)
     y = (torch.arange(a.global_batch) % 10).to(dev)
@@ -55,7 +60,8 @@ def run_reference(a, dev: torch.device) -> dict:
         step()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    windows, done, others = [], 0, OthersCpu()  # step time per window of --warmup steps, as vit.train logs them
+    # step time per window of --warmup steps, as vit.train logs them
+    windows, done, others = [], 0, OthersCpu()
     while done < a.steps:
         n = min(a.warmup, a.steps - done)
         if dev.type == "cuda":
@@ -68,13 +74,20 @@ def run_reference(a, dev: torch.device) -> dict:
         windows.append((time.perf_counter() - start) / n)
         done += n
     step_s = statistics.median(windows)
-    return {"engine": "reference" + (" (compiled)" if a.compile else ""), "ranks": 1,
-            "layout": f"{a.global_batch} x 1 x 1", "step_time_s": step_s, "images_per_s": a.global_batch / step_s,
-            "peak_mem_gib": peak_mem_gib(dev), "others_cores": others.cores()}
+    return {
+        "engine": "reference" + (" (compiled)" if a.compile else ""),
+        "ranks": 1,
+        "layout": f"{a.global_batch} x 1 x 1",
+        "step_time_s": step_s,
+        "images_per_s": a.global_batch / step_s,
+        "peak_mem_gib": peak_mem_gib(dev),
+        "others_cores": others.cores(),
+    }
 
 
 def engine_args(name: str, a) -> tuple[list[str], str]:
-    """vit.train options of one run at the global batch, and its layout (micro-batch x accum x data-parallel)."""
+    """vit.train options of one run at the global batch, and its layout (micro-batch x accum x
+    data-parallel)."""
     engine, config = RUN_ENGINES[name]
     if engine.pipeline:
         stages = a.pipeline_stages or a.ranks
@@ -87,19 +100,44 @@ def engine_args(name: str, a) -> tuple[list[str], str]:
         dp, grad_accum = a.ranks, 1
         opts = engine_options(name)
     if a.global_batch % (grad_accum * dp):
-        sys.exit(f"bench train: {name}: global batch {a.global_batch} is not divisible by {grad_accum} "
-                 f"micro-batches x data-parallel size {dp}")
+        sys.exit(
+            f"bench train: {name}: global batch {a.global_batch} is not divisible by "
+            f"{grad_accum} "
+            f"micro-batches x data-parallel size {dp}"
+        )
     micro = a.global_batch // (grad_accum * dp)
-    return [*opts, "--micro-batch-size", micro, "--grad-accum", grad_accum], f"{micro} x {grad_accum} x {dp}"
+    return [
+        *opts,
+        "--micro-batch-size",
+        micro,
+        "--grad-accum",
+        grad_accum,
+    ], f"{micro} x {grad_accum} x {dp}"
 
 
 def run_engine(name: str, a, log_dir: Path) -> dict:
-    """One real multi-process run of vit.train under mpirun; the median step time of the records after the first
-    (warm-up) window, so that a burst of load from other processes on a shared machine skews one window, not all."""
+    """One real multi-process run of vit.train under mpirun; the median step time of the records
+    after the first (warm-up) window, so that a burst of load from other processes on a shared
+    machine skews one window, not all."""
     opts, layout = engine_args(name, a)
-    train = [*opts, "--model", a.model, "--dataset", "synthetic", "--synthetic-size", max(2048, a.global_batch),
-             "--steps", a.warmup + a.steps, "--log-interval", a.warmup, "--no-save", "--monitor-interval", 0,
-             "--log-dir", log_dir]
+    train = [
+        *opts,
+        "--model",
+        a.model,
+        "--dataset",
+        "synthetic",
+        "--synthetic-size",
+        max(2048, a.global_batch),
+        "--steps",
+        a.warmup + a.steps,
+        "--log-interval",
+        a.warmup,
+        "--no-save",
+        "--monitor-interval",
+        0,
+        "--log-dir",
+        log_dir,
+    ]
     train += ["--precision", a.precision]  # none given would be auto on GPUs
     train += ["--fused-adam"] * a.fused_adam + ["--compile"] * a.compile
     log_dir.mkdir(parents=True)
@@ -113,12 +151,18 @@ def run_engine(name: str, a, log_dir: Path) -> dict:
     step_s = median_step_s(log_dir, a.warmup)
     summary = json.loads((log_dir / "summary.json").read_text())
     census = json.loads((log_dir / "cluster.json").read_text())["census"]
-    return {**row, "step_time_s": step_s, "images_per_s": a.global_batch / step_s,
-            "peak_mem_gib": summary["peak_mem_gib"], "devices": [c["device"] for c in census]}
+    return {
+        **row,
+        "step_time_s": step_s,
+        "images_per_s": a.global_batch / step_s,
+        "peak_mem_gib": summary["peak_mem_gib"],
+        "devices": [c["device"] for c in census],
+    }
 
 
 def combine(runs: list[dict]) -> dict:
-    """One row from the --repeat runs of an engine: the fastest (other processes only ever slow a run down)."""
+    """One row from the --repeat runs of an engine: the fastest (other processes only ever slow a
+    run down)."""
     failed = [r for r in runs if "error" in r]
     return failed[0] if failed else min(runs, key=lambda r: r["step_time_s"])
 
@@ -126,28 +170,40 @@ def combine(runs: list[dict]) -> dict:
 def train_table(result: dict) -> str:
     r = result
     lines = [
-        f"{r['model']}, global batch {r['global_batch']}, {r['precision']}, {r['steps']} timed steps after "
-        f"{r['warmup']} warm-up; step time: the median over windows of {r['warmup']} steps, the fastest of "
+        f"{r['model']}, global batch {r['global_batch']}, {r['precision']}, {r['steps']} timed "
+        f"steps after "
+        f"{r['warmup']} warm-up; step time: the median over windows of {r['warmup']} steps, the "
+        f"fastest of "
         f"{r['repeat']} interleaved repeats; {'compiled' if r['compile'] else 'not compiled'}; "
         f"AdamW {'fused' if r['fused_adam'] else 'torch default'}; "
         f"{r['device']}, reference on {r['reference_threads']} threads; "
-        f"{r['flops_per_image'] / 1e9:.3f} GFLOP/image forward (x3 to train); peak {r['peak_tflops'] or '?'} "
-        f"TFLOP/s per device; others: CPU cores busy with other processes during that run ({r['cpus']} CPUs; "
+        f"{r['flops_per_image'] / 1e9:.3f} GFLOP/image forward (x3 to train); peak "
+        f"{r['peak_tflops'] or '?'} "
+        f"TFLOP/s per device; others: CPU cores busy with other processes during that run "
+        f"({r['cpus']} CPUs; "
         f"1-minute load average {r['load_avg_before']} before, {r['load_avg_after']} after)",
         "",
-        "| engine | ranks | micro x accum x dp | images/s | step ms | peak mem GiB/rank | MFU % | ratio to ref "
+        "| engine | ranks | micro x accum x dp | images/s | step ms | peak mem GiB/rank | MFU % | "
+        "ratio to ref "
         "| others |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in r["rows"]:
         if "error" in row:
-            lines.append(f"| {row['engine']} | {row['ranks']} | {row['layout']} | failed: {row['error']} | | | | | "
-                         f"{row['others_cores']} |")
+            lines.append(
+                f"| {row['engine']} | {row['ranks']} | {row['layout']} | failed: "
+                f"{row['error']} | | | | | "
+                f"{row['others_cores']} |"
+            )
             continue
         mfu = f"{100 * row['mfu']:.1f}" if row.get("mfu") is not None else "-"
-        lines.append(f"| {row['engine']} | {row['ranks']} | {row['layout']} | {row['images_per_s']:.1f} | "
-                     f"{1e3 * row['step_time_s']:.1f} | {row['peak_mem_gib']:.2f} | {mfu} | {row['ratio']:.3f} | "
-                     f"{row['others_cores']} |")
+        lines.append(
+            f"| {row['engine']} | {row['ranks']} | {row['layout']} | "
+            f"{row['images_per_s']:.1f} | "
+            f"{1e3 * row['step_time_s']:.1f} | {row['peak_mem_gib']:.2f} | {mfu} | "
+            f"{row['ratio']:.3f} | "
+            f"{row['others_cores']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -159,13 +215,19 @@ def run(a) -> int:
     engines = [e for e in a.engines.split(",") if e]
     unknown = [e for e in engines if e not in RUNS]
     if unknown:
-        sys.exit(f"bench train: unknown engine(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
+        sys.exit(
+            f"bench train: unknown engine(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}"
+        )
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = device_name()
     peak = a.peak_tflops or peak_tflops(name, a.precision)
     if peak is None:
-        print(f"bench train: no peak FLOP/s for '{name}' in PEAK_TFLOPS ({a.precision}); MFU left out. Measure "
-              "one with `python -m bench peak` and pass --peak-tflops", file=sys.stderr)
+        print(
+            f"bench train: no peak FLOP/s for '{name}' in PEAK_TFLOPS ({a.precision}); MFU left "
+            f"out. Measure "
+            "one with `python -m bench peak` and pass --peak-tflops",
+            file=sys.stderr,
+        )
     before = load_avg()
     img = model_shape(a.model).img_size
     flops = flops_per_image(nn.Sequential(*build_layers(a.model, 10, 3, img)), img)
@@ -174,54 +236,122 @@ def run(a) -> int:
         logs = Path(a.out) / "logs" if a.out else Path(tmp)
         for rep in range(a.repeat):
             runs.append(run_reference(a, dev))
-            if dev.type == "cuda":  # hand the reference's memory back before the engines start on the same GPU
+            # hand the reference's memory back before the engines start on the same GPU
+            if dev.type == "cuda":
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
             for engine in engines:
-                runs.append(run_engine(engine, a, logs / (engine if a.repeat == 1 else f"{engine}.{rep + 1}")))
-            for r in runs[-1 - len(engines):]:
-                print(f"{r['engine']}: " + (r.get("error") or f"{r['images_per_s']:.1f} images/s"), flush=True)
+                runs.append(
+                    run_engine(
+                        engine, a, logs / (engine if a.repeat == 1 else f"{engine}.{rep + 1}")
+                    )
+                )
+            for r in runs[-1 - len(engines) :]:
+                print(
+                    f"{r['engine']}: " + (r.get("error") or f"{r['images_per_s']:.1f} images/s"),
+                    flush=True,
+                )
     rows = [combine([r for r in runs if r["engine"] == e]) for e in [runs[0]["engine"], *engines]]
-    # On GPUs every rank has its own device, with its own peak; CPU ranks share the cores of one machine, whose
-    # peak is the table's.
+    # On GPUs every rank has its own device, with its own peak; CPU ranks share the cores of one
+    # machine, whose peak is the table's.
     for row in rows:
         if "error" not in row:
             gpus = row.get("devices", [name]) if dev.type == "cuda" else None
             total = total_peak_tflops(gpus, a.precision, a.peak_tflops) if gpus else peak
             row["ratio"] = row["images_per_s"] / rows[0]["images_per_s"]
             row["mfu"] = row["images_per_s"] * 3 * flops / (total * 1e12) if total else None
-    result = {"benchmark": "train", "model": a.model, "global_batch": a.global_batch, "precision": a.precision,
-              "steps": a.steps, "warmup": a.warmup, "ranks": a.ranks, "device": name, "host": socket.gethostname(),
-              "cpus": os.cpu_count(), "peak_tflops": peak, "flops_per_image": flops, "torch": torch.__version__,
-              "compile": a.compile, "fused_adam": a.fused_adam, "reference_threads": torch.get_num_threads(),
-              "repeat": a.repeat, "load_avg_before": before, "load_avg_after": load_avg(), "rows": rows,
-              "runs": runs}
+    result = {
+        "benchmark": "train",
+        "model": a.model,
+        "global_batch": a.global_batch,
+        "precision": a.precision,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "ranks": a.ranks,
+        "device": name,
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "peak_tflops": peak,
+        "flops_per_image": flops,
+        "torch": torch.__version__,
+        "compile": a.compile,
+        "fused_adam": a.fused_adam,
+        "reference_threads": torch.get_num_threads(),
+        "repeat": a.repeat,
+        "load_avg_before": before,
+        "load_avg_after": load_avg(),
+        "rows": rows,
+        "runs": runs,
+    }
     publish(a.out, "train", result, train_table(result))
     return 1 if any("error" in r for r in rows) else 0
 
 
 def add_arguments(t) -> None:
-    t.add_argument("--model", default="vit_tiny_cifar", help="a preset (" + ", ".join(PRESETS) + ") or a timm ViT name")
-    t.add_argument("--global-batch", type=positive_int, default=64, help="images per optimizer step, for every "
-                   "engine")
-    t.add_argument("--ranks", type=positive_int, default=2, help="processes per engine run (mpirun -np)")
+    t.add_argument(
+        "--model",
+        default="vit_tiny_cifar",
+        help="a preset (" + ", ".join(PRESETS) + ") or a timm ViT name",
+    )
+    t.add_argument(
+        "--global-batch",
+        type=positive_int,
+        default=64,
+        help="images per optimizer step, for every engine",
+    )
+    t.add_argument(
+        "--ranks", type=positive_int, default=2, help="processes per engine run (mpirun -np)"
+    )
     t.add_argument("--steps", type=positive_int, default=20, help="timed steps")
-    t.add_argument("--warmup", type=positive_int, default=5, help="untimed steps before them; also the window whose "
-                   "median step time is reported")
-    t.add_argument("--repeat", type=positive_int, default=1, help="rounds of reference + engines, interleaved; each "
-                   "row reports its fastest")
-    t.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast in the "
-                   "reference, vit.train --precision bf16 in the engines")
-    t.add_argument("--engines", default=",".join(RUNS), help="comma-separated, from: " + ", ".join(RUNS))
-    t.add_argument("--pipeline-stages", type=positive_int, help="pipeline stages (default: --ranks, one "
-                   "data-parallel copy)")
-    t.add_argument("--compile", action="store_true", help="torch.compile the reference and every engine "
-                   "(vit.train --compile); the warm-up steps take the compilation")
-    t.add_argument("--fused-adam", action="store_true", help="torch's fused AdamW in the reference and in every "
-                   "engine (vit.train --fused-adam)")
-    t.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (default: from PEAK_TFLOPS)")
-    t.add_argument("--mpirun-args", default="", help="extra mpirun arguments, e.g. '--hostfile setup/hosts.txt'")
-    t.add_argument("--timeout", type=float, default=1800, help="seconds before an engine run is killed")
+    t.add_argument(
+        "--warmup",
+        type=positive_int,
+        default=5,
+        help="untimed steps before them; also the window whose median step time is reported",
+    )
+    t.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="rounds of reference + engines, interleaved; each row reports its fastest",
+    )
+    t.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: autocast in the reference, vit.train --precision bf16 in the engines",
+    )
+    t.add_argument(
+        "--engines", default=",".join(RUNS), help="comma-separated, from: " + ", ".join(RUNS)
+    )
+    t.add_argument(
+        "--pipeline-stages",
+        type=positive_int,
+        help="pipeline stages (default: --ranks, one data-parallel copy)",
+    )
+    t.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the reference and every "
+        "engine "
+        "(vit.train --compile); the warm-up steps take the compilation",
+    )
+    t.add_argument(
+        "--fused-adam",
+        action="store_true",
+        help="torch's fused AdamW in the reference and in every engine (vit.train --fused-adam)",
+    )
+    t.add_argument(
+        "--peak-tflops", type=float, help="peak TFLOP/s per device (default: from PEAK_TFLOPS)"
+    )
+    t.add_argument(
+        "--mpirun-args",
+        default="",
+        help="extra mpirun arguments, e.g. '--hostfile setup/hosts.txt'",
+    )
+    t.add_argument(
+        "--timeout", type=float, default=1800, help="seconds before an engine run is killed"
+    )
     t.add_argument("--out", help="folder for train.md, train.json and each engine's logs/")
 
 

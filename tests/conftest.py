@@ -1,5 +1,6 @@
-"""pytest wiring: the `ranks` marker is required of every test that starts processes (tests/helpers.py checks),
-so that `pytest -m "not ranks"` runs only the in-process tests."""
+"""pytest wiring: the `ranks` marker is required of every test that starts processes
+(tests/helpers.py checks), so that `pytest -m "not ranks"` runs only the in-process tests."""
+
 import helpers
 import pytest
 

@@ -1,9 +1,10 @@
-"""What the tests share: real ranks (N processes of `python -m vit.train`, torchrun-style variables, a free
-port, a hard timeout, every rank killed as soon as one fails or time runs out), commands with a hard timeout,
-and readers of the run logs.
+"""What the tests share: real ranks (N processes of `python -m vit.train`, torchrun-style variables,
+a free port, a hard timeout, every rank killed as soon as one fails or time runs out), commands with
+a hard timeout, and readers of the run logs.
 
-Every test that starts a process must carry @pytest.mark.ranks (conftest.py sets CURRENT_TEST_STARTS_PROCESSES),
-so that `pytest -m "not ranks"` stays a quick, in-process run."""
+Every test that starts a process must carry @pytest.mark.ranks (conftest.py sets
+CURRENT_TEST_STARTS_PROCESSES), so that `pytest -m "not ranks"` stays a quick, in-process run."""
+
 import os
 import signal
 import subprocess
@@ -24,8 +25,9 @@ PLUGINS = ROOT / "tests" / "plugins"
 
 # Set per test by conftest.py: True under @pytest.mark.ranks, False without, None outside a test.
 CURRENT_TEST_STARTS_PROCESSES = None
-# The process groups started for the current test; conftest.py kills what is left of them when it ends, so a test
-# that fails (or times out) before its own cleanup leaves no rank training on into the next tests.
+# The process groups started for the current test; conftest.py kills what is left of them when it
+# ends, so a test that fails (or times out) before its own cleanup leaves no rank training on into
+# the next tests.
 STARTED: list[subprocess.Popen] = []
 
 
@@ -46,18 +48,26 @@ def require_ranks_mark() -> None:
 
 
 def base_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_")) and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_"))
+        and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+    }
     env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.update(extra)
     return env
 
 
 def plugin_env(**settings: str) -> dict:
-    """The variables that make a run import tests/plugins/NAME.py (vit.runtime.plugins) for each NAME=value given, with
-    VIT_TEST_NAME=value, the plugin's setting: plugin_env(crash_in_save="step4")."""
-    return {"VIT_PLUGINS": ",".join(settings), "PYTHONPATH": f"{ROOT}{os.pathsep}{PLUGINS}",
-            **{f"VIT_TEST_{name.upper()}": value for name, value in settings.items()}}
+    """The variables that make a run import tests/plugins/NAME.py (vit.runtime.plugins) for each
+    NAME=value given, with VIT_TEST_NAME=value, the plugin's setting:
+    plugin_env(crash_in_save="step4")."""
+    return {
+        "VIT_PLUGINS": ",".join(settings),
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{PLUGINS}",
+        **{f"VIT_TEST_{name.upper()}": value for name, value in settings.items()},
+    }
 
 
 class Result:
@@ -69,8 +79,10 @@ class Result:
         return all(rc == 0 for rc in self.returncodes)
 
     def __repr__(self):
-        return "\n".join(f"--- rank {r} exit {rc}\n{out[-4000:]}"
-                         for r, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
+        return "\n".join(
+            f"--- rank {r} exit {rc}\n{out[-4000:]}"
+            for r, (rc, out) in enumerate(zip(self.returncodes, self.outputs))
+        )
 
 
 def _wait_all(procs, timeout: float) -> list:
@@ -90,7 +102,8 @@ def _wait_all(procs, timeout: float) -> list:
 
 
 class Ranks:
-    """`nprocs` ranks of vit.train on this machine (gloo), torchrun-style variables, output in temp files."""
+    """`nprocs` ranks of vit.train on this machine (gloo), torchrun-style variables, output in temp
+    files."""
 
     def __init__(self, args, nprocs: int = 2, env=None, rank_env=None):
         require_ranks_mark()
@@ -98,11 +111,26 @@ class Ranks:
         self.procs, self.logs = [], []
         for rank in range(nprocs):
             log = tempfile.TemporaryFile("w+")
-            e = base_env(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
-                         LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}),
-                         **(rank_env or {}).get(rank, {}))
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "vit.train", *map(str, args)], cwd=ROOT, env=e,
-                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            e = base_env(
+                RANK=str(rank),
+                WORLD_SIZE=str(nprocs),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(nprocs),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                **(env or {}),
+                **(rank_env or {}).get(rank, {}),
+            )
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "vit.train", *map(str, args)],
+                    cwd=ROOT,
+                    env=e,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
             STARTED.append(self.procs[-1])
             self.logs.append(log)
 
@@ -117,7 +145,8 @@ class Ranks:
 
 
 def launch(args, nprocs: int = 2, timeout: float = 240, env=None, rank_env=None) -> Result:
-    """Start `nprocs` ranks and wait for them, at most `timeout` seconds; rank_env: {rank: {VAR: value}}."""
+    """Start `nprocs` ranks and wait for them, at most `timeout` seconds; rank_env: {rank: {VAR:
+    value}}."""
     return Ranks(args, nprocs, env, rank_env).wait(timeout)
 
 
@@ -140,15 +169,18 @@ def last_step(log_dir, rank: int) -> int:
 
 
 def mpi_rank_process(marker, rank: int):
-    """The running `vit.train` process whose command line holds `marker` (a log dir) and whose Open MPI rank is
-    `rank`, as a psutil.Process; None when there is none."""
+    """The running `vit.train` process whose command line holds `marker` (a log dir) and whose Open
+    MPI rank is `rank`, as a psutil.Process; None when there is none."""
     import psutil
 
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmdline = " ".join(p.info["cmdline"] or [])
-            if "vit.train" in cmdline and str(marker) in cmdline and \
-                    p.environ().get("OMPI_COMM_WORLD_RANK") == str(rank):
+            if (
+                "vit.train" in cmdline
+                and str(marker) in cmdline
+                and p.environ().get("OMPI_COMM_WORLD_RANK") == str(rank)
+            ):
                 return p
         except psutil.Error:  # gone, or not ours to read
             continue
@@ -158,8 +190,15 @@ def mpi_rank_process(marker, rank: int):
 def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.CompletedProcess:
     """Run a command in its own process group; kill the whole group on timeout."""
     require_ranks_mark()
-    p = subprocess.Popen(cmd, cwd=cwd, env=env or base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env or base_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     STARTED.append(p)
     try:
         out, err = p.communicate(timeout=timeout)
@@ -171,5 +210,8 @@ def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.Complet
 
 
 def train_losses(log_dir, rank: int = 0) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_jsonl(Path(log_dir) / f"metrics_rank{rank}.jsonl")
-            if r["kind"] == "train"}
+    return {
+        r["step"]: r["loss"]
+        for r in read_jsonl(Path(log_dir) / f"metrics_rank{rank}.jsonl")
+        if r["kind"] == "train"
+    }

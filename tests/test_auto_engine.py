@@ -1,6 +1,7 @@
-"""--engine auto (vit.planner.auto): what it leaves to the user, how a choice becomes a command line, and a real run
-on 2 ranks that measures, ranks, chooses the model's first and trains with it (the simulated hosts' test, with
-links and a slowed rank, is in test_cluster.py)."""
+"""--engine auto (vit.planner.auto): what it leaves to the user, how a choice becomes a command
+line, and a real run on 2 ranks that measures, ranks, chooses the model's first and trains with it
+(the simulated hosts' test, with links and a slowed rank, is in test_cluster.py)."""
+
 import json
 import sys
 
@@ -9,32 +10,58 @@ from helpers import launch, run_cmd
 
 from vit.config.cli import parse
 from vit.config.compat import PROVISIONAL
-from vit.core.paths import ROOT
-from vit.core.errors import ConfigError
-from vit.planner import auto, links
 from vit.core.costs import Network
+from vit.core.errors import ConfigError
+from vit.core.paths import ROOT
 from vit.engines.registry import spec
+from vit.planner import auto, links
 
 
-@pytest.mark.parametrize("argv,option", [
-    (["--comm-hook", "fp16"], "--comm-hook"), (["--pipeline-stages", "3"], "--pipeline-stages"),
-    (["--ds-config", "deepspeed_configs/zero1.json"], "--ds-config"), (["--partition", "uniform"], "--partition"),
-    (["--batch-split", "proportional"], "--batch-split"),
-])
+@pytest.mark.parametrize(
+    "argv,option",
+    [
+        (["--comm-hook", "fp16"], "--comm-hook"),
+        (["--pipeline-stages", "3"], "--pipeline-stages"),
+        (["--ds-config", "deepspeed_configs/zero1.json"], "--ds-config"),
+        (["--partition", "uniform"], "--partition"),
+        (["--batch-split", "proportional"], "--batch-split"),
+    ],
+)
 def test_what_auto_chooses_is_refused_when_given_not_replaced(argv, option):
-    with pytest.raises(ConfigError, match=f"^--engine auto chooses {option} itself; leave it out, or name an engine$"):
+    with pytest.raises(
+        ConfigError,
+        match=f"^--engine auto chooses {option} itself; leave it out, or name an engine$",
+    ):
         parse(["--engine", "auto", *argv])
 
 
 def test_auto_refuses_what_it_does_not_plan_and_keeps_the_global_batch_options():
-    for argv, message in [(["--micro-batch-size", "auto"], "chooses the micro-batch within the global batch"),
-                          (["--freeze", "schedule"], "does not plan freeze training yet"),
-                          (["--resume"], "--resume continues the run's own layout; name the engine it trained with")]:
+    for argv, message in [
+        (["--micro-batch-size", "auto"], "chooses the micro-batch within the global batch"),
+        (["--freeze", "schedule"], "does not plan freeze training yet"),
+        (["--resume"], "--resume continues the run's own layout; name the engine it trained with"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             parse(["--engine", "auto", *argv])
-    s = parse(["--engine", "auto", "--micro-batch-size", "8", "--grad-accum", "2", "--simulate-slowdown", "1=2"])
-    assert s.parallel.engine == "auto" and s.parallel.micro_batch_size == 8 and s.parallel.grad_accum == 2
-    assert s.parallel.ds_config == parse(["--engine", PROVISIONAL]).parallel.ds_config  # its global batch
+    s = parse(
+        [
+            "--engine",
+            "auto",
+            "--micro-batch-size",
+            "8",
+            "--grad-accum",
+            "2",
+            "--simulate-slowdown",
+            "1=2",
+        ]
+    )
+    assert (
+        s.parallel.engine == "auto"
+        and s.parallel.micro_batch_size == 8
+        and s.parallel.grad_accum == 2
+    )
+    # its global batch
+    assert s.parallel.ds_config == parse(["--engine", PROVISIONAL]).parallel.ds_config
 
 
 def test_a_candidate_runs_with_the_deepspeed_json_of_its_zero_stage_or_not_at_all():
@@ -45,14 +72,22 @@ def test_a_candidate_runs_with_the_deepspeed_json_of_its_zero_stage_or_not_at_al
     assert spec("pipeline").config_for(0, 2, 4) is None  # no pipeline JSON at ZeRO-0
     assert spec("pipeline").config_for(0, 4, 4) == "pipeline.json"  # no data parallelism: no ZeRO
     assert spec("async-pipeline").config_for(0, 2, 4) == "pipeline.json"
-    assert all((ROOT / "deepspeed_configs" / spec("zero").config_for(z, 1, 4)).is_file() for z in range(4))
+    assert all(
+        (ROOT / "deepspeed_configs" / spec("zero").config_for(z, 1, 4)).is_file() for z in range(4)
+    )
 
 
 def test_a_tie_goes_to_the_plainest_and_a_clear_win_to_the_fastest():
     def cand(ms, compression="none", split=None, stages=1):
         return {"step_ms": ms, "compression": compression, "split": split, "stages": stages}
 
-    runs = [cand(10.0, "bf16"), cand(10.1, split=[3, 1]), cand(10.15), cand(10.19, stages=2), cand(11.0)]
+    runs = [
+        cand(10.0, "bf16"),
+        cand(10.1, split=[3, 1]),
+        cand(10.15),
+        cand(10.19, stages=2),
+        cand(11.0),
+    ]
     assert auto.pick(runs) is runs[2]  # within 2%: no compression, equal split, one stage
     runs = [cand(10.0, "bf16"), cand(10.5)]
     assert auto.pick(runs) is runs[0]  # 5% faster: the model's first
@@ -71,20 +106,45 @@ def test_links_measured_from_the_first_host_give_each_hosts_rate():
 @pytest.mark.timeout(300)
 def test_auto_on_two_ranks_runs_the_models_first_and_gives_a_slowed_rank_less_work(tmp_path):
     log_dir = tmp_path / "logs"
-    r = launch(["--engine", "auto", "--simulate-slowdown", "1=3", "--steps", 4, "--eval-interval", 0, "--no-save",
-                "--log-dir", log_dir, "--monitor-interval", 0], timeout=240)
+    r = launch(
+        [
+            "--engine",
+            "auto",
+            "--simulate-slowdown",
+            "1=3",
+            "--steps",
+            4,
+            "--eval-interval",
+            0,
+            "--no-save",
+            "--log-dir",
+            log_dir,
+            "--monitor-interval",
+            0,
+        ],
+        timeout=240,
+    )
     assert r.ok, r
     config = json.loads((log_dir / "config.json").read_text())
     record, summary = config["engine_auto"], json.loads((log_dir / "summary.json").read_text())
     rows, choice = record["candidates"], record["choice"]
-    assert auto.pick([c for c in rows if c["fits"] and c["runs"] and c["compression"] != "powersgd"]) == choice
-    assert all(c["not_chosen"] for c in rows[:rows.index(choice)])  # each one ranked above it says why not
-    assert choice["fits"] and f"engine auto chose #{rows.index(choice) + 1}: {choice['candidate']}" in r.outputs[0]
+    assert (
+        auto.pick([c for c in rows if c["fits"] and c["runs"] and c["compression"] != "powersgd"])
+        == choice
+    )
+    # each one ranked above it says why not
+    assert all(c["not_chosen"] for c in rows[: rows.index(choice)])
+    assert (
+        choice["fits"]
+        and f"engine auto chose #{rows.index(choice) + 1}: {choice['candidate']}" in r.outputs[0]
+    )
     assert summary["engine"] == choice["engine"] and summary["micro_batch"] == choice["micro_batch"]
-    assert summary["grad_accum"] == choice["grad_accum"] and summary["global_batch"] == 64  # zero2.json's 32 x 2
+    # zero2.json's 32 x 2
+    assert summary["grad_accum"] == choice["grad_accum"] and summary["global_batch"] == 64
     assert (summary["pipeline_stages"] or 1) == choice["stages"]
     assert record["links_mbit"] == {} and record["planning_s"] < 30
-    # each rank's layer times at once over alone (predict.busy_slots), and the census's machine: one kernel here
+    # each rank's layer times at once over alone (predict.busy_slots), and the census's machine: one
+    # kernel here
     assert len(record["contention"]) == 2 and all(k >= 1.0 for k in record["contention"])
     census = json.loads((log_dir / "cluster.json").read_text())["census"]
     assert len({rank["machine"] for rank in census}) == 1 and census[0]["machine"]
@@ -94,7 +154,7 @@ def test_auto_on_two_ranks_runs_the_models_first_and_gives_a_slowed_rank_less_wo
         work = [(choice["split"] or [micro, micro])[k] * sum(flops) for k in range(2)]
     else:
         parts = choice["parts"]
-        work = [micro * sum(flops[parts[k]:parts[k + 1]]) for k in range(2)]
+        work = [micro * sum(flops[parts[k] : parts[k + 1]]) for k in range(2)]
     assert work[1] < work[0], (choice["candidate"], work)
 
 
@@ -104,22 +164,33 @@ def test_the_planner_from_a_hostfile_refuses_bad_input_in_one_line(tmp_path, cap
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("localhost slots=two\n")
     both = "give a run's log dir or --hostfile, one of the two"
-    for argv, message in [([], both),
-                          (["logs/run", "--hostfile", str(hosts)], both),
-                          (["logs/run", "--", "--steps", "3"], "vit.train options after -- go with --hostfile"),
-                          (["--hostfile", str(hosts), "--link-mbit", "100"], "--link-mbit plans from a run's census; "
-                           "with --hostfile the ranks measure (vit.train options such as --model go after --)")]:
+    for argv, message in [
+        ([], both),
+        (["logs/run", "--hostfile", str(hosts)], both),
+        (["logs/run", "--", "--steps", "3"], "vit.train options after -- go with --hostfile"),
+        (
+            ["--hostfile", str(hosts), "--link-mbit", "100"],
+            "--link-mbit plans "
+            "from a run's census; "
+            "with --hostfile the ranks measure (vit.train options such as --model "
+            "go after --)",
+        ),
+    ]:
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2 and capsys.readouterr().err == f"{cli.PROG}: error: {message}\n"
-    for argv, message in [(["--hostfile", str(tmp_path / "none")], f"--hostfile {tmp_path / 'none'}: No such file"),
-                          (["--hostfile", str(hosts)], f"--hostfile {hosts}: invalid literal for int()"),
-                          (["--hostfile", str(hosts), "--json", str(tmp_path)], "not a file this user can write")]:
+    for argv, message in [
+        (["--hostfile", str(tmp_path / "none")], f"--hostfile {tmp_path / 'none'}: No such file"),
+        (["--hostfile", str(hosts)], f"--hostfile {hosts}: invalid literal for int()"),
+        (["--hostfile", str(hosts), "--json", str(tmp_path)], "not a file this user can write"),
+    ]:
         if "--json" in argv:
             hosts.write_text("localhost slots=2\n")
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"{cli.PROG}: error: ") and message in err and err.count("\n") == 1, err
+        assert err.startswith(f"{cli.PROG}: error: ") and message in err and err.count("\n") == 1, (
+            err
+        )
 
 
 @pytest.mark.ranks
@@ -127,14 +198,34 @@ def test_the_planner_from_a_hostfile_refuses_bad_input_in_one_line(tmp_path, cap
 def test_the_planner_measures_every_slot_of_a_hostfile_and_trains_nothing(tmp_path):
     hosts, out, log_dir = tmp_path / "hosts.txt", tmp_path / "plan.json", tmp_path / "run"
     hosts.write_text("localhost slots=2\n")
-    cmd = [sys.executable, "-m", "vit.planner", "--hostfile", hosts, "--json", out, "--", "--model", "vit_digits",
-           "--dataset", "synthetic", "--micro-batch-size", 16, "--log-dir", log_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vit.planner",
+        "--hostfile",
+        hosts,
+        "--json",
+        out,
+        "--",
+        "--model",
+        "vit_digits",
+        "--dataset",
+        "synthetic",
+        "--micro-batch-size",
+        16,
+        "--log-dir",
+        log_dir,
+    ]
     r = run_cmd([str(c) for c in cmd], timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     record = json.loads(out.read_text())
     rows, choice = record["candidates"], record["choice"]
     assert len(rows) > 10 and choice in rows and record["precision"] == "fp32"
     assert f"engine auto chose #{rows.index(choice) + 1}: {choice['candidate']}" in r.stdout
-    assert f"planned only ($VIT_ENGINE_AUTO_PLAN_ONLY): the table and the choice are in {out}" in r.stdout
-    assert choice["micro_batch"] * choice["grad_accum"] * 2 // choice["stages"] == 32  # 16 x 2 ranks
+    assert (
+        f"planned only ($VIT_ENGINE_AUTO_PLAN_ONLY): the table and the choice are in {out}"
+        in r.stdout
+    )
+    # 16 x 2 ranks
+    assert choice["micro_batch"] * choice["grad_accum"] * 2 // choice["stages"] == 32
     assert not log_dir.exists()  # nothing trained, nothing written

@@ -1,5 +1,6 @@
-"""The benchmarks (python -m bench) end to end with real processes: the training table and the all-reduce table.
-No timing assertions: speed targets live in docs/benchmarks.md, not in tests."""
+"""The benchmarks (python -m bench) end to end with real processes: the training table and the
+all-reduce table. No timing assertions: speed targets live in docs/benchmarks.md, not in tests."""
+
 import json
 import re
 import sys
@@ -16,11 +17,32 @@ pytestmark = pytest.mark.ranks  # every test here starts processes
 ENGINES = ["ddp", "zero0", "zero1", "zero2", "zero3", "pipeline", "async-pipeline"]
 
 
-# The suite's first multi-rank test: on a fresh clone its first engine also builds DeepSpeed's CPU op (1-3 min).
+# The suite's first multi-rank test: on a fresh clone its first engine also builds DeepSpeed's CPU
+# op (1-3 min).
 @pytest.mark.timeout(480)
 def test_train_table_has_a_row_and_a_ratio_per_engine(tmp_path):
-    cmd = [sys.executable, "-m", "bench", "train", "--model", "vit_digits", "--global-batch", 16, "--ranks", 2,
-           "--steps", 2, "--warmup", 1, "--engines", ",".join(ENGINES), "--timeout", 240, "--out", tmp_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "train",
+        "--model",
+        "vit_digits",
+        "--global-batch",
+        16,
+        "--ranks",
+        2,
+        "--steps",
+        2,
+        "--warmup",
+        1,
+        "--engines",
+        ",".join(ENGINES),
+        "--timeout",
+        240,
+        "--out",
+        tmp_path,
+    ]
     r = run_cmd([str(c) for c in cmd], timeout=460)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "train.json").read_text())
@@ -28,9 +50,17 @@ def test_train_table_has_a_row_and_a_ratio_per_engine(tmp_path):
     assert list(rows) == ["reference", *ENGINES]
     assert rows["reference"]["ratio"] == 1.0
     for row in rows.values():
-        assert row["images_per_s"] > 0 and row["step_time_s"] > 0 and row["ratio"] > 0 and row["peak_mem_gib"] > 0
-        assert row["ratio"] == pytest.approx(row["images_per_s"] / rows["reference"]["images_per_s"])
-    assert rows["pipeline"]["layout"] == rows["async-pipeline"]["layout"] == "4 x 4 x 1"  # global batch 16
+        assert (
+            row["images_per_s"] > 0
+            and row["step_time_s"] > 0
+            and row["ratio"] > 0
+            and row["peak_mem_gib"] > 0
+        )
+        assert row["ratio"] == pytest.approx(
+            row["images_per_s"] / rows["reference"]["images_per_s"]
+        )
+    # global batch 16
+    assert rows["pipeline"]["layout"] == rows["async-pipeline"]["layout"] == "4 x 4 x 1"
     assert rows["ddp"]["layout"] == "8 x 1 x 2"
     assert result["flops_per_image"] > 0
     table = (tmp_path / "train.md").read_text()
@@ -43,23 +73,68 @@ def test_train_table_has_a_row_and_a_ratio_per_engine(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_fused_adam_reaches_the_reference_and_every_engine_run(tmp_path):
-    cmd = [sys.executable, "-m", "bench", "train", "--model", "vit_digits", "--global-batch", 16, "--ranks", 2,
-           "--steps", 2, "--warmup", 1, "--engines", "zero1", "--fused-adam", "--timeout", 90, "--out", tmp_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "train",
+        "--model",
+        "vit_digits",
+        "--global-batch",
+        16,
+        "--ranks",
+        2,
+        "--steps",
+        2,
+        "--warmup",
+        1,
+        "--engines",
+        "zero1",
+        "--fused-adam",
+        "--timeout",
+        90,
+        "--out",
+        tmp_path,
+    ]
     r = run_cmd([str(c) for c in cmd], timeout=110)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert json.loads((tmp_path / "train.json").read_text())["fused_adam"] is True
     assert "AdamW fused" in (tmp_path / "train.md").read_text()
-    assert json.loads((tmp_path / "logs" / "zero1" / "config.json").read_text())["args"]["fused_adam"] is True
+    assert (
+        json.loads((tmp_path / "logs" / "zero1" / "config.json").read_text())["args"]["fused_adam"]
+        is True
+    )
 
 
 @pytest.mark.timeout(90)
 def test_allreduce_under_mpirun_reports_bus_bandwidth(tmp_path):
-    cmd = [*MPIRUN, "-np", 2, sys.executable, "-m", "bench", "allreduce", "--max-bytes", "16K", "--iters", 3,
-           "--warmup", 1, "--timeout", 60, "--out", tmp_path]
+    cmd = [
+        *MPIRUN,
+        "-np",
+        2,
+        sys.executable,
+        "-m",
+        "bench",
+        "allreduce",
+        "--max-bytes",
+        "16K",
+        "--iters",
+        3,
+        "--warmup",
+        1,
+        "--timeout",
+        60,
+        "--out",
+        tmp_path,
+    ]
     r = run_cmd([str(c) for c in cmd], timeout=80)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "allreduce.json").read_text())
-    assert result["world_size"] == 2 and result["backend"] == "gloo" and result["bus_factor"] == 2 * (2 - 1) / 2
+    assert (
+        result["world_size"] == 2
+        and result["backend"] == "gloo"
+        and result["bus_factor"] == 2 * (2 - 1) / 2
+    )
     assert [row["bytes"] for row in result["rows"]] == [1024, 2048, 4096, 8192, 16384]
     for row in result["rows"]:
         for way in ("torch", "mpi"):
@@ -75,7 +150,8 @@ def test_peaks_are_exact_names_and_mixed_gpus_add_their_own():
 
     assert peak_tflops("NVIDIA GeForce RTX 3090", "bf16") == 71.0
     assert peak_tflops("NVIDIA GeForce RTX 3090 Ti", "bf16") == 80.0  # not the 3090's
-    assert peak_tflops("NVIDIA GeForce RTX 3090 Laptop GPU", "bf16") is None  # unknown: no MFU, not a near match
+    # unknown: no MFU, not a near match
+    assert peak_tflops("NVIDIA GeForce RTX 3090 Laptop GPU", "bf16") is None
     mixed = ["NVIDIA GeForce RTX 3090", "NVIDIA GeForce RTX 3070", "NVIDIA GeForce RTX 3070"]
     assert total_peak_tflops(mixed, "fp32") == pytest.approx(35.6 + 2 * 20.3)
     assert total_peak_tflops([*mixed, "NVIDIA GeForce GTX 1080"], "fp32") is None
@@ -84,16 +160,34 @@ def test_peaks_are_exact_names_and_mixed_gpus_add_their_own():
 
 @pytest.mark.timeout(400)
 def test_recipe_table_has_a_row_per_variant_with_the_median_of_its_seeds(tmp_path):
-    cmd = [sys.executable, "-m", "bench", "recipe", "--variants", "baseline,model-ema", "--seeds", "0,1", "--base",
-           "--steps 6 --micro-batch-size 8", "--timeout", 150, "--out", tmp_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "recipe",
+        "--variants",
+        "baseline,model-ema",
+        "--seeds",
+        "0,1",
+        "--base",
+        "--steps 6 --micro-batch-size 8",
+        "--timeout",
+        150,
+        "--out",
+        tmp_path,
+    ]
     r = run_cmd([str(c) for c in cmd], timeout=380)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "recipe.json").read_text())
     rows = {row["variant"]: row for row in result["rows"]}
     assert list(rows) == ["baseline", "model-ema"] and result["seeds"] == [0, 1]
     for row in rows.values():
-        summaries = [json.loads((tmp_path / "logs" / f"{row['variant']}.seed{s}" / "summary.json").read_text())
-                     for s in (0, 1)]
+        summaries = [
+            json.loads(
+                (tmp_path / "logs" / f"{row['variant']}.seed{s}" / "summary.json").read_text()
+            )
+            for s in (0, 1)
+        ]
         assert row["all_top1"] == [s["top1"] for s in summaries] and summaries[0]["steps"] == 6
         assert row["top1"] == pytest.approx(sum(row["all_top1"]) / 2)  # the median of two
     assert rows["baseline"]["ema_top1"] is None and rows["model-ema"]["ema_top1"] is not None
@@ -103,8 +197,26 @@ def test_recipe_table_has_a_row_per_variant_with_the_median_of_its_seeds(tmp_pat
 
 @pytest.mark.timeout(400)
 def test_async_pipeline_table_has_both_pipelines_their_ideals_and_the_accuracy_per_seed(tmp_path):
-    cmd = [sys.executable, "-m", "bench", "async-pipeline", "--steps", 4, "--warmup", 1, "--repeats", 1, "--seeds",
-           "0,1", "--extra", "--steps 3 --micro-batch-size 8", "--timeout", 150, "--out", tmp_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "async-pipeline",
+        "--steps",
+        4,
+        "--warmup",
+        1,
+        "--repeats",
+        1,
+        "--seeds",
+        "0,1",
+        "--extra",
+        "--steps 3 --micro-batch-size 8",
+        "--timeout",
+        150,
+        "--out",
+        tmp_path,
+    ]
     r = run_cmd([str(c) for c in cmd], timeout=380)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "async_pipeline.json").read_text())
@@ -113,8 +225,11 @@ def test_async_pipeline_table_has_both_pipelines_their_ideals_and_the_accuracy_p
         assert row["images_per_s"] > 0 and len(row["each"]) == 1
     assert all(row["ideal_images_per_s"] > 0 for row in result["speed"])
     assert result["ideal_images_per_s"] == pytest.approx(2 * result["one_stage"]["images_per_s"])
-    assert [row["run"] for row in result["accuracy"]] == ["pipeline (sync, DeepSpeed)", "async, no prediction",
-                                                           "async, msnag"]
+    assert [row["run"] for row in result["accuracy"]] == [
+        "pipeline (sync, DeepSpeed)",
+        "async, no prediction",
+        "async, msnag",
+    ]
     for row in result["accuracy"]:
         assert len(row["each"]) == 2 and row["steps"] == 3
         assert row["top1"] == pytest.approx(sum(row["each"]) / 2)  # the median of two
@@ -125,15 +240,41 @@ def test_async_pipeline_table_has_both_pipelines_their_ideals_and_the_accuracy_p
 
 @pytest.mark.timeout(400)
 def test_async_pipeline_wire_dtypes_make_one_run_each_with_its_bytes(tmp_path):
-    cmd = [sys.executable, "-m", "bench", "async-pipeline", "--steps", 4, "--warmup", 1, "--repeats", 1,
-           "--no-accuracy", "--wire-dtypes", "fp32,bf16", "--timeout", 150, "--out", tmp_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "async-pipeline",
+        "--steps",
+        4,
+        "--warmup",
+        1,
+        "--repeats",
+        1,
+        "--no-accuracy",
+        "--wire-dtypes",
+        "fp32,bf16",
+        "--timeout",
+        150,
+        "--out",
+        tmp_path,
+    ]
     r = run_cmd([str(c) for c in cmd], timeout=380)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "async_pipeline.json").read_text())
     rows = {row["run"]: row for row in result["speed"]}
-    assert list(rows) == ["pipeline (DeepSpeed)", "async-pipeline, fp32 wire", "async-pipeline, bf16 wire"]
-    assert rows["async-pipeline, bf16 wire"]["wire_bytes"] * 2 == rows["async-pipeline, fp32 wire"]["wire_bytes"] > 0
-    assert "async-pipeline, bf16 wire: " in (tmp_path / "async_pipeline.md").read_text()  # its ratio to fp32's
+    assert list(rows) == [
+        "pipeline (DeepSpeed)",
+        "async-pipeline, fp32 wire",
+        "async-pipeline, bf16 wire",
+    ]
+    assert (
+        rows["async-pipeline, bf16 wire"]["wire_bytes"] * 2
+        == rows["async-pipeline, fp32 wire"]["wire_bytes"]
+        > 0
+    )
+    # its ratio to fp32's
+    assert "async-pipeline, bf16 wire: " in (tmp_path / "async_pipeline.md").read_text()
 
 
 @pytest.mark.timeout(60)
@@ -142,40 +283,100 @@ def test_gpu_acceptance_refuses_a_machine_without_cuda_and_judges_its_rows(tmp_p
 
     if not torch.cuda.is_available():
         r = run_cmd([sys.executable, "-m", "bench", "gpu", "--out", str(tmp_path)], timeout=50)
-        assert r.returncode == 1 and r.stderr.strip() == ("bench gpu: no CUDA device here; --device cpu runs the "
-                                                          "checks that mean something on a CPU"), r
+        assert r.returncode == 1 and r.stderr.strip() == (
+            "bench gpu: no CUDA device here; "
+            "--device cpu runs the "
+            "checks that mean something on a CPU"
+        ), r
         assert not list(tmp_path.iterdir())
-    r = run_cmd([sys.executable, "-m", "bench", "gpu", "--device", "cpu", "--checks", "engines,syncs", "--out",
-                 str(tmp_path)], timeout=50)
-    assert r.returncode == 1 and r.stderr.strip() == "bench gpu: --checks syncs need a GPU; on a CPU only " \
-        "engines,overflow run", r
+    r = run_cmd(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "gpu",
+            "--device",
+            "cpu",
+            "--checks",
+            "engines,syncs",
+            "--out",
+            str(tmp_path),
+        ],
+        timeout=50,
+    )
+    assert (
+        r.returncode == 1
+        and r.stderr.strip()
+        == "bench gpu: --checks syncs need a GPU; on a CPU only engines,overflow run"
+    ), r
     r = run_cmd([sys.executable, "-m", "bench", "gpu", "--checks", "engines,nope"], timeout=50)
-    assert r.returncode == 2 and "unknown check 'nope'; choose from engines,overflow," in r.stderr, r
+    assert (
+        r.returncode == 2 and "unknown check 'nope'; choose from engines,overflow," in r.stderr
+    ), r
     assert not list(tmp_path.iterdir())
     assert learns([2.3, 2.2, 2.0, 1.9, 1.5]) and not learns([2.0, 2.1, 2.2, 2.3, 2.4])
     assert not learns([2.3, float("nan"), 1.0, 0.5, 0.1]) and not learns([])
-    rows = [{"check": "zero2 bf16", "ok": True, "detail": "loss 2.3 -> 1.9"},
-            {"check": "async-pipeline fp16", "ok": None, "detail": "refused"},
-            {"check": "ddp fp16", "ok": False, "detail": "exit 1"}]
-    md = table({"device": "d", "host": "h", "torch": "t", "deepspeed": "x", "load_avg_before": 0.1,
-                "load_avg_after": 0.2, "rows": rows})
-    assert "| zero2 bf16 | pass |" in md and "| async-pipeline fp16 | not run |" in md and "| ddp fp16 | FAIL |" in md
+    rows = [
+        {"check": "zero2 bf16", "ok": True, "detail": "loss 2.3 -> 1.9"},
+        {"check": "async-pipeline fp16", "ok": None, "detail": "refused"},
+        {"check": "ddp fp16", "ok": False, "detail": "exit 1"},
+    ]
+    md = table(
+        {
+            "device": "d",
+            "host": "h",
+            "torch": "t",
+            "deepspeed": "x",
+            "load_avg_before": 0.1,
+            "load_avg_after": 0.2,
+            "rows": rows,
+        }
+    )
+    assert (
+        "| zero2 bf16 | pass |" in md
+        and "| async-pipeline fp16 | not run |" in md
+        and "| ddp fp16 | FAIL |" in md
+    )
 
 
 @pytest.mark.timeout(400)
 def test_planner_measures_the_choice_and_a_forced_family_in_the_layout_predicted(tmp_path):
-    cmd = [sys.executable, "-m", "bench", "planner", "--ranks", 2, "--top", 2, "--steps", 2, "--warmup", 1,
-           "--condition", "one host", "--out", tmp_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "planner",
+        "--ranks",
+        2,
+        "--top",
+        2,
+        "--steps",
+        2,
+        "--warmup",
+        1,
+        "--condition",
+        "one host",
+        "--out",
+        tmp_path,
+    ]
     r = run_cmd([str(c) for c in cmd], timeout=380)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((tmp_path / "planner.json").read_text())
     rows, record = result["rows"], result["record"]
     assert sum(row["auto"] for row in rows) == 1 and 2 <= len(rows) <= 3
     for i, row in enumerate(rows):
-        assert row["measured_ms"] > 0 and row["error"] == pytest.approx(row["predicted_ms"] / row["measured_ms"] - 1)
-        if not row["auto"]:  # a forced run trained the family it was asked for, as its own record says
-            forced = json.loads((tmp_path / "logs" / str(i) / "config.json").read_text())["engine_auto"]["choice"]
-            assert family(forced) == row["family"] != family(record["choice"]), (row, forced["candidate"])
+        assert row["measured_ms"] > 0 and row["error"] == pytest.approx(
+            row["predicted_ms"] / row["measured_ms"] - 1
+        )
+        # a forced run trained the family it was asked for, as its own record says
+        if not row["auto"]:
+            forced = json.loads((tmp_path / "logs" / str(i) / "config.json").read_text())[
+                "engine_auto"
+            ]["choice"]
+            assert family(forced) == row["family"] != family(record["choice"]), (
+                row,
+                forced["candidate"],
+            )
     assert record["choice"]["candidate"] in (tmp_path / "planner.md").read_text()
 
 
@@ -183,29 +384,85 @@ def test_the_calibration_fit_puts_each_engines_cost_where_the_model_charges_it()
     from bench.planner import fit
 
     used = {"step_s": 0.002, "micro_s": 0.0005, "engine_micro_s": {"pipeline": 0.001}}
-    rows = [  # data parallel: fixed 4 ms = step 2 ms + 2 micro-batches x 1 ms; 10 ms more than predicted
-        {"calibration_key": "ddp", "engine_key": "ddp", "stages": 1, "slots": 2, "grad_accum": 2,
-         "measured_ms": 30.0, "predicted_ms": 20.0, "fixed_ms": 4.0},
+    # data parallel: fixed 4 ms = step 2 ms + 2 micro-batches x 1 ms; 10 ms more than predicted
+    rows = [
+        {
+            "calibration_key": "ddp",
+            "engine_key": "ddp",
+            "stages": 1,
+            "slots": 2,
+            "grad_accum": 2,
+            "measured_ms": 30.0,
+            "predicted_ms": 20.0,
+            "fixed_ms": 4.0,
+        },
         # the bf16 hook's casts: 20 ms more than predicted, a key of its own
-        {"calibration_key": "ddp bf16", "engine_key": "ddp", "stages": 1, "slots": 2, "grad_accum": 2,
-         "measured_ms": 40.0, "predicted_ms": 20.0, "fixed_ms": 4.0},
-        # a pipeline's cost is in each of its 5 slots (4 micro-batches, 2 stages): 10 ms more over 5 slots
-        {"calibration_key": "pipeline", "engine_key": "pipeline", "stages": 2, "slots": 5, "grad_accum": 4,
-         "measured_ms": 60.0, "predicted_ms": 50.0, "fixed_ms": 2.0},
+        {
+            "calibration_key": "ddp bf16",
+            "engine_key": "ddp",
+            "stages": 1,
+            "slots": 2,
+            "grad_accum": 2,
+            "measured_ms": 40.0,
+            "predicted_ms": 20.0,
+            "fixed_ms": 4.0,
+        },
+        # a pipeline's cost is in each of its 5 slots (4 micro-batches, 2 stages): 10 ms more over 5
+        # slots
+        {
+            "calibration_key": "pipeline",
+            "engine_key": "pipeline",
+            "stages": 2,
+            "slots": 5,
+            "grad_accum": 4,
+            "measured_ms": 60.0,
+            "predicted_ms": 50.0,
+            "fixed_ms": 2.0,
+        },
         # the async pipeline had the default 0.5 ms; 2 ms less than predicted over its 4 slots
-        {"calibration_key": "async-pipeline", "engine_key": "async-pipeline", "stages": 2, "slots": 4,
-         "grad_accum": 4, "measured_ms": 48.0, "predicted_ms": 50.0, "fixed_ms": 2.0}]
-    assert fit([(rows, used)]) == {"ddp": 0.006, "ddp bf16": 0.011, "pipeline": 0.003, "async-pipeline": 0.0}
-    # several runs: the median per key, each run's residual from the calibration it used. ddp bf16: 11 ms (run 1),
-    # 12 ms (run 2, whose prediction held 11 ms already: 2 ms more than predicted), 21 ms (run 3): 12 ms.
-    # async-pipeline wire-bf16 (1 ms more a slot than predicted in each run) on what each run used: the engine's
-    # 2 ms (run 1), its own 4 ms (run 2), its own 10 ms (run 3): 3, 5 and 11 ms, the median 5 ms.
-    wire = {"calibration_key": "async-pipeline wire-bf16", "engine_key": "async-pipeline", "stages": 2,
-            "slots": 4, "grad_accum": 4, "measured_ms": 54.0, "predicted_ms": 50.0, "fixed_ms": 2.0}
-    runs = [([rows[1], wire], {**used, "engine_micro_s": {"async-pipeline": 0.002}}),
-            ([{**rows[1], "predicted_ms": 38.0, "fixed_ms": 24.0}, wire],
-             {**used, "engine_micro_s": {"ddp bf16": 0.011, "async-pipeline wire-bf16": 0.004}}),
-            ([{**rows[1], "measured_ms": 60.0}, wire], {**used, "engine_micro_s": {"async-pipeline wire-bf16": 0.01}})]
+        {
+            "calibration_key": "async-pipeline",
+            "engine_key": "async-pipeline",
+            "stages": 2,
+            "slots": 4,
+            "grad_accum": 4,
+            "measured_ms": 48.0,
+            "predicted_ms": 50.0,
+            "fixed_ms": 2.0,
+        },
+    ]
+    assert fit([(rows, used)]) == {
+        "ddp": 0.006,
+        "ddp bf16": 0.011,
+        "pipeline": 0.003,
+        "async-pipeline": 0.0,
+    }
+    # several runs: the median per key, each run's residual from the calibration it used. ddp bf16:
+    # 11 ms (run 1), 12 ms (run 2, whose prediction held 11 ms already: 2 ms more than predicted),
+    # 21 ms (run 3): 12 ms. async-pipeline wire-bf16 (1 ms more a slot than predicted in each run)
+    # on what each run used: the engine's 2 ms (run 1), its own 4 ms (run 2), its own 10 ms (run 3):
+    # 3, 5 and 11 ms, the median 5 ms.
+    wire = {
+        "calibration_key": "async-pipeline wire-bf16",
+        "engine_key": "async-pipeline",
+        "stages": 2,
+        "slots": 4,
+        "grad_accum": 4,
+        "measured_ms": 54.0,
+        "predicted_ms": 50.0,
+        "fixed_ms": 2.0,
+    }
+    runs = [
+        ([rows[1], wire], {**used, "engine_micro_s": {"async-pipeline": 0.002}}),
+        (
+            [{**rows[1], "predicted_ms": 38.0, "fixed_ms": 24.0}, wire],
+            {**used, "engine_micro_s": {"ddp bf16": 0.011, "async-pipeline wire-bf16": 0.004}},
+        ),
+        (
+            [{**rows[1], "measured_ms": 60.0}, wire],
+            {**used, "engine_micro_s": {"async-pipeline wire-bf16": 0.01}},
+        ),
+    ]
     fitted = fit(runs)
     assert (fitted["ddp bf16"], fitted["async-pipeline wire-bf16"]) == (0.012, 0.005), fitted
     # measured compressed only: the engines' own keys from those rows, not the default
@@ -216,23 +473,48 @@ def test_bench_calibrate_fits_several_runs_and_refuses_what_is_not_a_result(tmp_
     from bench.__main__ import main
 
     used = {"step_s": 0.002, "micro_s": 0.0005, "engine_micro_s": {}}
-    for i, measured in enumerate((30.0, 34.0, 50.0)):  # 6, 8 and 16 ms a micro-batch: the median is 8
-        rows = [{"calibration_key": "zero1 comm-bf16", "engine_key": "zero1", "stages": 1, "slots": 2,
-                 "grad_accum": 2, "measured_ms": measured, "predicted_ms": 20.0, "fixed_ms": 4.0}]
-        (tmp_path / f"{i}.json").write_text(json.dumps({"rows": rows, "record": {"calibration": used}}))
+    # 6, 8 and 16 ms a micro-batch: the median is 8
+    for i, measured in enumerate((30.0, 34.0, 50.0)):
+        rows = [
+            {
+                "calibration_key": "zero1 comm-bf16",
+                "engine_key": "zero1",
+                "stages": 1,
+                "slots": 2,
+                "grad_accum": 2,
+                "measured_ms": measured,
+                "predicted_ms": 20.0,
+                "fixed_ms": 4.0,
+            }
+        ]
+        (tmp_path / f"{i}.json").write_text(
+            json.dumps({"rows": rows, "record": {"calibration": used}})
+        )
     out = tmp_path / "calibration.json"
     assert main(["calibrate", str(out), *(str(tmp_path / f"{i}.json") for i in range(3))]) == 0
-    assert json.loads(out.read_text()) == {"engine_micro_s": {"zero1 comm-bf16": 0.008, "zero1": 0.008}}
-    assert cli_calibration(str(out)).engine_micro_s == {"zero1 comm-bf16": 0.008, "zero1": 0.008}  # what auto reads
+    assert json.loads(out.read_text()) == {
+        "engine_micro_s": {"zero1 comm-bf16": 0.008, "zero1": 0.008}
+    }
+    # what auto reads
+    assert cli_calibration(str(out)).engine_micro_s == {"zero1 comm-bf16": 0.008, "zero1": 0.008}
     (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
-    (tmp_path / "odd.json").write_text(json.dumps({"rows": [{**rows[0], "grad_accum": 0}],
-                                                   "record": {"calibration": used}}))
-    for args, error in (([str(tmp_path / "new.json"), str(tmp_path / "bad.json")], "bad.json: not a bench planner "
-                         "result (KeyError: 'record')"),
-                        ([str(tmp_path / "new.json"), str(tmp_path / "odd.json")], "odd.json: not a bench planner "
-                         "result (ZeroDivisionError"),
-                        ([str(tmp_path), str(tmp_path / "0.json")], f"bench calibrate: {tmp_path}: cannot write a "
-                         "file there (a folder)")):
+    (tmp_path / "odd.json").write_text(
+        json.dumps({"rows": [{**rows[0], "grad_accum": 0}], "record": {"calibration": used}})
+    )
+    for args, error in (
+        (
+            [str(tmp_path / "new.json"), str(tmp_path / "bad.json")],
+            "bad.json: not a bench planner result (KeyError: 'record')",
+        ),
+        (
+            [str(tmp_path / "new.json"), str(tmp_path / "odd.json")],
+            "odd.json: not a bench planner result (ZeroDivisionError",
+        ),
+        (
+            [str(tmp_path), str(tmp_path / "0.json")],
+            f"bench calibrate: {tmp_path}: cannot write a file there (a folder)",
+        ),
+    ):
         with pytest.raises(SystemExit, match=re.escape(error)):
             main(["calibrate", *args])
     assert not (tmp_path / "new.json").exists()
@@ -246,7 +528,9 @@ def test_every_benchmark_refuses_a_file_as_its_out_folder_before_it_runs(tmp_pat
     for command in ("freeze", "train", "planner"):
         with pytest.raises(SystemExit) as e:
             main([command, "--out", str(taken)])
-        assert e.value.code == 2 and f"--out {taken}: a file, not a folder" in capsys.readouterr().err
+        assert (
+            e.value.code == 2 and f"--out {taken}: a file, not a folder" in capsys.readouterr().err
+        )
     assert taken.read_text() == "kept"
 
 
@@ -257,27 +541,68 @@ def test_freeze_table_compares_each_configuration_with_its_cases_baseline_and_re
     from bench.freeze import table as freeze_table
 
     def row(case, config, top1s, walls, frozen):
-        runs = [{"top1": t, "wall_s": w, "load": 1.5, "frozen": f} for t, w, f in zip(top1s, walls, frozen)]
-        return {"case": case, "config": config, "slow": "", "runs": runs, "top1": sorted(top1s)[1],
-                "wall_s": sorted(walls)[1]}
-    result = {"device": "a CPU", "seeds": [0, 1, 2], "load_before": 1.0, "load_after": 2.0, "rows": [
-        row("finetune", "baseline", [0.99, 0.98, 0.97], [30.0, 28.0, 29.0], [0, 0, 0]),
-        row("finetune", "settled 0.7", [0.98, 0.97, 0.96], [20.0, 21.0, 22.0], [5, 5, 4]),
-        row("scratch", "baseline", [0.60, 0.65, 0.70], [25.0, 26.0, 27.0], [0, 0, 0]),
-        row("scratch", "settled 0.7", [0.60, 0.65, 0.70], [26.0, 26.0, 26.0], [0, 0, 0])]}
+        runs = [
+            {"top1": t, "wall_s": w, "load": 1.5, "frozen": f}
+            for t, w, f in zip(top1s, walls, frozen)
+        ]
+        return {
+            "case": case,
+            "config": config,
+            "slow": "",
+            "runs": runs,
+            "top1": sorted(top1s)[1],
+            "wall_s": sorted(walls)[1],
+        }
+
+    result = {
+        "device": "a CPU",
+        "seeds": [0, 1, 2],
+        "load_before": 1.0,
+        "load_after": 2.0,
+        "rows": [
+            row("finetune", "baseline", [0.99, 0.98, 0.97], [30.0, 28.0, 29.0], [0, 0, 0]),
+            row("finetune", "settled 0.7", [0.98, 0.97, 0.96], [20.0, 21.0, 22.0], [5, 5, 4]),
+            row("scratch", "baseline", [0.60, 0.65, 0.70], [25.0, 26.0, 27.0], [0, 0, 0]),
+            row("scratch", "settled 0.7", [0.60, 0.65, 0.70], [26.0, 26.0, 26.0], [0, 0, 0]),
+        ],
+    }
     lines = freeze_table(result).splitlines()
-    # each configuration against its own case's baseline: 29/21 and 26/26, the medians' difference in points
-    assert "| finetune | settled 0.7 | as is | 97.00 | 98.00 / 97.00 / 96.00 | -1.00 | 21.0 | 1.38x | 5 / 5 / 4 |" \
-        " 1.5, 1.5, 1.5 |" in lines, lines
-    assert "| scratch | settled 0.7 | as is | 65.00 | 60.00 / 65.00 / 70.00 | +0.00 | 26.0 | 1.00x | 0 / 0 / 0 |" \
-        " 1.5, 1.5, 1.5 |" in lines, lines
-    good = {"seeds": "0", "configs": "baseline,settled 0.7", "cases": "finetune", "slow": "", "epochs": None,
-            "timeout": 10, "out": None}
-    for bad, message in [({"configs": "baseline,settled 0.75"}, "baseline among them (unknown: settled 0.75)"),
-                         ({"configs": "settled 0.7"}, "(no baseline)"),
-                         ({"cases": "finetune,cifar"}, "--cases finetune,cifar: each of finetune, undertrained, "
-                                                       "scratch, timm32 (unknown: cifar)"),
-                         ({"seeds": "0,one"}, "--seeds '0,one': comma-separated whole numbers")]:
+    # each configuration against its own case's baseline: 29/21 and 26/26, the medians' difference
+    # in points
+    assert (
+        "| finetune | settled 0.7 | as is | 97.00 | 98.00 / 97.00 / 96.00 | -1.00 | 21.0 | 1.38x | "
+        "5 / 5 / 4 |"
+        " 1.5, 1.5, 1.5 |" in lines
+    ), lines
+    assert (
+        "| scratch | settled 0.7 | as is | 65.00 | 60.00 / 65.00 / 70.00 | +0.00 | 26.0 | 1.00x | "
+        "0 / 0 / 0 |"
+        " 1.5, 1.5, 1.5 |" in lines
+    ), lines
+    good = {
+        "seeds": "0",
+        "configs": "baseline,settled 0.7",
+        "cases": "finetune",
+        "slow": "",
+        "epochs": None,
+        "timeout": 10,
+        "out": None,
+    }
+    for bad, message in [
+        ({"configs": "baseline,settled 0.75"}, "baseline among them (unknown: settled 0.75)"),
+        ({"configs": "settled 0.7"}, "(no baseline)"),
+        (
+            {"cases": "finetune,cifar"},
+            "--cases finetune,cifar: each of finetune, "
+            "undertrained, "
+            "scratch, timm32 (unknown: cifar)",
+        ),
+        ({"seeds": "0,one"}, "--seeds '0,one': comma-separated whole numbers"),
+    ]:
         with pytest.raises(SystemExit) as e:
             freeze_run(Namespace(**{**good, **bad}))
-        assert str(e.value).startswith("bench freeze: ") and message in str(e.value) and "\n" not in str(e.value)
+        assert (
+            str(e.value).startswith("bench freeze: ")
+            and message in str(e.value)
+            and "\n" not in str(e.value)
+        )

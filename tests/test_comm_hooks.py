@@ -1,6 +1,7 @@
-"""--comm-hook on the DDP engine (torch's DDP communication hooks) with real ranks on gloo: fp16 and bf16 track
-uncompressed DDP, PowerSGD equals it during its warm-up, differs after it and resumes exactly; bad combinations are
-one line before any process group."""
+"""--comm-hook on the DDP engine (torch's DDP communication hooks) with real ranks on gloo: fp16 and
+bf16 track uncompressed DDP, PowerSGD equals it during its warm-up, differs after it and resumes
+exactly; bad combinations are one line before any process group."""
+
 import sys
 
 import pytest
@@ -14,18 +15,39 @@ COMMON = ["--engine", "ddp", "--steps", STEPS, "--log-interval", 1]
 POWERSGD = ["--comm-hook", "powersgd", "--powersgd-start-step", START]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--comm-hook", "fp16"], "--comm-hook applies to --engine ddp (torch's DDP communication hooks), not --engine "
-                              "zero"),
-    (["--engine", "pipeline", "--comm-hook", "powersgd"], "--comm-hook applies to --engine ddp (torch's DDP "
-                                                          "communication hooks), not --engine pipeline"),
-    (["--engine", "ddp", "--comm-hook", "powersgd", "--powersgd-rank", "0"], "--powersgd-rank must be positive, got 0"),
-    (["--engine", "ddp", "--comm-hook", "powersgd", "--powersgd-start-step", "1"],
-     "--powersgd-start-step must be at least 2, got 1 (torch's start_powerSGD_iter: DDP rebuilds its buckets after "
-     "the first step)"),
-    (["--engine", "ddp", "--comm-hook", "fp16", "--powersgd-rank", "2"],
-     "--powersgd-rank has no effect without --comm-hook powersgd"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--comm-hook", "fp16"],
+            "--comm-hook applies to --engine ddp (torch's DDP communication "
+            "hooks), not --engine "
+            "zero",
+        ),
+        (
+            ["--engine", "pipeline", "--comm-hook", "powersgd"],
+            "--comm-hook applies to --engine ddp "
+            "(torch's DDP "
+            "communication hooks), not --engine "
+            "pipeline",
+        ),
+        (
+            ["--engine", "ddp", "--comm-hook", "powersgd", "--powersgd-rank", "0"],
+            "--powersgd-rank must be positive, got 0",
+        ),
+        (
+            ["--engine", "ddp", "--comm-hook", "powersgd", "--powersgd-start-step", "1"],
+            "--powersgd-start-step must be at least 2, got 1 (torch's start_powerSGD_iter: DDP "
+            "rebuilds "
+            "its buckets after "
+            "the first step)",
+        ),
+        (
+            ["--engine", "ddp", "--comm-hook", "fp16", "--powersgd-rank", "2"],
+            "--powersgd-rank has no effect without --comm-hook powersgd",
+        ),
+    ],
+)
 def test_bad_combinations_are_refused_in_one_line(argv, message):
     with pytest.raises(ConfigError) as e:
         parse(argv)
@@ -33,19 +55,48 @@ def test_bad_combinations_are_refused_in_one_line(argv, message):
 
 
 def test_hooks_are_taken_on_ddp():
-    s = parse(["--engine", "ddp", "--comm-hook", "powersgd", "--powersgd-rank", "2", "--powersgd-start-step", "5"])
-    assert (s.comm.comm_hook, s.comm.powersgd_rank, s.comm.powersgd_start_step) == ("powersgd", 2, 5)
+    s = parse(
+        [
+            "--engine",
+            "ddp",
+            "--comm-hook",
+            "powersgd",
+            "--powersgd-rank",
+            "2",
+            "--powersgd-start-step",
+            "5",
+        ]
+    )
+    assert (s.comm.comm_hook, s.comm.powersgd_rank, s.comm.powersgd_start_step) == (
+        "powersgd",
+        2,
+        5,
+    )
     assert parse([]).comm.comm_hook == "none"  # the default job registers no hook
 
 
 @pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_a_refused_hook_stops_before_the_process_group(tmp_path):
-    r = run_cmd([sys.executable, "-m", "vit.train", "--comm-hook", "bf16", "--log-dir", str(tmp_path / "run")],
-                env=base_env(), timeout=100)
+    r = run_cmd(
+        [
+            sys.executable,
+            "-m",
+            "vit.train",
+            "--comm-hook",
+            "bf16",
+            "--log-dir",
+            str(tmp_path / "run"),
+        ],
+        env=base_env(),
+        timeout=100,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
-    assert r.stderr.strip().splitlines()[-1] == ("entry_cn.sh: error: --comm-hook applies to --engine ddp (torch's "
-                                                 "DDP communication hooks), not --engine zero"), r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "entry_cn.sh: error: --comm-hook applies to "
+        "--engine ddp (torch's "
+        "DDP communication hooks), not --engine zero"
+    ), r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
 
 
@@ -61,8 +112,9 @@ def uncompressed(tmp_path_factory) -> dict[int, float]:
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("hook,rel", [("fp16", 1e-5), ("bf16", 1e-4)])
 def test_half_precision_hooks_track_uncompressed_ddp(tmp_path, uncompressed, hook, rel):
-    # The gradients cross the wire rounded to fp16 (or bf16) and are summed there: the losses stay within
-    # `rel` of uncompressed DDP over the steps (measured on 2 ranks: fp16 1.6e-6, bf16 1.6e-5).
+    # The gradients cross the wire rounded to fp16 (or bf16) and are summed there: the losses stay
+    # within `rel` of uncompressed DDP over the steps (measured on 2 ranks: fp16 1.6e-6, bf16
+    # 1.6e-5).
     r = launch([*COMMON, "--comm-hook", hook, "--no-save", "--log-dir", tmp_path], timeout=240)
     assert r.ok, r
     got = train_losses(tmp_path)
@@ -79,23 +131,44 @@ def test_powersgd_warms_up_exactly_compresses_and_resumes_exactly(tmp_path, unco
     r = launch([*COMMON, *POWERSGD, "--save-interval", 4, "--log-dir", full], timeout=240)
     assert r.ok, r
     want = train_losses(full)
-    # Steps 1-START all-reduce plainly: the losses through step START + 1 are uncompressed DDP's, bit for bit.
+    # Steps 1-START all-reduce plainly: the losses through step START + 1 are uncompressed DDP's,
+    # bit for bit.
     assert [want[s] for s in range(1, START + 2)] == [uncompressed[s] for s in range(1, START + 2)]
     assert want[STEPS] != uncompressed[STEPS]  # then it compresses (rank 4 of 64-wide matrices)
-    # And it trains as DDP does: within 5e-4 of its losses (measured 5e-5). Over so few steps vit_digits' loss does
-    # not fall yet even uncompressed (it sits near ln 10 for the first tens of steps), so tracking DDP is the test.
+    # And it trains as DDP does: within 5e-4 of its losses (measured 5e-5). Over so few steps
+    # vit_digits' loss does not fall yet even uncompressed (it sits near ln 10 for the first tens of
+    # steps), so tracking DDP is the test.
     for step, loss in want.items():
         assert loss == pytest.approx(uncompressed[step], rel=5e-4), (step, want, uncompressed)
-    r = launch([*COMMON, *POWERSGD, "--resume", full / "checkpoints" / "step4", "--log-dir", resumed], timeout=240)
+    r = launch(
+        [*COMMON, *POWERSGD, "--resume", full / "checkpoints" / "step4", "--log-dir", resumed],
+        timeout=240,
+    )
     assert r.ok, r
     got = train_losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]
-    assert {s: want[s] for s in got} == got  # error feedback, warm start and the step counter came back
-    # Another rank on resume: one warning line and a fresh state (its warm-up again, so other losses).
-    r = launch([*COMMON, *POWERSGD, "--powersgd-rank", 2, "--resume", full / "checkpoints" / "step4", "--log-dir",
-                other], timeout=240)
+    # error feedback, warm start and the step counter came back
+    assert {s: want[s] for s in got} == got
+    # Another rank on resume: one warning line and a fresh state (its warm-up again, so other
+    # losses).
+    r = launch(
+        [
+            *COMMON,
+            *POWERSGD,
+            "--powersgd-rank",
+            2,
+            "--resume",
+            full / "checkpoints" / "step4",
+            "--log-dir",
+            other,
+        ],
+        timeout=240,
+    )
     assert r.ok, r
-    warning = ("warning: the checkpoint was trained with --comm-hook powersgd --powersgd-rank 4; this run's "
-               "--comm-hook powersgd --powersgd-rank 2 starts without its state")
+    warning = (
+        "warning: the checkpoint was trained with --comm-hook powersgd --powersgd-rank 4; "
+        "this run's "
+        "--comm-hook powersgd --powersgd-rank 2 starts without its state"
+    )
     assert r.outputs[0].count(warning) == 1, r.outputs[0]
     assert train_losses(other)[STEPS] != want[STEPS]

@@ -1,4 +1,5 @@
 """Data sets in their real file formats, and the step-indexed sampling every engine shares."""
+
 import pickle
 import sys
 
@@ -7,14 +8,20 @@ import pytest
 import torch
 from helpers import base_env, run_cmd
 
-from vit.data.datasets import PAD_LABEL, TrainBatches, eval_batches, load_dataset, make_loader
 from vit.core.errors import ConfigError
+from vit.data.datasets import PAD_LABEL, TrainBatches, eval_batches, load_dataset, make_loader
 
 
 def test_digits_split_is_fixed_and_stratified():
     load_digits_twice = [load_dataset("digits", None, 8) for _ in range(2)]
     d = load_digits_twice[0]
-    assert (len(d.train), len(d.test), d.num_classes, d.in_chans, d.img_size) == (1437, 360, 10, 1, 8)
+    assert (len(d.train), len(d.test), d.num_classes, d.in_chans, d.img_size) == (
+        1437,
+        360,
+        10,
+        1,
+        8,
+    )
     assert torch.equal(d.test.tensors[0], load_digits_twice[1].test.tensors[0])
     assert torch.bincount(d.test.tensors[1]).min() >= 35  # every class held out
 
@@ -22,12 +29,21 @@ def test_digits_split_is_fixed_and_stratified():
 def write_cifar(root, name, n_train=24, n_test=12):
     rng = np.random.default_rng(0)
     folder, files, test, key, classes = {
-        "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], "test_batch", b"labels", 10),
-        "cifar100": ("cifar-100-python", ["train"], "test", b"fine_labels", 100)}[name]
+        "cifar10": (
+            "cifar-10-batches-py",
+            [f"data_batch_{i}" for i in range(1, 6)],
+            "test_batch",
+            b"labels",
+            10,
+        ),
+        "cifar100": ("cifar-100-python", ["train"], "test", b"fine_labels", 100),
+    }[name]
     (root / folder).mkdir(parents=True)
     for f, n in [*[(f, n_train) for f in files], (test, n_test)]:
-        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                 key: rng.integers(0, classes, n).tolist()}
+        batch = {
+            b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            key: rng.integers(0, classes, n).tolist(),
+        }
         with open(root / folder / f, "wb") as fh:
             pickle.dump(batch, fh)
     return classes, len(files) * n_train, n_test
@@ -61,11 +77,13 @@ def test_imagefolder(tmp_path):
     x, y = d.test[3]
     assert x.shape == (3, 16, 16) and y == 1
     red = 200 / 255
-    assert float(x[0, 0, 0]) == pytest.approx((30 / 255 - 0.485) / 0.229, abs=1e-5)  # ImageNet's statistics
+    # ImageNet's statistics
+    assert float(x[0, 0, 0]) == pytest.approx((30 / 255 - 0.485) / 0.229, abs=1e-5)
     pre = load_dataset("imagefolder", str(tmp_path), 16, norm=((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)))
     assert (pre.mean, pre.std) == ((0.5,) * 3, (0.5,) * 3)  # what --export records
     assert float(pre.train[0][0][0, 0, 0]) == pytest.approx((red - 0.5) / 0.5, abs=1e-5)
-    grey = load_dataset("imagefolder", str(tmp_path), 16, norm=((0.2,), (0.4,)))  # a grey model's, per channel
+    # a grey model's, per channel
+    grey = load_dataset("imagefolder", str(tmp_path), 16, norm=((0.2,), (0.4,)))
     assert float(grey.test[3][0][2, 0, 0]) == pytest.approx((red - 0.2) / 0.4, abs=1e-5)
     (tmp_path / "val" / "dog").rename(tmp_path / "val" / "bird")
     with pytest.raises(ConfigError, match="class folders"):
@@ -75,8 +93,9 @@ def test_imagefolder(tmp_path):
 @pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_an_image_that_is_not_one_is_named_before_training(tmp_path):
-    """A garbage file with a .png name refuses the run at the start, naming it (it was an UnidentifiedImageError
-    mid-run); a PNG cut short has a sound header and passes, and reading it names the file."""
+    """A garbage file with a .png name refuses the run at the start, naming it (it was an
+    UnidentifiedImageError mid-run); a PNG cut short has a sound header and passes, and reading it
+    names the file."""
     from PIL import Image
 
     rng = np.random.default_rng(0)
@@ -88,18 +107,39 @@ def test_an_image_that_is_not_one_is_named_before_training(tmp_path):
                 Image.fromarray(pixels).save(tmp_path / split / cls / f"{i}.png")
     bad = tmp_path / "train" / "dog" / "3.png"
     bad.write_bytes(b"garbage bytes with a .png name")
-    # One rank of two that never meets the other: a check made after the process group starts would hang here.
+    # One rank of two that never meets the other: a check made after the process group starts would
+    # hang here.
     env = base_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="9")
-    r = run_cmd([sys.executable, "-m", "vit.train", "--data-path", str(tmp_path), "--img-size", "8", "--steps", "1",
-                 "--micro-batch-size", "4", "--log-dir", str(tmp_path / "run")], env=env, timeout=150)
+    r = run_cmd(
+        [
+            sys.executable,
+            "-m",
+            "vit.train",
+            "--data-path",
+            str(tmp_path),
+            "--img-size",
+            "8",
+            "--steps",
+            "1",
+            "--micro-batch-size",
+            "4",
+            "--log-dir",
+            str(tmp_path / "run"),
+        ],
+        env=env,
+        timeout=150,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
-        f"entry_cn.sh: error: imagefolder: 1 of the 12 files under {tmp_path} are not images PIL can read: "
-        "train/dog/3.png (UnidentifiedImageError); remove or replace them (every image's header is checked before "
-        "training)")
+        f"entry_cn.sh: error: imagefolder: 1 of the 12 files under {tmp_path} are not images PIL "
+        f"can read: "
+        "train/dog/3.png (UnidentifiedImageError); remove or replace them (every image's header is "
+        "checked before "
+        "training)"
+    )
     assert not (tmp_path / "run").exists()
     whole = (tmp_path / "train" / "cat" / "0.png").read_bytes()
-    bad.write_bytes(whole[:len(whole) // 2])
+    bad.write_bytes(whole[: len(whole) // 2])
     d = load_dataset("imagefolder", str(tmp_path), 8)
     with pytest.raises(OSError, match=f"imagefolder: cannot read {bad}: image file is truncated"):
         d.train[[str(p) for p, _label in d.train.samples].index(str(bad))]
@@ -109,9 +149,30 @@ def test_an_image_that_is_not_one_is_named_before_training(tmp_path):
 @pytest.mark.timeout(120)
 def test_training_reads_cifar_folder(tmp_path):
     write_cifar(tmp_path / "data", "cifar10")
-    r = run_cmd([sys.executable, "-m", "vit.train", "--dataset", "cifar10", "--data-path", str(tmp_path / "data"),
-                 "--model", "vit_tiny_cifar", "--steps", "2", "--micro-batch-size", "8", "--no-save",
-                 "--monitor-interval", "0", "--log-dir", str(tmp_path / "run")], env=base_env(), timeout=110)
+    r = run_cmd(
+        [
+            sys.executable,
+            "-m",
+            "vit.train",
+            "--dataset",
+            "cifar10",
+            "--data-path",
+            str(tmp_path / "data"),
+            "--model",
+            "vit_tiny_cifar",
+            "--steps",
+            "2",
+            "--micro-batch-size",
+            "8",
+            "--no-save",
+            "--monitor-interval",
+            "0",
+            "--log-dir",
+            str(tmp_path / "run"),
+        ],
+        env=base_env(),
+        timeout=110,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "eval at step 2" in r.stdout
 
@@ -120,9 +181,11 @@ def test_training_reads_cifar_folder(tmp_path):
 def test_data_parallel_micro_batches_make_up_the_global_batch(dp, ga):
     n, mb = 103, 4
     single = list(TrainBatches(n, mb * ga * dp, 1, 0, 1, seed=5, start_step=0, end_step=7))
-    per_rank = [list(TrainBatches(n, mb, ga, r, dp, seed=5, start_step=0, end_step=7)) for r in range(dp)]
+    per_rank = [
+        list(TrainBatches(n, mb, ga, r, dp, seed=5, start_step=0, end_step=7)) for r in range(dp)
+    ]
     for step in range(7):
-        shards = [i for r in range(dp) for i in sum(per_rank[r][step * ga:(step + 1) * ga], [])]
+        shards = [i for r in range(dp) for i in sum(per_rank[r][step * ga : (step + 1) * ga], [])]
         assert sorted(shards) == sorted(single[step]) and len(set(shards)) == mb * ga * dp
 
 
@@ -142,8 +205,16 @@ def test_eval_batches_pad_every_rank_to_the_same_count():
     assert PAD_LABEL == -100
 
 
-RECIPE = dict(scale=(0.6, 1.0), hflip=0.5, aa="rand-m9-mstd0.5", color_jitter=0.3, reprob=0.25, mixup=0.8,
-              cutmix=1.0, smoothing=0.1)
+RECIPE = dict(
+    scale=(0.6, 1.0),
+    hflip=0.5,
+    aa="rand-m9-mstd0.5",
+    color_jitter=0.3,
+    reprob=0.25,
+    mixup=0.8,
+    cutmix=1.0,
+    smoothing=0.1,
+)
 
 
 @pytest.mark.ranks  # DataLoader workers are processes
@@ -155,26 +226,68 @@ def test_augmented_mixed_global_batch_is_the_same_for_any_width_and_workers(dp, 
     from vit.data.datasets import load_digits
 
     data, r, steps, g = load_digits(), defaults().with_(**RECIPE).recipe, 3, 32
-    whole = list(train_batches(data, r, 3, partners=False, micro_batch=g, grad_accum=1, dp_rank=0, dp_size=1,
-                               start_step=0, end_step=steps))
-    ranks = [list(train_batches(data, r, 3, micro_batch=g // dp // ga, grad_accum=ga, dp_rank=k, dp_size=dp,
-                                start_step=0, end_step=steps, workers=workers)) for k in range(dp)]
+    whole = list(
+        train_batches(
+            data,
+            r,
+            3,
+            partners=False,
+            micro_batch=g,
+            grad_accum=1,
+            dp_rank=0,
+            dp_size=1,
+            start_step=0,
+            end_step=steps,
+        )
+    )
+    ranks = [
+        list(
+            train_batches(
+                data,
+                r,
+                3,
+                micro_batch=g // dp // ga,
+                grad_accum=ga,
+                dp_rank=k,
+                dp_size=dp,
+                start_step=0,
+                end_step=steps,
+                workers=workers,
+            )
+        )
+        for k in range(dp)
+    ]
     for step in range(steps):
         parts = [ranks[k][step * ga + j] for j in range(ga) for k in range(dp)]
         assert torch.equal(torch.cat([x for x, _ in parts]), whole[step][0])
         assert torch.equal(torch.cat([y for _, y in parts]), whole[step][1])
         assert whole[step][1].shape == (g, 10)  # soft targets
-    plain = next(iter(make_loader(data.train, TrainBatches(len(data.train), g, 1, 0, 1, 3, 0, 1), 0, False)))
+    plain = next(
+        iter(make_loader(data.train, TrainBatches(len(data.train), g, 1, 0, 1, 3, 0, 1), 0, False))
+    )
     assert not torch.allclose(whole[0][0], plain[0])  # it did augment and mix
     # Resuming at step 2 gives step 2's augmented batch again.
-    again = list(train_batches(data, r, 3, partners=False, micro_batch=g, grad_accum=1, dp_rank=0, dp_size=1,
-                               start_step=2, end_step=3))
+    again = list(
+        train_batches(
+            data,
+            r,
+            3,
+            partners=False,
+            micro_batch=g,
+            grad_accum=1,
+            dp_rank=0,
+            dp_size=1,
+            start_step=2,
+            end_step=3,
+        )
+    )
     assert torch.equal(again[0][0], whole[2][0]) and torch.equal(again[0][1], whole[2][1])
 
 
 def test_an_augmented_batch_is_its_samples_and_leaves_the_callers_generators_alone():
-    """The batched fetch seeds each sample by (seed, step, index), whatever else is in the batch, and puts the
-    caller's generators back (drop-path draws the same numbers with or without augmentation)."""
+    """The batched fetch seeds each sample by (seed, step, index), whatever else is in the batch,
+    and puts the caller's generators back (drop-path draws the same numbers with or without
+    augmentation)."""
     import random
 
     from vit.config.cli import defaults
@@ -182,9 +295,12 @@ def test_an_augmented_batch_is_its_samples_and_leaves_the_callers_generators_alo
     from vit.data.datasets import load_digits
 
     data = load_digits()
-    ds, keyed = train_dataset(data, defaults().with_(**{**RECIPE, "mixup": 0.0, "cutmix": 0.0}).recipe, 5)
+    ds, keyed = train_dataset(
+        data, defaults().with_(**{**RECIPE, "mixup": 0.0, "cutmix": 0.0}).recipe, 5
+    )
     assert keyed
-    keys = [3 * len(ds) + 7, 9 * len(ds) + 7, 3 * len(ds) + 8]  # sample 7 at steps 3 and 9, sample 8 at step 3
+    # sample 7 at steps 3 and 9, sample 8 at step 3
+    keys = [3 * len(ds) + 7, 9 * len(ds) + 7, 3 * len(ds) + 8]
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
     states = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
     batch = ds.__getitems__(keys)
@@ -192,7 +308,8 @@ def test_an_augmented_batch_is_its_samples_and_leaves_the_callers_generators_alo
     assert torch.equal(torch.get_rng_state(), states[2])
     alone = [ds.__getitems__([k])[0] for k in reversed(keys)][::-1]
     assert all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(batch, alone))
-    assert not torch.equal(batch[0][0], batch[1][0])  # another step, another augmentation of the same image
+    # another step, another augmentation of the same image
+    assert not torch.equal(batch[0][0], batch[1][0])
 
 
 class _Unreadable(torch.utils.data.Dataset):
@@ -208,9 +325,12 @@ class _Unreadable(torch.utils.data.Dataset):
         raise AssertionError("an image was read")
 
 
-def test_a_labels_only_rank_gets_the_same_labels_and_mixed_targets_without_reading_an_image(tmp_path):
-    """A pipeline's last stage uses only the labels: its batches carry the same labels and, with mixup and cutmix,
-    the same soft targets (cutmix's lam depends on the images' size), with blank images of the right shape."""
+def test_a_labels_only_rank_gets_the_same_labels_and_mixed_targets_without_reading_an_image(
+    tmp_path,
+):
+    """A pipeline's last stage uses only the labels: its batches carry the same labels and, with
+    mixup and cutmix, the same soft targets (cutmix's lam depends on the images' size), with blank
+    images of the right shape."""
     from dataclasses import replace
 
     from vit.config.cli import defaults
@@ -221,7 +341,8 @@ def test_a_labels_only_rank_gets_the_same_labels_and_mixed_targets_without_readi
     order = dict(micro_batch=8, grad_accum=2, dp_rank=1, dp_size=2, start_step=0, end_step=3)
     full = list(train_batches(data, r, 3, **order))
     targets = data.train.tensors[1].tolist()
-    blind = replace(data, raw_train=_Unreadable(targets), train=_Unreadable(targets))  # any image read fails
+    # any image read fails
+    blind = replace(data, raw_train=_Unreadable(targets), train=_Unreadable(targets))
     labels = list(train_batches(blind, r, 3, labels_only=True, **order))
     assert len(labels) == len(full) == 6
     for (x, y), (blank, same) in zip(full, labels):
@@ -229,9 +350,12 @@ def test_a_labels_only_rank_gets_the_same_labels_and_mixed_targets_without_readi
         assert blank.shape == x.shape and not blank.any()
     test = without_images(data.test, data)
     assert torch.equal(torch.stack([test[i][1] for i in range(len(test))]), data.test.tensors[1])
-    # Data sets with `targets` (torchvision's, CIFAR's and synthetic here) too; one with neither is read as it is.
+    # Data sets with `targets` (torchvision's, CIFAR's and synthetic here) too; one with neither is
+    # read as it is.
     synthetic = load_dataset("synthetic", None, 8, synthetic_size=32)
-    assert [int(without_images(synthetic.train, synthetic)[i][1]) for i in range(32)] == [i % 10 for i in range(32)]
+    assert [int(without_images(synthetic.train, synthetic)[i][1]) for i in range(32)] == [
+        i % 10 for i in range(32)
+    ]
     neither = _Unreadable(None)
     assert without_images(neither, data) is neither
 
@@ -251,8 +375,8 @@ class _Counting(torch.utils.data.Dataset):
 
 
 def test_samples_the_freeze_cache_holds_are_not_read():
-    """--freeze-cache's samples come with a blank image and their label, without reading the image; the rest as
-    before, in the same batches."""
+    """--freeze-cache's samples come with a blank image and their label, without reading the image;
+    the rest as before, in the same batches."""
     from dataclasses import replace
 
     from vit.config.cli import defaults

@@ -1,5 +1,7 @@
-"""Mixed GPUs: the planners against brute force and by hand, then real 2-rank runs: proportional batches give
-the homogeneous update, balanced stages train the same network, impossible precisions are refused by rank."""
+"""Mixed GPUs: the planners against brute force and by hand, then real 2-rank runs: proportional
+batches give the homogeneous update, balanced stages train the same network, impossible precisions
+are refused by rank."""
+
 import itertools
 import json
 import random
@@ -10,27 +12,34 @@ import torch
 from helpers import base_env, launch, plugin_env, run_cmd, train_losses
 
 from vit.config.cli import defaults
-from vit.data.datasets import TrainBatches
 from vit.core.costs import CUBLAS_BYTES, NCCL_BYTES
 from vit.core.errors import ConfigError
+from vit.data.datasets import TrainBatches
 from vit.engines.registry import spec
-from vit.planner import batch_split, census, loss_scale, stages
 from vit.loop.reference import reference_losses
+from vit.planner import batch_split, census, loss_scale, stages
 from vit.runtime import slowdown
 from vit.runtime.precision import choose
 
 
-def brute_force_split(time, static, act, capacity, inflight, min_first=0) -> stages.StagePlan | None:
-    """Every contiguous split (the first stage ending past layer min_first): the specification balanced_split is
-    checked against."""
+def brute_force_split(
+    time, static, act, capacity, inflight, min_first=0
+) -> stages.StagePlan | None:
+    """Every contiguous split (the first stage ending past layer min_first): the specification
+    balanced_split is checked against."""
     n, num_stages, found = len(static), len(time), None
     for cuts in itertools.combinations(range(1, n), num_stages - 1):
         parts = [0, *cuts, n]
         if parts[1] <= min_first:
             continue
-        costs = [(max(sum(row[parts[s]:parts[s + 1]]) for row in time[s]),
-                  sum(static[parts[s]:parts[s + 1]]) + sum(act[parts[s]:parts[s + 1]]) * inflight[s])
-                 for s in range(num_stages)]
+        costs = [
+            (
+                max(sum(row[parts[s] : parts[s + 1]]) for row in time[s]),
+                sum(static[parts[s] : parts[s + 1]])
+                + sum(act[parts[s] : parts[s + 1]]) * inflight[s],
+            )
+            for s in range(num_stages)
+        ]
         if all(m <= capacity[s] for s, (_, m) in enumerate(costs)):
             slowest = max(t for t, _ in costs)
             if found is None or slowest < max(found.times):
@@ -39,12 +48,14 @@ def brute_force_split(time, static, act, capacity, inflight, min_first=0) -> sta
 
 
 def random_case(rng: random.Random, n: int, num_stages: int, tight: bool):
-    """Per-rank layer times with fixed costs that do not scale with a rank's speed (what FLOPs miss), 1 or 2
-    ranks per stage."""
+    """Per-rank layer times with fixed costs that do not scale with a rank's speed (what FLOPs
+    miss), 1 or 2 ranks per stage."""
     dp = rng.choice([1, 2])
     base = [rng.uniform(0.1, 5) for _ in range(n)]
-    time = [[[b * rng.choice([1, 1, 2, 3]) + rng.uniform(0, 1) for b in base] for _ in range(dp)]
-            for _ in range(num_stages)]
+    time = [
+        [[b * rng.choice([1, 1, 2, 3]) + rng.uniform(0, 1) for b in base] for _ in range(dp)]
+        for _ in range(num_stages)
+    ]
     static = [rng.uniform(0, 3) for _ in range(n)]
     act = [rng.uniform(0, 1) for _ in range(n)]
     inflight = stages.pipeline_inflight(num_stages, rng.choice([1, 4, 8]))
@@ -58,7 +69,8 @@ def test_balanced_split_matches_brute_force(seed):
     rng = random.Random(seed)
     n = rng.randint(2, 9)
     case = random_case(rng, n, min(rng.randint(1, 4), n), tight=seed % 2 == 1)
-    min_first = rng.randint(0, n - 1) if seed % 4 >= 2 else 0  # a frozen prefix the first stage must pass
+    # a frozen prefix the first stage must pass
+    min_first = rng.randint(0, n - 1) if seed % 4 >= 2 else 0
     got, best = stages.balanced_split(*case, min_first), brute_force_split(*case, min_first)
     if best is None:
         assert got is None
@@ -66,7 +78,8 @@ def test_balanced_split_matches_brute_force(seed):
     assert got is not None
     assert max(got.times) == pytest.approx(max(best.times))
     parts = got.parts
-    assert parts[0] == 0 and parts[-1] == n and all(a < b for a, b in zip(parts, parts[1:]))  # contiguous, non-empty
+    # contiguous, non-empty
+    assert parts[0] == 0 and parts[-1] == n and all(a < b for a, b in zip(parts, parts[1:]))
     assert parts[1] > min_first
     assert all(m <= c for m, c in zip(got.mems, case[3]))
 
@@ -85,15 +98,23 @@ def test_balanced_split_gives_the_slow_rank_fewer_layers_and_respects_memory():
     assert plan.parts == [0, 5, 12] and plan.mems == [10.0, 7.0]
     assert stages.balanced_split(even, static, act, capacity=[5, 5], inflight=[1, 1]) is None
     # A stage is as slow as its slowest data-parallel rank.
-    plan = stages.balanced_split([[[1.0] * 4, [3.0, 1.0, 1.0, 1.0]], [[1.0] * 4]], [0.0] * 4, [0.0] * 4, [9, 9],
-                                 [1, 1])
+    plan = stages.balanced_split(
+        [[[1.0] * 4, [3.0, 1.0, 1.0, 1.0]], [[1.0] * 4]], [0.0] * 4, [0.0] * 4, [9, 9], [1, 1]
+    )
     assert plan.parts == [0, 1, 4] and plan.times == [3.0, 3.0]  # [0, 2, 4] without the slow rank
 
 
 def census_of(free_gib=(8.0, 8.0), block_ms=(10.0, 20.0), layer_ms=None):
-    return [{"host": f"cn{r}", "device": "GPU", "mem_free_gib": f, "block_ms": b,
-             "layer_ms": layer_ms[r] if layer_ms else [[b / 3, 2 * b / 3] for _ in PROFILE]}
-            for r, (f, b) in enumerate(zip(free_gib, block_ms))]
+    return [
+        {
+            "host": f"cn{r}",
+            "device": "GPU",
+            "mem_free_gib": f,
+            "block_ms": b,
+            "layer_ms": layer_ms[r] if layer_ms else [[b / 3, 2 * b / 3] for _ in PROFILE],
+        }
+        for r, (f, b) in enumerate(zip(free_gib, block_ms))
+    ]
 
 
 PROFILE = [{"name": "Embed", "flops": 1e6, "act_bytes": 4e3, "params": 1e4}]
@@ -102,61 +123,103 @@ PROFILE += [{"name": "Head", "flops": 1e5, "act_bytes": 1e3, "params": 1e3}]
 
 
 def test_stage_plan_uses_measured_layer_times_and_says_when_nothing_fits():
-    # Every layer takes 2 ms on rank 0 and 4 ms on rank 1, the tiny embedding and head included (their fixed
-    # costs, which FLOPs call nearly free): 9 layers against 5.
+    # Every layer takes 2 ms on rank 0 and 4 ms on rank 1, the tiny embedding and head included
+    # (their fixed costs, which FLOPs call nearly free): 9 layers against 5.
     times = [[[1.0, 1.0] for _ in PROFILE], [[2.0, 2.0] for _ in PROFILE]]
-    plan = stages.plan_stages(PROFILE, census_of(layer_ms=times), stages=2, micro_batch=16, grad_accum=4,
-                              bytes_per_param=16)
+    plan = stages.plan_stages(
+        PROFILE,
+        census_of(layer_ms=times),
+        stages=2,
+        micro_batch=16,
+        grad_accum=4,
+        bytes_per_param=16,
+    )
     assert plan.parts == [0, 9, 14] and plan.times == pytest.approx([0.018, 0.020])
     # A slow embedding (12 ms on rank 0): the split moves one block to rank 1.
     times[0][0] = [6.0, 6.0]
-    plan = stages.plan_stages(PROFILE, census_of(layer_ms=times), stages=2, micro_batch=16, grad_accum=4,
-                              bytes_per_param=16)
+    plan = stages.plan_stages(
+        PROFILE,
+        census_of(layer_ms=times),
+        stages=2,
+        micro_batch=16,
+        grad_accum=4,
+        bytes_per_param=16,
+    )
     assert plan.parts == [0, 8, 14] and plan.times == pytest.approx([0.026, 0.024])
     with pytest.raises(ConfigError, match="no split of the 14 layers into 2 stages fits"):
         stages.plan_stages(PROFILE, census_of(free_gib=(0.05, 0.05)), 2, 16, 4, 16)
 
 
 def test_frozen_prefix_costs_its_forward_only_and_keeps_no_activations():
-    # 6 layers, forward 1 s and backward 2 s on both ranks; 1 GiB of activations each, 1 GiB of trained state.
+    # 6 layers, forward 1 s and backward 2 s on both ranks; 1 GiB of activations each, 1 GiB of
+    # trained state.
     even = [[(1.0, 2.0)] * 6] * 2
     gib = 2.0**30
     plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=2, grad_accum=1)
     assert plan.parts == [0, 3, 6] and plan.times == [9.0, 9.0]
-    plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=2, grad_accum=1, frozen=3)
-    assert plan.parts == [0, 4, 6] and plan.times == [6.0, 6.0]  # 3 frozen x 1 s + 1 trained x 3 s | 2 x 3 s
-    assert plan.mems[0] == pytest.approx(3 * 0.25 * gib + 2 * gib)  # frozen: weights only, 4 of 16 B/param
+    plan = stages.plan_layers(
+        even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=2, grad_accum=1, frozen=3
+    )
+    # 3 frozen x 1 s + 1 trained x 3 s | 2 x 3 s
+    assert plan.parts == [0, 4, 6] and plan.times == [6.0, 6.0]
+    # frozen: weights only, 4 of 16 B/param
+    assert plan.mems[0] == pytest.approx(3 * 0.25 * gib + 2 * gib)
     # Re-planned onto one stage of 2 data-parallel ranks (AutoPipe's K -> K/2).
-    plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=1, grad_accum=1, frozen=3)
+    plan = stages.plan_layers(
+        even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=1, grad_accum=1, frozen=3
+    )
     assert plan.parts == [0, 6] and plan.times == [12.0]
     with pytest.raises(ConfigError, match="no split of the 6 layers into 2 stages fits"):
-        stages.plan_layers(even, [gib] * 6, [gib] * 6, [3 * gib] * 2, stages=2, grad_accum=1, frozen=0)
-    plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [3 * gib] * 2, stages=2, grad_accum=1, frozen=5)
-    assert plan.parts == [0, 4, 6] and plan.times == [4.0, 4.0]  # fits once 5 layers keep only their weights
-    # 4 of 6 frozen: the fastest cut leaves the first stage frozen only; first_active moves it past them.
-    plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=2, grad_accum=1, frozen=4)
+        stages.plan_layers(
+            even, [gib] * 6, [gib] * 6, [3 * gib] * 2, stages=2, grad_accum=1, frozen=0
+        )
+    plan = stages.plan_layers(
+        even, [gib] * 6, [gib] * 6, [3 * gib] * 2, stages=2, grad_accum=1, frozen=5
+    )
+    # fits once 5 layers keep only their weights
+    assert plan.parts == [0, 4, 6] and plan.times == [4.0, 4.0]
+    # 4 of 6 frozen: the fastest cut leaves the first stage frozen only; first_active moves it past
+    # them.
+    plan = stages.plan_layers(
+        even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=2, grad_accum=1, frozen=4
+    )
     assert plan.parts == [0, 4, 6] and plan.times == [4.0, 6.0]
-    plan = stages.plan_layers(even, [gib] * 6, [gib] * 6, [100 * gib] * 2, stages=2, grad_accum=1, frozen=4,
-                              first_active=True)
+    plan = stages.plan_layers(
+        even,
+        [gib] * 6,
+        [gib] * 6,
+        [100 * gib] * 2,
+        stages=2,
+        grad_accum=1,
+        frozen=4,
+        first_active=True,
+    )
     assert plan.parts == [0, 5, 6] and plan.times == [7.0, 3.0]
-    # From the census, re-planned at half the measured micro-batch: the times halve; 4 frozen layers at 0.5 ms.
+    # From the census, re-planned at half the measured micro-batch: the times halve; 4 frozen layers
+    # at 0.5 ms.
     reports = census_of(layer_ms=[[[1.0, 2.0]] * 14] * 2)
     for r in reports:
         r["layer_ms_micro_batch"] = 16
-    plan = stages.plan_stages(PROFILE, reports, stages=2, micro_batch=8, grad_accum=1, bytes_per_param=16, frozen=4)
+    plan = stages.plan_stages(
+        PROFILE, reports, stages=2, micro_batch=8, grad_accum=1, bytes_per_param=16, frozen=4
+    )
     assert plan.parts == [0, 8, 14] and plan.times == pytest.approx([0.008, 0.009])
 
 
 def test_proportional_split_follows_speed_within_memory():
     assert batch_split.proportional_split(64, [2.0, 1.0], [64, 64]) == [43, 21]
     assert batch_split.proportional_split(64, [1.0, 1.0], [64, 64]) == [32, 32]
-    assert batch_split.proportional_split(64, [3.0, 1.0], [40, 64]) == [40, 24]  # capped: the rest goes to the other
+    # capped: the rest goes to the other
+    assert batch_split.proportional_split(64, [3.0, 1.0], [40, 64]) == [40, 24]
     assert sum(batch_split.proportional_split(10, [1.0, 1.0, 1.0], [10, 10, 10])) == 10
-    assert batch_split.proportional_split(4, [100.0, 1.0, 1.0, 1.0], [4, 4, 4, 4]) == [1, 1, 1, 1]  # at least 1 each
+    # at least 1 each
+    assert batch_split.proportional_split(4, [100.0, 1.0, 1.0, 1.0], [4, 4, 4, 4]) == [1, 1, 1, 1]
     with pytest.raises(ValueError):
         batch_split.proportional_split(64, [1.0, 1.0], [30, 30])
     with pytest.raises(ConfigError, match="free memory holds"):
-        batch_split.split_batches(PROFILE, census_of(free_gib=(0.05, 0.05)), micro_batch=32, bytes_per_param=16)
+        batch_split.split_batches(
+            PROFILE, census_of(free_gib=(0.05, 0.05)), micro_batch=32, bytes_per_param=16
+        )
 
 
 def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
@@ -164,64 +227,93 @@ def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
 
     from vit.planner import memory as footprint
 
-    zero2 = json.loads((Path(__file__).parent.parent / "deepspeed_configs" / "zero2.json").read_text())
+    zero2 = json.loads(
+        (Path(__file__).parent.parent / "deepspeed_configs" / "zero2.json").read_text()
+    )
     z = zero2["zero_optimization"]
-    buckets = (2 if z.get("overlap_comm") else 1) * z["reduce_bucket_size"] + z["allgather_bucket_size"]
+    buckets = (2 if z.get("overlap_comm") else 1) * z["reduce_bucket_size"] + z[
+        "allgather_bucket_size"
+    ]
     fixed = NCCL_BYTES + CUBLAS_BYTES
     assert fixed >= 256 * 2**20
-    assert footprint.gpu_reserved_bytes(spec("zero"), zero2, "bf16") == fixed + 2 * buckets  # buckets in the run's precision
+    # buckets in the run's precision
+    assert footprint.gpu_reserved_bytes(spec("zero"), zero2, "bf16") == fixed + 2 * buckets
     assert footprint.gpu_reserved_bytes(spec("zero"), zero2, "fp32") == fixed + 4 * buckets
-    assert footprint.gpu_reserved_bytes(spec("zero"), {"zero_optimization": {"stage": 0}}, "fp16") == fixed  # no ZeRO buckets
-    # Two equally fast ranks with the same free memory; rank 1 keeps 0.3 GiB for NCCL, buckets and cuBLAS.
+    # no ZeRO buckets
+    assert (
+        footprint.gpu_reserved_bytes(spec("zero"), {"zero_optimization": {"stage": 0}}, "fp16")
+        == fixed
+    )
+    # Two equally fast ranks with the same free memory; rank 1 keeps 0.3 GiB for NCCL, buckets and
+    # cuBLAS.
     even = census_of(free_gib=(0.5, 0.5), block_ms=(10.0, 10.0))
-    assert batch_split.split_batches(PROFILE, even, micro_batch=150, bytes_per_param=16) == [150, 150]
+    assert batch_split.split_batches(PROFILE, even, micro_batch=150, bytes_per_param=16) == [
+        150,
+        150,
+    ]
     even[1]["mem_reserved_gib"] = 0.3
     split = batch_split.split_batches(PROFILE, even, micro_batch=150, bytes_per_param=16)
-    assert sum(split) == 300 and split[1] == int((footprint.plan_bytes(even[1]) - 16 * sum(
-        p["params"] for p in PROFILE)) // sum(p["act_bytes"] for p in PROFILE)) < 60
+    assert (
+        sum(split) == 300
+        and split[1]
+        == int(
+            (footprint.plan_bytes(even[1]) - 16 * sum(p["params"] for p in PROFILE))
+            // sum(p["act_bytes"] for p in PROFILE)
+        )
+        < 60
+    )
 
 
 def test_activations_are_profiled_in_the_runs_precision():
-    from vit.planner import profile
     from vit.model.layers import build_layers
+    from vit.planner import profile
 
     layers = build_layers("vit_digits", 10, 1, None, 0)
     sample = torch.randn(1, 1, 8, 8)
     fp32 = profile.profile_layers(layers, sample)
     bf16 = profile.profile_layers(layers, sample, "bf16")
     assert [p["flops"] for p in bf16] == [p["flops"] for p in fp32]
-    for half, full in zip(bf16, fp32):  # measured, not scaled: not exactly half (the loss' fp32 cast, indices)
+    # measured, not scaled: not exactly half (the loss' fp32 cast, indices)
+    for half, full in zip(bf16, fp32):
         assert 0.45 * full["act_bytes"] <= half["act_bytes"] <= 0.55 * full["act_bytes"]
     assert sum(p["act_bytes"] for p in bf16) != sum(p["act_bytes"] for p in fp32) / 2
-    assert all(p.dtype == torch.float32 for lay in layers for p in lay.parameters())  # measured on a copy
+    # measured on a copy
+    assert all(p.dtype == torch.float32 for lay in layers for p in lay.parameters())
 
 
 def test_layer_times_pool_identical_blocks_and_leave_the_layers_alone():
-    from vit.planner import profile
     from vit.model.layers import build_layers
+    from vit.planner import profile
 
     layers = build_layers("vit_digits", 10, 1, None, 0)
     before = [p.detach().clone() for lay in layers for p in lay.parameters()]
-    times = profile.time_layers(layers, torch.randn(1, 1, 8, 8), 4, "fp32", torch.device("cpu"), rounds=2)
+    times = profile.time_layers(
+        layers, torch.randn(1, 1, 8, 8), 4, "fp32", torch.device("cpu"), rounds=2
+    )
     assert len(times) == 6 and all(t > 0 for pair in times for t in pair)
     assert times[1] == times[2] == times[3] == times[4]  # the 4 blocks: one cost, their fastest
     after = [p for lay in layers for p in lay.parameters()]
-    assert all(p.grad is None for p in after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(p.grad is None for p in after) and all(
+        torch.equal(a, b) for a, b in zip(before, after)
+    )
 
 
 def test_uneven_micro_batches_make_up_the_global_batch():
     sizes, ga = [5, 2, 1], 2
     single = list(TrainBatches(100, 16, 1, 0, 1, seed=3, start_step=0, end_step=5))
-    per_rank = [list(TrainBatches(100, 0, ga, r, 3, seed=3, start_step=0, end_step=5, sizes=sizes)) for r in range(3)]
+    per_rank = [
+        list(TrainBatches(100, 0, ga, r, 3, seed=3, start_step=0, end_step=5, sizes=sizes))
+        for r in range(3)
+    ]
     for step in range(5):
-        mine = [per_rank[r][step * ga:(step + 1) * ga] for r in range(3)]
+        mine = [per_rank[r][step * ga : (step + 1) * ga] for r in range(3)]
         assert [len(b) for r in range(3) for b in mine[r]] == [5, 5, 2, 2, 1, 1]
         assert sorted(i for r in range(3) for b in mine[r] for i in b) == sorted(single[step])
 
 
 def test_census_times_only_after_the_clocks_ramped_up():
-    """A card that runs slowly for its first 190 ms (clocks ramping): the census warms up for 200 ms at least, so
-    it times the ramped-up speed, and takes the fastest of TIMED_REPS runs."""
+    """A card that runs slowly for its first 190 ms (clocks ramping): the census warms up for 200 ms
+    at least, so it times the ramped-up speed, and takes the fastest of TIMED_REPS runs."""
     import time
 
     calls, start = [], time.perf_counter()
@@ -243,14 +335,22 @@ def test_precision_negotiation():
     precision, why = choose("auto", spec("zero"), [rep(True, True), rep(True, False)])
     assert precision == "fp16" and "no bf16 on rank 1 (h, GPU)" in why
     assert choose("auto", spec("zero"), [rep(False, True), rep(True, False)])[0] == "fp32"
-    with pytest.raises(ConfigError, match=r"precision bf16 is not supported by rank 1 \(h, GPU\), rank 2 "):
+    with pytest.raises(
+        ConfigError,
+        match=r"precision bf16 is not supported by rank 1 \(h, GPU\), "
+        r"rank 2 ",
+    ):
         choose("bf16", spec("zero"), [rep(True, True), rep(True, False), rep(True, False)])
 
 
 def test_scale_power_keeps_the_margin():
     for g in (1e-4, 0.37, 3.0, 900.0):
         p = loss_scale.scale_power(g)
-        assert g * 2**p * loss_scale.SCALE_MARGIN < loss_scale.FP16_MAX <= g * 2 ** (p + 1) * loss_scale.SCALE_MARGIN
+        assert (
+            g * 2**p * loss_scale.SCALE_MARGIN
+            < loss_scale.FP16_MAX
+            <= g * 2 ** (p + 1) * loss_scale.SCALE_MARGIN
+        )
     assert loss_scale.scale_power(1e6) == 0
     with pytest.raises(ConfigError, match="not finite"):
         loss_scale.scale_power(float("inf"))
@@ -258,7 +358,11 @@ def test_scale_power_keeps_the_margin():
 
 def test_slowdown_parse_and_unchanged_gradients():
     assert slowdown.parse("1=2,3=1.5", 4) == {1: 2.0, 3: 1.5}
-    for bad, msg in [("1:2", "not RANK=FACTOR"), ("4=2", "rank 4 does not exist"), ("1=0.5", "at least 1")]:
+    for bad, msg in [
+        ("1:2", "not RANK=FACTOR"),
+        ("4=2", "rank 4 does not exist"),
+        ("1=0.5", "at least 1"),
+    ]:
         with pytest.raises(ConfigError, match=msg):
             slowdown.parse(bad, 4)
 
@@ -274,7 +378,8 @@ def test_slowdown_parse_and_unchanged_gradients():
     assert all(torch.equal(a, b) for a, b in zip(grads(None), grads(3.0)))
 
 
-# ---------------------------------------------------------------------------------- real 2-rank runs
+# ---------------------------------------------------------------------------------- real 2-rank
+# runs
 
 COMMON = ["--steps", 6, "--no-save", "--monitor-interval", 0, "--log-interval", 1]
 
@@ -287,11 +392,24 @@ def reference() -> list[float]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("engine", ["zero", "ddp"])
 def test_proportional_batches_give_the_homogeneous_update(tmp_path, engine):
-    r = launch(["--engine", engine, "--batch-split", "proportional", "--simulate-slowdown", "1=3", *COMMON,
-                "--log-dir", tmp_path], timeout=280)
+    r = launch(
+        [
+            "--engine",
+            engine,
+            "--batch-split",
+            "proportional",
+            "--simulate-slowdown",
+            "1=3",
+            *COMMON,
+            "--log-dir",
+            tmp_path,
+        ],
+        timeout=280,
+    )
     assert r.ok, r
     split = json.loads((tmp_path / "cluster.json").read_text())["batch_split"]
-    assert sum(split) == 64 and split[0] > split[1] + 10  # rank 1 is 3x slower: it gets far fewer samples
+    # rank 1 is 3x slower: it gets far fewer samples
+    assert sum(split) == 64 and split[0] > split[1] + 10
     ref = reference()
     got = train_losses(tmp_path)
     assert list(got) == list(range(1, 7))
@@ -302,13 +420,27 @@ def test_proportional_batches_give_the_homogeneous_update(tmp_path, engine):
 @pytest.mark.ranks
 @pytest.mark.timeout(300)
 def test_balanced_pipeline_gives_the_slow_rank_less_and_trains_the_same_network(tmp_path):
-    """Issue 15's case: vit_digits (embedding, 4 blocks, head) on 2 stages, rank 1 slowed x2. The plan comes from
-    the planner's cost model on each layer's forward and backward time measured on each rank; checked against
-    those times, not a stopwatch; the fixed costs from a calibration file (the pipeline's 3 ms a micro-batch)."""
+    """Issue 15's case: vit_digits (embedding, 4 blocks, head) on 2 stages, rank 1 slowed x2. The
+    plan comes from the planner's cost model on each layer's forward and backward time measured on
+    each rank; checked against those times, not a stopwatch; the fixed costs from a calibration file
+    (the pipeline's 3 ms a micro-batch)."""
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"engine_micro_s": {"pipeline": 0.003}}))
-    r = launch(["--engine", "pipeline", "--partition", "balanced", "--simulate-slowdown", "1=2", *COMMON,
-                "--log-dir", tmp_path / "run"], timeout=280, env={"VIT_PLANNER_CALIBRATION": str(calibration)})
+    r = launch(
+        [
+            "--engine",
+            "pipeline",
+            "--partition",
+            "balanced",
+            "--simulate-slowdown",
+            "1=2",
+            *COMMON,
+            "--log-dir",
+            tmp_path / "run",
+        ],
+        timeout=280,
+        env={"VIT_PLANNER_CALIBRATION": str(calibration)},
+    )
     assert r.ok, r
     assert "pipeline plan (--partition balanced): the planner's cost model" in r.outputs[0]
     cluster = json.loads((tmp_path / "run" / "cluster.json").read_text())
@@ -318,12 +450,20 @@ def test_balanced_pipeline_gives_the_slow_rank_less_and_trains_the_same_network(
     assert sum(times[1][1:5]) > 1.5 * sum(times[0][1:5])  # the census saw rank 1's blocks slowed
 
     def slowest(parts):
-        return max(sum(times[s][parts[s]:parts[s + 1]]) for s in range(2))
+        return max(sum(times[s][parts[s] : parts[s + 1]]) for s in range(2))
 
     assert plan["compare"]["uniform"] == [0, 3, 6] and plan["chosen"] == "balanced", plan
-    assert plan["parts"][0] == 0 and plan["parts"][2] == 6 and plan["parts"][1] >= 4  # rank 1: 2 layers or fewer
-    assert slowest(plan["parts"]) == min(slowest([0, cut, 6]) for cut in range(1, 6)) < slowest([0, 3, 6])
-    assert plan["calibration_from"] == str(calibration) and f"fixed costs from {calibration}" in r.outputs[0]
+    # rank 1: 2 layers or fewer
+    assert plan["parts"][0] == 0 and plan["parts"][2] == 6 and plan["parts"][1] >= 4
+    assert (
+        slowest(plan["parts"])
+        == min(slowest([0, cut, 6]) for cut in range(1, 6))
+        < slowest([0, 3, 6])
+    )
+    assert (
+        plan["calibration_from"] == str(calibration)
+        and f"fixed costs from {calibration}" in r.outputs[0]
+    )
     assert 1e3 * max(plan["stage_compute_s"]) == pytest.approx(slowest(plan["parts"]) + 3)
     assert plan["predicted_step_s"]["balanced"] < plan["predicted_step_s"]["uniform"] / 1.05
     ref = reference()
@@ -335,46 +475,93 @@ def test_balanced_pipeline_gives_the_slow_rank_less_and_trains_the_same_network(
 @pytest.mark.timeout(200)
 def test_explicit_precision_a_rank_lacks_is_refused_naming_it(tmp_path):
     no_bf16 = {1: plugin_env(census=json.dumps({"bf16": False, "device": "GTX 1080"}))}
-    r = launch(["--precision", "bf16", *COMMON, "--log-dir", tmp_path / "run"], timeout=180, rank_env=no_bf16)
+    r = launch(
+        ["--precision", "bf16", *COMMON, "--log-dir", tmp_path / "run"],
+        timeout=180,
+        rank_env=no_bf16,
+    )
     assert all(rc != 0 for rc in r.returncodes)
-    assert "precision bf16 is not supported by rank 1 (" in r.outputs[0] and "GTX 1080)" in r.outputs[0]
+    assert (
+        "precision bf16 is not supported by rank 1 (" in r.outputs[0]
+        and "GTX 1080)" in r.outputs[0]
+    )
     assert "rank 0 (" not in r.outputs[0].split("not supported by")[1].split(";")[0]
     assert not (tmp_path / "run").exists()
-    # fp16 that no rank has: every rank is named. (DeepSpeed's CPU accelerator says fp16 on CPUs with AVX-512 FP16
-    # or AMX, and not on others: the reports are pinned so that the test does not depend on this machine's CPU.)
+    # fp16 that no rank has: every rank is named. (DeepSpeed's CPU accelerator says fp16 on CPUs
+    # with AVX-512 FP16 or AMX, and not on others: the reports are pinned so that the test does not
+    # depend on this machine's CPU.)
     no_fp16 = {rank: plugin_env(census=json.dumps({"fp16": False})) for rank in (0, 1)}
-    r = launch(["--precision", "fp16", *COMMON, "--log-dir", tmp_path / "run"], timeout=180, rank_env=no_fp16)
-    assert not r.ok and "precision fp16 is not supported by rank 0 (" in r.outputs[0] and ", rank 1 (" in r.outputs[0]
+    r = launch(
+        ["--precision", "fp16", *COMMON, "--log-dir", tmp_path / "run"],
+        timeout=180,
+        rank_env=no_fp16,
+    )
+    assert (
+        not r.ok
+        and "precision fp16 is not supported by rank 0 (" in r.outputs[0]
+        and ", rank 1 (" in r.outputs[0]
+    )
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_auto_precision_settles_on_what_every_rank_can_run(tmp_path):
-    no_bf16 = {0: plugin_env(census=json.dumps({"bf16": True, "fp16": False})),  # this CPU's fp16 pinned
-               1: plugin_env(census=json.dumps({"bf16": False, "fp16": False}))}
-    r = launch(["--precision", "auto", "--steps", 2, "--no-save", "--monitor-interval", 0, "--log-dir", tmp_path],
-               timeout=180, rank_env=no_bf16)
+    # this CPU's fp16 pinned
+    no_bf16 = {
+        0: plugin_env(census=json.dumps({"bf16": True, "fp16": False})),
+        1: plugin_env(census=json.dumps({"bf16": False, "fp16": False})),
+    }
+    r = launch(
+        [
+            "--precision",
+            "auto",
+            "--steps",
+            2,
+            "--no-save",
+            "--monitor-interval",
+            0,
+            "--log-dir",
+            tmp_path,
+        ],
+        timeout=180,
+        rank_env=no_bf16,
+    )
     assert r.ok, r
     cluster = json.loads((tmp_path / "cluster.json").read_text())
     assert cluster["precision"] == "fp32" and "no bf16 on rank 1" in cluster["precision_why"]
     assert [c["bf16"] for c in cluster["census"]] == [True, False]
-    assert all(c["block_ms"] > 0 and c["matmul_tflops"] > 0 and c["mem_total_gib"] > 0 for c in cluster["census"])
+    assert all(
+        c["block_ms"] > 0 and c["matmul_tflops"] > 0 and c["mem_total_gib"] > 0
+        for c in cluster["census"]
+    )
     assert json.loads((tmp_path / "config.json").read_text())["precision"] == "fp32"
     assert "census (fp32" in r.outputs[0] and "precision fp32: no bf16 on rank 1" in r.outputs[0]
 
 
 @pytest.mark.ranks
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("args,message", [
-    (["--partition", "balanced"], "--partition balanced applies to --engine pipeline"),
-    (["--engine", "pipeline", "--batch-split", "proportional"], "--batch-split proportional applies to --engine zero"),
-    (["--loss-scale", "auto"], "--loss-scale auto tunes fp16, but the precision is fp32"),
-    (["--simulate-slowdown", "2=2"], "--simulate-slowdown: rank 2 does not exist (world size 1)"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--partition", "balanced"], "--partition balanced applies to --engine pipeline"),
+        (
+            ["--engine", "pipeline", "--batch-split", "proportional"],
+            "--batch-split proportional applies to --engine zero",
+        ),
+        (["--loss-scale", "auto"], "--loss-scale auto tunes fp16, but the precision is fp32"),
+        (
+            ["--simulate-slowdown", "2=2"],
+            "--simulate-slowdown: rank 2 does not exist (world size 1)",
+        ),
+    ],
+)
 def test_bad_heterogeneous_options_are_one_line(tmp_path, args, message):
-    r = run_cmd([sys.executable, "-m", "vit.train", *args, "--log-dir", str(tmp_path / "run")], env=base_env(),
-                timeout=100)
+    r = run_cmd(
+        [sys.executable, "-m", "vit.train", *args, "--log-dir", str(tmp_path / "run")],
+        env=base_env(),
+        timeout=100,
+    )
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith(f"entry_cn.sh: error: {message}"), r.stderr
     assert not (tmp_path / "run").exists()
@@ -387,12 +574,15 @@ def test_probe_finds_the_largest_gradient_of_parameters_and_layer_outputs(tmp_pa
     layers = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)]
     batches = [(torch.randn(5, 6), torch.randint(0, 3, (5,))) for _ in range(3)]
     want = 0.0
-    for x, y in batches:  # by hand: every parameter's gradient and the first layer's output gradient
+    # by hand: every parameter's gradient and the first layer's output gradient
+    for x, y in batches:
         h = layers[0](x)
         h.retain_grad()
         (torch.nn.functional.cross_entropy(layers[1](h), y) / 2).backward()
-        want = max([want, h.grad.abs().max().item()] + [p.grad.abs().max().item() for lay in layers
-                                                        for p in lay.parameters()])
+        want = max(
+            [want, h.grad.abs().max().item()]
+            + [p.grad.abs().max().item() for lay in layers for p in lay.parameters()]
+        )
         for lay in layers:
             lay.zero_grad(set_to_none=True)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -401,14 +591,15 @@ def test_probe_finds_the_largest_gradient_of_parameters_and_layer_outputs(tmp_pa
     finally:
         dist.destroy_process_group()
     assert got == pytest.approx(want, rel=1e-6)
-    assert all(p.grad is None for lay in layers for p in lay.parameters())  # the probe leaves no gradients
+    # the probe leaves no gradients
+    assert all(p.grad is None for lay in layers for p in lay.parameters())
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("on_cpu", [False, True])
 def test_probe_trains_a_copy_and_lets_it_go(tmp_path, monkeypatch, on_cpu):
-    """--loss-scale auto: the probe's fp32 model is a copy that nothing references afterwards (so its GPU memory is
-    freed), and the run's layers are not moved, trained or given gradients."""
+    """--loss-scale auto: the probe's fp32 model is a copy that nothing references afterwards (so
+    its GPU memory is freed), and the run's layers are not moved, trained or given gradients."""
     import copy
     import gc
     import weakref
@@ -464,38 +655,58 @@ def probe_in_one_process(store, fn):
 
 @pytest.mark.timeout(60)
 def test_the_probe_in_chunks_finds_the_gradients_of_the_whole_micro_batch(tmp_path):
-    """--loss-scale auto sized for fp16: the fp32 probe runs a micro-batch a few samples at a time, each chunk's
-    loss weighted by its share, so the largest gradient is the whole micro-batch's (parameters accumulate)."""
+    """--loss-scale auto sized for fp16: the fp32 probe runs a micro-batch a few samples at a time,
+    each chunk's loss weighted by its share, so the largest gradient is the whole micro-batch's
+    (parameters accumulate)."""
     torch.manual_seed(0)
     layers = [torch.nn.Linear(6, 6), torch.nn.GELU(), torch.nn.Linear(6, 3)]
     batches = [(torch.randn(7, 6), torch.randint(0, 3, (7,))) for _ in range(2)]
-    whole = probe_in_one_process(tmp_path / "whole", lambda: loss_scale.probe_grad_max(layers, batches, torch.device(
-        "cpu"), grad_accum=2))
+    whole = probe_in_one_process(
+        tmp_path / "whole",
+        lambda: loss_scale.probe_grad_max(layers, batches, torch.device("cpu"), grad_accum=2),
+    )
     for chunk in (1, 3):
-        got = probe_in_one_process(tmp_path / str(chunk), lambda: loss_scale.probe_grad_max(
-            layers, batches, torch.device("cpu"), grad_accum=2, chunk=chunk))
+        got = probe_in_one_process(
+            tmp_path / str(chunk),
+            lambda: loss_scale.probe_grad_max(
+                layers, batches, torch.device("cpu"), grad_accum=2, chunk=chunk
+            ),
+        )
         assert got == pytest.approx(whole, rel=1e-5)
 
 
 def test_the_probe_chunk_fits_an_fp32_copy_or_goes_to_the_cpu(tmp_path):
-    # 1000 parameters (8000 bytes of fp32 weights and gradients), 100 bytes of fp32 activations per sample.
+    # 1000 parameters (8000 bytes of fp32 weights and gradients), 100 bytes of fp32 activations per
+    # sample.
     assert loss_scale.probe_chunk(8000 + 350, 1000, 100, micro_batch=64) == 3
     assert loss_scale.probe_chunk(10**9, 1000, 100, micro_batch=64) == 64
-    assert loss_scale.probe_chunk(8000 + 99, 1000, 100, micro_batch=64) == 0  # not one sample: on the CPU
+    # not one sample: on the CPU
+    assert loss_scale.probe_chunk(8000 + 99, 1000, 100, micro_batch=64) == 0
     torch.manual_seed(0)
     layers = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)]
     batches = [(torch.randn(5, 6), torch.randint(0, 3, (5,)))]
     sample = torch.randn(1, 6)
     for capacity, chunk in [(10**9, 5), (1.0, None)]:
-        power, record, line = probe_in_one_process(tmp_path / str(chunk), lambda: loss_scale.tune(
-            layers, batches, torch.device("cpu"), 1, sample, capacity, micro_batch=5, on_cpu=False))
+        power, record, line = probe_in_one_process(
+            tmp_path / str(chunk),
+            lambda: loss_scale.tune(
+                layers,
+                batches,
+                torch.device("cpu"),
+                1,
+                sample,
+                capacity,
+                micro_batch=5,
+                on_cpu=False,
+            ),
+        )
         assert record["probe_chunk"] == chunk and power == record["initial_scale_power"]
         assert ("(on the CPU)" if chunk is None else f"({chunk} samples at a time)") in line
 
 
 def test_a_probe_that_runs_out_of_memory_says_so_in_one_line(tmp_path):
-    """cuBLAS's failed allocation in the probe's fp32 copy: the message names the probe, not step 1, and how to
-    skip it; the run's layers are left as they were."""
+    """cuBLAS's failed allocation in the probe's fp32 copy: the message names the probe, not step 1,
+    and how to skip it; the run's layers are left as they were."""
     from vit.core.errors import OutOfMemory
 
     INJECTED_OOM = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
@@ -508,12 +719,17 @@ def test_a_probe_that_runs_out_of_memory_says_so_in_one_line(tmp_path):
     layers[1].register_forward_pre_hook(cublas)  # the probe's copy keeps the hook
     batches = [(torch.randn(5, 6), torch.randint(0, 3, (5,)))]
     with pytest.raises(OutOfMemory) as e:
-        probe_in_one_process(tmp_path / "store", lambda: loss_scale.probe_grad_max(
-            layers, batches, torch.device("cpu"), 1, chunk=2))
+        probe_in_one_process(
+            tmp_path / "store",
+            lambda: loss_scale.probe_grad_max(layers, batches, torch.device("cpu"), 1, chunk=2),
+        )
     assert str(e.value) == (
-        "out of memory in the --loss-scale auto probe on cpu (an fp32 copy of the model, 2 samples per forward and "
-        f"backward), before step 1: {INJECTED_OOM}. Skip the probe: --loss-scale config (the DeepSpeed JSON's "
-        "fp16.initial_scale_power, else 12), or --precision bf16 where every GPU has it")
+        "out of memory in the --loss-scale auto probe on cpu (an fp32 copy of the model, 2 samples "
+        "per forward and "
+        f"backward), before step 1: {INJECTED_OOM}. Skip the probe: --loss-scale config (the "
+        f"DeepSpeed JSON's "
+        "fp16.initial_scale_power, else 12), or --precision bf16 where every GPU has it"
+    )
     assert all(p.grad is None for lay in layers for p in lay.parameters())
 
 
@@ -521,25 +737,67 @@ def test_a_probe_that_runs_out_of_memory_says_so_in_one_line(tmp_path):
 @pytest.mark.timeout(200)
 def test_an_out_of_memory_in_the_probe_stops_the_run_before_step_1(tmp_path):
     env = base_env(**plugin_env(census=json.dumps({"fp16": True}), oom_at="0:probe"))
-    r = run_cmd([sys.executable, "-m", "vit.train", "--engine", "ddp", "--precision", "fp16", "--loss-scale", "auto",
-                 "--steps", "2", "--no-save", "--monitor-interval", "0", "--log-dir", str(tmp_path)], env=env,
-                timeout=180)
+    r = run_cmd(
+        [
+            sys.executable,
+            "-m",
+            "vit.train",
+            "--engine",
+            "ddp",
+            "--precision",
+            "fp16",
+            "--loss-scale",
+            "auto",
+            "--steps",
+            "2",
+            "--no-save",
+            "--monitor-interval",
+            "0",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        env=env,
+        timeout=180,
+    )
     assert r.returncode != 0
     said = [line for line in (r.stdout + r.stderr).splitlines() if "out of memory" in line]
-    assert said and all("in the --loss-scale auto probe on cpu" in line and "--loss-scale config" in line
-                        for line in said), r.stderr[-3000:]
-    assert "during step" not in r.stdout + r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert said and all(
+        "in the --loss-scale auto probe on cpu" in line and "--loss-scale config" in line
+        for line in said
+    ), r.stderr[-3000:]
+    assert "during step" not in r.stdout + r.stderr and "Traceback" not in r.stderr, r.stderr[
+        -3000:
+    ]
 
 
 @pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_loss_scale_auto_writes_the_probed_power_into_the_resolved_config(tmp_path):
-    # fp16 does not run on a CPU under DeepSpeed; the override stands in for a GPU that has it, and the ddp
-    # engine runs fp16 autocast on the CPU.
+    # fp16 does not run on a CPU under DeepSpeed; the override stands in for a GPU that has it, and
+    # the ddp engine runs fp16 autocast on the CPU.
     env = base_env(**plugin_env(census=json.dumps({"fp16": True})))
-    r = run_cmd([sys.executable, "-m", "vit.train", "--engine", "ddp", "--precision", "fp16", "--loss-scale", "auto",
-                 "--steps", "2", "--no-save", "--monitor-interval", "0", "--log-dir", str(tmp_path)], env=env,
-                timeout=180)
+    r = run_cmd(
+        [
+            sys.executable,
+            "-m",
+            "vit.train",
+            "--engine",
+            "ddp",
+            "--precision",
+            "fp16",
+            "--loss-scale",
+            "auto",
+            "--steps",
+            "2",
+            "--no-save",
+            "--monitor-interval",
+            "0",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        env=env,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     probe = json.loads((tmp_path / "cluster.json").read_text())["loss_scale"]
     assert probe["probe_grad_max"] > 0

@@ -1,5 +1,7 @@
-"""The JSON-lines logs after a run killed mid-write (in-process): the metrics and monitor writers both start
-appending on a line of their own (vit.telemetry.jsonl.open_append), so the reader sees every record, old and new."""
+"""The JSON-lines logs after a run killed mid-write (in-process): the metrics and monitor writers
+both start appending on a line of their own (vit.telemetry.jsonl.open_append), so the reader sees
+every record, old and new."""
+
 import json
 
 import pytest
@@ -25,13 +27,20 @@ def write_monitor(log_dir):
     return log_dir / "monitor_rank0.jsonl"
 
 
-@pytest.mark.parametrize("writer,name", [(write_metrics, "metrics_rank0.jsonl"),
-                                         (write_monitor, "monitor_rank0.jsonl")], ids=["metrics", "monitor"])
-@pytest.mark.parametrize("tail,kept", [
-    ('{"kind": "train", "step": 3, "lo', 2),  # torn: cut
-    ('{"kind": "train", "step": 3}', 3),  # a whole record whose newline was not written: kept
-    ("", 2),  # nothing torn
-], ids=["torn", "no newline", "clean"])
+@pytest.mark.parametrize(
+    "writer,name",
+    [(write_metrics, "metrics_rank0.jsonl"), (write_monitor, "monitor_rank0.jsonl")],
+    ids=["metrics", "monitor"],
+)
+@pytest.mark.parametrize(
+    "tail,kept",
+    [
+        ('{"kind": "train", "step": 3, "lo', 2),  # torn: cut
+        ('{"kind": "train", "step": 3}', 3),  # a whole record whose newline was not written: kept
+        ("", 2),  # nothing torn
+    ],
+    ids=["torn", "no newline", "clean"],
+)
 def test_resumed_writer_starts_on_a_fresh_line(tmp_path, capsys, writer, name, tail, kept):
     path = tmp_path / name
     path.write_text("".join(json.dumps(r) + "\n" for r in GOOD) + tail)

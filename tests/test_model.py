@@ -1,4 +1,5 @@
-"""The network as a flat list of layers: the timm model's own forward, fused attention; --model names."""
+"""The network as a flat list of layers: the timm model's own forward, fused attention; --model
+names."""
 
 import pytest
 import timm
@@ -6,24 +7,40 @@ import torch
 from torch import nn
 
 from vit.core.errors import ConfigError
-from vit.model.layers import check_model, create_vit, layer_state_dict, model_shape, timm_state_dict, to_layers
+from vit.model.layers import (
+    check_model,
+    create_vit,
+    layer_state_dict,
+    model_shape,
+    timm_state_dict,
+    to_layers,
+)
 
 
-@pytest.mark.parametrize("name,in_chans,img", [("vit_digits", 1, 8), ("vit_tiny_cifar", 3, 32),
-                                               ("vit_tiny_patch16_224", 3, 32)])
+@pytest.mark.parametrize(
+    "name,in_chans,img",
+    [("vit_digits", 1, 8), ("vit_tiny_cifar", 3, 32), ("vit_tiny_patch16_224", 3, 32)],
+)
 def test_layer_list_is_the_timm_model(name, in_chans, img):
     vit = create_vit(name, num_classes=10, in_chans=in_chans, img_size=img, seed=3).eval()
     x = torch.randn(4, in_chans, img, img)
     assert torch.allclose(nn.Sequential(*to_layers(vit))(x), vit(x), atol=1e-6)
     a, b = create_vit(name, 10, in_chans, img, seed=3), create_vit(name, 10, in_chans, img, seed=3)
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # same seed, same weights
+    # same seed, same weights
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
-# Each a different way of building the token sequence or the head: class token (vit, deit), no class pos-embed
-# with layer scale (deit3), register tokens with average pooling and fc_norm (reg4_gap), attention pooling (map),
-# a ResNet stem (hybrid).
-TIMM_NAMES = ["vit_small_patch16_224", "deit_tiny_patch16_224", "deit3_small_patch16_224",
-              "vit_little_patch16_reg4_gap_256", "vit_so150m_patch16_reg4_map_256", "vit_tiny_r_s16_p8_224"]
+# Each a different way of building the token sequence or the head: class token (vit, deit), no class
+# pos-embed with layer scale (deit3), register tokens with average pooling and fc_norm (reg4_gap),
+# attention pooling (map), a ResNet stem (hybrid).
+TIMM_NAMES = [
+    "vit_small_patch16_224",
+    "deit_tiny_patch16_224",
+    "deit3_small_patch16_224",
+    "vit_little_patch16_reg4_gap_256",
+    "vit_so150m_patch16_reg4_map_256",
+    "vit_tiny_r_s16_p8_224",
+]
 
 
 @pytest.mark.parametrize("name", TIMM_NAMES)
@@ -41,17 +58,29 @@ def test_layer_list_equals_timm_forward_for_timm_names(name):
 
 
 def test_timm_name_with_tag_and_drop_path():
-    vit = create_vit("vit_small_patch16_224.augreg_in21k", num_classes=3, in_chans=3, img_size=32, drop_path=0.1)
+    vit = create_vit(
+        "vit_small_patch16_224.augreg_in21k", num_classes=3, in_chans=3, img_size=32, drop_path=0.1
+    )
     assert vit.patch_embed.img_size == (32, 32) and vit.head.out_features == 3
     assert vit.blocks[-1].drop_path1.drop_prob == pytest.approx(0.1)
     assert model_shape("deit3_small_patch16_224", img_size=48).img_size == 48
 
 
-@pytest.mark.parametrize("name,message", [
-    ("vit_smal_patch16_224", "unknown model 'vit_smal_patch16_224'; nearest: vit_small_patch16_224"),
-    ("resnet50", "model 'resnet50' is a timm resnet model, not a VisionTransformer; supported: the presets"),
-    ("deit_tiny_distilled_patch16_224", "use its plain form, deit_tiny_patch16_224"),
-])
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        (
+            "vit_smal_patch16_224",
+            "unknown model 'vit_smal_patch16_224'; nearest: vit_small_patch16_224",
+        ),
+        (
+            "resnet50",
+            "model 'resnet50' is a timm resnet model, not a VisionTransformer; supported: the "
+            "presets",
+        ),
+        ("deit_tiny_distilled_patch16_224", "use its plain form, deit_tiny_patch16_224"),
+    ],
+)
 def test_bad_model_names(name, message):
     with pytest.raises(ConfigError) as e:
         check_model(name)
@@ -61,4 +90,5 @@ def test_bad_model_names(name, message):
 @pytest.mark.parametrize("name", ["vit_digits", "vit_base_patch16_224"])
 def test_attention_runs_through_fused_scaled_dot_product_attention(name):
     vit = create_vit(name, num_classes=10, in_chans=3)
-    assert all(block.attn.fused_attn for block in vit.blocks)  # F.scaled_dot_product_attention, not q @ k.T
+    # F.scaled_dot_product_attention, not q @ k.T
+    assert all(block.attn.fused_attn for block in vit.blocks)

@@ -31,7 +31,7 @@ def test_layer_decay_scales_each_layer_of_the_list_as_timm_does():
         stage.add_module(str(i), layer)
     for g in param_groups(stage, 0.05, lr=1.0, layer_decay=0.5, num_layers=6):
         assert all(scale[id(p)] == g["lr"] for p in g["params"])
-    assert sorted({g["lr"] for g in ours}) == [0.5 ** k for k in range(5, -1, -1)]
+    assert sorted({g["lr"] for g in ours}) == [0.5**k for k in range(5, -1, -1)]
 
 
 def test_fused_adamw_is_the_default_on_cuda_only():
@@ -42,14 +42,16 @@ def test_fused_adamw_is_the_default_on_cuda_only():
 
     assert use_fused(OptimSettings(), "cuda") and not use_fused(OptimSettings(), "cpu")
     assert use_fused(OptimSettings(fused_adam=True), "cpu")
-    assert not make_optimizer(torch.nn.Linear(3, 3), OptimSettings()).defaults["fused"]  # CPU unchanged
+    # CPU unchanged
+    assert not make_optimizer(torch.nn.Linear(3, 3), OptimSettings()).defaults["fused"]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fused", [False, True])
 def test_ddp_fp16_skips_an_overflowed_step_without_advancing_the_lr(tmp_path, fused):
-    """A real fp16 DDP engine on CPU (torch's "cpu" GradScaler): an inf batch overflows the gradients, the step is
-    skipped, the LR holds still (as DeepSpeed's schedule does) and the count is read only when asked for."""
+    """A real fp16 DDP engine on CPU (torch's "cpu" GradScaler): an inf batch overflows the
+    gradients, the step is skipped, the LR holds still (as DeepSpeed's schedule does) and the count
+    is read only when asked for."""
     import torch
     import torch.distributed as dist
 
@@ -63,9 +65,17 @@ def test_ddp_fp16_skips_an_overflowed_step_without_advancing_the_lr(tmp_path, fu
     optim = OptimSettings(lr=1e-2, warmup_steps=4, fused_adam=fused)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        engine = DDPEngine(EngineContext(layers=layers, ds_config={"fp16": {"initial_scale_power": 8}},
-                                         batch=Batch(4, 1, 1), device=torch.device("cpu"), optim=optim,
-                                         total_steps=20, precision="fp16"))
+        engine = DDPEngine(
+            EngineContext(
+                layers=layers,
+                ds_config={"fp16": {"initial_scale_power": 8}},
+                batch=Batch(4, 1, 1),
+                device=torch.device("cpu"),
+                optim=optim,
+                total_steps=20,
+                precision="fp16",
+            )
+        )
         good = (torch.randn(4, 6), torch.randint(0, 3, (4,)))
         bad = (torch.full((4, 6), float("inf")), good[1])
         lrs = [float(engine.lr)]
@@ -75,9 +85,10 @@ def test_ddp_fp16_skips_an_overflowed_step_without_advancing_the_lr(tmp_path, fu
             changed = not torch.equal(weights, engine.model.module[0].weight)
             assert changed == (batch is good)
             lrs.append(float(engine.lr))
-        assert engine.device_skip_counts() == (2, 0, 2)  # 2 skipped, none now, a run of 2 since the last read
+        # 2 skipped, none now, a run of 2 since the last read
+        assert engine.device_skip_counts() == (2, 0, 2)
         assert engine.device_skip_counts() == (2, 0, 0)
-        assert engine.loss_scale == 2.0 ** 6  # halved twice
+        assert engine.loss_scale == 2.0**6  # halved twice
     finally:
         dist.destroy_process_group()
     step = [1e-2 * (s + 1) / 4 for s in range(3)]  # warm-up LR after 0, 1 and 2 applied steps

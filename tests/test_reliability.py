@@ -1,5 +1,7 @@
-"""Reliability with real ranks on gloo: a killed rank ends the job, checkpoints are never half-loaded,
-damaged ones are caught, a full disk keeps the previous checkpoint, bad configs are refused."""
+"""Reliability with real ranks on gloo: a killed rank ends the job, checkpoints are never
+half-loaded, damaged ones are caught, a full disk keeps the previous checkpoint, bad configs are
+refused."""
+
 import json
 import os
 import re
@@ -42,7 +44,19 @@ def zero_run(tmp_path_factory):
 
 @pytest.mark.timeout(180)
 def test_sigkill_of_rank1_ends_every_rank_within_60s(tmp_path):
-    ranks = Ranks(["--steps", 100000, "--log-interval", 1, "--no-save", "--dist-timeout", 30, "--log-dir", tmp_path])
+    ranks = Ranks(
+        [
+            "--steps",
+            100000,
+            "--log-interval",
+            1,
+            "--no-save",
+            "--dist-timeout",
+            30,
+            "--log-dir",
+            tmp_path,
+        ]
+    )
     wait_for(lambda: last_step(tmp_path, 1) >= 3, 150, "rank 1 to train 3 steps")
     killed_at = time.monotonic()
     os.kill(ranks.procs[1].pid, signal.SIGKILL)
@@ -56,21 +70,42 @@ def test_sigkill_of_rank1_ends_every_rank_within_60s(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("stopped", "first"), [(0, "either"), (1, "either"), (1, "collective")])
 def test_stopped_rank_ends_every_rank_naming_it(tmp_path, stopped, first):
-    """A rank that stops without dying (SIGSTOP: a driver stall, swap, an NFS hang). Rank 0 holds the job's store,
-    so when it stops, every store call of the others hangs too. The survivor's watchdog and its collective wait the
-    same --dist-timeout, so either may end it; "collective": the watchdog is 15 s late, so the main thread's report
-    of its timed-out collective is the one read."""
+    """A rank that stops without dying (SIGSTOP: a driver stall, swap, an NFS hang). Rank 0 holds
+    the job's store, so when it stops, every store call of the others hangs too. The survivor's
+    watchdog and its collective wait the same --dist-timeout, so either may end it; "collective":
+    the watchdog is 15 s late, so the main thread's report of its timed-out collective is the one
+    read."""
     run = tmp_path / "run"
-    cmd = [*MPIRUN, "-np", "2", "./entry_cn.sh", "--steps", "100000", "--log-interval", "1", "--no-save",
-           "--dist-timeout", "20", "--log-dir", str(run)]
-    if first == "collective":  # DDP's collectives are the default group's, whose timeout is --dist-timeout
+    cmd = [
+        *MPIRUN,
+        "-np",
+        "2",
+        "./entry_cn.sh",
+        "--steps",
+        "100000",
+        "--log-interval",
+        "1",
+        "--no-save",
+        "--dist-timeout",
+        "20",
+        "--log-dir",
+        str(run),
+    ]
+    # DDP's collectives are the default group's, whose timeout is --dist-timeout
+    if first == "collective":
         cmd += ["--engine", "ddp"]
     out = open(tmp_path / "mpirun.log", "w+")
     env = base_env(**(plugin_env(late_watchdog="15") if first == "collective" else {}))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
     victim = None
     try:
-        wait_for(lambda: last_step(run, 0) >= 3 and last_step(run, 1) >= 3, 200, "both ranks to train 3 steps")
+        wait_for(
+            lambda: last_step(run, 0) >= 3 and last_step(run, 1) >= 3,
+            200,
+            "both ranks to train 3 steps",
+        )
         ranks = [mpi_rank_process(run, r) for r in (0, 1)]
         victim = ranks[stopped]
         victim.suspend()
@@ -90,28 +125,61 @@ def test_stopped_rank_ends_every_rank_naming_it(tmp_path, stopped, first):
             os.killpg(proc.pid, signal.SIGKILL)
     out.seek(0)
     log = out.read()
-    assert returncode != 0 and elapsed < 30, f"mpirun ended {elapsed:.0f} s after the stop, exit {returncode}\n{log}"
-    print(f"rank {stopped} stopped: mpirun ended {elapsed:.1f} s later, exit {returncode}")  # shown with -rP
+    assert returncode != 0 and elapsed < 30, (
+        f"mpirun ended {elapsed:.0f} s after the stop, exit {returncode}\n{log}"
+    )
+    # shown with -rP
+    print(f"rank {stopped} stopped: mpirun ended {elapsed:.1f} s later, exit {returncode}")
     host = socket.gethostname()
-    assert re.search(rf"rank {1 - stopped} \({host}\) stops at step \d+: rank {stopped} \({host}\) made no "
-                     rf"progress for \d+ s \(last step \d+\)", log), log[-3000:]
-    assert first != "collective" or "(a collective waited --dist-timeout 20 s for it)" in log, log[-3000:]
+    assert re.search(
+        rf"rank {1 - stopped} \({host}\) stops at step \d+: rank {stopped} \({host}\) "
+        rf"made no "
+        rf"progress for \d+ s \(last step \d+\)",
+        log,
+    ), log[-3000:]
+    assert first != "collective" or "(a collective waited --dist-timeout 20 s for it)" in log, log[
+        -3000:
+    ]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("engine", ["zero", "pipeline", "async-pipeline"])
 @pytest.mark.parametrize("killed", [1, 0])
 def test_killed_rank_is_named_by_the_survivors_in_one_line(tmp_path, killed, engine):
-    """SIGKILL of a rank under mpirun: the survivor names the rank that died, and its host, in one line, with no
-    Python traceback (it goes to the survivor's warnings log) and no C++ frames. Open MPI ends the survivors 250 ms
-    after a death (SIGTERM, then SIGKILL), so the line must come at once; rank 0's death takes the store with it."""
+    """SIGKILL of a rank under mpirun: the survivor names the rank that died, and its host, in one
+    line, with no Python traceback (it goes to the survivor's warnings log) and no C++ frames. Open
+    MPI ends the survivors 250 ms after a death (SIGTERM, then SIGKILL), so the line must come at
+    once; rank 0's death takes the store with it."""
     run = tmp_path / "run"
-    cmd = [*MPIRUN, "-np", "2", "./entry_cn.sh", "--engine", engine, "--steps", "100000", "--log-interval", "1",
-           "--no-save", "--monitor-interval", "0", "--dist-timeout", "20", "--log-dir", str(run)]
+    cmd = [
+        *MPIRUN,
+        "-np",
+        "2",
+        "./entry_cn.sh",
+        "--engine",
+        engine,
+        "--steps",
+        "100000",
+        "--log-interval",
+        "1",
+        "--no-save",
+        "--monitor-interval",
+        "0",
+        "--dist-timeout",
+        "20",
+        "--log-dir",
+        str(run),
+    ]
     out = open(tmp_path / "mpirun.log", "w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
-        wait_for(lambda: last_step(run, 0) >= 2 and last_step(run, 1) >= 2, 200, "both ranks to train 2 steps")
+        wait_for(
+            lambda: last_step(run, 0) >= 2 and last_step(run, 1) >= 2,
+            200,
+            "both ranks to train 2 steps",
+        )
         ranks = [mpi_rank_process(run, r) for r in (0, 1)]
         ranks[killed].kill()
         killed_at = time.monotonic()
@@ -124,11 +192,18 @@ def test_killed_rank_is_named_by_the_survivors_in_one_line(tmp_path, killed, eng
             os.killpg(proc.pid, signal.SIGKILL)
     out.seek(0)
     log = out.read()
-    print(f"{engine}, rank {killed} killed: mpirun ended {elapsed:.1f} s later, exit {returncode}")  # shown with -rP
-    assert returncode != 0 and elapsed < 20 + 10, f"mpirun ended {elapsed:.0f} s after the kill, exit {returncode}"
+    # shown with -rP
+    print(f"{engine}, rank {killed} killed: mpirun ended {elapsed:.1f} s later, exit {returncode}")
+    assert returncode != 0 and elapsed < 20 + 10, (
+        f"mpirun ended {elapsed:.0f} s after the kill, exit {returncode}"
+    )
     host = socket.gethostname()
     reports = re.findall(rf"^rank {killed} \({host}\) died at step \d+: .*$", log, re.MULTILINE)
-    assert len(reports) == 1 and "Traceback" not in log and not re.search(r"^frame #\d+: ", log, re.MULTILINE), log
+    assert (
+        len(reports) == 1
+        and "Traceback" not in log
+        and not re.search(r"^frame #\d+: ", log, re.MULTILINE)
+    ), log
     if killed == 1:  # rank 0's own error, kept where the library messages go
         assert "Traceback" in (run / "warnings_rank0.log").read_text()
 
@@ -136,25 +211,58 @@ def test_killed_rank_is_named_by_the_survivors_in_one_line(tmp_path, killed, eng
 @pytest.mark.timeout(300)
 def test_non_finite_loss_stops_naming_the_step(tmp_path):
     # The logged loss is the global mean, so every rank sees it, though only on logging step 3.
-    r = launch(["--steps", 6, "--log-interval", 3, "--lr", 1e9, "--warmup-steps", 1, "--no-save",
-                "--log-dir", tmp_path], timeout=200)
+    r = launch(
+        [
+            "--steps",
+            6,
+            "--log-interval",
+            3,
+            "--lr",
+            1e9,
+            "--warmup-steps",
+            1,
+            "--no-save",
+            "--log-dir",
+            tmp_path,
+        ],
+        timeout=200,
+    )
     assert r.returncodes == [1, 1], r
     for rank in (0, 1):
-        assert f"rank {rank} (" in r.outputs[rank] and "the loss became non-finite at step 2" in r.outputs[rank], r
+        assert (
+            f"rank {rank} (" in r.outputs[rank]
+            and "the loss became non-finite at step 2" in r.outputs[rank]
+        ), r
 
 
 @pytest.mark.timeout(480)
 def test_interrupted_save_is_never_loaded(tmp_path):
     ckpt = tmp_path / "checkpoints"
-    r = launch(["--steps", 8, "--log-interval", 1, "--save-interval", 2, "--log-dir", tmp_path],
-               env=plugin_env(crash_in_save="step4"), timeout=200)
-    # Both die between writing step4's files and its manifest (exit 3); a rank that gets there second may
-    # already have been ended by its watchdog when rank 0, which holds the job's store, went away (exit 1).
+    r = launch(
+        ["--steps", 8, "--log-interval", 1, "--save-interval", 2, "--log-dir", tmp_path],
+        env=plugin_env(crash_in_save="step4"),
+        timeout=200,
+    )
+    # Both die between writing step4's files and its manifest (exit 3); a rank that gets there
+    # second may already have been ended by its watchdog when rank 0, which holds the job's store,
+    # went away (exit 1).
     assert 3 in r.returncodes and all(rc in (1, 3) for rc in r.returncodes), r
     assert (ckpt / ".tmp-step4").is_dir() and not (ckpt / "step4").exists()
     assert (ckpt / "latest").read_text() == "step2"
-    r = launch(["--steps", 8, "--log-interval", 1, "--save-interval", 2, "--resume", "--log-dir", tmp_path],
-               timeout=200)
+    r = launch(
+        [
+            "--steps",
+            8,
+            "--log-interval",
+            1,
+            "--save-interval",
+            2,
+            "--resume",
+            "--log-dir",
+            tmp_path,
+        ],
+        timeout=200,
+    )
     assert r.ok, r
     assert "resumed from step2" in r.outputs[0], r
     assert not (ckpt / ".tmp-step4").exists() and (ckpt / "step4" / "manifest.json").is_file()
@@ -170,7 +278,10 @@ def test_damaged_shard_is_caught_and_previous_checkpoint_used(zero_run, tmp_path
     shard.write_bytes(bytes(data))
     r = launch([*CHECKPOINTED, "--resume", "--log-dir", run], timeout=200)
     assert r.ok, r
-    assert f"checkpoint {run / 'checkpoints'}/step8 is damaged ({shard.name} does not match its sha256)" in r.outputs[0]
+    assert (
+        f"checkpoint {run / 'checkpoints'}/step8 is damaged ({shard.name} does not match its "
+        f"sha256)" in r.outputs[0]
+    )
     assert "resumed from step4" in r.outputs[0]
     # Exact resume: steps 5..8 repeat the uninterrupted run's losses.
     want, got = train_losses(zero_run), train_losses(run)
@@ -192,38 +303,73 @@ def test_manifest_without_a_key_is_a_damaged_checkpoint(zero_run, tmp_path, key)
     assert f"checkpoint {step8} is damaged (its manifest lacks {key})" in r.outputs[0], r
     assert "resumed from step4" in r.outputs[0]
     # The damaged folder is kept aside, never overwritten; step8 is the resumed run's.
-    assert json.loads((run / "checkpoints" / "step8.damaged" / "manifest.json").read_text()) == manifest
+    assert (
+        json.loads((run / "checkpoints" / "step8.damaged" / "manifest.json").read_text())
+        == manifest
+    )
     assert key in json.loads((step8 / "manifest.json").read_text())
 
 
 def one_process(args, env=None) -> subprocess.CompletedProcess:
     extra = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", **env} if env else {}
-    return run_cmd([sys.executable, "-m", "vit.train", *map(str, args)], env=base_env(**extra), timeout=100)
+    return run_cmd(
+        [sys.executable, "-m", "vit.train", *map(str, args)], env=base_env(**extra), timeout=100
+    )
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("args,env,message", [
-    (["--engine", "ddp"], {}, "was written by --engine zero, this run uses --engine ddp; resume with --engine zero"),
-    ([], {"WORLD_SIZE": "4"}, "holds ZeRO-2 state sharded over 2 data-parallel ranks, this run has 4"),
-], ids=["other engine", "other world size"])
+@pytest.mark.parametrize(
+    "args,env,message",
+    [
+        (
+            ["--engine", "ddp"],
+            {},
+            "was written by --engine zero, this run uses --engine ddp; resume with --engine zero",
+        ),
+        (
+            [],
+            {"WORLD_SIZE": "4"},
+            "holds ZeRO-2 state sharded over 2 data-parallel ranks, this run has 4",
+        ),
+    ],
+    ids=["other engine", "other world size"],
+)
 def test_resume_under_incompatible_layout_is_refused(zero_run, args, env, message):
-    r = one_process(["--resume", zero_run / "checkpoints", "--log-dir", zero_run / "again", *args], env or {})
+    r = one_process(
+        ["--resume", zero_run / "checkpoints", "--log-dir", zero_run / "again", *args], env or {}
+    )
     assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1], r.stderr
     assert not (zero_run / "again").exists()
 
 
 @pytest.mark.timeout(120)
 def test_resume_with_other_pipeline_stages_is_refused(tmp_path):
-    # A complete pipeline checkpoint's manifest, as vit.loop.checkpoint writes it (files list empty: the layout
-    # check reads the manifest only, before any process group starts).
+    # A complete pipeline checkpoint's manifest, as vit.loop.checkpoint writes it (files list empty:
+    # the layout check reads the manifest only, before any process group starts).
     tag = tmp_path / "step10"
     tag.mkdir()
-    (tag / "manifest.json").write_text(json.dumps({
-        "step": 10, "tag": "step10", "files": {}, "engine": "pipeline", "pipeline_stages": 2, "world_size": 2,
-        "data_parallel_size": 1, "zero_stage": 1, "config_hash": "x"}))
-    r = one_process(["--engine", "pipeline", "--pipeline-stages", 4, "--resume", tmp_path], {"WORLD_SIZE": "4"})
+    (tag / "manifest.json").write_text(
+        json.dumps(
+            {
+                "step": 10,
+                "tag": "step10",
+                "files": {},
+                "engine": "pipeline",
+                "pipeline_stages": 2,
+                "world_size": 2,
+                "data_parallel_size": 1,
+                "zero_stage": 1,
+                "config_hash": "x",
+            }
+        )
+    )
+    r = one_process(
+        ["--engine", "pipeline", "--pipeline-stages", 4, "--resume", tmp_path], {"WORLD_SIZE": "4"}
+    )
     assert r.returncode == 2, r.stderr
-    assert "has 2 pipeline stages, this run 4; resume with --pipeline-stages 2" in r.stderr, r.stderr
+    assert "has 2 pipeline stages, this run 4; resume with --pipeline-stages 2" in r.stderr, (
+        r.stderr
+    )
 
 
 def ds_config(tmp_path, **cfg) -> str:
@@ -233,36 +379,73 @@ def ds_config(tmp_path, **cfg) -> str:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("cfg,message", [
-    ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation'; did you mean 'zero_optimization'?"),
-    ({"zero_optimization": {"stage": 2, "overlap_com": True}},
-     "unknown key 'zero_optimization.overlap_com'; did you mean 'overlap_comm'?"),
-    ({"fp16": {"enabled": False, "initial_scale_powr": 10}},
-     "unknown key 'fp16.initial_scale_powr'; did you mean 'initial_scale_power'?"),
-    ({"gradient_clipping": "1.0"}, "gradient_clipping must be a number, got '1.0'"),
-    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage must be 0, 1, 2 or 3, got 'two'"),
-    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}},
-     "zero_optimization.reduce_bucket_size is \"auto\""),
-    ({"bf16": True}, "bf16 must be an object, got True"),
-    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu must be a positive integer, got 0"),
-    ({"optimizer": {"type": "Adam"}}, "remove 'optimizer'"),
-    ({"bf16": {"enabled": "false"}}, "bf16.enabled must be true or false, got 'false'"),
-    ({"gradient_clipping": -1}, "gradient_clipping must be >= 0, got -1"),
-], ids=["top-level typo", "zero typo", "fp16 typo", "type", "zero stage", "auto", "section type", "batch",
-        "optimizer", "string boolean", "range"])
+@pytest.mark.parametrize(
+    "cfg,message",
+    [
+        (
+            {"zero_optimisation": {"stage": 2}},
+            "unknown key 'zero_optimisation'; did you mean 'zero_optimization'?",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "overlap_com": True}},
+            "unknown key 'zero_optimization.overlap_com'; did you mean 'overlap_comm'?",
+        ),
+        (
+            {"fp16": {"enabled": False, "initial_scale_powr": 10}},
+            "unknown key 'fp16.initial_scale_powr'; did you mean 'initial_scale_power'?",
+        ),
+        ({"gradient_clipping": "1.0"}, "gradient_clipping must be a number, got '1.0'"),
+        (
+            {"zero_optimization": {"stage": "two"}},
+            "zero_optimization.stage must be 0, 1, 2 or 3, got 'two'",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}},
+            'zero_optimization.reduce_bucket_size is "auto"',
+        ),
+        ({"bf16": True}, "bf16 must be an object, got True"),
+        (
+            {"train_micro_batch_size_per_gpu": 0},
+            "train_micro_batch_size_per_gpu must be a positive integer, got 0",
+        ),
+        ({"optimizer": {"type": "Adam"}}, "remove 'optimizer'"),
+        ({"bf16": {"enabled": "false"}}, "bf16.enabled must be true or false, got 'false'"),
+        ({"gradient_clipping": -1}, "gradient_clipping must be >= 0, got -1"),
+    ],
+    ids=[
+        "top-level typo",
+        "zero typo",
+        "fp16 typo",
+        "type",
+        "zero stage",
+        "auto",
+        "section type",
+        "batch",
+        "optimizer",
+        "string boolean",
+        "range",
+    ],
+)
 def test_each_bad_config_has_its_own_message(tmp_path, cfg, message):
     r = one_process(["--ds-config", ds_config(tmp_path, **cfg), "--log-dir", tmp_path / "run"])
     last = r.stderr.strip().splitlines()[-1]
-    assert r.returncode == 2 and last.startswith("entry_cn.sh: error: DeepSpeed config") and message in last, r.stderr
+    assert (
+        r.returncode == 2
+        and last.startswith("entry_cn.sh: error: DeepSpeed config")
+        and message in last
+    ), r.stderr
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("args,message", [
-    (["--keep-checkpoints", 0], "--keep-checkpoints must be positive"),
-    (["--dist-timeout", -1], "--dist-timeout must be positive"),
-    (["--resume"], "--resume needs the run's --log-dir"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--keep-checkpoints", 0], "--keep-checkpoints must be positive"),
+        (["--dist-timeout", -1], "--dist-timeout must be positive"),
+        (["--resume"], "--resume needs the run's --log-dir"),
+    ],
+)
 def test_bad_command_line_values(tmp_path, args, message):
     r = one_process(args)
     assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1], r.stderr
@@ -273,8 +456,12 @@ def small_disk(tmp_path):
     """A real 4 MiB filesystem (tmpfs): room for one checkpoint of the digits model, not two."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+    ):
         pytest.skip("needs root and tmpfs mounts to fill a disk")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
@@ -282,32 +469,75 @@ def small_disk(tmp_path):
 
 @pytest.mark.timeout(480)
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, small_disk):
-    r = launch([*CHECKPOINTED, "--save-dir", small_disk, "--log-dir", tmp_path / "run"], timeout=200)
+    r = launch(
+        [*CHECKPOINTED, "--save-dir", small_disk, "--log-dir", tmp_path / "run"], timeout=200
+    )
     assert not r.ok
     out = "\n".join(r.outputs)
-    # Whichever rank hits the full disk names itself and the free space; every rank ends with that message.
-    assert "saving checkpoint step8" in out and "failed on rank" in out and "MiB free there" in out, r
+    # Whichever rank hits the full disk names itself and the free space; every rank ends with that
+    # message.
+    assert (
+        "saving checkpoint step8" in out and "failed on rank" in out and "MiB free there" in out
+    ), r
     for output in r.outputs:
-        assert "the previous checkpoint (step4) is still valid" in output.strip().splitlines()[-1], r
+        assert (
+            "the previous checkpoint (step4) is still valid" in output.strip().splitlines()[-1]
+        ), r
     assert (small_disk / "latest").read_text() == "step4"
-    r = launch(["--steps", 8, "--log-interval", 1, "--no-save", "--resume", small_disk, "--log-dir", tmp_path / "b"],
-               timeout=200)
+    r = launch(
+        [
+            "--steps",
+            8,
+            "--log-interval",
+            1,
+            "--no-save",
+            "--resume",
+            small_disk,
+            "--log-dir",
+            tmp_path / "b",
+        ],
+        timeout=200,
+    )
     assert r.ok, r
     assert "resumed from step4" in r.outputs[0]
 
 
 @pytest.mark.timeout(600)
 def test_retry_wrapper_relaunches_from_last_checkpoint(tmp_path):
-    # 300 steps: at about 30 ms a step the first 30 took 8 s here, and step 5's checkpoint, kept until step 20's
-    # replaced it, lived about 1 s: a 0.5 s poll could miss it and the run end before the kill.
-    cmd = [str(ROOT / "scripts" / "retry.sh"), "-n", "2", "--", *MPIRUN, "-np", "2", "./entry_cn.sh",
-           "--steps", "300", "--log-interval", "1", "--save-interval", "5", "--log-dir", str(tmp_path)]
+    # 300 steps: at about 30 ms a step the first 30 took 8 s here, and step 5's checkpoint, kept
+    # until step 20's replaced it, lived about 1 s: a 0.5 s poll could miss it and the run end
+    # before the kill.
+    cmd = [
+        str(ROOT / "scripts" / "retry.sh"),
+        "-n",
+        "2",
+        "--",
+        *MPIRUN,
+        "-np",
+        "2",
+        "./entry_cn.sh",
+        "--steps",
+        "300",
+        "--log-interval",
+        "1",
+        "--save-interval",
+        "5",
+        "--log-dir",
+        str(tmp_path),
+    ]
     out = open(tmp_path / "retry.log", "w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
-        wait_for(lambda: any((tmp_path / "checkpoints").glob("step*/manifest.json")) and
-                 last_step(tmp_path, 1) >= 7, 240, "a checkpoint and rank 1 past step 7")
+        wait_for(
+            lambda: (
+                any((tmp_path / "checkpoints").glob("step*/manifest.json"))
+                and last_step(tmp_path, 1) >= 7
+            ),
+            240,
+            "a checkpoint and rank 1 past step 7",
+        )
         mpi_rank_process(tmp_path, 1).kill()
         assert proc.wait(timeout=300) == 0
     finally:

@@ -1,6 +1,7 @@
-"""What a run may and may not do to the folders it is given, with real processes: a resume never trains over a
-checkpoint, a finished run stays finished, two runs never share a folder, output folders are checked before any
-process group starts, and a --data-path is never ignored."""
+"""What a run may and may not do to the folders it is given, with real processes: a resume never
+trains over a checkpoint, a finished run stays finished, two runs never share a folder, output
+folders are checked before any process group starts, and a --data-path is never ignored."""
+
 import hashlib
 import json
 import os
@@ -17,15 +18,20 @@ pytestmark = pytest.mark.ranks  # every test here starts processes
 
 def tree_digest(folder: Path) -> dict:
     """Every file under folder with its sha256: what "touching nothing" is checked against."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def one_process(args, **env) -> subprocess.CompletedProcess:
-    """vit.train as a single process; with WORLD_SIZE in env, as one rank of a bigger job that never starts
-    (every check here happens before the process group)."""
+    """vit.train as a single process; with WORLD_SIZE in env, as one rank of a bigger job that never
+    starts (every check here happens before the process group)."""
     extra = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", **env} if env else {}
-    return run_cmd([sys.executable, "-m", "vit.train", *map(str, args)], env=base_env(**extra), timeout=150)
+    return run_cmd(
+        [sys.executable, "-m", "vit.train", *map(str, args)], env=base_env(**extra), timeout=150
+    )
 
 
 def last_line(r) -> str:
@@ -36,8 +42,21 @@ def last_line(r) -> str:
 def finished_run(tmp_path_factory):
     """A finished ZeRO-2 run on 2 ranks: checkpoints at steps 5 and 10, its summary."""
     d = tmp_path_factory.mktemp("finished")
-    r = launch(["--steps", 10, "--save-interval", 5, "--log-interval", 5, "--monitor-interval", 0, "--log-dir", d],
-               timeout=300)
+    r = launch(
+        [
+            "--steps",
+            10,
+            "--save-interval",
+            5,
+            "--log-interval",
+            5,
+            "--monitor-interval",
+            0,
+            "--log-dir",
+            d,
+        ],
+        timeout=300,
+    )
     assert r.ok, r
     return d
 
@@ -47,7 +66,10 @@ def test_resume_at_or_before_the_newest_checkpoint_is_refused_and_touches_nothin
     before = tree_digest(finished_run)
     r = launch(["--steps", 5, "--resume", "--log-dir", finished_run], timeout=200)
     assert r.returncodes == [2, 2], r
-    assert "checkpoint" in r.outputs[0] and "step10 is already at step 10, and this run ends at step 5" in r.outputs[0]
+    assert (
+        "checkpoint" in r.outputs[0]
+        and "step10 is already at step 10, and this run ends at step 5" in r.outputs[0]
+    )
     assert tree_digest(finished_run) == before
 
 
@@ -63,63 +85,133 @@ def test_a_finished_run_resumed_is_complete_and_untouched(finished_run):
 @pytest.mark.timeout(200)
 def test_resume_from_an_older_checkpoint_into_the_same_folder_is_refused(finished_run):
     before = tree_digest(finished_run)
-    r = one_process(["--steps", 20, "--resume", finished_run / "checkpoints" / "step5", "--log-dir", finished_run],
-                    WORLD_SIZE="2")
-    assert r.returncode == 2 and "also holds newer checkpoints (step10) that this run would overwrite" in last_line(r)
+    r = one_process(
+        [
+            "--steps",
+            20,
+            "--resume",
+            finished_run / "checkpoints" / "step5",
+            "--log-dir",
+            finished_run,
+        ],
+        WORLD_SIZE="2",
+    )
+    assert (
+        r.returncode == 2
+        and "also holds newer checkpoints (step10) that this run would overwrite" in last_line(r)
+    )
     assert tree_digest(finished_run) == before
 
 
 @pytest.mark.timeout(400)
-def test_a_new_run_into_a_folder_that_holds_a_run_is_refused_and_touches_nothing(finished_run, tmp_path):
-    """Without --resume, a run must not mix its records and checkpoints with a finished run's (it once appended
-    its metrics, overwrote summary.json and config.json, and left the old step10 for --resume to pick). A folder
-    without a summary or a complete checkpoint is taken: test_a_second_run_in_the_same_folder_is_refused_naming_
-    the_first reuses a killed run's, and retry.sh starts such a run over (test_scripts.py)."""
+def test_a_new_run_into_a_folder_that_holds_a_run_is_refused_and_touches_nothing(
+    finished_run, tmp_path
+):
+    """Without --resume, a run must not mix its records and checkpoints with a finished run's (it
+    once appended its metrics, overwrote summary.json and config.json, and left the old step10 for
+    --resume to pick). A folder without a summary or a complete checkpoint is taken:
+    test_a_second_run_in_the_same_folder_is_refused_naming_ the_first reuses a killed run's, and
+    retry.sh starts such a run over (test_scripts.py)."""
     before = tree_digest(finished_run)
-    r = run_cmd(["./entry_cn.sh", "--steps", "4", "--log-dir", str(finished_run)], env=base_env(), timeout=150)
+    r = run_cmd(
+        ["./entry_cn.sh", "--steps", "4", "--log-dir", str(finished_run)],
+        env=base_env(),
+        timeout=150,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
-    assert last_line(r) == (f"entry_cn.sh: error: --log-dir {finished_run} already holds a run (summary.json; "
-                            "checkpoints step10, step5); continue it with --resume, or use another --log-dir")
+    assert last_line(r) == (
+        f"entry_cn.sh: error: --log-dir {finished_run} already holds a run "
+        f"(summary.json; "
+        "checkpoints step10, step5); continue it with --resume, or use another "
+        "--log-dir"
+    )
     ckpts = finished_run / "checkpoints"
-    r = one_process(["--steps", 4, "--log-dir", tmp_path / "new", "--save-dir", ckpts], WORLD_SIZE="2")
-    assert r.returncode == 2 and last_line(r) == (f"entry_cn.sh: error: --save-dir {ckpts} already holds a run's "
-                                                  "checkpoints (step10, step5); continue it with --resume, or use "
-                                                  "another --save-dir"), r.stderr
+    r = one_process(
+        ["--steps", 4, "--log-dir", tmp_path / "new", "--save-dir", ckpts], WORLD_SIZE="2"
+    )
+    assert r.returncode == 2 and last_line(r) == (
+        f"entry_cn.sh: error: --save-dir {ckpts} already "
+        f"holds a run's "
+        "checkpoints (step10, step5); continue it with "
+        "--resume, or use "
+        "another --save-dir"
+    ), r.stderr
     assert tree_digest(finished_run) == before and not (tmp_path / "new").exists()
 
 
 @pytest.mark.timeout(300)
 def test_export_targets_are_checked_before_anything_starts(tmp_path):
-    """A bad --export once trained to the end, then failed (IsADirectoryError) leaving .tmp files and no
-    summary."""
+    """A bad --export once trained to the end, then failed (IsADirectoryError) leaving .tmp files
+    and no summary."""
     folder, a_file, sub = tmp_path / "folder", tmp_path / "file", tmp_path / "sub"
     (sub / "m.json").mkdir(parents=True)
     folder.mkdir()
     a_file.write_text("x")
-    cases = [(folder, f"--export {folder}: {folder} is a folder; name the file to write, e.g. "
-                      f"{folder}/model.safetensors"),
-             (f"{tmp_path}/new/", f"--export {tmp_path}/new/: {tmp_path}/new/ is a folder"),
-             (sub / "m", f"--export {sub}/m: {sub}/m.json is a folder"),
-             (a_file / "m.safetensors", f"--export {a_file}/m.safetensors: {a_file} is a file, not a folder"),
-             ("/proc/m.safetensors", "--export /proc/m.safetensors: /proc: ")]
+    cases = [
+        (
+            folder,
+            f"--export {folder}: {folder} is a folder; name the file to write, e.g. "
+            f"{folder}/model.safetensors",
+        ),
+        (f"{tmp_path}/new/", f"--export {tmp_path}/new/: {tmp_path}/new/ is a folder"),
+        (sub / "m", f"--export {sub}/m: {sub}/m.json is a folder"),
+        (
+            a_file / "m.safetensors",
+            f"--export {a_file}/m.safetensors: {a_file} is a file, not a folder",
+        ),
+        ("/proc/m.safetensors", "--export /proc/m.safetensors: /proc: "),
+    ]
     for export, message in cases:
-        r = one_process(["--steps", 2, "--export", export, "--log-dir", tmp_path / "run"], WORLD_SIZE="2")
-        assert r.returncode == 2 and message in last_line(r) and "Traceback" not in r.stderr, (export, r.stderr)
-        assert last_line(r).startswith("entry_cn.sh: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        r = one_process(
+            ["--steps", 2, "--export", export, "--log-dir", tmp_path / "run"], WORLD_SIZE="2"
+        )
+        assert r.returncode == 2 and message in last_line(r) and "Traceback" not in r.stderr, (
+            export,
+            r.stderr,
+        )
+        assert (
+            last_line(r).startswith("entry_cn.sh: error: ")
+            and len(r.stderr.strip().splitlines()) == 1
+        ), r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder", "sub"]
     assert not any(folder.iterdir())
 
 
 @pytest.mark.timeout(400)
 def test_ddp_resume_on_fewer_ranks_keeps_the_global_batch_or_is_refused(tmp_path):
-    r = launch(["--engine", "ddp", "--steps", 4, "--save-interval", 4, "--monitor-interval", 0, "--log-dir",
-                tmp_path / "a"], timeout=200)
+    r = launch(
+        [
+            "--engine",
+            "ddp",
+            "--steps",
+            4,
+            "--save-interval",
+            4,
+            "--monitor-interval",
+            0,
+            "--log-dir",
+            tmp_path / "a",
+        ],
+        timeout=200,
+    )
     assert r.ok, r
-    args = ["--engine", "ddp", "--steps", 8, "--resume", tmp_path / "a" / "checkpoints", "--log-dir", tmp_path / "b"]
+    args = [
+        "--engine",
+        "ddp",
+        "--steps",
+        8,
+        "--resume",
+        tmp_path / "a" / "checkpoints",
+        "--log-dir",
+        tmp_path / "b",
+    ]
     r = one_process(args)
     assert r.returncode == 2, r.stderr
-    assert ("was trained with global batch 64, this run's is 32 (global batch 32 = micro-batch 32 x grad accum 1 x "
-            "data-parallel 1); pass --grad-accum 2 to keep it") in last_line(r)
+    assert (
+        "was trained with global batch 64, this run's is 32 (global batch 32 = micro-batch 32 "
+        "x grad accum 1 x "
+        "data-parallel 1); pass --grad-accum 2 to keep it"
+    ) in last_line(r)
     assert not (tmp_path / "b").exists()
     r = one_process([*args, "--grad-accum", 2])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -128,14 +220,30 @@ def test_ddp_resume_on_fewer_ranks_keeps_the_global_batch_or_is_refused(tmp_path
 
 @pytest.mark.timeout(400)
 def test_a_second_run_in_the_same_folder_is_refused_naming_the_first(tmp_path):
-    first = Ranks(["--steps", 100000, "--log-interval", 1, "--no-save", "--monitor-interval", 0, "--log-dir", tmp_path])
+    first = Ranks(
+        [
+            "--steps",
+            100000,
+            "--log-interval",
+            1,
+            "--no-save",
+            "--monitor-interval",
+            0,
+            "--log-dir",
+            tmp_path,
+        ]
+    )
     try:
         wait_for(lambda: last_step(tmp_path, 0) >= 1, 200, "the first run's first step")
         before = (tmp_path / "metrics_rank0.jsonl").stat().st_size
         r = one_process(["--steps", 2, "--no-save", "--log-dir", tmp_path])
         assert r.returncode == 2, r.stdout + r.stderr
-        assert f"--log-dir {tmp_path} is in use by another run (pid {first.procs[0].pid} on " in last_line(r), r.stderr
-        assert json.loads((tmp_path / "config.json").read_text())["world_size"] == 2  # still the first run's
+        assert (
+            f"--log-dir {tmp_path} is in use by another run (pid {first.procs[0].pid} on "
+            in last_line(r)
+        ), r.stderr
+        # still the first run's
+        assert json.loads((tmp_path / "config.json").read_text())["world_size"] == 2
     finally:
         for p in first.procs:
             os.killpg(p.pid, signal.SIGKILL)
@@ -151,8 +259,12 @@ def read_only_dir(tmp_path):
     """A real read-only file system (a tmpfs mounted read-only): needs root."""
     mnt = tmp_path / "ro"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+    ):
         pytest.skip("needs root and tmpfs mounts for a read-only file system")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
@@ -164,14 +276,22 @@ def test_output_folders_are_checked_before_anything_starts(tmp_path, read_only_d
     a_file.write_text("x")
     cases = [
         (["--log-dir", a_file], f"--log-dir {a_file} is a file, not a folder"),
-        (["--log-dir", a_file / "run"], f"--log-dir {a_file / 'run'}: {a_file} is a file, not a folder"),
+        (
+            ["--log-dir", a_file / "run"],
+            f"--log-dir {a_file / 'run'}: {a_file} is a file, not a folder",
+        ),
         (["--log-dir", read_only_dir / "run"], f"{read_only_dir} is on a read-only file system"),
-        (["--log-dir", tmp_path / "run", "--save-dir", read_only_dir / "ckpt"],
-         f"--save-dir {read_only_dir / 'ckpt'}: {read_only_dir} is on a read-only file system"),
+        (
+            ["--log-dir", tmp_path / "run", "--save-dir", read_only_dir / "ckpt"],
+            f"--save-dir {read_only_dir / 'ckpt'}: {read_only_dir} is on a read-only file system",
+        ),
     ]
     for args, message in cases:
         r = one_process(["--steps", 2, *args], WORLD_SIZE="2")
-        assert r.returncode == 2 and message in last_line(r) and "Traceback" not in r.stderr, (args, r.stderr)
+        assert r.returncode == 2 and message in last_line(r) and "Traceback" not in r.stderr, (
+            args,
+            r.stderr,
+        )
     assert not (tmp_path / "run").exists()
 
 
@@ -182,25 +302,55 @@ def write_images(root: Path, splits: dict[str, int], classes=("cat", "dog")) -> 
         for c, cls in enumerate(classes):
             (root / split / cls).mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                Image.new("RGB", (12, 10), (40 * c + 5 * i, 90, 200 - 60 * c)).save(root / split / cls / f"{i}.png")
+                Image.new("RGB", (12, 10), (40 * c + 5 * i, 90, 200 - 60 * c)).save(
+                    root / split / cls / f"{i}.png"
+                )
 
 
 @pytest.mark.timeout(300)
 def test_data_path_is_used_or_refused_never_ignored(tmp_path):
     images = tmp_path / "images"
     write_images(images, {"train": 8, "val": 2})
-    r = one_process(["--data-path", images, "--dataset", "digits", "--log-dir", tmp_path / "x"], WORLD_SIZE="2")
+    r = one_process(
+        ["--data-path", images, "--dataset", "digits", "--log-dir", tmp_path / "x"], WORLD_SIZE="2"
+    )
     assert r.returncode == 2 and "--dataset digits reads no files" in last_line(r)
-    r = one_process(["--data-path", images, "--img-size", 8, "--steps", 1, "--micro-batch-size", 4, "--no-save",
-                     "--monitor-interval", 0, "--log-dir", tmp_path / "run"])
+    r = one_process(
+        [
+            "--data-path",
+            images,
+            "--img-size",
+            8,
+            "--steps",
+            1,
+            "--micro-batch-size",
+            4,
+            "--no-save",
+            "--monitor-interval",
+            0,
+            "--log-dir",
+            tmp_path / "run",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"--data-path {images} holds imagefolder: training on it (--dataset imagefolder)" in r.stdout
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["args"]["dataset"] == "imagefolder"
+    assert (
+        f"--data-path {images} holds imagefolder: training on it (--dataset imagefolder)"
+        in r.stdout
+    )
+    assert (
+        json.loads((tmp_path / "run" / "config.json").read_text())["args"]["dataset"]
+        == "imagefolder"
+    )
     empty = tmp_path / "empty"
     for split in ("train", "val"):
         (empty / split / "cat").mkdir(parents=True)
-    r = one_process(["--dataset", "imagefolder", "--data-path", empty, "--log-dir", tmp_path / "y"], WORLD_SIZE="2")
-    assert r.returncode == 2 and last_line(r).startswith("entry_cn.sh: error: imagefolder: "), r.stderr
+    r = one_process(
+        ["--dataset", "imagefolder", "--data-path", empty, "--log-dir", tmp_path / "y"],
+        WORLD_SIZE="2",
+    )
+    assert r.returncode == 2 and last_line(r).startswith("entry_cn.sh: error: imagefolder: "), (
+        r.stderr
+    )
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
@@ -208,30 +358,76 @@ def test_data_path_is_used_or_refused_never_ignored(tmp_path):
 @pytest.mark.timeout(600)
 def test_resume_compares_the_model_and_the_length_and_keeps_the_checkpoints_weights(tmp_path):
     run, step4 = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step4"
-    r = one_process(["--steps", 4, "--save-interval", 2, "--log-interval", 1, "--monitor-interval", 0, "--log-dir",
-                     run])
+    r = one_process(
+        [
+            "--steps",
+            4,
+            "--save-interval",
+            2,
+            "--log-interval",
+            1,
+            "--monitor-interval",
+            0,
+            "--log-dir",
+            run,
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     first = json.loads((run / "summary.json").read_text())
     assert first["segments"] == 1 and first["train_s"] == first["train_s_this_run"] > 0
-    assert json.loads((step4 / "manifest.json").read_text())["train_s"] == pytest.approx(first["train_s"])
+    assert json.loads((step4 / "manifest.json").read_text())["train_s"] == pytest.approx(
+        first["train_s"]
+    )
     # Another model: one line naming both, before any engine is built; nothing touched.
     before = tree_digest(run)
     r = one_process(["--model", "vit_tiny_cifar", "--steps", 8, "--resume", "--log-dir", run])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert last_line(r) == (f"entry_cn.sh: error: checkpoint {run / 'checkpoints'}/step4 was written by --model "
-                            "vit_digits, this run uses --model vit_tiny_cifar; resume with --model vit_digits")
+    assert last_line(r) == (
+        f"entry_cn.sh: error: checkpoint {run / 'checkpoints'}/step4 was "
+        f"written by --model "
+        "vit_digits, this run uses --model vit_tiny_cifar; resume with --model "
+        "vit_digits"
+    )
     assert tree_digest(run) == before
-    # Longer, another --lr (default 0.002), starting weights: a warning each, the checkpoint's weights, and the
-    # time of both segments.
-    r = one_process(["--steps", 8, "--lr", 0.001, "--pretrained-path", run / "checkpoints" / "step2", "--resume",
-                     "--log-interval", 1, "--monitor-interval", 0, "--log-dir", run])
+    # Longer, another --lr (default 0.002), starting weights: a warning each, the checkpoint's
+    # weights, and the time of both segments.
+    r = one_process(
+        [
+            "--steps",
+            8,
+            "--lr",
+            0.001,
+            "--pretrained-path",
+            run / "checkpoints" / "step2",
+            "--resume",
+            "--log-interval",
+            1,
+            "--monitor-interval",
+            0,
+            "--log-dir",
+            run,
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     at = f"checkpoint {run / 'checkpoints'}/step4"
-    assert r.stdout.count(f"warning: {at} belongs to a run of 4 steps, this one has 8 (--steps or --epochs): the LR "
-                          "schedule is recomputed over 8 steps, so the learning rate from step 5 on") == 1, r.stdout
+    assert (
+        r.stdout.count(
+            f"warning: {at} belongs to a run of 4 steps, this one has 8 (--steps or "
+            f"--epochs): the LR "
+            "schedule is recomputed over 8 steps, so the learning rate from step 5 "
+            "on"
+        )
+        == 1
+    ), r.stdout
     assert r.stdout.count(f"warning: {at} was written with other settings") == 1, r.stdout
-    assert r.stdout.count(f"--pretrained-path {run / 'checkpoints' / 'step2'}: not loaded; the run resumes from its "
-                          "checkpoint's weights") == 1, r.stdout
+    assert (
+        r.stdout.count(
+            f"--pretrained-path {run / 'checkpoints' / 'step2'}: not loaded; the run "
+            f"resumes from its "
+            "checkpoint's weights"
+        )
+        == 1
+    ), r.stdout
     assert "every tensor fits" not in r.stdout and "resumed from step4" in r.stdout
     second = json.loads((run / "summary.json").read_text())
     assert second["segments"] == 2 and second["steps_this_run"] == 4
@@ -240,14 +436,31 @@ def test_resume_compares_the_model_and_the_length_and_keeps_the_checkpoints_weig
 
 @pytest.mark.timeout(200)
 def test_the_model_of_an_older_checkpoint_is_read_from_the_runs_config(tmp_path):
-    # A manifest written before manifests recorded the model (its ZeRO stage would be refused next): the run's
-    # config.json beside checkpoints/ names the model, and the refusal names it.
+    # A manifest written before manifests recorded the model (its ZeRO stage would be refused next):
+    # the run's config.json beside checkpoints/ names the model, and the refusal names it.
     (tmp_path / "checkpoints" / "step10").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step10" / "manifest.json").write_text(json.dumps({
-        "step": 10, "files": {}, "engine": "zero", "world_size": 2, "data_parallel_size": 2, "pipeline_stages": 1,
-        "zero_stage": 9, "config_hash": "x"}))
-    (tmp_path / "config.json").write_text(json.dumps({"args": {"model": "vit_tiny_cifar"}, "total_steps": 10}))
+    (tmp_path / "checkpoints" / "step10" / "manifest.json").write_text(
+        json.dumps(
+            {
+                "step": 10,
+                "files": {},
+                "engine": "zero",
+                "world_size": 2,
+                "data_parallel_size": 2,
+                "pipeline_stages": 1,
+                "zero_stage": 9,
+                "config_hash": "x",
+            }
+        )
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps({"args": {"model": "vit_tiny_cifar"}, "total_steps": 10})
+    )
     r = one_process(["--steps", 20, "--resume", "--log-dir", tmp_path], WORLD_SIZE="2")
     assert r.returncode == 2, r.stderr
-    assert last_line(r) == (f"entry_cn.sh: error: checkpoint {tmp_path / 'checkpoints'}/step10 was written by --model "
-                            "vit_tiny_cifar, this run uses --model vit_digits; resume with --model vit_tiny_cifar")
+    assert last_line(r) == (
+        f"entry_cn.sh: error: checkpoint {tmp_path / 'checkpoints'}/step10 was "
+        f"written by --model "
+        "vit_tiny_cifar, this run uses --model vit_digits; resume with --model "
+        "vit_tiny_cifar"
+    )

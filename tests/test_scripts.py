@@ -1,6 +1,7 @@
-"""The shell tools of setup/ and scripts/: retry.sh with real training runs (a configuration error is not
-retried, a relaunch names its checkpoint or says it starts over), and every script's --help and its one line
-for an unknown option."""
+"""The shell tools of setup/ and scripts/: retry.sh with real training runs (a configuration error
+is not retried, a relaunch names its checkpoint or says it starts over), and every script's --help
+and its one line for an unknown option."""
+
 import os
 import re
 
@@ -9,28 +10,59 @@ from helpers import MPIRUN, ROOT, base_env, plugin_env, run_cmd
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
-SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for d in ("setup", "scripts") for p in (ROOT / d).glob("*.sh")
-                 if os.access(p, os.X_OK))
-SHORT_RUN = ["--engine", "ddp", "--log-interval", "1", "--eval-interval", "0", "--monitor-interval", "0"]
+SCRIPTS = sorted(
+    p.relative_to(ROOT).as_posix()
+    for d in ("setup", "scripts")
+    for p in (ROOT / d).glob("*.sh")
+    if os.access(p, os.X_OK)
+)
+SHORT_RUN = [
+    "--engine",
+    "ddp",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "0",
+    "--monitor-interval",
+    "0",
+]
 
 
 def retry(*args, env=None, timeout=180):
-    r = run_cmd([str(ROOT / "scripts" / "retry.sh"), *map(str, args)], timeout=timeout, env=base_env(**(env or {})))
+    r = run_cmd(
+        [str(ROOT / "scripts" / "retry.sh"), *map(str, args)],
+        timeout=timeout,
+        env=base_env(**(env or {})),
+    )
     return r, r.stdout + r.stderr
 
 
 def crashing_run(log_dir, steps: int, crash_at: str):
-    """retry.sh -n 1 around a direct run that saves every 2 steps and dies (exit 3) while saving crash_at."""
-    return retry("-n", 1, "--", "./entry_cn.sh", "--steps", steps, "--save-interval", 2, *SHORT_RUN,
-                 "--log-dir", log_dir, env=plugin_env(crash_in_save=crash_at))
+    """retry.sh -n 1 around a direct run that saves every 2 steps and dies (exit 3) while saving
+    crash_at."""
+    return retry(
+        "-n",
+        1,
+        "--",
+        "./entry_cn.sh",
+        "--steps",
+        steps,
+        "--save-interval",
+        2,
+        *SHORT_RUN,
+        "--log-dir",
+        log_dir,
+        env=plugin_env(crash_in_save=crash_at),
+    )
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("launch", ["direct", "mpirun"])
 def test_retry_does_not_retry_a_configuration_error(tmp_path, launch):
-    """Exit 2 (entry_cn.sh's configuration error) stops retry.sh at once, also through mpirun, which exits with
-    the first failing rank's status. (With the error on one rank only, mpirun exits 2 as well, but now and then
-    Open MPI 5.0.11 hangs there instead: see retry.sh --help. No test for that case, it would be flaky.)"""
+    """Exit 2 (entry_cn.sh's configuration error) stops retry.sh at once, also through mpirun, which
+    exits with the first failing rank's status. (With the error on one rank only, mpirun exits 2 as
+    well, but now and then Open MPI 5.0.11 hangs there instead: see retry.sh --help. No test for
+    that case, it would be flaky.)"""
     cmd = ["./entry_cn.sh", "--steps", "-1", "--log-dir", tmp_path / "run"]
     if launch == "mpirun":
         cmd = [*MPIRUN, "-np", "2", *cmd]
@@ -44,38 +76,54 @@ def test_retry_does_not_retry_a_configuration_error(tmp_path, launch):
 
 @pytest.mark.timeout(240)
 def test_retry_names_the_checkpoint_it_resumes_from(tmp_path):
-    """The run saves step 2, then dies while saving step 4 (tests/plugins/crash_in_save.py, exit 3): the relaunch names
-    step 2 and resumes from it; it dies again at step 4 and retry.sh gives up with that status."""
+    """The run saves step 2, then dies while saving step 4 (tests/plugins/crash_in_save.py, exit 3):
+    the relaunch names step 2 and resumes from it; it dies again at step 4 and retry.sh gives up
+    with that status."""
     r, out = crashing_run(tmp_path, 6, "step4")
     assert r.returncode == 3, out[-3000:]
-    assert f"retry.sh: attempt 1 exited with 3; relaunching from checkpoint {tmp_path}/checkpoints/step2\n" in out
-    assert f"attempt 2 of 2: ./entry_cn.sh --steps 6 --save-interval 2 {' '.join(SHORT_RUN)} --log-dir {tmp_path} " \
-           "--resume\n" in out, out[-3000:]
+    assert (
+        f"retry.sh: attempt 1 exited with 3; relaunching from checkpoint "
+        f"{tmp_path}/checkpoints/step2\n" in out
+    )
+    assert (
+        f"attempt 2 of 2: ./entry_cn.sh --steps 6 --save-interval 2 {' '.join(SHORT_RUN)} "
+        f"--log-dir {tmp_path} "
+        "--resume\n" in out
+    ), out[-3000:]
     assert "(resumed from step2)" in out
     assert "giving up after 2 attempts; the last exited with 3" in out
 
 
 @pytest.mark.timeout(240)
 def test_retry_starts_over_without_a_complete_checkpoint(tmp_path):
-    """The run dies while saving its first checkpoint: nothing to resume, so the relaunch says it starts over
-    and runs without --resume."""
+    """The run dies while saving its first checkpoint: nothing to resume, so the relaunch says it
+    starts over and runs without --resume."""
     r, out = crashing_run(tmp_path, 4, "step2")
     assert r.returncode == 3, out[-3000:]
-    assert f"attempt 1 exited with 3; starting over: no complete checkpoint in {tmp_path}/checkpoints yet" in out
-    assert f"attempt 2 of 2: ./entry_cn.sh --steps 4 --save-interval 2 {' '.join(SHORT_RUN)} --log-dir {tmp_path}\n" \
-           in out, out[-3000:]
+    assert (
+        f"attempt 1 exited with 3; starting over: no complete checkpoint in {tmp_path}/checkpoints "
+        f"yet" in out
+    )
+    assert (
+        f"attempt 2 of 2: ./entry_cn.sh --steps 4 --save-interval 2 {' '.join(SHORT_RUN)} "
+        f"--log-dir {tmp_path}\n" in out
+    ), out[-3000:]
     assert "--resume" not in out and "resumed from" not in out
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("args,message", [
-    (["-n"], "-n needs a number"),
-    (["-n", "--", "true"], "-n needs a number"),  # not "unknown option 'true'"
-    (["-n", "abc"], "-n must be a whole number, got 'abc'"),
-    (["-n", "2x", "--", "true"], "-n must be a whole number, got '2x'"),
-    (["-x", "--", "true"], "unknown option '-x'; the command goes after --"),
-    (["--"], "no command given"),
-], ids=["-n alone", "-n then --", "-n word", "-n 2x", "unknown option", "no command"])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["-n"], "-n needs a number"),
+        (["-n", "--", "true"], "-n needs a number"),  # not "unknown option 'true'"
+        (["-n", "abc"], "-n must be a whole number, got 'abc'"),
+        (["-n", "2x", "--", "true"], "-n must be a whole number, got '2x'"),
+        (["-x", "--", "true"], "unknown option '-x'; the command goes after --"),
+        (["--"], "no command given"),
+    ],
+    ids=["-n alone", "-n then --", "-n word", "-n 2x", "unknown option", "no command"],
+)
 def test_retry_usage_errors_are_one_line(args, message):
     r = run_cmd([str(ROOT / "scripts" / "retry.sh"), *args], timeout=20)
     assert r.returncode == 2 and r.stdout == "", r
@@ -88,7 +136,11 @@ def test_unknown_option_is_named_in_one_line(script):
     r = run_cmd([str(ROOT / script), "--foo"], timeout=20)
     assert r.returncode == 2 and r.stdout == "", r
     lines = r.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{os.path.basename(script)}: unknown ") and "'--foo'" in lines[0], r
+    assert (
+        len(lines) == 1
+        and lines[0].startswith(f"{os.path.basename(script)}: unknown ")
+        and "'--foo'" in lines[0]
+    ), r
 
 
 @pytest.mark.timeout(30)
@@ -102,16 +154,22 @@ def test_help(script):
 def test_doctor_lives_in_setup():
     assert not (ROOT / "scripts" / "doctor.sh").exists()
     r = run_cmd([str(ROOT / "setup" / "doctor.sh"), "--help"], timeout=20)
-    assert r.returncode == 0 and r.stdout.startswith("Usage: setup/doctor.sh [--help] [--link] [NP]"), r
+    assert r.returncode == 0 and r.stdout.startswith(
+        "Usage: setup/doctor.sh [--help] [--link] [NP]"
+    ), r
 
 
 @pytest.mark.timeout(60)
 def test_doctor_on_the_shipped_hostfile_needs_no_ssh(tmp_path):
-    # The shipped hostfile runs 2 ranks on localhost, where mpirun needs no ssh: neither does doctor.sh.
-    # An ssh that always fails stands in for a machine without sshd.
-    (tmp_path / "ssh").write_text("#!/bin/sh\necho 'ssh: connect to host port 22: Connection refused' >&2\nexit 255\n")
+    # The shipped hostfile runs 2 ranks on localhost, where mpirun needs no ssh: neither does
+    # doctor.sh. An ssh that always fails stands in for a machine without sshd.
+    (tmp_path / "ssh").write_text(
+        "#!/bin/sh\necho 'ssh: connect to host port 22: Connection refused' >&2\nexit 255\n"
+    )
     (tmp_path / "ssh").chmod(0o755)
-    env = base_env(PATH=f"{tmp_path}:{os.environ['PATH']}", HOSTFILE=str(ROOT / "setup" / "hosts.txt"))
+    env = base_env(
+        PATH=f"{tmp_path}:{os.environ['PATH']}", HOSTFILE=str(ROOT / "setup" / "hosts.txt")
+    )
     env.pop("MASTER_ADDR", None)
     r = run_cmd([str(ROOT / "setup" / "doctor.sh")], timeout=50, env=env)
     assert r.returncode == 0 and "doctor.sh: ok: 2 rank(s) over 1 host(s)" in r.stdout, r
@@ -121,16 +179,24 @@ def test_doctor_on_the_shipped_hostfile_needs_no_ssh(tmp_path):
 def test_every_docs_file_named_exists():
     # setup/hosts.txt once sent users to a docs/cluster.md that did not exist.
     texts = [p for d in ("setup", "scripts") for p in (ROOT / d).iterdir() if p.is_file()]
-    texts += [ROOT / "README.md", ROOT / "plot_logs.py", ROOT / "entry_cn.sh", *(ROOT / "docs").glob("*.md")]
-    named = {(p.relative_to(ROOT).as_posix(), ref) for p in texts
-             for ref in re.findall(r"docs/[\w./-]*\.md", p.read_text(errors="replace"))}
+    texts += [
+        ROOT / "README.md",
+        ROOT / "plot_logs.py",
+        ROOT / "entry_cn.sh",
+        *(ROOT / "docs").glob("*.md"),
+    ]
+    named = {
+        (p.relative_to(ROOT).as_posix(), ref)
+        for p in texts
+        for ref in re.findall(r"docs/[\w./-]*\.md", p.read_text(errors="replace"))
+    }
     assert ("setup/hosts.txt", "docs/cluster.md") not in named
     assert not [f"{p} names {ref}" for p, ref in sorted(named) if not (ROOT / ref).is_file()]
 
 
 def heading_anchors(md) -> set:
-    """The anchors GitHub gives a markdown file's headings: lower case, punctuation dropped, spaces to dashes, a
-    repeated one numbered."""
+    """The anchors GitHub gives a markdown file's headings: lower case, punctuation dropped, spaces
+    to dashes, a repeated one numbered."""
     seen, anchors = {}, set()
     for title in re.findall(r"^#{1,6} (.*)$", md.read_text(), flags=re.M):
         anchor = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
@@ -141,7 +207,8 @@ def heading_anchors(md) -> set:
 
 @pytest.mark.timeout(30)
 def test_every_markdown_link_resolves():
-    # The README's sections moved into docs/ pages: every relative link, and its #heading, must still land.
+    # The README's sections moved into docs/ pages: every relative link, and its #heading, must
+    # still land.
     broken = []
     for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)
@@ -150,6 +217,8 @@ def test_every_markdown_link_resolves():
                 continue
             path, _, anchor = target.partition("#")
             dest = (md.parent / path).resolve() if path else md
-            if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest)):
+            if not dest.exists() or (
+                anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest)
+            ):
                 broken.append(f"{md.relative_to(ROOT)}: {target}")
     assert not broken

@@ -1,5 +1,6 @@
 """The training core with real processes: DeepSpeed engines and DDP on gloo, compared with a plain
 single-process PyTorch loop; resume; bad input."""
+
 import json
 import sys
 from pathlib import Path
@@ -30,13 +31,35 @@ def assert_matches_reference(log_dir, global_batch: int, rel: float = 2e-4, **re
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine,config", [
-    ("zero", "zero0.json"), ("zero", "zero1.json"), ("zero", "zero2.json"), ("zero", "zero3.json"),
-    ("pipeline", "pipeline.json"), ("ddp", "zero0.json"),
-])
+@pytest.mark.parametrize(
+    "engine,config",
+    [
+        ("zero", "zero0.json"),
+        ("zero", "zero1.json"),
+        ("zero", "zero2.json"),
+        ("zero", "zero3.json"),
+        ("pipeline", "pipeline.json"),
+        ("ddp", "zero0.json"),
+    ],
+)
 def test_two_ranks_match_single_process_reference(tmp_path, engine, config):
-    r = launch(["--engine", engine, "--ds-config", CONFIGS / config, "--steps", STEPS, "--log-interval", 1,
-                "--no-save", "--log-dir", tmp_path], nprocs=2, timeout=240)
+    r = launch(
+        [
+            "--engine",
+            engine,
+            "--ds-config",
+            CONFIGS / config,
+            "--steps",
+            STEPS,
+            "--log-interval",
+            1,
+            "--no-save",
+            "--log-dir",
+            tmp_path,
+        ],
+        nprocs=2,
+        timeout=240,
+    )
     assert r.ok, r
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["global_batch"] == 64
@@ -52,48 +75,130 @@ def test_two_ranks_match_single_process_reference(tmp_path, engine, config):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("engine", ["zero", "ddp"])
 def test_compiled_engines_match_the_reference(tmp_path, engine):
-    # --compile (inductor's C++ backend on CPU) fuses and reorders float work, so the losses agree with the
-    # uncompiled single-process loop to a tolerance, not bit for bit: 1e-3 relative over the steps
-    # (measured: equal to 4 decimals).
-    r = launch(["--engine", engine, "--compile", "--steps", STEPS, "--log-interval", 1, "--no-save",
-                "--log-dir", tmp_path], nprocs=2, timeout=540)
+    # --compile (inductor's C++ backend on CPU) fuses and reorders float work, so the losses agree
+    # with the uncompiled single-process loop to a tolerance, not bit for bit: 1e-3 relative over
+    # the steps (measured: equal to 4 decimals).
+    r = launch(
+        [
+            "--engine",
+            engine,
+            "--compile",
+            "--steps",
+            STEPS,
+            "--log-interval",
+            1,
+            "--no-save",
+            "--log-dir",
+            tmp_path,
+        ],
+        nprocs=2,
+        timeout=540,
+    )
     assert r.ok, r
     assert json.loads((tmp_path / "config.json").read_text())["args"]["compile"] is True
     assert_matches_reference(tmp_path, 64, rel=1e-3)
 
 
-# timm's augmentation (random-resized-crop, flip, RandAugment, random erasing), Mixup/CutMix with label smoothing
-# into soft targets, and layer-wise LR decay: the engines take each augmented, mixed global batch apart
-# (data-parallel ranks, micro-steps, pipeline stages) and must still train as the single-process loop does on the
-# whole global batches.
-RECIPE = dict(scale=(0.6, 1.0), hflip=0.5, aa="rand-m9-mstd0.5", reprob=0.25, mixup=0.8, cutmix=1.0,
-              smoothing=0.1, layer_decay=0.8)
-RECIPE_ARGS = ["--scale", 0.6, 1.0, "--hflip", 0.5, "--aa", "rand-m9-mstd0.5", "--reprob", 0.25, "--mixup", 0.8,
-               "--cutmix", 1.0, "--smoothing", 0.1, "--layer-decay", 0.8]
+# timm's augmentation (random-resized-crop, flip, RandAugment, random erasing), Mixup/CutMix with
+# label smoothing into soft targets, and layer-wise LR decay: the engines take each augmented, mixed
+# global batch apart (data-parallel ranks, micro-steps, pipeline stages) and must still train as the
+# single-process loop does on the whole global batches.
+RECIPE = dict(
+    scale=(0.6, 1.0),
+    hflip=0.5,
+    aa="rand-m9-mstd0.5",
+    reprob=0.25,
+    mixup=0.8,
+    cutmix=1.0,
+    smoothing=0.1,
+    layer_decay=0.8,
+)
+RECIPE_ARGS = [
+    "--scale",
+    0.6,
+    1.0,
+    "--hflip",
+    0.5,
+    "--aa",
+    "rand-m9-mstd0.5",
+    "--reprob",
+    0.25,
+    "--mixup",
+    0.8,
+    "--cutmix",
+    1.0,
+    "--smoothing",
+    0.1,
+    "--layer-decay",
+    0.8,
+]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine,config", [
-    ("zero", "zero0.json"), ("zero", "zero1.json"), ("zero", "zero2.json"), ("zero", "zero3.json"),
-    ("pipeline", "pipeline.json"), ("ddp", "zero0.json"),
-])
+@pytest.mark.parametrize(
+    "engine,config",
+    [
+        ("zero", "zero0.json"),
+        ("zero", "zero1.json"),
+        ("zero", "zero2.json"),
+        ("zero", "zero3.json"),
+        ("pipeline", "pipeline.json"),
+        ("ddp", "zero0.json"),
+    ],
+)
 def test_two_ranks_match_reference_with_augmentation_and_mixup(tmp_path, engine, config):
-    batch = [] if engine == "pipeline" else ["--micro-batch-size", 16, "--grad-accum", 2]  # micro-steps too
-    r = launch(["--engine", engine, "--ds-config", CONFIGS / config, *batch, "--steps", STEPS, "--log-interval", 1,
-                "--no-save", "--log-dir", tmp_path, *RECIPE_ARGS], nprocs=2, timeout=240)
+    # micro-steps too
+    batch = [] if engine == "pipeline" else ["--micro-batch-size", 16, "--grad-accum", 2]
+    r = launch(
+        [
+            "--engine",
+            engine,
+            "--ds-config",
+            CONFIGS / config,
+            *batch,
+            "--steps",
+            STEPS,
+            "--log-interval",
+            1,
+            "--no-save",
+            "--log-dir",
+            tmp_path,
+            *RECIPE_ARGS,
+        ],
+        nprocs=2,
+        timeout=240,
+    )
     assert r.ok, r
     assert json.loads((tmp_path / "config.json").read_text())["global_batch"] == 64
     assert_matches_reference(tmp_path, 64, **RECIPE)
-    # The recipe is in effect: it trains differently from the run without augmentation (a single step's losses
-    # may come close by chance: with the digits' default crop two of them differed by 6e-5 at step 4).
-    assert max(abs(a - b) for a, b in zip(reference(64, **RECIPE), reference(64, no_aug=True))) > 1e-3
+    # The recipe is in effect: it trains differently from the run without augmentation (a single
+    # step's losses may come close by chance: with the digits' default crop two of them differed by
+    # 6e-5 at step 4).
+    assert (
+        max(abs(a - b) for a, b in zip(reference(64, **RECIPE), reference(64, no_aug=True))) > 1e-3
+    )
 
 
 @pytest.mark.timeout(420)
 def test_pipe_x_data_four_ranks(tmp_path):
     # 2 stages x 2 data-parallel copies: global batch = 16 x 4 micro-batches x 2.
-    r = launch(["--engine", "pipeline", "--pipeline-stages", 2, "--steps", STEPS, "--log-interval", 1, "--no-save",
-                "--log-dir", tmp_path], nprocs=4, timeout=360)
+    r = launch(
+        [
+            "--engine",
+            "pipeline",
+            "--pipeline-stages",
+            2,
+            "--steps",
+            STEPS,
+            "--log-interval",
+            1,
+            "--no-save",
+            "--log-dir",
+            tmp_path,
+        ],
+        nprocs=4,
+        timeout=360,
+    )
     assert r.ok, r
     assert json.loads((tmp_path / "config.json").read_text())["data_parallel_size"] == 2
     assert_matches_reference(tmp_path, 128)
@@ -103,22 +208,41 @@ def test_pipe_x_data_four_ranks(tmp_path):
 @pytest.mark.parametrize("engine", ["zero", "ddp"])
 def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    # The EMA is saved with the checkpoint: the resumed run's average ends where the uninterrupted one's does.
-    common = ["--engine", engine, "--steps", 8, "--log-interval", 1, "--model-ema", "--model-ema-decay", 0.9]
+    # The EMA is saved with the checkpoint: the resumed run's average ends where the uninterrupted
+    # one's does.
+    common = [
+        "--engine",
+        engine,
+        "--steps",
+        8,
+        "--log-interval",
+        1,
+        "--model-ema",
+        "--model-ema-decay",
+        0.9,
+    ]
     r = launch([*common, "--save-interval", 4, "--log-dir", full], timeout=200)
     assert r.ok, r
     assert (full / "checkpoints" / "latest").read_text().strip() == "step8"
-    r = launch([*common, "--resume", full / "checkpoints" / "step4", "--log-dir", resumed], timeout=200)
+    r = launch(
+        [*common, "--resume", full / "checkpoints" / "step4", "--log-dir", resumed], timeout=200
+    )
     assert r.ok, r
     want, got = train_losses(full), train_losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7), (step, got, want)
-    ema = [[r for r in read_jsonl(d / "metrics_rank0.jsonl") if r["kind"] == "eval"][-1] for d in (full, resumed)]
+    ema = [
+        [r for r in read_jsonl(d / "metrics_rank0.jsonl") if r["kind"] == "eval"][-1]
+        for d in (full, resumed)
+    ]
     assert ema[0]["ema_eval_loss"] == pytest.approx(ema[1]["ema_eval_loss"], rel=1e-6)
     assert ema[0]["ema_eval_loss"] != pytest.approx(ema[0]["eval_loss"], rel=1e-3)
     # --resume without a path: the newest checkpoint of the run in --log-dir.
-    r = launch([*common[:2], "--steps", 10, "--log-interval", 1, "--resume", "--log-dir", full], timeout=200)
+    r = launch(
+        [*common[:2], "--steps", 10, "--log-interval", 1, "--resume", "--log-dir", full],
+        timeout=200,
+    )
     assert r.ok, r
     assert "resumed from step8" in r.outputs[0]
     assert sorted(s for s in train_losses(full) if s > 8) == [9, 10]
@@ -128,12 +252,43 @@ def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
 def test_mpirun_launch_discovers_ranks(tmp_path):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost slots=1\n")
-    r = run_cmd([*MPIRUN, "-np", "2", "./entry_cn.sh", "--steps", "3", "--no-save", "--log-dir", str(tmp_path),
-                 "--hostfile", str(hostfile)], timeout=200)
-    assert r.returncode == 2 and "preflight: world size 2 is more than the hostfile's 1 slots" in r.stderr, r.stderr
+    r = run_cmd(
+        [
+            *MPIRUN,
+            "-np",
+            "2",
+            "./entry_cn.sh",
+            "--steps",
+            "3",
+            "--no-save",
+            "--log-dir",
+            str(tmp_path),
+            "--hostfile",
+            str(hostfile),
+        ],
+        timeout=200,
+    )
+    assert (
+        r.returncode == 2
+        and "preflight: world size 2 is more than the hostfile's 1 slots" in r.stderr
+    ), r.stderr
     hostfile.write_text("localhost slots=2\n")
-    r = run_cmd([*MPIRUN, "-np", "2", "./entry_cn.sh", "--steps", "3", "--no-save", "--log-dir", str(tmp_path),
-                 "--hostfile", str(hostfile)], timeout=200)
+    r = run_cmd(
+        [
+            *MPIRUN,
+            "-np",
+            "2",
+            "./entry_cn.sh",
+            "--steps",
+            "3",
+            "--no-save",
+            "--log-dir",
+            str(tmp_path),
+            "--hostfile",
+            str(hostfile),
+        ],
+        timeout=200,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["launcher"] == "Open MPI" and cfg["world_size"] == 2
@@ -144,8 +299,25 @@ def test_mpirun_launch_discovers_ranks(tmp_path):
 @pytest.mark.timeout(240)
 def test_torchrun_launch(tmp_path):
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    r = run_cmd([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python", "./entry_cn.sh",
-                 "--engine", "ddp", "--steps", "3", "--no-save", "--log-dir", str(tmp_path)], timeout=200)
+    r = run_cmd(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "--no-python",
+            "./entry_cn.sh",
+            "--engine",
+            "ddp",
+            "--steps",
+            "3",
+            "--no-save",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        timeout=200,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["launcher"] == "torchrun" and cfg["world_size"] == 2
@@ -160,8 +332,15 @@ def bad_json(tmp_path) -> str:
 
 def inconsistent_batch(tmp_path) -> str:
     p = tmp_path / "batch.json"
-    p.write_text(json.dumps({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 32,
-                             "gradient_accumulation_steps": 1}))
+    p.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 100,
+                "train_micro_batch_size_per_gpu": 32,
+                "gradient_accumulation_steps": 1,
+            }
+        )
+    )
     return str(p)
 
 
@@ -175,33 +354,89 @@ def one_class_folder(tmp_path) -> str:
 
 
 BAD_INPUT = {
-    "missing config": (lambda t: ["--ds-config", str(t / "nope.json")], {}, "nope.json: no such file"),
+    "missing config": (
+        lambda t: ["--ds-config", str(t / "nope.json")],
+        {},
+        "nope.json: no such file",
+    ),
     "invalid json": (lambda t: ["--ds-config", bad_json(t)], {}, "invalid JSON"),
-    "unknown model": (lambda t: ["--model", "vit_smal_patch16_224"], {},
-                      "unknown model 'vit_smal_patch16_224'; nearest: vit_small_patch16_224"),
-    "mixup with one class": (lambda t: ["--dataset", "imagefolder", "--data-path", one_class_folder(t), "--model",
-                                        "vit_tiny_cifar", "--mixup", "0.8"], {},
-                             "--mixup/--cutmix need at least two classes; imagefolder has 1"),
-    "not a ViT": (lambda t: ["--model", "resnet50"], {}, "is a timm resnet model, not a VisionTransformer; supported"),
-    "unknown dataset": (lambda t: ["--dataset", "mnist"], {}, "argument --dataset: invalid choice: 'mnist'"),
-    "image size vs patch": (lambda t: ["--model", "vit_tiny_cifar", "--dataset", "synthetic", "--img-size", "30"], {},
-                            "image size 30 is not divisible by the patch size 4"),
-    "stages do not divide world": (lambda t: ["--engine", "pipeline", "--pipeline-stages", "2"],
-                                   {"WORLD_SIZE": "3"}, "--pipeline-stages 2 does not divide the world size 3"),
-    "stages exceed layers": (lambda t: ["--engine", "pipeline", "--pipeline-stages", "8"], {"WORLD_SIZE": "8"},
-                             "exceeds the 6 layers of vit_digits"),
-    "batch arithmetic": (lambda t: ["--ds-config", inconsistent_batch(t)], {"WORLD_SIZE": "2"},
-                         "train_batch_size 100 != train_micro_batch_size_per_gpu 32 x gradient_accumulation_steps 1 "
-                         "x data-parallel size 2 (= 64"),
-    "zero-2 pipeline": (lambda t: ["--engine", "pipeline", "--ds-config", str(CONFIGS / "zero2.json")], {},
-                        "ZeRO stage 2 does not work with the pipeline engine"),
-    "resume from empty folder": (lambda t: ["--resume", str(t)], {}, "no complete checkpoint there"),
+    "unknown model": (
+        lambda t: ["--model", "vit_smal_patch16_224"],
+        {},
+        "unknown model 'vit_smal_patch16_224'; nearest: vit_small_patch16_224",
+    ),
+    "mixup with one class": (
+        lambda t: [
+            "--dataset",
+            "imagefolder",
+            "--data-path",
+            one_class_folder(t),
+            "--model",
+            "vit_tiny_cifar",
+            "--mixup",
+            "0.8",
+        ],
+        {},
+        "--mixup/--cutmix need at least two classes; imagefolder has 1",
+    ),
+    "not a ViT": (
+        lambda t: ["--model", "resnet50"],
+        {},
+        "is a timm resnet model, not a VisionTransformer; supported",
+    ),
+    "unknown dataset": (
+        lambda t: ["--dataset", "mnist"],
+        {},
+        "argument --dataset: invalid choice: 'mnist'",
+    ),
+    "image size vs patch": (
+        lambda t: ["--model", "vit_tiny_cifar", "--dataset", "synthetic", "--img-size", "30"],
+        {},
+        "image size 30 is not divisible by the patch size 4",
+    ),
+    "stages do not divide world": (
+        lambda t: ["--engine", "pipeline", "--pipeline-stages", "2"],
+        {"WORLD_SIZE": "3"},
+        "--pipeline-stages 2 does not divide the world size 3",
+    ),
+    "stages exceed layers": (
+        lambda t: ["--engine", "pipeline", "--pipeline-stages", "8"],
+        {"WORLD_SIZE": "8"},
+        "exceeds the 6 layers of vit_digits",
+    ),
+    "batch arithmetic": (
+        lambda t: ["--ds-config", inconsistent_batch(t)],
+        {"WORLD_SIZE": "2"},
+        "train_batch_size 100 != train_micro_batch_size_per_gpu 32 x "
+        "gradient_accumulation_steps 1 "
+        "x data-parallel size 2 (= 64",
+    ),
+    "zero-2 pipeline": (
+        lambda t: ["--engine", "pipeline", "--ds-config", str(CONFIGS / "zero2.json")],
+        {},
+        "ZeRO stage 2 does not work with the pipeline engine",
+    ),
+    "resume from empty folder": (
+        lambda t: ["--resume", str(t)],
+        {},
+        "no complete checkpoint there",
+    ),
     "negative steps": (lambda t: ["--steps", "-3"], {}, "--steps must be positive"),
-    "compile with slowdown": (lambda t: ["--compile", "--simulate-slowdown", "1=2"], {"WORLD_SIZE": "2"},
-                              "--compile cannot run with --simulate-slowdown"),
-    "missing hostfile": (lambda t: ["--hostfile", str(t / "hosts.txt")], {}, "hosts.txt: no such file"),
-    "EMA decay of 1 or more": (lambda t: ["--model-ema", "--model-ema-decay", "1.5"], {},
-                               "--model-ema-decay must be at least 0 and below 1, got 1.5"),
+    "compile with slowdown": (
+        lambda t: ["--compile", "--simulate-slowdown", "1=2"],
+        {"WORLD_SIZE": "2"},
+        "--compile cannot run with --simulate-slowdown",
+    ),
+    "missing hostfile": (
+        lambda t: ["--hostfile", str(t / "hosts.txt")],
+        {},
+        "hosts.txt: no such file",
+    ),
+    "EMA decay of 1 or more": (
+        lambda t: ["--model-ema", "--model-ema-decay", "1.5"],
+        {},
+        "--model-ema-decay must be at least 0 and below 1, got 1.5",
+    ),
 }
 
 
@@ -211,8 +446,11 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(tmp_path, case):
     make_args, env, message = BAD_INPUT[case]
     log_dir = tmp_path / "run"
     extra = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", **env} if env else {}
-    r = run_cmd([sys.executable, "-m", "vit.train", *make_args(tmp_path), "--log-dir", str(log_dir)],
-                env=base_env(**extra), timeout=100)
+    r = run_cmd(
+        [sys.executable, "-m", "vit.train", *make_args(tmp_path), "--log-dir", str(log_dir)],
+        env=base_env(**extra),
+        timeout=100,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("entry_cn.sh: error: ") and message in last, r.stderr
@@ -224,6 +462,18 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(tmp_path, case):
 def test_help_lists_the_options():
     r = run_cmd([str(ROOT / "entry_cn.sh"), "--help"], timeout=50)
     assert r.returncode == 0
-    for option in ("--engine", "--ds-config", "--pipeline-stages", "--model", "--dataset", "--data-path", "--steps",
-                   "--epochs", "--precision", "--log-dir", "--resume", "--seed"):
+    for option in (
+        "--engine",
+        "--ds-config",
+        "--pipeline-stages",
+        "--model",
+        "--dataset",
+        "--data-path",
+        "--steps",
+        "--epochs",
+        "--precision",
+        "--log-dir",
+        "--resume",
+        "--seed",
+    ):
         assert option in r.stdout

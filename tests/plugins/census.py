@@ -1,5 +1,6 @@
-"""VIT_TEST_CENSUS (a JSON object) replaces fields of this rank's census report, so that tests can stand in for a
-GPU without bf16 (or with fp16) on a machine that has none."""
+"""VIT_TEST_CENSUS (a JSON object) replaces fields of this rank's census report, so that tests can
+stand in for a GPU without bf16 (or with fp16) on a machine that has none."""
+
 import json
 import os
 

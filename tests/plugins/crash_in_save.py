@@ -1,4 +1,6 @@
-"""VIT_TEST_CRASH_IN_SAVE=TAG: each rank dies (exit 3) between writing checkpoint TAG's files and its manifest."""
+"""VIT_TEST_CRASH_IN_SAVE=TAG: each rank dies (exit 3) between writing checkpoint TAG's files and
+its manifest."""
+
 import os
 
 from vit.runtime import plugins

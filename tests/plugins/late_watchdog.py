@@ -1,6 +1,7 @@
-"""VIT_TEST_LATE_WATCHDOG=SECONDS: every rank's watchdog (vit.runtime.faults) notices a lack of progress SECONDS
-later than --dist-timeout, so that a collective waiting on a stopped rank always times out first and the main
-thread's report is the one tested."""
+"""VIT_TEST_LATE_WATCHDOG=SECONDS: every rank's watchdog (vit.runtime.faults) notices a lack of
+progress SECONDS later than --dist-timeout, so that a collective waiting on a stopped rank always
+times out first and the main thread's report is the one tested."""
+
 import os
 
 from vit.runtime import plugins

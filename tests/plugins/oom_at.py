@@ -1,6 +1,7 @@
-"""VIT_TEST_OOM_AT=RANK:STEP (STEP >= 2): rank RANK's forward raises cuBLAS's out-of-memory error (a RuntimeError,
-as torch raises it) during step STEP, so that tests reach the real handling without a GPU; RANK:probe makes the
---loss-scale auto probe's first loss raise it (vit.planner.loss_scale)."""
+"""VIT_TEST_OOM_AT=RANK:STEP (STEP >= 2): rank RANK's forward raises cuBLAS's out-of-memory error (a
+RuntimeError, as torch raises it) during step STEP, so that tests reach the real handling without a
+GPU; RANK:probe makes the --loss-scale auto probe's first loss raise it (vit.planner.loss_scale)."""
+
 import os
 
 import torch
@@ -16,6 +17,7 @@ def start(rank: int, watchdog) -> None:
     if rank != int(oom_rank):
         return
     if at == "probe":
+
         def failing_loss(*args):
             raise RuntimeError(INJECTED)
 

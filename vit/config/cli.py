@@ -1,6 +1,7 @@
-"""The command line: the parser generated from vit.core.settings' fields (flags, types, choices, help), the checks
-that
-span options, `parse(argv)` and `defaults()` (the settings of a run with no options, for tools and tests)."""
+"""The command line: the parser generated from vit.core.settings' fields (flags, types, choices,
+help), the checks that span options, `parse(argv)` and `defaults()` (the settings of a run with no
+options, for tools and tests)."""
+
 import argparse
 import importlib.util
 import math
@@ -9,10 +10,10 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from vit.config.compat import NEEDS, PROVISIONAL, check_auto, check_settings
+from vit.core.errors import ConfigError
 from vit.core.paths import ROOT
 from vit.core.settings import DEFAULT_EPOCHS, GROUPS, TRACKERS, Settings
 from vit.engines.registry import AUTO, NAMES, SPECS, spec
-from vit.core.errors import ConfigError
 
 PROG = "entry_cn.sh"  # the launcher users run: the usage and the training's messages name it
 
@@ -44,8 +45,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def from_registry(name: str, cli: dict, help: str) -> tuple[dict, str]:
-    """What the settings' types cannot know (vit.core sits below the engines): --engine's choices and --ds-config's
-    default per engine."""
+    """What the settings' types cannot know (vit.core sits below the engines): --engine's choices
+    and --ds-config's default per engine."""
     if name == "engine":
         return {**cli, "choices": (*NAMES, AUTO)}, help
     if name == "ds_config":
@@ -54,9 +55,14 @@ def from_registry(name: str, cli: dict, help: str) -> tuple[dict, str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Train a Vision Transformer with DeepSpeed ZeRO, a DeepSpeed "
-                "pipeline, or plain PyTorch DDP. With no options: the tiny ViT on the embedded digits data set.",
-                formatter_class=HelpFormatter)
+    p = _Parser(
+        prog=PROG,
+        description="Train a Vision Transformer with DeepSpeed ZeRO, a "
+        "DeepSpeed "
+        "pipeline, or plain PyTorch DDP. With no options: the tiny ViT on the embedded "
+        "digits data set.",
+        formatter_class=HelpFormatter,
+    )
     for cls, title in GROUPS.values():
         group, exclusive = p.add_argument_group(title), {}
         for f in fields(cls):
@@ -105,8 +111,6 @@ def from_namespace(ns: argparse.Namespace) -> Settings:
     return Settings(**groups)
 
 
-
-
 def validate(s: Settings) -> Settings:
     """Checks between options, and the defaults that depend on others filled in."""
     par, opt = s.parallel, s.optim
@@ -115,11 +119,18 @@ def validate(s: Settings) -> Settings:
         return validate(s.with_(engine=PROVISIONAL)).with_(engine=AUTO)
     if opt.min_lr > opt.lr:
         raise ConfigError(f"--min-lr {opt.min_lr:g} is above --lr {opt.lr:g}")
-    if par.partition not in ("uniform", "parameters", "balanced") and not par.partition.startswith("type:"):
-        raise ConfigError(f"--partition must be uniform, parameters, balanced or type:REGEX, got '{par.partition}'")
+    if par.partition not in ("uniform", "parameters", "balanced") and not par.partition.startswith(
+        "type:"
+    ):
+        raise ConfigError(
+            f"--partition must be uniform, parameters, balanced or type:REGEX, got "
+            f"'{par.partition}'"
+        )
     if s.recipe.scale and not 0 < s.recipe.scale[0] <= s.recipe.scale[1] <= 1:
-        raise ConfigError(f"--scale MIN MAX: a share of the image's area, 0 < MIN <= MAX <= 1, got "
-                          f"{' '.join(map(str, s.recipe.scale))}")
+        raise ConfigError(
+            f"--scale MIN MAX: a share of the image's area, 0 < MIN <= MAX <= 1, got "
+            f"{' '.join(map(str, s.recipe.scale))}"
+        )
     if opt.nesterov and (opt.opt != "sgd" or opt.momentum == 0):
         raise ConfigError("--nesterov needs --opt sgd with a --momentum above 0")
     if s.cluster.hostfile and not Path(s.cluster.hostfile).is_file():
@@ -131,10 +142,16 @@ def validate(s: Settings) -> Settings:
     check_settings(s)
     check_effect(s)
     report_to = report_trackers(s.log.report_to)
-    ds_config = par.ds_config or str(ROOT / "deepspeed_configs" / spec(par.engine).default_ds_config)
+    ds_config = par.ds_config or str(
+        ROOT / "deepspeed_configs" / spec(par.engine).default_ds_config
+    )
     epochs = DEFAULT_EPOCHS if s.train.epochs is None and s.train.steps is None else s.train.epochs
-    return replace(s, parallel=replace(par, ds_config=ds_config), train=replace(s.train, epochs=epochs),
-                   log=replace(s.log, report_to=",".join(report_to) or "none"))
+    return replace(
+        s,
+        parallel=replace(par, ds_config=ds_config),
+        train=replace(s.train, epochs=epochs),
+        log=replace(s.log, report_to=",".join(report_to) or "none"),
+    )
 
 
 def check_effect(s: Settings) -> None:
@@ -156,9 +173,14 @@ def report_trackers(value: str) -> tuple[str, ...]:
         if n == "none":
             raise ConfigError(f"--report-to {value}: 'none' cannot be combined with trackers")
         if n not in TRACKERS:
-            raise ConfigError(f"--report-to: unknown tracker '{n}'; choose none or from {', '.join(TRACKERS)}")
+            raise ConfigError(
+                f"--report-to: unknown tracker '{n}'; choose none or from {', '.join(TRACKERS)}"
+            )
         if importlib.util.find_spec(n) is None:
-            raise ConfigError(f"--report-to {n}: the {n} package is not installed (scripts/bootstrap.sh installs it)")
+            raise ConfigError(
+                f"--report-to {n}: the {n} package is not installed "
+                f"(scripts/bootstrap.sh installs it)"
+            )
     return tuple(dict.fromkeys(names))
 
 
@@ -169,4 +191,3 @@ def parse(argv=None) -> Settings:
 def defaults() -> Settings:
     """The settings of a run with no options (its defaults filled in), for tools and tests."""
     return validate(Settings())
-

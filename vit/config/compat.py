@@ -1,28 +1,39 @@
 """Which options work with which engine: every engine x feature check, read from the engines' specs
-(vit.engines.registry), all before any process group starts. With vit/engines/, the only code that may name an
-engine (tests/test_architecture.py holds the rest to that). Each refusal is one line (ConfigError)."""
+(vit.engines.registry), all before any process group starts. With vit/engines/, the only code that
+may name an engine (tests/test_architecture.py holds the rest to that). Each refusal is one line
+(ConfigError)."""
+
 import sys
 
-from vit.engines.registry import AUTO, NAMES, SPECS, spec
 from vit.core.errors import ConfigError
+from vit.engines.registry import AUTO, NAMES, SPECS, spec
 
 
 def _engines(has) -> str:
     """'--engine a, b or c': the engines whose spec has it."""
     names = [n for n in NAMES if has(spec(n))]
-    return "--engine " + (" or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}")
+    return "--engine " + (
+        " or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}"
+    )
 
 
-# What an option with `needs` (vit.core.settings.option) has no effect without: (whether the settings have it, how
-# to say
-# it).
+# What an option with `needs` (vit.core.settings.option) has no effect without: (whether the
+# settings have it, how to say it).
 NEEDS = {
-    "async": (lambda s: spec(s.parallel.engine).async_schedule, _engines(lambda e: e.async_schedule)),
+    "async": (
+        lambda s: spec(s.parallel.engine).async_schedule,
+        _engines(lambda e: e.async_schedule),
+    ),
     "freeze": (lambda s: s.freeze.freeze != "none", "--freeze schedule, settled or grad"),
     "powersgd": (lambda s: s.comm.comm_hook == "powersgd", "--comm-hook powersgd"),
-    "pipeline freeze": (lambda s: s.freeze.freeze != "none" and spec(s.parallel.engine).pipeline
-                        and spec(s.parallel.engine).freeze,
-                        f"--freeze schedule, settled or grad on {_engines(lambda e: e.pipeline and e.freeze)}"),
+    "pipeline freeze": (
+        lambda s: (
+            s.freeze.freeze != "none"
+            and spec(s.parallel.engine).pipeline
+            and spec(s.parallel.engine).freeze
+        ),
+        f"--freeze schedule, settled or grad on {_engines(lambda e: e.pipeline and e.freeze)}",
+    ),
 }
 
 
@@ -30,22 +41,37 @@ def check_settings(s) -> None:
     """The command line's options against its --engine (vit.config.cli.validate)."""
     par, engine = s.parallel, spec(s.parallel.engine)
     if par.micro_batch_size == "auto" and (not engine.micro_batch_auto or s.checkpoint.resume):
-        raise ConfigError(f"--micro-batch-size auto applies to {_engines(lambda e: e.micro_batch_auto)}, and not to "
-                          "--resume (pass the micro-batch the run chose: its config.json says)")
+        raise ConfigError(
+            f"--micro-batch-size auto applies to "
+            f"{_engines(lambda e: e.micro_batch_auto)}, and not to "
+            "--resume (pass the micro-batch the run chose: its config.json says)"
+        )
     if par.partition == "balanced" and not engine.pipeline:
         raise ConfigError(f"--partition balanced applies to {_engines(lambda e: e.pipeline)}")
     if par.batch_split == "proportional" and engine.pipeline:
-        raise ConfigError(f"--batch-split proportional applies to {_engines(lambda e: not e.pipeline)} (a pipeline "
-                          "balances its stages with --partition balanced)")
+        raise ConfigError(
+            f"--batch-split proportional applies to "
+            f"{_engines(lambda e: not e.pipeline)} (a pipeline "
+            "balances its stages with --partition balanced)"
+        )
     if s.comm.comm_hook != "none" and not engine.comm_hooks:
-        raise ConfigError(f"--comm-hook applies to {_engines(lambda e: e.comm_hooks)} (torch's DDP communication "
-                          f"hooks), not --engine {engine.name}")
+        raise ConfigError(
+            f"--comm-hook applies to {_engines(lambda e: e.comm_hooks)} (torch's DDP "
+            f"communication "
+            f"hooks), not --engine {engine.name}"
+        )
     if s.comm.comm_hook == "powersgd" and s.comm.powersgd_start_step < 2:
-        raise ConfigError(f"--powersgd-start-step must be at least 2, got {s.comm.powersgd_start_step} (torch's "
-                          "start_powerSGD_iter: DDP rebuilds its buckets after the first step)")
+        raise ConfigError(
+            f"--powersgd-start-step must be at least 2, got "
+            f"{s.comm.powersgd_start_step} (torch's "
+            "start_powerSGD_iter: DDP rebuilds its buckets after the first step)"
+        )
     if s.freeze.freeze != "none" and engine.pipeline and engine.freeze and s.recipe.model_ema:
-        raise ConfigError(f"--model-ema does not follow a pipeline whose stages --freeze re-plans; use "
-                          f"{_engines(lambda e: e.freeze and not e.pipeline)}")
+        raise ConfigError(
+            f"--model-ema does not follow a pipeline whose stages --freeze re-plans; "
+            f"use "
+            f"{_engines(lambda e: e.freeze and not e.pipeline)}"
+        )
 
 
 def check_zero_stage(engine_name: str, stage: int, config_name: str) -> None:
@@ -54,21 +80,31 @@ def check_zero_stage(engine_name: str, stage: int, config_name: str) -> None:
     if stage in engine.zero_stages:
         return
     if engine.pipeline:
-        raise ConfigError(f"DeepSpeed config {config_name}: ZeRO stage {stage} does not work with the pipeline engine "
-                          "(DeepSpeed pipelines accept ZeRO 0 or 1)")
-    print(f"warning: --engine {engine_name} ignores zero_optimization (stage {stage}) in {config_name}",
-          file=sys.stderr)
+        raise ConfigError(
+            f"DeepSpeed config {config_name}: ZeRO stage {stage} does not work with "
+            f"the pipeline engine "
+            "(DeepSpeed pipelines accept ZeRO 0 or 1)"
+        )
+    print(
+        f"warning: --engine {engine_name} ignores zero_optimization (stage {stage}) in "
+        f"{config_name}",
+        file=sys.stderr,
+    )
 
 
 def check_comm_dtype(engine_name: str, cfg: dict, config_name: str) -> None:
-    """communication_data_type in the DeepSpeed JSON: only DeepSpeed's engines reduce gradients with it."""
+    """communication_data_type in the DeepSpeed JSON: only DeepSpeed's engines reduce gradients with
+    it."""
     engine = spec(engine_name)
     if cfg.get("communication_data_type") is None or engine.deepspeed:
         return
     instead = " (this engine compresses with --comm-hook fp16 or bf16)" if engine.comm_hooks else ""
-    raise ConfigError(f"DeepSpeed config {config_name}: communication_data_type applies to "
-                      f"{_engines(lambda e: e.deepspeed)} (DeepSpeed's gradient all-reduce), not --engine "
-                      f"{engine_name}{instead}")
+    raise ConfigError(
+        f"DeepSpeed config {config_name}: communication_data_type applies to "
+        f"{_engines(lambda e: e.deepspeed)} (DeepSpeed's gradient all-reduce), not "
+        f"--engine "
+        f"{engine_name}{instead}"
+    )
 
 
 def check_precision(requested: str | None, engine_name: str) -> None:
@@ -83,18 +119,33 @@ def check_freeze(s, ds_config: dict) -> None:
         return
     if not engine.freeze:
         able = [n for n in NAMES if spec(n).freeze]
-        raise ConfigError(f"--freeze works with --engine {', '.join(able[:-1])} and {able[-1]}, not {engine.name}")
-    if engine.deepspeed and (engine.zero_stage_of(ds_config) == 3
-                             or ds_config.get("zero_optimization", {}).get("offload_optimizer")):
-        raise ConfigError("--freeze works with ZeRO stages 0-2 without optimizer offload (it moves the optimizer "
-                          "state into the rebuilt engine itself); use such a --ds-config or "
-                          f"{_engines(lambda e: e.freeze and not e.deepspeed)}")
+        raise ConfigError(
+            f"--freeze works with --engine {', '.join(able[:-1])} and {able[-1]}, not {engine.name}"
+        )
+    if engine.deepspeed and (
+        engine.zero_stage_of(ds_config) == 3
+        or ds_config.get("zero_optimization", {}).get("offload_optimizer")
+    ):
+        raise ConfigError(
+            "--freeze works with ZeRO stages 0-2 without optimizer offload (it moves "
+            "the optimizer "
+            "state into the rebuilt engine itself); use such a --ds-config or "
+            f"{_engines(lambda e: e.freeze and not e.deepspeed)}"
+        )
 
 
-# What --engine auto chooses; given by hand, each is refused rather than silently replaced: (group, option).
-AUTO_CHOOSES = (("parallel", "ds_config"), ("parallel", "pipeline_stages"), ("parallel", "partition"),
-                ("parallel", "batch_split"), ("comm", "comm_hook"), ("asynchrony", "pipe_wire_dtype"))
-# The engine an --engine auto run is planned as until it chooses (its batch arithmetic sets the global batch).
+# What --engine auto chooses; given by hand, each is refused rather than silently replaced: (group,
+# option).
+AUTO_CHOOSES = (
+    ("parallel", "ds_config"),
+    ("parallel", "pipeline_stages"),
+    ("parallel", "partition"),
+    ("parallel", "batch_split"),
+    ("comm", "comm_hook"),
+    ("asynchrony", "pipe_wire_dtype"),
+)
+# The engine an --engine auto run is planned as until it chooses (its batch arithmetic sets the
+# global batch).
 PROVISIONAL = next(e.name for e in SPECS.values() if not e.pipeline and e.micro_batch_auto)
 
 
@@ -105,14 +156,26 @@ def check_auto(s) -> None:
     for group, name in AUTO_CHOOSES:
         default = next(f.default for f in fields(getattr(s, group)) if f.name == name)
         if getattr(getattr(s, group), name) != default:
-            raise ConfigError(f"--engine {AUTO} chooses --{name.replace('_', '-')} itself; leave it out, or name an "
-                              "engine")
+            raise ConfigError(
+                f"--engine {AUTO} chooses --{name.replace('_', '-')} itself; leave "
+                f"it out, or name an "
+                "engine"
+            )
     if s.parallel.micro_batch_size == AUTO:
-        raise ConfigError(f"--engine {AUTO} chooses the micro-batch within the global batch; leave out "
-                          "--micro-batch-size auto (--micro-batch-size N and --grad-accum A set the global batch: "
-                          "N x A x ranks)")
+        raise ConfigError(
+            f"--engine {AUTO} chooses the micro-batch within the global batch; leave "
+            f"out "
+            "--micro-batch-size auto (--micro-batch-size N and --grad-accum A set "
+            "the global batch: "
+            "N x A x ranks)"
+        )
     if s.freeze.freeze != "none":
-        raise ConfigError(f"--engine {AUTO} does not plan freeze training yet; name an engine with --freeze")
+        raise ConfigError(
+            f"--engine {AUTO} does not plan freeze training yet; name an engine with --freeze"
+        )
     if s.checkpoint.resume:
-        raise ConfigError(f"--resume continues the run's own layout; name the engine it trained with (its "
-                          f"config.json's engine_auto says which --engine {AUTO} chose)")
+        raise ConfigError(
+            f"--resume continues the run's own layout; name the engine it trained "
+            f"with (its "
+            f"config.json's engine_auto says which --engine {AUTO} chose)"
+        )

@@ -1,6 +1,7 @@
-"""The DeepSpeed JSON: read, checked against what DeepSpeed reads (vit.config.ds_schema), command-line overrides applied
-and the batch arithmetic checked, before any process group starts. Functions return new dicts; nothing here
-edits a config in place."""
+"""The DeepSpeed JSON: read, checked against what DeepSpeed reads (vit.config.ds_schema),
+command-line overrides applied and the batch arithmetic checked, before any process group starts.
+Functions return new dicts; nothing here edits a config in place."""
+
 import copy
 import json
 from pathlib import Path
@@ -8,12 +9,11 @@ from pathlib import Path
 from vit.config.compat import check_comm_dtype, check_zero_stage
 from vit.config.ds_schema import deepspeed_parses
 from vit.config.ds_schema import validate as validate_ds_schema
+from vit.core.batch import Batch
+from vit.core.errors import ConfigError
 from vit.core.onebit import check_json_optimizer
 from vit.core.settings import DEFAULT_FP16_SCALE_POWER, ParallelSettings
 from vit.engines.registry import spec
-from vit.core.batch import Batch
-from vit.core.errors import ConfigError
-
 
 
 def load_json(path: str) -> dict:
@@ -25,9 +25,10 @@ def load_json(path: str) -> dict:
     except json.JSONDecodeError as e:
         raise ConfigError(f"DeepSpeed config {path}: invalid JSON: {e}") from None
     if not isinstance(cfg, dict):
-        raise ConfigError(f"DeepSpeed config {path}: expected a JSON object, got {type(cfg).__name__}")
+        raise ConfigError(
+            f"DeepSpeed config {path}: expected a JSON object, got {type(cfg).__name__}"
+        )
     return cfg
-
 
 
 def zero_stage(cfg: dict) -> int:
@@ -35,15 +36,18 @@ def zero_stage(cfg: dict) -> int:
 
 
 def precision_of(cfg: dict) -> str:
-    fp16, bf16 = cfg.get("fp16", {}).get("enabled", False), cfg.get("bf16", {}).get("enabled", False)
+    fp16, bf16 = (
+        cfg.get("fp16", {}).get("enabled", False),
+        cfg.get("bf16", {}).get("enabled", False),
+    )
     if fp16 and bf16:
         raise ConfigError("DeepSpeed config enables both fp16 and bf16")
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
 
 def with_precision(cfg: dict, precision: str, scale_power: int | None = None) -> dict:
-    """A copy of cfg that trains in `precision`; fp16 gets `scale_power` (or the JSON's, or ours) as its initial
-    loss scale power."""
+    """A copy of cfg that trains in `precision`; fp16 gets `scale_power` (or the JSON's, or ours) as
+    its initial loss scale power."""
     out = copy.deepcopy(cfg)
     out.setdefault("fp16", {})["enabled"] = precision == "fp16"
     out.setdefault("bf16", {})["enabled"] = precision == "bf16"
@@ -55,25 +59,41 @@ def with_precision(cfg: dict, precision: str, scale_power: int | None = None) ->
 
 
 def _batch(cfg: dict, name: str, dp_size: int, world_size: int, stages: int) -> Batch:
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+    for key in (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+    ):
         v = cfg.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-            raise ConfigError(f"DeepSpeed config {name}: {key} must be a positive integer, got {v!r}")
+            raise ConfigError(
+                f"DeepSpeed config {name}: {key} must be a positive integer, got {v!r}"
+            )
     grad_accum = cfg.get("gradient_accumulation_steps", 1)
     micro = cfg.get("train_micro_batch_size_per_gpu")
     total = cfg.get("train_batch_size")
     if micro is None:
         if total is None:
-            raise ConfigError(f"DeepSpeed config {name}: set train_micro_batch_size_per_gpu (or train_batch_size)")
+            raise ConfigError(
+                f"DeepSpeed config {name}: set train_micro_batch_size_per_gpu (or train_batch_size)"
+            )
         if total % (grad_accum * dp_size):
-            raise ConfigError(f"batch arithmetic: train_batch_size {total} is not divisible by "
-                              f"gradient_accumulation_steps {grad_accum} x data-parallel size {dp_size}")
+            raise ConfigError(
+                f"batch arithmetic: train_batch_size {total} is not divisible by "
+                f"gradient_accumulation_steps {grad_accum} x data-parallel size "
+                f"{dp_size}"
+            )
         micro = total // (grad_accum * dp_size)
     batch = Batch(micro, grad_accum, dp_size)
     if total is not None and total != batch.global_size:
-        raise ConfigError(f"batch arithmetic: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} "
-                          f"x gradient_accumulation_steps {grad_accum} x data-parallel size {dp_size} "
-                          f"(= {batch.global_size}; world size {world_size}, pipeline stages {stages})")
+        raise ConfigError(
+            f"batch arithmetic: train_batch_size {total} != "
+            f"train_micro_batch_size_per_gpu {micro} "
+            f"x gradient_accumulation_steps {grad_accum} x data-parallel size "
+            f"{dp_size} "
+            f"(= {batch.global_size}; world size {world_size}, pipeline stages "
+            f"{stages})"
+        )
     return batch
 
 
@@ -85,12 +105,18 @@ def resolve(par: ParallelSettings, world_size: int) -> tuple[dict, Batch]:
     check_json_optimizer(cfg, name)  # a 1-bit optimizer: its own reason
     for key in ("optimizer", "scheduler"):
         if key in cfg:
-            raise ConfigError(f"DeepSpeed config {name}: remove '{key}'; the optimizer (AdamW) and the LR schedule "
-                              "come from --lr/--min-lr/--weight-decay/--warmup-steps, so every engine, ddp "
-                              "included, trains the same way")
+            raise ConfigError(
+                f"DeepSpeed config {name}: remove '{key}'; the optimizer (AdamW) and "
+                f"the LR schedule "
+                "come from --lr/--min-lr/--weight-decay/--warmup-steps, so every "
+                "engine, ddp "
+                "included, trains the same way"
+            )
     stage = zero_stage(cfg)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise ConfigError(f"DeepSpeed config {name}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+        raise ConfigError(
+            f"DeepSpeed config {name}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}"
+        )
     check_zero_stage(par.engine, stage, name)
     check_comm_dtype(par.engine, cfg, name)
 
@@ -99,13 +125,17 @@ def resolve(par: ParallelSettings, world_size: int) -> tuple[dict, Batch]:
         raise ConfigError(f"--pipeline-stages {stages} does not divide the world size {world_size}")
     if par.micro_batch_size or par.grad_accum:
         cfg.pop("train_batch_size", None)  # recomputed from the overrides
-    if par.micro_batch_size and par.micro_batch_size != "auto":  # auto: the JSON's until vit.planner.fit measures
+    # auto: the JSON's until vit.planner.fit measures
+    if par.micro_batch_size and par.micro_batch_size != "auto":
         cfg["train_micro_batch_size_per_gpu"] = par.micro_batch_size
     if par.grad_accum:
         cfg["gradient_accumulation_steps"] = par.grad_accum
     batch = _batch(cfg, name, world_size // stages, world_size, stages)
-    cfg.update(train_batch_size=batch.global_size, train_micro_batch_size_per_gpu=batch.micro_batch,
-               gradient_accumulation_steps=batch.grad_accum)
+    cfg.update(
+        train_batch_size=batch.global_size,
+        train_micro_batch_size_per_gpu=batch.micro_batch,
+        gradient_accumulation_steps=batch.grad_accum,
+    )
 
     if par.precision and par.precision != "auto":
         cfg = with_precision(cfg, par.precision)

@@ -1,13 +1,16 @@
-"""The DeepSpeed JSON checked against what the installed DeepSpeed reads, before any process group starts.
+"""The DeepSpeed JSON checked against what the installed DeepSpeed reads, before any process group
+starts.
 
 DeepSpeed ignores unknown top-level keys, so a typo such as "zero_optimisation" silently trains
 without ZeRO. Here an unknown key is an error that suggests the nearest valid one.
 
 Values are read as written. DeepSpeed reads some keys from the raw dict (fp16.enabled: "false" is a
-true string there) and its pydantic models coerce others ("12" becomes 12), so every value of a section
-DeepSpeed has a pydantic model for is checked against that model's field types and bounds, strictly:
-a boolean is a JSON boolean, a number a JSON number. Top-level scalars have no model: they are typed here.
+true string there) and its pydantic models coerce others ("12" becomes 12), so every value of a
+section DeepSpeed has a pydantic model for is checked against that model's field types and bounds,
+strictly: a boolean is a JSON boolean, a number a JSON number. Top-level scalars have no model: they
+are typed here.
 """
+
 import copy
 import difflib
 import enum
@@ -24,34 +27,53 @@ from vit.core.errors import ConfigError
 
 # Top-level values DeepSpeed reads without checking their type or range (no pydantic model).
 SCALAR_TYPES = {
-    "gradient_clipping": typing.Annotated[float, at.Ge(0)], "steps_per_print": typing.Annotated[int, at.Gt(0)],
-    "wall_clock_breakdown": bool, "memory_breakdown": bool, "prescale_gradients": bool,
-    "gradient_predivide_factor": typing.Annotated[float, at.Gt(0)], "zero_allow_untested_optimizer": bool,
-    "zero_force_ds_cpu_optimizer": bool, "dump_state": bool,
+    "gradient_clipping": typing.Annotated[float, at.Ge(0)],
+    "steps_per_print": typing.Annotated[int, at.Gt(0)],
+    "wall_clock_breakdown": bool,
+    "memory_breakdown": bool,
+    "prescale_gradients": bool,
+    "gradient_predivide_factor": typing.Annotated[float, at.Gt(0)],
+    "zero_allow_untested_optimizer": bool,
+    "zero_force_ds_cpu_optimizer": bool,
+    "dump_state": bool,
 }
-# Top-level dtypes DeepSpeed lower-cases and maps itself (runtime/config.py:216-230): any other string is a ValueError
-# and a non-string an AttributeError there. communication_data_type: the dtype of the gradient all-reduce and
-# reduce-scatter of the DeepSpeed engines (runtime/engine.py:1719-1730 and 3795-3820; ZeRO 1-2:
-# runtime/zero/stage_1_and_2.py:1420, 1590-1720, 2361-2389); default: the training precision.
-DTYPE_KEYS, DTYPE_NAMES = ("communication_data_type", "seq_parallel_communication_data_type"), ("fp16", "bf16", "fp32")
-# Each section and DeepSpeed's pydantic model of it (None: DeepSpeed has none; only "an object" is checked).
+# Top-level dtypes DeepSpeed lower-cases and maps itself (runtime/config.py:216-230): any other
+# string is a ValueError and a non-string an AttributeError there. communication_data_type: the
+# dtype of the gradient all-reduce and reduce-scatter of the DeepSpeed engines
+# (runtime/engine.py:1719-1730 and 3795-3820; ZeRO 1-2: runtime/zero/stage_1_and_2.py:1420,
+# 1590-1720, 2361-2389); default: the training precision.
+DTYPE_KEYS, DTYPE_NAMES = (
+    ("communication_data_type", "seq_parallel_communication_data_type"),
+    ("fp16", "bf16", "fp32"),
+)
+# Each section and DeepSpeed's pydantic model of it (None: DeepSpeed has none; only "an object" is
+# checked).
 SECTIONS = {
     "fp16": "deepspeed.runtime.precision_config:DeepSpeedFP16Config",
     "bf16": "deepspeed.runtime.precision_config:DeepSpeedBF16Config",
     "zero_optimization": "deepspeed.runtime.zero.config:DeepSpeedZeroConfig",
     "comms_logger": "deepspeed.comm.config:CommsLoggerConfig",
-    "tensorboard": "deepspeed.monitor.config:TensorBoardConfig", "wandb": "deepspeed.monitor.config:WandbConfig",
-    "csv_monitor": "deepspeed.monitor.config:CSVConfig", "compile": "deepspeed.compile.config:CompileConfig",
-    "activation_checkpointing": None, "flops_profiler": None, "pipeline": None,
+    "tensorboard": "deepspeed.monitor.config:TensorBoardConfig",
+    "wandb": "deepspeed.monitor.config:WandbConfig",
+    "csv_monitor": "deepspeed.monitor.config:CSVConfig",
+    "compile": "deepspeed.compile.config:CompileConfig",
+    "activation_checkpointing": None,
+    "flops_profiler": None,
+    "pipeline": None,
 }
 # DeepSpeed's own monitors, and the --report-to tracker that replaces each.
 MONITORS = {"tensorboard": "tensorboard", "wandb": "wandb", "csv_monitor": "csv", "comet": None}
-# Bounds DeepSpeed's models leave out, where a value outside them breaks training (a zero bucket, a loss
-# scale window of 0, a negative scale power).
+# Bounds DeepSpeed's models leave out, where a value outside them breaks training (a zero bucket, a
+# loss scale window of 0, a negative scale power).
 EXTRA_BOUNDS = {
-    "fp16.loss_scale": at.Ge(0), "fp16.initial_scale_power": at.Ge(0), "fp16.loss_scale_window": at.Gt(0),
-    "fp16.hysteresis": at.Gt(0), "fp16.min_loss_scale": at.Gt(0), "zero_optimization.allgather_bucket_size": at.Gt(0),
-    "zero_optimization.stage3_prefetch_bucket_size": at.Gt(0), "zero_optimization.sub_group_size": at.Gt(0),
+    "fp16.loss_scale": at.Ge(0),
+    "fp16.initial_scale_power": at.Ge(0),
+    "fp16.loss_scale_window": at.Gt(0),
+    "fp16.hysteresis": at.Gt(0),
+    "fp16.min_loss_scale": at.Gt(0),
+    "zero_optimization.allgather_bucket_size": at.Gt(0),
+    "zero_optimization.stage3_prefetch_bucket_size": at.Gt(0),
+    "zero_optimization.sub_group_size": at.Gt(0),
 }
 
 
@@ -90,7 +112,8 @@ def top_level_keys() -> frozenset[str]:
             return Keys(self)
 
     DeepSpeedConfig(Recording(train_micro_batch_size_per_gpu=1))
-    return frozenset(seen | {"sequence_parallel_size"})  # read before parsing, only with a process group
+    # read before parsing, only with a process group
+    return frozenset(seen | {"sequence_parallel_size"})
 
 
 def _autos(obj, path=""):
@@ -129,8 +152,8 @@ def _section_keys(section: str) -> set[str]:
 
 
 def _kind(annotation, value) -> str | None:
-    """What `value` should be but is not, for a field of this type; None when it fits (or the type is one
-    DeepSpeed's own parser checks well: strings, lists, literals)."""
+    """What `value` should be but is not, for a field of this type; None when it fits (or the type
+    is one DeepSpeed's own parser checks well: strings, lists, literals)."""
     if typing.get_origin(annotation) is typing.Annotated:
         annotation = typing.get_args(annotation)[0]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -156,13 +179,21 @@ def _kind(annotation, value) -> str | None:
 
 
 def _bounds(annotation, field_metadata) -> list:
-    extra = list(typing.get_args(annotation)[1:]) if typing.get_origin(annotation) is typing.Annotated else []
+    extra = (
+        list(typing.get_args(annotation)[1:])
+        if typing.get_origin(annotation) is typing.Annotated
+        else []
+    )
     return [m for m in [*field_metadata, *extra] if isinstance(m, (at.Gt, at.Ge, at.Lt, at.Le))]
 
 
 def _outside(value, bound) -> str | None:
-    for kind, attr, sign, ok in ((at.Gt, "gt", ">", operator.gt), (at.Ge, "ge", ">=", operator.ge),
-                                 (at.Lt, "lt", "<", operator.lt), (at.Le, "le", "<=", operator.le)):
+    for kind, attr, sign, ok in (
+        (at.Gt, "gt", ">", operator.gt),
+        (at.Ge, "ge", ">=", operator.ge),
+        (at.Lt, "lt", "<", operator.lt),
+        (at.Le, "le", "<=", operator.le),
+    ):
         if isinstance(bound, kind):
             limit = getattr(bound, attr)
             return None if ok(value, limit) else f"must be {sign} {limit}"
@@ -188,10 +219,14 @@ def check_section(path: str, model, section: dict) -> None:
     for key, value in section.items():
         field = fields.get(key)
         if field is None:
-            continue  # unknown keys: DeepSpeed's parser names them, with a suggestion (deepspeed_parses)
+            # unknown keys: DeepSpeed's parser names them, with a suggestion (deepspeed_parses)
+            continue
         check_value(f"{path}.{key}", field.annotation, value, field.metadata)
-        inner = [a for a in (field.annotation, *typing.get_args(field.annotation))
-                 if isinstance(a, type) and issubclass(a, pydantic.BaseModel)]
+        inner = [
+            a
+            for a in (field.annotation, *typing.get_args(field.annotation))
+            if isinstance(a, type) and issubclass(a, pydantic.BaseModel)
+        ]
         if inner and isinstance(value, dict):
             check_section(f"{path}.{key}", inner[0], value)
 
@@ -199,8 +234,11 @@ def check_section(path: str, model, section: dict) -> None:
 def validate(cfg: dict, name: str) -> None:
     autos = list(_autos(cfg))
     if autos:
-        raise ConfigError(f"DeepSpeed config {name}: {autos[0]} is \"auto\"; \"auto\" is filled in by the Hugging "
-                          "Face Trainer, not by DeepSpeed: set a value")
+        raise ConfigError(
+            f'DeepSpeed config {name}: {autos[0]} is "auto"; "auto" is filled in '
+            f"by the Hugging "
+            "Face Trainer, not by DeepSpeed: set a value"
+        )
     valid = top_level_keys()
     for key in cfg:
         if key not in valid:
@@ -211,7 +249,9 @@ def validate(cfg: dict, name: str) -> None:
             if key in cfg:
                 check_value(key, annotation, cfg[key])
         for key in DTYPE_KEYS:
-            if cfg.get(key) is not None and (not isinstance(cfg[key], str) or cfg[key].lower() not in DTYPE_NAMES):
+            if cfg.get(key) is not None and (
+                not isinstance(cfg[key], str) or cfg[key].lower() not in DTYPE_NAMES
+            ):
                 raise ValueError(f"{key} must be 'fp16', 'bf16' or 'fp32', got {cfg[key]!r}")
         for key in SECTIONS:
             if key in cfg and not isinstance(cfg[key], dict):
@@ -225,10 +265,18 @@ def validate(cfg: dict, name: str) -> None:
 def refuse_monitors(cfg: dict, name: str) -> None:
     """DeepSpeed's own monitor would start a second tracker, on every rank; --report-to is rank 0's."""
     for key, tracker in MONITORS.items():
-        if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") is True:  # "true" as a string: the schema says so
-            use = f"--report-to {tracker}" if tracker else f"--report-to ({', '.join(filter(None, MONITORS.values()))})"
-            raise ConfigError(f"DeepSpeed config {name}: \"{key}\" is DeepSpeed's own monitor; remove it and use "
-                              f"{use} instead")
+        # "true" as a string: the schema says so
+        if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") is True:
+            use = (
+                f"--report-to {tracker}"
+                if tracker
+                else f"--report-to ({', '.join(filter(None, MONITORS.values()))})"
+            )
+            raise ConfigError(
+                f'DeepSpeed config {name}: "{key}" is DeepSpeed\'s own monitor; '
+                f"remove it and use "
+                f"{use} instead"
+            )
 
 
 def deepspeed_parses(cfg: dict, name: str) -> None:
@@ -250,4 +298,6 @@ def deepspeed_parses(cfg: dict, name: str) -> None:
             raise ConfigError(f"DeepSpeed config {name}: unknown key '{where}'{hint}") from None
         raise ConfigError(f"DeepSpeed config {name}: {where}: {err['msg']}") from None
     except (AssertionError, ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"DeepSpeed config {name}: DeepSpeed rejects it: {str(e).splitlines()[0]}") from None
+        raise ConfigError(
+            f"DeepSpeed config {name}: DeepSpeed rejects it: {str(e).splitlines()[0]}"
+        ) from None

@@ -1,6 +1,7 @@
-"""Everything decided before any process group starts: the settings checked against each other, the data, the
-DeepSpeed JSON and its batch arithmetic, the length of the run, where it writes, and what it resumes from. Any
-mistake found here is one line and exit 2, with nothing written."""
+"""Everything decided before any process group starts: the settings checked against each other, the
+data, the DeepSpeed JSON and its batch arithmetic, the length of the run, where it writes, and what
+it resumes from. Any mistake found here is one line and exit 2, with nothing written."""
+
 import hashlib
 import json
 import os
@@ -12,15 +13,16 @@ import torch
 from vit.config.cli import validate
 from vit.config.compat import PROVISIONAL, check_freeze, check_precision
 from vit.config.ds_config import precision_of, resolve
+from vit.config.rundir import check_export, check_unused, check_writable
 from vit.core.batch import Batch
 from vit.core.costs import Candidate
+from vit.core.errors import ConfigError, NothingToDo
 from vit.core.paths import DS_CONFIGS, ROOT
-from vit.core.spec import EngineSpec
 from vit.core.settings import Settings
+from vit.core.spec import EngineSpec
 from vit.data.augment import data_recipe
 from vit.data.datasets import DataSplit, dataset_for, load_dataset, steps_per_epoch
 from vit.engines.registry import AUTO, spec
-from vit.core.errors import ConfigError, NothingToDo
 from vit.loop import checkpoint
 from vit.model import weights
 from vit.model.layers import build_layers, check_img_size, model_shape
@@ -29,7 +31,6 @@ from vit.planner.memory import bytes_per_param, gpu_reserved_bytes
 from vit.runtime import slowdown
 from vit.runtime.dist_env import Job, resolve_master
 from vit.runtime.precision import likely
-from vit.config.rundir import check_export, check_unused, check_writable
 from vit.telemetry import tracking
 
 
@@ -37,16 +38,19 @@ from vit.telemetry import tracking
 class Resume:
     save_dir: str
     tags: list[str]  # complete checkpoints to try, newest first
-    saved: dict = field(default_factory=dict)  # the run that wrote them: the newest readable manifest (saved_run)
+    # the run that wrote them: the newest readable manifest (saved_run)
+    saved: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Plan:
     settings: Settings  # the data set filled in when --data-path named it
     job: Job
-    ds_config: dict  # resolved; the census may still settle the precision ("auto") and the fp16 loss scale
+    # resolved; the census may still settle the precision ("auto") and the fp16 loss scale
+    ds_config: dict
     batch: Batch
-    requested_precision: str | None  # what --precision or the JSON asks for (auto too); None: none given
+    # what --precision or the JSON asks for (auto too); None: none given
+    requested_precision: str | None
     data: DataSplit
     steps_per_epoch: int
     total_steps: int
@@ -55,17 +59,31 @@ class Plan:
     layout: dict  # what a checkpoint must match to be resumed by this run
     slowdowns: dict[int, float]  # --simulate-slowdown: rank -> factor
     notes: list[str]  # said first by rank 0
-    micro_split: list[int] | None = None  # --micro-batch-size auto with --batch-split proportional: each rank's
-    micro_search: dict | None = None  # what --micro-batch-size auto measured and chose (config.json)
-    auto: dict | None = None  # --engine auto: {} until vit.planner.auto chooses, then its table and choice
-    stage_parts: list[int] | None = None  # --engine auto's pipeline stage boundaries (else the engine's partition)
+    # --micro-batch-size auto with --batch-split proportional: each rank's
+    micro_split: list[int] | None = None
+    # what --micro-batch-size auto measured and chose (config.json)
+    micro_search: dict | None = None
+    # --engine auto: {} until vit.planner.auto chooses, then its table and choice
+    auto: dict | None = None
+    # --engine auto's pipeline stage boundaries (else the engine's partition)
+    stage_parts: list[int] | None = None
 
     def settings_hash(self) -> str:
-        """The user's settings that make checkpoints comparable (before the census fills in precision)."""
+        """The user's settings that make checkpoints comparable (before the census fills in
+        precision)."""
         m, d, o = self.settings.model, self.settings.data, self.settings.optim
-        what = {"model": m.model, "dataset": d.dataset, "img_size": m.img_size, "seed": self.settings.train.seed,
-                "lr": o.lr, "min_lr": o.min_lr, "weight_decay": o.weight_decay, "deepspeed": self.ds_config}
-        if o.opt != "adamw":  # only then: AdamW checkpoints written before --opt existed keep their hash
+        what = {
+            "model": m.model,
+            "dataset": d.dataset,
+            "img_size": m.img_size,
+            "seed": self.settings.train.seed,
+            "lr": o.lr,
+            "min_lr": o.min_lr,
+            "weight_decay": o.weight_decay,
+            "deepspeed": self.ds_config,
+        }
+        # only then: AdamW checkpoints written before --opt existed keep their hash
+        if o.opt != "adamw":
             what.update(opt=o.opt, momentum=o.momentum, nesterov=o.nesterov)
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -85,10 +103,13 @@ class Plan:
     def fresh_layers(self, drop_path: float = 0.0) -> list:
         """The model's layers as the run's seed builds them (vit.model.layers)."""
         s, data = self.settings, self.data
-        return build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed, drop_path)
+        return build_layers(
+            s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed, drop_path
+        )
 
     def likely_precision(self, dev: torch.device) -> str:
-        """What this rank will probably train in, before the census settles it (for memory estimates)."""
+        """What this rank will probably train in, before the census settles it (for memory
+        estimates)."""
         return likely(self.requested_precision, self.engine, dev)
 
     def compression(self) -> str:
@@ -96,27 +117,47 @@ class Plan:
         return self.engine.compression_of(self.settings, self.ds_config)
 
     def state_bytes_per_param(self, precision: str) -> float:
-        """vit.planner.memory.bytes_per_param for this run's engine, DeepSpeed JSON, data-parallel size, EMA,
-        compression and the async pipeline's weight stashing or prediction (one copy of the weights either way)."""
+        """vit.planner.memory.bytes_per_param for this run's engine, DeepSpeed JSON, data-parallel
+        size, EMA, compression and the async pipeline's weight stashing or prediction (one copy of
+        the weights either way)."""
         a = self.settings.asynchrony
-        stashed = int(a.weight_stashing == "on" or a.weight_prediction == "msnag")  # engines without stages: none
-        return bytes_per_param(self.engine, precision, self.ds_config, self.batch.dp_size,
-                               ema_on_gpu=self.settings.recipe.model_ema, stashed_copies=stashed,
-                               compression=self.compression())
+        # engines without stages: none
+        stashed = int(a.weight_stashing == "on" or a.weight_prediction == "msnag")
+        return bytes_per_param(
+            self.engine,
+            precision,
+            self.ds_config,
+            self.batch.dp_size,
+            ema_on_gpu=self.settings.recipe.model_ema,
+            stashed_copies=stashed,
+            compression=self.compression(),
+        )
 
     def reserved_bytes(self, dev: torch.device, precision: str) -> float:
         """What a GPU rank keeps free beside the plan's memory (0 on a CPU)."""
-        return gpu_reserved_bytes(self.engine, self.ds_config, precision) if dev.type == "cuda" else 0.0
+        return (
+            gpu_reserved_bytes(self.engine, self.ds_config, precision)
+            if dev.type == "cuda"
+            else 0.0
+        )
 
     def balanced_candidate(self) -> Candidate | None:
         """The run's pipeline as the cost model names it, when it asks for balanced stages."""
         par = self.settings.parallel
-        return balance.candidate(par.engine, par.partition, par.pipeline_stages, self.batch.micro_batch,
-                                 self.batch.grad_accum, self.layout["zero_stage"] or 0, self.compression())
+        return balance.candidate(
+            par.engine,
+            par.partition,
+            par.pipeline_stages,
+            self.batch.micro_batch,
+            self.batch.grad_accum,
+            self.layout["zero_stage"] or 0,
+            self.compression(),
+        )
 
 
 def make_plan(settings: Settings, job: Job) -> Plan:
-    if settings.parallel.engine == AUTO:  # planned as PROVISIONAL until vit.planner.auto chooses (train.run)
+    # planned as PROVISIONAL until vit.planner.auto chooses (train.run)
+    if settings.parallel.engine == AUTO:
         return replace(make_plan(settings.with_(engine=PROVISIONAL), job), auto={})
     dataset, note = dataset_for(settings.data)
     s = settings.with_(dataset=dataset)
@@ -132,66 +173,117 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         check_export(s.model.export)
     ds_config, batch = resolve_ds_config(s, par, job.world_size)
     requested = par.precision or precision_of(ds_config)  # settled by vit.runtime.precision.choose
-    if par.precision is None and not any(ds_config.get(k, {}).get("enabled") for k in ("fp16", "bf16")):
+    if par.precision is None and not any(
+        ds_config.get(k, {}).get("enabled") for k in ("fp16", "bf16")
+    ):
         requested = None  # none given: auto on GPUs, fp32 on CPUs
     check_precision(requested, par.engine)
     slowdowns = slowdown.parse(par.simulate_slowdown, job.world_size)
     if par.compile and slowdowns:
-        raise ConfigError("--compile cannot run with --simulate-slowdown: the slowdown times each layer on the host "
-                          "inside its forward and backward, which a compiled graph does not stop for; leave one out")
+        raise ConfigError(
+            "--compile cannot run with --simulate-slowdown: the slowdown times each "
+            "layer on the host "
+            "inside its forward and backward, which a compiled graph does not stop "
+            "for; leave one out"
+        )
     preset = model_shape(s.model.model)
     norm = weights.pretrained_norm(s.model.model, s.model.pretrained, s.model.pretrained_path)
-    data = load_dataset(dataset, s.data.data_path, s.model.img_size or preset.img_size, s.data.download,
-                        s.data.synthetic_size, s.train.seed, norm)
+    data = load_dataset(
+        dataset,
+        s.data.data_path,
+        s.model.img_size or preset.img_size,
+        s.data.download,
+        s.data.synthetic_size,
+        s.train.seed,
+        norm,
+    )
     if s.model.img_size and s.model.img_size != data.img_size:
-        raise ConfigError(f"--img-size {s.model.img_size} does not match the {data.img_size}x{data.img_size} images "
-                          f"of {dataset}")
+        raise ConfigError(
+            f"--img-size {s.model.img_size} does not match the "
+            f"{data.img_size}x{data.img_size} images "
+            f"of {dataset}"
+        )
     check_img_size(s.model.model, data.img_size)
     s, notes = check_recipe(s, data, [note] if note else [])
-    if s.freeze.freeze_cache == "on" and (s.recipe.augments or s.recipe.mixes):  # the recipe as the data has it
-        raise ConfigError("--freeze-cache on needs the same sample every epoch, and this run's training data is "
-                          "augmented or mixed: add --no-aug (and leave out --mixup/--cutmix), or use --freeze-cache "
-                          "auto or off")
+    # the recipe as the data has it
+    if s.freeze.freeze_cache == "on" and (s.recipe.augments or s.recipe.mixes):
+        raise ConfigError(
+            "--freeze-cache on needs the same sample every epoch, and this run's "
+            "training data is "
+            "augmented or mixed: add --no-aug (and leave out --mixup/--cutmix), or "
+            "use --freeze-cache "
+            "auto or off"
+        )
     if spec(par.engine).pipeline and par.pipeline_stages > preset.depth + 2:
-        raise ConfigError(f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} layers of "
-                          f"{s.model.model} (embedding, {preset.depth} blocks, head)")
+        raise ConfigError(
+            f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} "
+            f"layers of "
+            f"{s.model.model} (embedding, {preset.depth} blocks, head)"
+        )
     per_epoch, total_steps = run_length(s, data, batch)
     interval = s.asynchrony.async_update_interval
     if interval and batch.grad_accum % interval:
-        raise ConfigError(f"--async-update-interval {interval} does not divide the gradient-accumulation count "
-                          f"{batch.grad_accum} (a checkpoint drains the pipeline at a step's end, where every "
-                          "stage's update must be complete)")
-    save_dir = ckpt.save_dir or (os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None)
-    layout = {"model": s.model.model, "engine": par.engine, "world_size": job.world_size,
-              "data_parallel_size": batch.dp_size,
-              "pipeline_stages": par.pipeline_stages if spec(par.engine).pipeline else 1,
-              "zero_stage": spec(par.engine).zero_stage_of(ds_config),
-              "global_batch": batch.global_size}
+        raise ConfigError(
+            f"--async-update-interval {interval} does not divide the "
+            f"gradient-accumulation count "
+            f"{batch.grad_accum} (a checkpoint drains the pipeline at a step's end, "
+            f"where every "
+            "stage's update must be complete)"
+        )
+    save_dir = ckpt.save_dir or (
+        os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None
+    )
+    layout = {
+        "model": s.model.model,
+        "engine": par.engine,
+        "world_size": job.world_size,
+        "data_parallel_size": batch.dp_size,
+        "pipeline_stages": par.pipeline_stages if spec(par.engine).pipeline else 1,
+        "zero_stage": spec(par.engine).zero_stage_of(ds_config),
+        "global_batch": batch.global_size,
+    }
     check_freeze(s, ds_config)
     resume = find_resume(s, save_dir, layout, batch) if ckpt.resume else None
     resolve_master(job)
-    plan = Plan(s, job, ds_config, batch, requested, data, per_epoch, total_steps, save_dir, resume, layout,
-                slowdowns, notes)
+    plan = Plan(
+        s,
+        job,
+        ds_config,
+        batch,
+        requested,
+        data,
+        per_epoch,
+        total_steps,
+        save_dir,
+        resume,
+        layout,
+        slowdowns,
+        notes,
+    )
     return replace(plan, notes=notes + resume_notes(plan)) if resume else plan
 
 
 def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settings, list[str]]:
-    """The starting weights (fetched for --pretrained, shapes checked), mixup's classes; the
-    recipe as it applies to the data (vit.data.augment.data_recipe), so that config.json records it."""
+    """The starting weights (fetched for --pretrained, shapes checked), mixup's classes; the recipe
+    as it applies to the data (vit.data.augment.data_recipe), so that config.json records it."""
     s = replace(s, recipe=data_recipe(s.recipe, data))
     m, r = s.model, s.recipe
     if m.pretrained and m.pretrained_path:
         raise ConfigError("--pretrained and --pretrained-path: choose one")
-    if s.checkpoint.resume and (m.pretrained or m.pretrained_path):  # the checkpoint's weights replace them
+    # the checkpoint's weights replace them
+    if s.checkpoint.resume and (m.pretrained or m.pretrained_path):
         what = f"--pretrained-path {m.pretrained_path}" if m.pretrained_path else "--pretrained"
         notes = notes + [f"{what}: not loaded; the run resumes from its checkpoint's weights"]
     elif m.pretrained:
         s = s.with_(pretrained_path=weights.hub_weights(m.model))
     if s.model.pretrained_path and not s.checkpoint.resume:
-        notes = notes + weights.check(s.model.pretrained_path, m.model, data.num_classes, data.in_chans,
-                                      data.img_size)
+        notes = notes + weights.check(
+            s.model.pretrained_path, m.model, data.num_classes, data.in_chans, data.img_size
+        )
     if r.mixes and data.num_classes < 2:
-        raise ConfigError(f"--mixup/--cutmix need at least two classes; {s.data.dataset} has {data.num_classes}")
+        raise ConfigError(
+            f"--mixup/--cutmix need at least two classes; {s.data.dataset} has {data.num_classes}"
+        )
     return s, notes
 
 
@@ -207,8 +299,11 @@ def run_length(s: Settings, data: DataSplit, batch: Batch) -> tuple[int, int]:
     """(steps per epoch, steps of the run)."""
     per_epoch = steps_per_epoch(len(data.train), batch.global_size)
     if per_epoch == 0:
-        raise ConfigError(f"global batch {batch.global_size} is larger than the {len(data.train)} training samples "
-                          f"of {s.data.dataset}")
+        raise ConfigError(
+            f"global batch {batch.global_size} is larger than the {len(data.train)} "
+            f"training samples "
+            f"of {s.data.dataset}"
+        )
     return per_epoch, s.train.steps or max(1, round(s.train.epochs * per_epoch))
 
 
@@ -217,31 +312,51 @@ def with_micro_batch(plan: Plan, micro_batch: int, split: list[int] | None, sear
     par = replace(plan.settings.parallel, micro_batch_size=micro_batch)
     ds_config, batch = resolve_ds_config(plan.settings, par, plan.job.world_size)
     per_epoch, total_steps = run_length(plan.settings, plan.data, batch)
-    return replace(plan, ds_config=ds_config, batch=batch, steps_per_epoch=per_epoch, total_steps=total_steps,
-                   layout={**plan.layout, "global_batch": batch.global_size}, micro_split=split, micro_search=search)
+    return replace(
+        plan,
+        ds_config=ds_config,
+        batch=batch,
+        steps_per_epoch=per_epoch,
+        total_steps=total_steps,
+        layout={**plan.layout, "global_batch": batch.global_size},
+        micro_split=split,
+        micro_search=search,
+    )
 
 
 def with_auto_choice(plan: Plan, record: dict) -> Plan:
-    """The run's plan with --engine auto's choice (vit.planner.auto.choose's record): its options as a command line
-    would give them, checked like one."""
+    """The run's plan with --engine auto's choice (vit.planner.auto.choose's record): its options as
+    a command line would give them, checked like one."""
     c, engine = record["choice"], spec(record["choice"]["engine"])
-    changes = dict(engine=c["engine"],
-                   ds_config=str(DS_CONFIGS / engine.config_for(c["zero_stage"], c["stages"], plan.job.world_size)),
-                   micro_batch_size=c["micro_batch"], grad_accum=c["grad_accum"],
-                   batch_split="proportional" if c["split"] else "equal")
+    changes = dict(
+        engine=c["engine"],
+        ds_config=str(
+            DS_CONFIGS / engine.config_for(c["zero_stage"], c["stages"], plan.job.world_size)
+        ),
+        micro_batch_size=c["micro_batch"],
+        grad_accum=c["grad_accum"],
+        batch_split="proportional" if c["split"] else "equal",
+    )
     if engine.pipeline:
         changes["pipeline_stages"] = c["stages"]
     options, json_keys = engine.compression_options(c["compression"])
     new = make_plan(validate(plan.settings.with_(**changes, **options)), plan.job)
     if json_keys:  # DeepSpeed's gradient reduction in bf16
         new = replace(new, ds_config={**new.ds_config, **json_keys})
-    return replace(new, auto=record, micro_split=list(c["split"]) if c["split"] else None,
-                   stage_parts=list(c["parts"]) if c["parts"] else None)
+    return replace(
+        new,
+        auto=record,
+        micro_split=list(c["split"]) if c["split"] else None,
+        stage_parts=list(c["parts"]) if c["parts"] else None,
+    )
 
 
 def find_resume(s: Settings, save_dir: str | None, layout: dict, batch: Batch) -> Resume:
-    """What --resume continues from, refused when it cannot be continued without overwriting a checkpoint."""
-    where, tags = checkpoint.locate(save_dir if s.checkpoint.resume == "auto" else s.checkpoint.resume)
+    """What --resume continues from, refused when it cannot be continued without overwriting a
+    checkpoint."""
+    where, tags = checkpoint.locate(
+        save_dir if s.checkpoint.resume == "auto" else s.checkpoint.resume
+    )
     saved = {}
     for tag in tags:  # the newest readable manifest says how the run was laid out
         try:
@@ -252,68 +367,104 @@ def find_resume(s: Settings, save_dir: str | None, layout: dict, batch: Batch) -
         check_global_batch(saved.get("global_batch"), batch, f"checkpoint {where}/{tag}")
         break
     step = checkpoint.step_of(tags[0])
-    newer = [t for t in checkpoint.complete_tags(save_dir) if checkpoint.step_of(t) > step] if save_dir else []
+    newer = (
+        [t for t in checkpoint.complete_tags(save_dir) if checkpoint.step_of(t) > step]
+        if save_dir
+        else []
+    )
     if newer and os.path.realpath(save_dir) == os.path.realpath(where):
-        raise ConfigError(f"--resume {where}/{tags[0]}: {save_dir} also holds newer checkpoints ({', '.join(newer)}) "
-                          "that this run would overwrite; resume from the newest (--resume without a path), or "
-                          "write elsewhere (--save-dir or another --log-dir)")
+        raise ConfigError(
+            f"--resume {where}/{tags[0]}: {save_dir} also holds newer checkpoints "
+            f"({', '.join(newer)}) "
+            "that this run would overwrite; resume from the newest (--resume without "
+            "a path), or "
+            "write elsewhere (--save-dir or another --log-dir)"
+        )
     return Resume(where, tags, saved)
 
 
 def saved_run(where: str, manifest: dict) -> dict:
-    """A manifest with the model and the run's length, taken from the run's config.json (beside its checkpoints/
-    folder) where a checkpoint written before manifests recorded them lacks them."""
+    """A manifest with the model and the run's length, taken from the run's config.json (beside its
+    checkpoints/ folder) where a checkpoint written before manifests recorded them lacks them."""
     config = Path(where).parent / "config.json"
-    if {"model", "total_steps"} <= manifest.keys() or Path(where).name != "checkpoints" or not config.is_file():
+    if (
+        {"model", "total_steps"} <= manifest.keys()
+        or Path(where).name != "checkpoints"
+        or not config.is_file()
+    ):
         return manifest
     try:
         run = json.loads(config.read_text())
         found = {"model": run["args"]["model"], "total_steps": run["total_steps"]}
-    except (OSError, ValueError, TypeError, KeyError):  # not a config.json of ours: the manifest alone
+    # not a config.json of ours: the manifest alone
+    except (OSError, ValueError, TypeError, KeyError):
         return manifest
     return {**found, **manifest}
 
 
 def resume_notes(plan: Plan) -> list[str]:
-    """Rank 0's warnings on what this run changes of the run it resumes: settings behind the checkpoint's hash
-    (--lr, --seed, ...), and the length, which the LR schedule (warm-up and cosine decay) is computed from."""
+    """Rank 0's warnings on what this run changes of the run it resumes: settings behind the
+    checkpoint's hash (--lr, --seed, ...), and the length, which the LR schedule (warm-up and cosine
+    decay) is computed from."""
     saved, notes = plan.resume.saved, []
     if not saved:  # no readable manifest: choose_resume will say so
         return notes
     at = f"checkpoint {plan.resume.save_dir}/{checkpoint.tag_for(saved['step'])}"
     if saved.get("config_hash") != plan.settings_hash():
-        notes.append(f"warning: {at} was written with other settings (model, data, optimizer or DeepSpeed config) "
-                     "than this run")
+        notes.append(
+            f"warning: {at} was written with other settings (model, data, optimizer or "
+            f"DeepSpeed config) "
+            "than this run"
+        )
     if saved.get("total_steps", plan.total_steps) != plan.total_steps:
-        notes.append(f"warning: {at} belongs to a run of {saved['total_steps']} steps, this one has "
-                     f"{plan.total_steps} (--steps or --epochs): the LR schedule is recomputed over "
-                     f"{plan.total_steps} steps, so the learning rate from step {saved['step'] + 1} on is not the "
-                     "one the first run would have used")
+        notes.append(
+            f"warning: {at} belongs to a run of {saved['total_steps']} steps, this one "
+            f"has "
+            f"{plan.total_steps} (--steps or --epochs): the LR schedule is recomputed "
+            f"over "
+            f"{plan.total_steps} steps, so the learning rate from step "
+            f"{saved['step'] + 1} on is not the "
+            "one the first run would have used"
+        )
     return notes
 
 
 def choose_resume(plan: Plan) -> str:
-    """Rank 0, once the process group is up: the newest checkpoint that verifies (vit.loop.checkpoint.choose falls back
-    past damaged ones). A run already complete is nothing to do but --export's, from its last checkpoint; a
-    checkpoint at or past the run's end is refused, never trained over."""
+    """Rank 0, once the process group is up: the newest checkpoint that verifies
+    (vit.loop.checkpoint.choose falls back past damaged ones). A run already complete is nothing to
+    do but --export's, from its last checkpoint; a checkpoint at or past the run's end is refused,
+    never trained over."""
     r, total = plan.resume, plan.total_steps
     tag = checkpoint.choose(r.save_dir, r.tags)
     step = checkpoint.step_of(tag)
     if step < total:
         return tag
     m = plan.settings.model
-    if step == total and m.export:  # its last checkpoint holds the final weights: no need to train again
-        weights.export_checkpoint(f"{r.save_dir}/{tag}", m.export, m.model, plan.data, plan.settings.recipe.model_ema)
-        raise NothingToDo(f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step ({step}); exported "
-                          "its weights, nothing else to do")
+    # its last checkpoint holds the final weights: no need to train again
+    if step == total and m.export:
+        weights.export_checkpoint(
+            f"{r.save_dir}/{tag}", m.export, m.model, plan.data, plan.settings.recipe.model_ema
+        )
+        raise NothingToDo(
+            f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step "
+            f"({step}); exported "
+            "its weights, nothing else to do"
+        )
     log_dir = plan.settings.log.log_dir
     summary = Path(log_dir, "summary.json") if log_dir else Path(r.save_dir).parent / "summary.json"
     if step == total and summary.is_file() and json.loads(summary.read_text()).get("steps") == step:
-        raise NothingToDo(f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step ({step}), and "
-                          f"{summary} says so; nothing to do (add --export PATH to write its weights)")
-    raise ConfigError(f"--resume: checkpoint {r.save_dir}/{tag} is already at step {step}, and this run ends at "
-                      f"step {total}; ask for more steps (--steps or --epochs)"
-                      + (", or add --export PATH to write its weights" if step == total else ""))
+        raise NothingToDo(
+            f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step "
+            f"({step}), and "
+            f"{summary} says so; nothing to do (add --export PATH to write its "
+            f"weights)"
+        )
+    raise ConfigError(
+        f"--resume: checkpoint {r.save_dir}/{tag} is already at step {step}, and "
+        f"this run ends at "
+        f"step {total}; ask for more steps (--steps or --epochs)"
+        + (", or add --export PATH to write its weights" if step == total else "")
+    )
 
 
 def check_global_batch(saved: int | None, batch: Batch, where: str) -> None:
@@ -322,5 +473,8 @@ def check_global_batch(saved: int | None, batch: Batch, where: str) -> None:
         return
     per_accum = batch.micro_batch * batch.dp_size
     hint = f"; pass --grad-accum {saved // per_accum} to keep it" if saved % per_accum == 0 else ""
-    raise ConfigError(f"{where} was trained with global batch {saved}, this run's is {batch.global_size} "
-                      f"({batch.arithmetic()}){hint}")
+    raise ConfigError(
+        f"{where} was trained with global batch {saved}, this run's is "
+        f"{batch.global_size} "
+        f"({batch.arithmetic()}){hint}"
+    )

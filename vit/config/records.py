@@ -1,5 +1,6 @@
-"""A run's own files besides the metrics: config.json and cluster.json at the start (with rank 0's header line),
-summary.json at the end."""
+"""A run's own files besides the metrics: config.json and cluster.json at the start (with rank 0's
+header line), summary.json at the end."""
+
 import os
 import time
 
@@ -8,51 +9,109 @@ from vit.telemetry.metrics import write_json
 from vit.telemetry.monitor import gpu_util_mean_per_host
 
 
-def start_record(log_dir: str, plan, *, ds_config: dict, precision: str, cluster: dict, start_step: int,
-                 resumed_from: str | None) -> None:
-    """Rank 0: config.json (the resolved settings and DeepSpeed JSON), cluster.json (the census and its
-    decisions), and one line saying what trains on what."""
+def start_record(
+    log_dir: str,
+    plan,
+    *,
+    ds_config: dict,
+    precision: str,
+    cluster: dict,
+    start_step: int,
+    resumed_from: str | None,
+) -> None:
+    """Rank 0: config.json (the resolved settings and DeepSpeed JSON), cluster.json (the census and
+    its decisions), and one line saying what trains on what."""
     s, job, batch, data = plan.settings, plan.job, plan.batch, plan.data
     os.makedirs(log_dir, exist_ok=True)
     write_json(os.path.join(log_dir, "cluster.json"), cluster)
-    write_json(os.path.join(log_dir, "config.json"), {
-        "args": s.flat(), "deepspeed": ds_config, "precision": precision, "world_size": job.world_size,
-        "launcher": job.launcher, "master": f"{job.master_addr}:{job.master_port}", "global_batch": batch.global_size,
-        "data_parallel_size": batch.dp_size, "total_steps": plan.total_steps,
-        **({"micro_batch_auto": plan.micro_search} if plan.micro_search else {}),
-        **({"engine_auto": plan.auto} if plan.auto else {}), **wire(plan, precision)})
+    write_json(
+        os.path.join(log_dir, "config.json"),
+        {
+            "args": s.flat(),
+            "deepspeed": ds_config,
+            "precision": precision,
+            "world_size": job.world_size,
+            "launcher": job.launcher,
+            "master": f"{job.master_addr}:{job.master_port}",
+            "global_batch": batch.global_size,
+            "data_parallel_size": batch.dp_size,
+            "total_steps": plan.total_steps,
+            **({"micro_batch_auto": plan.micro_search} if plan.micro_search else {}),
+            **({"engine_auto": plan.auto} if plan.auto else {}),
+            **wire(plan, precision),
+        },
+    )
     resumed = f" (resumed from {resumed_from})" if resumed_from else ""
-    print(f"{s.parallel.engine}: {s.model.model} on {s.data.dataset} ({len(data.train)} train / {len(data.test)} "
-          f"held-out), {job.world_size} ranks, {precision}; {batch.arithmetic()}; {plan.steps_per_epoch} steps/epoch; "
-          f"steps {start_step + 1}..{plan.total_steps}{resumed}", flush=True)
+    print(
+        f"{s.parallel.engine}: {s.model.model} on {s.data.dataset} ({len(data.train)} train / "
+        f"{len(data.test)} "
+        f"held-out), {job.world_size} ranks, {precision}; {batch.arithmetic()}; "
+        f"{plan.steps_per_epoch} steps/epoch; "
+        f"steps {start_step + 1}..{plan.total_steps}{resumed}",
+        flush=True,
+    )
 
 
-def write_summary(log_dir: str, plan, *, precision: str, ds_config: dict, start_step: int, totals: dict,
-                  evaluation: dict, peak_mem_gib: float, monitors: list[dict],
-                  start_time: float) -> dict:
+def write_summary(
+    log_dir: str,
+    plan,
+    *,
+    precision: str,
+    ds_config: dict,
+    start_step: int,
+    totals: dict,
+    evaluation: dict,
+    peak_mem_gib: float,
+    monitors: list[dict],
+    start_time: float,
+) -> dict:
     """Rank 0: summary.json, what plot_logs.py's tables read."""
     s, batch, total = plan.settings, plan.batch, plan.total_steps
     engine = s.parallel.engine
     summary = {
-        "engine": engine, "model": s.model.model, "dataset": s.data.dataset, "precision": precision,
-        "zero_stage": spec(engine).zero_stage_of(ds_config),  # as the checkpoints' layout (vit.config.plan)
+        "engine": engine,
+        "model": s.model.model,
+        "dataset": s.data.dataset,
+        "precision": precision,
+        # as the checkpoints' layout (vit.config.plan)
+        "zero_stage": spec(engine).zero_stage_of(ds_config),
         "pipeline_stages": s.parallel.pipeline_stages if spec(engine).pipeline else None,
-        "world_size": plan.job.world_size, "data_parallel_size": batch.dp_size, "micro_batch": batch.micro_batch,
-        "grad_accum": batch.grad_accum, "global_batch": batch.global_size, "steps": total,
-        "steps_this_run": total - start_step, "final_loss": totals["final_loss"], **evaluation,
-        "images_per_s": totals["images_per_s"], "train_s": totals["train_s"],
-        "train_s_this_run": totals["train_s_this_run"], "segments": totals["segments"],
-        "wall_s": time.time() - start_time, "peak_mem_gib": peak_mem_gib, "breakdown": totals["breakdown"],
-        "monitor": monitors, "gpu_util_mean_per_host": gpu_util_mean_per_host(monitors), **wire(plan, precision),
+        "world_size": plan.job.world_size,
+        "data_parallel_size": batch.dp_size,
+        "micro_batch": batch.micro_batch,
+        "grad_accum": batch.grad_accum,
+        "global_batch": batch.global_size,
+        "steps": total,
+        "steps_this_run": total - start_step,
+        "final_loss": totals["final_loss"],
+        **evaluation,
+        "images_per_s": totals["images_per_s"],
+        "train_s": totals["train_s"],
+        "train_s_this_run": totals["train_s_this_run"],
+        "segments": totals["segments"],
+        "wall_s": time.time() - start_time,
+        "peak_mem_gib": peak_mem_gib,
+        "breakdown": totals["breakdown"],
+        "monitor": monitors,
+        "gpu_util_mean_per_host": gpu_util_mean_per_host(monitors),
+        **wire(plan, precision),
     }
     write_json(os.path.join(log_dir, "summary.json"), summary)
     ema = f" (EMA {100 * evaluation['ema_top1']:.2f}%)" if "ema_top1" in evaluation else ""
-    print(f"done: {total} steps in {summary['wall_s']:.1f} s, top-1 {100 * evaluation['top1']:.2f}%{ema}, top-5 "
-          f"{100 * evaluation['top5']:.2f}%, logs in {log_dir}", flush=True)
+    print(
+        f"done: {total} steps in {summary['wall_s']:.1f} s, top-1 "
+        f"{100 * evaluation['top1']:.2f}%{ema}, top-5 "
+        f"{100 * evaluation['top5']:.2f}%, logs in {log_dir}",
+        flush=True,
+    )
     return summary
 
 
 def wire(plan, precision: str) -> dict:
     """--pipe-wire-dtype as the run resolved it, for an engine it applies to; {} for the others."""
     s = plan.settings
-    return {"pipe_wire_dtype": s.asynchrony.wire_dtype(precision)} if spec(s.parallel.engine).async_schedule else {}
+    return (
+        {"pipe_wire_dtype": s.asynchrony.wire_dtype(precision)}
+        if spec(s.parallel.engine).async_schedule
+        else {}
+    )

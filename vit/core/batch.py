@@ -1,4 +1,5 @@
 """The batch arithmetic: global batch = micro-batch x gradient accumulation x data-parallel size."""
+
 from dataclasses import dataclass
 
 
@@ -13,5 +14,8 @@ class Batch:
         return self.micro_batch * self.grad_accum * self.dp_size
 
     def arithmetic(self) -> str:
-        return (f"global batch {self.global_size} = micro-batch {self.micro_batch} x grad accum {self.grad_accum} "
-                f"x data-parallel {self.dp_size}")
+        return (
+            f"global batch {self.global_size} = micro-batch {self.micro_batch} x grad accum "
+            f"{self.grad_accum} "
+            f"x data-parallel {self.dp_size}"
+        )

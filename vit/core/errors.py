@@ -1,5 +1,5 @@
-"""The project's exceptions. ConfigError is the only one reported as a user's mistake (one line, exit 2);
-anything else that escapes is a bug or a fault and keeps its traceback."""
+"""The project's exceptions. ConfigError is the only one reported as a user's mistake (one line,
+exit 2); anything else that escapes is a bug or a fault and keeps its traceback."""
 
 
 class ConfigError(Exception):

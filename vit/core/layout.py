@@ -1,5 +1,7 @@
-"""A pipeline's stages: how many, where each begins, and the micro-batches each data-parallel copy takes a step
-(what --freeze-replan changes at a freeze point, and what a pipeline engine is built on)."""
+"""A pipeline's stages: how many, where each begins, and the micro-batches each data-parallel copy
+takes a step (what --freeze-replan changes at a freeze point, and what a pipeline engine is built
+on)."""
+
 from dataclasses import dataclass
 
 

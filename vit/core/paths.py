@@ -1,4 +1,5 @@
 """Where things are in this checkout (vit is installed from it with `pip install -e .`)."""
+
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,20 +1,21 @@
-"""The command line as typed settings: one dataclass per concern, each field declared once with its help and its
-check; vit/config/cli.py generates the parser from them and validates every value before any process group starts.
+"""The command line as typed settings: one dataclass per concern, each field declared once with its
+help and its check; vit/config/cli.py generates the parser from them and validates every value
+before any process group starts.
 
-`Settings()` is the defaults; `vit.config.cli.parse(argv)` the command line. Code reads the group it needs
-(`settings.optim`,
-`settings.data`, ...), never an argparse Namespace.
+`Settings()` is the defaults; `vit.config.cli.parse(argv)` the command line. Code reads the group it
+needs (`settings.optim`, `settings.data`, ...), never an argparse Namespace.
 """
+
 import argparse
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
 
 from vit.core.onebit import check_opt_name
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
-DEFAULT_FP16_SCALE_POWER = 12  # fp16's initial loss scale 2^12 (DeepSpeed's 2^16 overflowed on every step in
+# fp16's initial loss scale 2^12 (DeepSpeed's 2^16 overflowed on every step in
+DEFAULT_FP16_SCALE_POWER = 12
 #                                users' ViT runs), unless the JSON or --loss-scale auto sets one
 TRACKERS = ("tensorboard", "wandb", "csv")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -32,109 +33,228 @@ def positive_int(text: str) -> int:
 
 
 def option(default, help: str, check: str | None = None, needs: str | None = None, **cli):
-    """A settings field: its default, its --help text, `check` ('positive', 'non_negative', 'probability': 0 to 1,
-    or 'below_one': 0 up to 1; every float must also be finite), `needs`: what it has no effect without (a key of
-    vit.config.compat.NEEDS; changed from its default without that, it is refused) and extra argparse arguments
-    (choices, metavar, flag, ...)."""
-    return field(default=default, metadata={"help": help, "check": check, "needs": needs, "cli": cli})
+    """A settings field: its default, its --help text, `check` ('positive', 'non_negative',
+    'probability': 0 to 1, or 'below_one': 0 up to 1; every float must also be finite), `needs`:
+    what it has no effect without (a key of vit.config.compat.NEEDS; changed from its default
+    without that, it is refused) and extra argparse arguments (choices, metavar, flag, ...)."""
+    return field(
+        default=default, metadata={"help": help, "check": check, "needs": needs, "cli": cli}
+    )
 
 
 @dataclass(frozen=True)
 class ModelSettings:
     model: str = option("vit_digits", "model preset (see vit/model/layers.py)")
-    img_size: int | None = option(None, "image side for imagefolder/synthetic (default: the model's)", "positive")
-    pretrained: bool = option(False, "start from timm's hub weights for --model (needs network; offline, use "
-                              "--pretrained-path)")
-    pretrained_path: str | None = option(None, "start from these weights: .safetensors, .pth or .bin (timm, Hugging "
-                                         "Face), an --export or a checkpoint folder of this project; the head is "
-                                         "reset for another class count, the position embedding resampled for "
-                                         "another image size", metavar="PATH")
+    img_size: int | None = option(
+        None, "image side for imagefolder/synthetic (default: the model's)", "positive"
+    )
+    pretrained: bool = option(
+        False,
+        "start from timm's hub weights for --model (needs network; offline, use --pretrained-path)",
+    )
+    pretrained_path: str | None = option(
+        None,
+        "start from these weights: .safetensors, .pth or "
+        ".bin (timm, Hugging "
+        "Face), an --export or a checkpoint folder of this "
+        "project; the head is "
+        "reset for another class count, the position embedding "
+        "resampled for "
+        "another image size",
+        metavar="PATH",
+    )
     drop_path: float = option(0.0, "stochastic depth rate (timm's drop_path_rate)", "below_one")
-    export: str | None = option(None, "write the final weights (the EMA's with --model-ema) as a timm-loadable "
-                                ".safetensors, with its pretrained config beside it as PATH.json; with --resume of a "
-                                "complete run, from its last checkpoint, without training", metavar="PATH")
+    export: str | None = option(
+        None,
+        "write the final weights (the EMA's with --model-ema) as a "
+        "timm-loadable "
+        ".safetensors, with its pretrained config beside it as PATH.json; "
+        "with --resume of a "
+        "complete run, from its last checkpoint, without training",
+        metavar="PATH",
+    )
 
 
 @dataclass(frozen=True)
 class DataSettings:
-    dataset: str | None = option(None, "data set (default: the one --data-path holds, else digits)",
-                                 choices=DATASETS)
-    data_path: str | None = option(None, "folder of cifar10/cifar100 batches or of an imagefolder tree (each "
-                                   "image's header is read first: a file that is not an image refuses the run)")
+    dataset: str | None = option(
+        None, "data set (default: the one --data-path holds, else digits)", choices=DATASETS
+    )
+    data_path: str | None = option(
+        None,
+        "folder of cifar10/cifar100 batches or of an imagefolder "
+        "tree (each "
+        "image's header is read first: a file that is not an image "
+        "refuses the run)",
+    )
     download: bool = option(False, "download CIFAR into --data-path if missing")
     synthetic_size: int = option(2048, "synthetic: number of training samples", "positive")
-    workers: int | None = option(None, "DataLoader worker processes (default: 0 on CPU; on GPU up to 4 per rank, "
-                                 "one core left to the training loop)", "non_negative")
+    workers: int | None = option(
+        None,
+        "DataLoader worker processes (default: 0 on CPU; on GPU up "
+        "to 4 per rank, "
+        "one core left to the training loop)",
+        "non_negative",
+    )
 
 
 @dataclass(frozen=True)
 class ParallelSettings:
-    # --engine's choices and --ds-config's defaults come from the engine registry (vit.config.cli adds them)
+    # --engine's choices and --ds-config's defaults come from the engine registry (vit.config.cli
+    # adds them)
     engine: str = option("zero", "training engine (auto: the planner's, docs/planner.md)")
-    ds_config: str | None = option(None, "DeepSpeed JSON (batch, precision, ZeRO); default deepspeed_configs/")
+    ds_config: str | None = option(
+        None, "DeepSpeed JSON (batch, precision, ZeRO); default deepspeed_configs/"
+    )
     pipeline_stages: int = option(2, "pipeline engines: number of stages", "positive")
-    partition: str = option("parameters", "pipeline engines: how layers are cut into stages: uniform, parameters, "
-                            "type:REGEX, or balanced (by the census: each layer's forward and backward time "
-                            "measured on each rank, and each rank's free memory)")
-    batch_split: str = option("equal", "zero and ddp engines: every rank the same micro-batch, or micro-batches in "
-                              "proportion to each rank's measured speed (within its memory), gradients weighted so "
-                              "the update is the same", choices=("equal", "proportional"))
-    simulate_slowdown: str | None = option(None, "make these ranks' compute FACTOR times slower (each layer's "
-                                           "forward and backward is followed by a wait of FACTOR-1 times its time), "
-                                           "to try mixed-GPU settings on identical hardware",
-                                           metavar="RANK=FACTOR[,...]")
+    partition: str = option(
+        "parameters",
+        "pipeline engines: how layers are cut into stages: "
+        "uniform, parameters, "
+        "type:REGEX, or balanced (by the census: each layer's forward and "
+        "backward time "
+        "measured on each rank, and each rank's free memory)",
+    )
+    batch_split: str = option(
+        "equal",
+        "zero and ddp engines: every rank the same micro-batch, or "
+        "micro-batches in "
+        "proportion to each rank's measured speed (within its memory), "
+        "gradients weighted so "
+        "the update is the same",
+        choices=("equal", "proportional"),
+    )
+    simulate_slowdown: str | None = option(
+        None,
+        "make these ranks' compute FACTOR times slower "
+        "(each layer's "
+        "forward and backward is followed by a wait of FACTOR-1 "
+        "times its time), "
+        "to try mixed-GPU settings on identical hardware",
+        metavar="RANK=FACTOR[,...]",
+    )
     micro_batch_size: int | str | None = option(
-        None, "override train_micro_batch_size_per_gpu of the JSON; auto: the largest whose forward and backward fit "
-        "every rank's free memory with headroom (zero, ddp; with --batch-split proportional, one per rank)",
-        type=lambda v: v if v == "auto" else positive_int(v), metavar="N|auto")
-    grad_accum: int | None = option(None, "override gradient_accumulation_steps of the JSON", "positive")
-    precision: str | None = option(None, "override the JSON's fp16/bf16 setting; auto: bf16 if every rank supports "
-                                   "it, else fp16 if every rank does under the engine (never async-pipeline), else "
-                                   "fp32 (the default on GPUs when neither this nor the JSON names one)",
-                                   choices=PRECISIONS)
-    tf32: str = option("on", "fp32 matmuls and convolutions in TF32 on Ampere and newer GPUs (no effect elsewhere)",
-                       choices=("on", "off"))
-    compile: bool = option(False, "compile the model with torch.compile (inductor; timm's --torchcompile): "
-                           "DeepSpeed's engine.compile() for zero and pipeline, the DDP module, each async-pipeline "
-                           "stage. The first steps are slower while it compiles")
-    loss_scale: str = option("config", "fp16: the JSON's initial_scale_power, or auto: a short fp32 probe of the "
-                             "gradients picks it", choices=("config", "auto"))
+        None,
+        "override train_micro_batch_size_per_gpu of the JSON; auto: the largest whose "
+        "forward and backward fit "
+        "every rank's free memory with headroom (zero, ddp; with --batch-split proportional, one "
+        "per rank)",
+        type=lambda v: v if v == "auto" else positive_int(v),
+        metavar="N|auto",
+    )
+    grad_accum: int | None = option(
+        None, "override gradient_accumulation_steps of the JSON", "positive"
+    )
+    precision: str | None = option(
+        None,
+        "override the JSON's fp16/bf16 setting; auto: bf16 if "
+        "every rank supports "
+        "it, else fp16 if every rank does under the engine (never "
+        "async-pipeline), else "
+        "fp32 (the default on GPUs when neither this nor the JSON names "
+        "one)",
+        choices=PRECISIONS,
+    )
+    tf32: str = option(
+        "on",
+        "fp32 matmuls and convolutions in TF32 on Ampere and newer GPUs (no effect elsewhere)",
+        choices=("on", "off"),
+    )
+    compile: bool = option(
+        False,
+        "compile the model with torch.compile (inductor; timm's "
+        "--torchcompile): "
+        "DeepSpeed's engine.compile() for zero and pipeline, the DDP module, "
+        "each async-pipeline "
+        "stage. The first steps are slower while it compiles",
+    )
+    loss_scale: str = option(
+        "config",
+        "fp16: the JSON's initial_scale_power, or auto: a short "
+        "fp32 probe of the "
+        "gradients picks it",
+        choices=("config", "auto"),
+    )
 
 
 @dataclass(frozen=True)
 class OptimSettings:
-    opt: str = option("adamw", "optimizer (timm's names): adamw, or sgd with --momentum (and --nesterov). "
-                      "DeepSpeed's 1-bit optimizers (onebitadam, zerooneadam, onebitlamb) are refused: DeepSpeed "
-                      "0.19.8 no longer has them (docs/ethernet.md)", choices=("adamw", "sgd"), type=check_opt_name)
+    opt: str = option(
+        "adamw",
+        "optimizer (timm's names): adamw, or sgd with --momentum (and "
+        "--nesterov). "
+        "DeepSpeed's 1-bit optimizers (onebitadam, zerooneadam, onebitlamb) are "
+        "refused: DeepSpeed "
+        "0.19.8 no longer has them (docs/ethernet.md)",
+        choices=("adamw", "sgd"),
+        type=check_opt_name,
+    )
     momentum: float = option(0.9, "sgd: momentum", "below_one")
     nesterov: bool = option(False, "sgd: Nesterov momentum")
     lr: float = option(2e-3, "peak learning rate", "positive")
     min_lr: float = option(1e-5, "learning rate at the end of the cosine", "non_negative")
-    weight_decay: float = option(0.05, "weight decay (not on biases, norms and embeddings)", "non_negative")
-    warmup_steps: int | None = option(None, "linear warm-up steps (default 5%% of the steps)", "non_negative")
+    weight_decay: float = option(
+        0.05, "weight decay (not on biases, norms and embeddings)", "non_negative"
+    )
+    warmup_steps: int | None = option(
+        None, "linear warm-up steps (default 5%% of the steps)", "non_negative"
+    )
     fused_adam: bool = option(False, "torch's fused AdamW kernel (one kernel for all parameters)")
-    layer_decay: float | None = option(None, "layer-wise LR decay: layer i of the list gets lr x decay^(last - i) "
-                                       "(timm's param_groups_layer_decay)", "positive")
-    clip_grad: float | None = option(None, "clip the gradient norm to this (overrides the JSON's gradient_clipping)",
-                                     "non_negative")
+    layer_decay: float | None = option(
+        None,
+        "layer-wise LR decay: layer i of the list gets lr x "
+        "decay^(last - i) "
+        "(timm's param_groups_layer_decay)",
+        "positive",
+    )
+    clip_grad: float | None = option(
+        None,
+        "clip the gradient norm to this (overrides the JSON's gradient_clipping)",
+        "non_negative",
+    )
 
 
 @dataclass(frozen=True)
 class AsyncSettings:
-    """--engine async-pipeline: PipeDream-2BW's 1F1B without a flush, and what offsets its staleness."""
-    async_update_interval: int | None = option(None, "micro-batches between a stage's updates (default: the "
-                                               "gradient-accumulation count, which it must divide)", "positive",
-                                               needs="async")
-    weight_stashing: str = option("on", "each backward uses the weights its forward used (off: the current ones)",
-                                  choices=("on", "off"), needs="async")
-    weight_prediction: str = option("msnag", "before a forward, predict the weights d updates ahead (d: the "
-                                    "stage's staleness) from the optimizer's momentum (FTPipe's multi-step NAG), "
-                                    "or none", choices=("msnag", "none"), needs="async")
-    pipe_wire_dtype: str | None = option(None, "dtype of the activations and gradients between stages (cast before "
-                                         "the send, to fp32 on arrival; bf16, fp16: half the bytes; default: the "
-                                         "training precision). fp16 has no loss scaler on the wire: gradients below "
-                                         "6e-5 lose bits, below 3e-8 arrive as zero", choices=("fp32", "bf16",
-                                                                                              "fp16"), needs="async")
+    """--engine async-pipeline: PipeDream-2BW's 1F1B without a flush, and what offsets its
+    staleness."""
+
+    async_update_interval: int | None = option(
+        None,
+        "micro-batches between a stage's updates "
+        "(default: the "
+        "gradient-accumulation count, which it must divide)",
+        "positive",
+        needs="async",
+    )
+    weight_stashing: str = option(
+        "on",
+        "each backward uses the weights its forward used (off: the current ones)",
+        choices=("on", "off"),
+        needs="async",
+    )
+    weight_prediction: str = option(
+        "msnag",
+        "before a forward, predict the weights d updates "
+        "ahead (d: the "
+        "stage's staleness) from the optimizer's momentum (FTPipe's "
+        "multi-step NAG), "
+        "or none",
+        choices=("msnag", "none"),
+        needs="async",
+    )
+    pipe_wire_dtype: str | None = option(
+        None,
+        "dtype of the activations and gradients between "
+        "stages (cast before "
+        "the send, to fp32 on arrival; bf16, fp16: half the "
+        "bytes; default: the "
+        "training precision). fp16 has no loss scaler on the "
+        "wire: gradients below "
+        "6e-5 lose bits, below 3e-8 arrive as zero",
+        choices=("fp32", "bf16", "fp16"),
+        needs="async",
+    )
 
     def wire_dtype(self, precision: str) -> str:  # --pipe-wire-dtype, else the training precision
         return self.pipe_wire_dtype or precision
@@ -143,36 +263,76 @@ class AsyncSettings:
 @dataclass(frozen=True)
 class CommSettings:
     """--engine ddp: torch's DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks)."""
-    comm_hook: str = option("none", "compress DDP's gradient all-reduce: fp16 or bf16 (half the bytes), or powersgd "
-                            "(low-rank, with error feedback); none registers no hook", choices=COMM_HOOKS)
-    powersgd_rank: int = option(4, "powersgd: matrix approximation rank (lower: fewer bytes)", "positive",
-                                needs="powersgd")
-    powersgd_start_step: int = option(10, "powersgd: optimizer steps of plain all-reduce before compressing "
-                                      "(torch's start_powerSGD_iter, at least 2)", "non_negative", needs="powersgd")
+
+    comm_hook: str = option(
+        "none",
+        "compress DDP's gradient all-reduce: fp16 or bf16 (half the "
+        "bytes), or powersgd "
+        "(low-rank, with error feedback); none registers no hook",
+        choices=COMM_HOOKS,
+    )
+    powersgd_rank: int = option(
+        4, "powersgd: matrix approximation rank (lower: fewer bytes)", "positive", needs="powersgd"
+    )
+    powersgd_start_step: int = option(
+        10,
+        "powersgd: optimizer steps of plain all-reduce before "
+        "compressing "
+        "(torch's start_powerSGD_iter, at least 2)",
+        "non_negative",
+        needs="powersgd",
+    )
 
 
 @dataclass(frozen=True)
 class RecipeSettings:
     """timm train.py's augmentation and regularisation options, under their names there."""
-    smoothing: float = option(0.1, "label smoothing (timm train.py's default; on the digits it raised top-1 on "
-                              "every seed: docs/benchmarks.md)", "below_one")
+
+    smoothing: float = option(
+        0.1,
+        "label smoothing (timm train.py's default; on the digits it "
+        "raised top-1 on "
+        "every seed: docs/benchmarks.md)",
+        "below_one",
+    )
     mixup: float = option(0.0, "mixup alpha (on when > 0)", "non_negative")
     cutmix: float = option(0.0, "cutmix alpha (on when > 0)", "non_negative")
     mixup_prob: float = option(1.0, "probability of mixup or cutmix per batch", "probability")
-    mixup_switch_prob: float = option(0.5, "probability of cutmix instead of mixup when both are on",
-                                      "probability")
-    aa: str | None = option(None, "AutoAugment policy, e.g. rand-m9-mstd0.5 or original (timm's auto_augment; its "
-                           "-inc1 policies fail on Pillow 11)")
+    mixup_switch_prob: float = option(
+        0.5, "probability of cutmix instead of mixup when both are on", "probability"
+    )
+    aa: str | None = option(
+        None,
+        "AutoAugment policy, e.g. rand-m9-mstd0.5 or original (timm's "
+        "auto_augment; its "
+        "-inc1 policies fail on Pillow 11)",
+    )
     reprob: float = option(0.0, "random erasing probability", "probability")
     color_jitter: float = option(0.0, "colour jitter factor", "non_negative")
     hflip: float = option(0.0, "horizontal flip probability", "probability")
-    scale: tuple | None = option(None, "random-resized-crop scale range (default: the data set's, 0.95 1.0 on "
-                                 "digits, where it raised top-1 (docs/benchmarks.md); off elsewhere)", nargs=2,
-                                 type=float, metavar=("MIN", "MAX"))
-    no_aug: bool = option(False, "no training augmentation: overrides --scale, --aa, --reprob, --color-jitter, "
-                          "--hflip and the data set's default crop (mixup and cutmix stay, as in timm's train.py)")
-    model_ema: bool = option(False, "keep an exponential moving average of the weights (timm's ModelEmaV3), "
-                             "evaluated beside the model")
+    scale: tuple | None = option(
+        None,
+        "random-resized-crop scale range (default: the data set's, "
+        "0.95 1.0 on "
+        "digits, where it raised top-1 (docs/benchmarks.md); off "
+        "elsewhere)",
+        nargs=2,
+        type=float,
+        metavar=("MIN", "MAX"),
+    )
+    no_aug: bool = option(
+        False,
+        "no training augmentation: overrides --scale, --aa, --reprob, "
+        "--color-jitter, "
+        "--hflip and the data set's default crop (mixup and cutmix stay, as in "
+        "timm's train.py)",
+    )
+    model_ema: bool = option(
+        False,
+        "keep an exponential moving average of the weights (timm's "
+        "ModelEmaV3), "
+        "evaluated beside the model",
+    )
     model_ema_decay: float = option(0.9998, "EMA decay", "below_one")
 
     @property
@@ -186,36 +346,81 @@ class RecipeSettings:
 
 @dataclass(frozen=True)
 class FreezeSettings:
-    """Freeze training (PipeTransformer's AutoFreeze): a growing prefix of the layers stops training (vit/freeze)."""
-    freeze: str = option("none", "freeze a prefix of the layers as training goes: schedule (frozen(e) = "
-                         "ceil(L(1-(1-A)^e)) after e intervals, L the embedding and blocks), settled (recommended: the "
-                         "layers whose weights settled) or grad (whose gradient norms did); these two never pass the "
-                         "schedule", choices=("none", "schedule", "settled", "grad"))
-    freeze_alpha: float = option(1 / 3, "the schedule's A; settled, grad: at most this share of the active layers "
-                                 "freezes at once", "positive", needs="freeze")
-    freeze_threshold: float | None = option(None, "over an interval, settled: a layer's weights moved less than this "
-                                            "share of their largest move (default 0.65); grad: its gradient norm "
-                                            "changed by less than this share (default 0.1)", "positive", needs="freeze")
-    freeze_interval_epochs: float = option(1.0, "epochs between decisions (fractions ok)", "positive", needs="freeze")
-    freeze_replan: str = option("on", "pipeline engine: at a freeze point plan the stages again (frozen layers hold "
-                                "weights only) and halve them when the active layers fit, the freed ranks becoming "
-                                "data-parallel copies; off: keep the layout", choices=("on", "off"),
-                                needs="pipeline freeze")
-    freeze_cache: str = option("auto", "keep each training sample's output of the frozen layers and train from it "
-                               "instead of running them; auto: on when the data has no random augmentation or "
-                               "mixup", choices=("auto", "on", "off"), needs="freeze")
-    freeze_cache_gib: float = option(4.0, "host memory for --freeze-cache per rank; past it, files in the log dir",
-                                     "positive", needs="freeze")
+    """Freeze training (PipeTransformer's AutoFreeze): a growing prefix of the layers stops training
+    (vit/freeze)."""
+
+    freeze: str = option(
+        "none",
+        "freeze a prefix of the layers as training goes: schedule "
+        "(frozen(e) = "
+        "ceil(L(1-(1-A)^e)) after e intervals, L the embedding and blocks), "
+        "settled (recommended: the "
+        "layers whose weights settled) or grad (whose gradient norms did); these "
+        "two never pass the "
+        "schedule",
+        choices=("none", "schedule", "settled", "grad"),
+    )
+    freeze_alpha: float = option(
+        1 / 3,
+        "the schedule's A; settled, grad: at most this share of the active layers freezes at once",
+        "positive",
+        needs="freeze",
+    )
+    freeze_threshold: float | None = option(
+        None,
+        "over an interval, settled: a layer's weights "
+        "moved less than this "
+        "share of their largest move (default 0.65); grad: its "
+        "gradient norm "
+        "changed by less than this share (default 0.1)",
+        "positive",
+        needs="freeze",
+    )
+    freeze_interval_epochs: float = option(
+        1.0, "epochs between decisions (fractions ok)", "positive", needs="freeze"
+    )
+    freeze_replan: str = option(
+        "on",
+        "pipeline engine: at a freeze point plan the stages again "
+        "(frozen layers hold "
+        "weights only) and halve them when the active layers fit, the "
+        "freed ranks becoming "
+        "data-parallel copies; off: keep the layout",
+        choices=("on", "off"),
+        needs="pipeline freeze",
+    )
+    freeze_cache: str = option(
+        "auto",
+        "keep each training sample's output of the frozen layers "
+        "and train from it "
+        "instead of running them; auto: on when the data has no random "
+        "augmentation or "
+        "mixup",
+        choices=("auto", "on", "off"),
+        needs="freeze",
+    )
+    freeze_cache_gib: float = option(
+        4.0,
+        "host memory for --freeze-cache per rank; past it, files in the log dir",
+        "positive",
+        needs="freeze",
+    )
 
 
 @dataclass(frozen=True)
 class TrainSettings:
     steps: int | None = option(None, "optimizer steps to train", "positive", exclusive="length")
-    epochs: float | None = option(None, f"epochs to train (default {DEFAULT_EPOCHS:g} when --steps is not given)",
-                                  "positive", exclusive="length")
+    epochs: float | None = option(
+        None,
+        f"epochs to train (default {DEFAULT_EPOCHS:g} when --steps is not given)",
+        "positive",
+        exclusive="length",
+    )
     seed: int = option(0, "model initialisation and data order")
     eval_interval: int = option(0, "steps between evaluations (0: only at the end)", "non_negative")
-    max_skipped_steps: int = option(20, "fp16: stop after this many overflow-skipped steps in a row", "positive")
+    max_skipped_steps: int = option(
+        20, "fp16: stop after this many overflow-skipped steps in a row", "positive"
+    )
 
 
 @dataclass(frozen=True)
@@ -224,46 +429,80 @@ class CheckpointSettings:
     save_dir: str | None = option(None, "checkpoint folder (default <log-dir>/checkpoints)")
     no_save: bool = option(False, "write no checkpoints")
     keep_checkpoints: int = option(3, "complete checkpoints to keep", "positive")
-    resume: str | None = option(None, "continue from the newest checkpoint of --save-dir, or of PATH",
-                                nargs="?", const="auto", metavar="PATH")
+    resume: str | None = option(
+        None,
+        "continue from the newest checkpoint of --save-dir, or of PATH",
+        nargs="?",
+        const="auto",
+        metavar="PATH",
+    )
 
 
 @dataclass(frozen=True)
 class LogSettings:
     log_dir: str | None = option(None, "run output folder (default logs/<engine>-<time>)")
     log_interval: int = option(10, "steps between log lines and metric records", "positive")
-    monitor_interval: float = option(1.0, "seconds between GPU/CPU monitor samples (0: off)", "non_negative")
-    monitor_backend: str = option("auto", "GPU monitor: NVML in-process, GPUtil (nvidia-smi), or none (CPU and "
-                                  "memory only)", choices=("auto", "nvml", "gputil", "none"))
-    report_to: str = option("none", "rank 0 also sends the metrics to these trackers, comma-separated: none, "
-                            "tensorboard (<log-dir>/tensorboard), wandb (WANDB_MODE=offline: no network), csv "
-                            "(<log-dir>/tracking.csv)", metavar="LIST")
-    verbose: bool = option(False, "print the libraries' notes and warnings (DeepSpeed, torch, timm) and every rank's "
-                           "notes instead of keeping them in <log-dir>/warnings_rank<R>.log")
+    monitor_interval: float = option(
+        1.0, "seconds between GPU/CPU monitor samples (0: off)", "non_negative"
+    )
+    monitor_backend: str = option(
+        "auto",
+        "GPU monitor: NVML in-process, GPUtil (nvidia-smi), or none (CPU and memory only)",
+        choices=("auto", "nvml", "gputil", "none"),
+    )
+    report_to: str = option(
+        "none",
+        "rank 0 also sends the metrics to these trackers, "
+        "comma-separated: none, "
+        "tensorboard (<log-dir>/tensorboard), wandb (WANDB_MODE=offline: no "
+        "network), csv "
+        "(<log-dir>/tracking.csv)",
+        metavar="LIST",
+    )
+    verbose: bool = option(
+        False,
+        "print the libraries' notes and warnings (DeepSpeed, torch, "
+        "timm) and every rank's "
+        "notes instead of keeping them in <log-dir>/warnings_rank<R>.log",
+    )
 
 
 @dataclass(frozen=True)
 class ClusterSettings:
-    hostfile: str | None = option(None, "the launch's hostfile: the preflight checks the world size against its "
-                                  "slots")
-    device: str = option("auto", "cuda: every rank on its GPU (nccl), cpu: on the CPU (gloo); auto: cuda when every "
-                         "rank has a usable GPU, cpu when none has one; any mix is an error",
-                         choices=("auto", "cuda", "cpu"))
-    dist_timeout: float = option(300.0, "seconds before a process-group start or a collective fails, and before "
-                                 "the watchdog ends a job in which no step finished", "positive")
+    hostfile: str | None = option(
+        None, "the launch's hostfile: the preflight checks the world size against its slots"
+    )
+    device: str = option(
+        "auto",
+        "cuda: every rank on its GPU (nccl), cpu: on the CPU (gloo); "
+        "auto: cuda when every "
+        "rank has a usable GPU, cpu when none has one; any mix is an error",
+        choices=("auto", "cuda", "cpu"),
+    )
+    dist_timeout: float = option(
+        300.0,
+        "seconds before a process-group start or a collective "
+        "fails, and before "
+        "the watchdog ends a job in which no step finished",
+        "positive",
+    )
     # The DeepSpeed launcher passes --local_rank=N; LOCAL_RANK in the environment says the same.
     local_rank: int | None = option(None, argparse.SUPPRESS, flag=("--local_rank", "--local-rank"))
 
 
 GROUPS = {  # attribute of Settings -> (class, --help section title)
-    "model": (ModelSettings, "model"), "data": (DataSettings, "data"),
+    "model": (ModelSettings, "model"),
+    "data": (DataSettings, "data"),
     "parallel": (ParallelSettings, "engine, parallelism and precision"),
     "asynchrony": (AsyncSettings, "asynchronous pipeline (--engine async-pipeline)"),
-    "comm": (CommSettings, "gradient compression (--engine ddp)"), "optim": (OptimSettings, "optimizer"),
+    "comm": (CommSettings, "gradient compression (--engine ddp)"),
+    "optim": (OptimSettings, "optimizer"),
     "recipe": (RecipeSettings, "augmentation and regularisation (timm train.py's names)"),
-    "freeze": (FreezeSettings, "freeze training"), "train": (TrainSettings, "training length and evaluation"),
+    "freeze": (FreezeSettings, "freeze training"),
+    "train": (TrainSettings, "training length and evaluation"),
     "checkpoint": (CheckpointSettings, "checkpoints"),
-    "log": (LogSettings, "logs and monitoring"), "cluster": (ClusterSettings, "cluster"),
+    "log": (LogSettings, "logs and monitoring"),
+    "cluster": (ClusterSettings, "cluster"),
 }
 
 
@@ -287,7 +526,8 @@ class Settings:
         return {k: v for group in asdict(self).values() for k, v in group.items()}
 
     def with_(self, **changes) -> "Settings":
-        """A copy with options changed by name, whatever their group (for tests, benchmarks and tools)."""
+        """A copy with options changed by name, whatever their group (for tests, benchmarks and
+        tools)."""
         groups = {}
         for name, (cls, _) in GROUPS.items():
             mine = {k: v for k, v in changes.items() if k in {f.name for f in fields(cls)}}
@@ -297,4 +537,3 @@ class Settings:
         if unknown:
             raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
         return replace(self, **groups)
-

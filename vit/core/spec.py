@@ -1,11 +1,12 @@
-"""What an engine declares about itself: the options it takes, what it trains in, what a rank holds per parameter,
-what its step costs on the cluster's links, and its names in tables and calibrations. Each engine's folder under
-vit/engines/ subclasses EngineSpec and answers for itself; vit.engines.registry holds one row per engine. The
-command line, the precision rules, the memory model, the planner, the reports and the benchmarks ask the spec,
-never an engine's name. Pure: no torch."""
+"""What an engine declares about itself: the options it takes, what it trains in, what a rank holds
+per parameter, what its step costs on the cluster's links, and its names in tables and calibrations.
+Each engine's folder under vit/engines/ subclasses EngineSpec and answers for itself;
+vit.engines.registry holds one row per engine. The command line, the precision rules, the memory
+model, the planner, the reports and the benchmarks ask the spec, never an engine's name. Pure: no
+torch."""
+
 from dataclasses import dataclass
 
-from vit.core.errors import ConfigError
 from vit.core.costs import (
     CUBLAS_BYTES,
     ELEMENT_BYTES,
@@ -19,9 +20,11 @@ from vit.core.costs import (
     Rank,
     Workload,
 )
+from vit.core.errors import ConfigError
 
 PRECISIONS_WITH_FP16 = ("bf16", "fp16", "fp32")
-BF16_NATIVE = (8, 0)  # Ampere: sm_70/75 emulate bf16, which torch.cuda.is_bf16_supported() also calls supported
+# Ampere: sm_70/75 emulate bf16, which torch.cuda.is_bf16_supported() also calls supported
+BF16_NATIVE = (8, 0)
 FP16_FAST = (7, 0)  # Volta: tensor cores; older cards run fp16 far slower than fp32
 HALF_WIRES = ("fp16", "bf16", "comm-bf16")  # compressions that send gradients in 2 bytes an element
 
@@ -31,18 +34,25 @@ class EngineSpec:
     name: str  # --engine
     module: str  # the module whose build(ctx) makes it (torch is imported there, not here)
     pipeline: bool  # cuts the layer list into --pipeline-stages stages, each rank holding one
-    deepspeed: bool  # a DeepSpeed engine: its JSON's ZeRO and communication_data_type sections apply
-    zero_stage: int | None  # the ZeRO stage it always runs at (0: no ZeRO sharding); None: the DeepSpeed JSON's
-    zero_stages: tuple[int, ...]  # JSON zero_optimization.stage values it runs with; another is refused by a
+    # a DeepSpeed engine: its JSON's ZeRO and communication_data_type sections apply
+    deepspeed: bool
+    # the ZeRO stage it always runs at (0: no ZeRO sharding); None: the DeepSpeed JSON's
+    zero_stage: int | None
+    # JSON zero_optimization.stage values it runs with; another is refused by a
+    zero_stages: tuple[int, ...]
     #                               pipeline, ignored with a warning by an engine without ZeRO
     fp16: bool  # has an fp16 loss scaler (else it trains in bf16 or fp32)
     freeze: bool  # --freeze can rebuild it on a longer frozen prefix
-    async_schedule: bool  # 1F1B without a flush: --async-update-interval, --weight-stashing, --weight-prediction
+    # 1F1B without a flush: --async-update-interval, --weight-stashing, --weight-prediction
+    async_schedule: bool
     #                       and --pipe-wire-dtype apply
-    micro_batch_auto: bool  # --micro-batch-size auto can measure it (every rank holding the whole model)
+    # --micro-batch-size auto can measure it (every rank holding the whole model)
+    micro_batch_auto: bool
     default_ds_config: str  # under deepspeed_configs/, when no --ds-config is given
-    comm_hooks: bool  # --comm-hook: torch's DDP communication hooks compress its gradient all-reduce
-    autocast: bool  # trains fp32 weights under torch.autocast (else the model is cast to the half dtype)
+    # --comm-hook: torch's DDP communication hooks compress its gradient all-reduce
+    comm_hooks: bool
+    # trains fp32 weights under torch.autocast (else the model is cast to the half dtype)
+    autocast: bool
 
     # --- the options and precisions it takes
 
@@ -52,7 +62,8 @@ class EngineSpec:
         return PRECISIONS_WITH_FP16 if self.fp16 else ("bf16", "fp32")
 
     def zero_stage_of(self, ds_config: dict) -> int:
-        """The ZeRO stage a run with this resolved DeepSpeed JSON trains at (0 for an engine without ZeRO)."""
+        """The ZeRO stage a run with this resolved DeepSpeed JSON trains at (0 for an engine without
+        ZeRO)."""
         if self.zero_stage is not None:
             return self.zero_stage
         return ds_config.get("zero_optimization", {}).get("stage", 0)
@@ -60,16 +71,20 @@ class EngineSpec:
     def check_precision(self, requested: str | None) -> None:
         """Before the process group: a precision it cannot train in at all is one ConfigError."""
         if requested == "fp16" and not self.fp16:
-            raise ConfigError(f"--engine {self.name} trains in fp32 or bf16 (it has no fp16 loss scaler); pass "
-                              "--precision bf16 or fp32 (or a --ds-config without fp16)")
+            raise ConfigError(
+                f"--engine {self.name} trains in fp32 or bf16 (it has no fp16 loss "
+                f"scaler); pass "
+                "--precision bf16 or fp32 (or a --ds-config without fp16)"
+            )
 
     def fp16_on_gpu(self, deepspeed_allows: bool) -> bool:
-        """Whether fp16 runs under it on a CUDA card whose fp16 DeepSpeed's accelerator allows or not (torch's
-        autocast: on every card; whether it trains in it is `precisions`)."""
+        """Whether fp16 runs under it on a CUDA card whose fp16 DeepSpeed's accelerator allows or
+        not (torch's autocast: on every card; whether it trains in it is `precisions`)."""
         return True
 
     def fp16_hint(self, capabilities: list[tuple[int, int]]) -> str:
-        """Why fp16 is refused on cards of these compute capabilities, and what runs it ('' : nothing to add)."""
+        """Why fp16 is refused on cards of these compute capabilities, and what runs it ('' :
+        nothing to add)."""
         return ""
 
     # --- its names
@@ -97,7 +112,8 @@ class EngineSpec:
     # --- its DeepSpeed JSON
 
     def default_config(self, zero_stage: int) -> dict:
-        """Its default DeepSpeed JSON at `zero_stage`, for the memory and cost rules ({}: it reads none of it)."""
+        """Its default DeepSpeed JSON at `zero_stage`, for the memory and cost rules ({}: it reads
+        none of it)."""
         return {}
 
     def config_for(self, zero_stage: int, stages: int, world_size: int) -> str | None:
@@ -107,8 +123,8 @@ class EngineSpec:
     # --- compression
 
     def compressions(self, precision: str) -> tuple[str, ...]:
-        """What it can compress its communication with; an option that changes nothing at this precision is left
-        out."""
+        """What it can compress its communication with; an option that changes nothing at this
+        precision is left out."""
         return ("none",)
 
     def compression_of(self, settings, ds_config: dict) -> str:
@@ -116,15 +132,22 @@ class EngineSpec:
         return "none"
 
     def compression_options(self, compression: str) -> tuple[dict, dict]:
-        """(the settings, the DeepSpeed JSON keys) that ask for `compression`, as a command line would."""
+        """(the settings, the DeepSpeed JSON keys) that ask for `compression`, as a command line
+        would."""
         return {}, {}
 
     # --- memory
 
-    def state_bytes(self, precision: str, ds_config: dict, dp_size: int = 1, stashed_copies: int = 0,
-                    compression: str = "none") -> dict[str, float]:
-        """Bytes per parameter one rank holds for the model's state (not activations), by what holds them.
-        `stashed_copies`: weight copies kept for micro-batches in flight."""
+    def state_bytes(
+        self,
+        precision: str,
+        ds_config: dict,
+        dp_size: int = 1,
+        stashed_copies: int = 0,
+        compression: str = "none",
+    ) -> dict[str, float]:
+        """Bytes per parameter one rank holds for the model's state (not activations), by what holds
+        them. `stashed_copies`: weight copies kept for micro-batches in flight."""
         raise NotImplementedError
 
     def bucket_bytes(self, ds_config: dict, precision: str) -> float:
@@ -132,29 +155,42 @@ class EngineSpec:
         return 0.0
 
     def reserved_bytes(self, ds_config: dict, precision: str) -> float:
-        """What a GPU rank keeps free beside a plan: NCCL's buffers, cuBLAS's workspaces and bucket_bytes."""
+        """What a GPU rank keeps free beside a plan: NCCL's buffers, cuBLAS's workspaces and
+        bucket_bytes."""
         return NCCL_BYTES + CUBLAS_BYTES + self.bucket_bytes(ds_config, precision)
 
     def capacity(self, rank: Rank, zero_stage: int, precision: str) -> float:
         """What a candidate may fill on `rank`: its usable memory less a GPU's reserved_bytes."""
-        reserved = self.reserved_bytes(self.default_config(zero_stage), precision) if rank.gpu else 0.0
+        reserved = (
+            self.reserved_bytes(self.default_config(zero_stage), precision) if rank.gpu else 0.0
+        )
         return rank.capacity_bytes - reserved
 
-    def per_param_bytes(self, c: Candidate, work: Workload, dp_size: int, stashed_copies: int = 0) -> float:
-        return sum(self.state_bytes(work.precision, self.default_config(c.zero_stage), dp_size,
-                                    stashed_copies=stashed_copies).values())
+    def per_param_bytes(
+        self, c: Candidate, work: Workload, dp_size: int, stashed_copies: int = 0
+    ) -> float:
+        return sum(
+            self.state_bytes(
+                work.precision,
+                self.default_config(c.zero_stage),
+                dp_size,
+                stashed_copies=stashed_copies,
+            ).values()
+        )
 
     # --- communication
 
     def grad_bytes(self, work: Workload, layers: tuple[Layer, ...], compression: str) -> float:
-        """Bytes of `layers`' gradients one all-reduce sends (before the ring's 2(n-1)/n): an engine that autocasts
-        keeps fp32 gradients, the others the precision's; fp16/bf16 halve fp32."""
+        """Bytes of `layers`' gradients one all-reduce sends (before the ring's 2(n-1)/n): an engine
+        that autocasts keeps fp32 gradients, the others the precision's; fp16/bf16 halve fp32."""
         per = TORCH_GRAD_BYTES if self.autocast else ELEMENT_BYTES[work.precision]
         if compression in HALF_WIRES:
             per = min(per, 2)
         return sum(layer.params for layer in layers) * per
 
-    def predict(self, c: Candidate, ranks: list[Rank], net: Network, work: Workload,
-                calib: Calibration) -> Prediction:
-        """The candidate's step on these ranks and links: compute, link, bubble, fixed costs and memory."""
+    def predict(
+        self, c: Candidate, ranks: list[Rank], net: Network, work: Workload, calib: Calibration
+    ) -> Prediction:
+        """The candidate's step on these ranks and links: compute, link, bubble, fixed costs and
+        memory."""
         raise NotImplementedError

@@ -5,6 +5,7 @@ batches. Data-parallel rank r takes its micro-batches out of each global batch. 
 with the whole global batch therefore sees the same samples in the same steps as any data-parallel
 run, and resuming at step k needs no sampler state.
 """
+
 import os
 import pickle
 from dataclasses import dataclass
@@ -15,9 +16,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
+from vit.core.errors import ConfigError
 from vit.core.settings import DATASETS, DataSettings
 from vit.data.imagefolder import load_imagefolder
-from vit.core.errors import ConfigError
 
 READS_DATA_PATH = ("cifar10", "cifar100", "imagefolder")
 PAD_LABEL = -100  # evaluation padding, ignored by the loss and by top-1
@@ -32,8 +33,10 @@ class DataSplit:
     img_size: int
     mean: tuple = (0.485, 0.456, 0.406)  # the normalisation the images got, for --export's config
     std: tuple = (0.229, 0.224, 0.225)
-    raw_train: Dataset | None = None  # the training images as PIL images, for timm's augmentation (vit.data.augment)
-    default_scale: tuple | None = None  # the random-resized-crop scale when --scale is not given (vit.data.augment)
+    # the training images as PIL images, for timm's augmentation (vit.data.augment)
+    raw_train: Dataset | None = None
+    # the random-resized-crop scale when --scale is not given (vit.data.augment)
+    default_scale: tuple | None = None
 
 
 def _normalize(x: np.ndarray, mean, std) -> torch.Tensor:
@@ -43,22 +46,35 @@ def _normalize(x: np.ndarray, mean, std) -> torch.Tensor:
 
 
 def load_digits() -> DataSplit:
-    """scikit-learn's 1,797 handwritten digits (8x8, 17 grey levels); a fixed, stratified 80/20 split."""
+    """scikit-learn's 1,797 handwritten digits (8x8, 17 grey levels); a fixed, stratified 80/20
+    split."""
     from sklearn.datasets import load_digits as sk_digits
     from sklearn.model_selection import train_test_split
 
     d = sk_digits()
     x = d.images.astype(np.float32)[:, None] / 16.0
-    x_tr, x_te, y_tr, y_te = train_test_split(x, d.target, test_size=0.2, random_state=0, stratify=d.target)
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        x, d.target, test_size=0.2, random_state=0, stratify=d.target
+    )
     mean, std = float(x_tr.mean()), float(x_tr.std())
 
     def tensors(x, y):
         return TensorDataset(_normalize(x, [mean], [std]), torch.from_numpy(y).long())
 
     raw = PILImages(np.round(x_tr * 255).astype(np.uint8), y_tr)
-    # A crop of 95-100% of the area, resized back: +2.5 points of top-1 on the default job (docs/benchmarks.md).
-    return DataSplit(tensors(x_tr, y_tr), tensors(x_te, y_te), num_classes=10, in_chans=1, img_size=8,
-                     mean=(mean,), std=(std,), raw_train=raw, default_scale=(0.95, 1.0))
+    # A crop of 95-100% of the area, resized back: +2.5 points of top-1 on the default job
+    # (docs/benchmarks.md).
+    return DataSplit(
+        tensors(x_tr, y_tr),
+        tensors(x_te, y_te),
+        num_classes=10,
+        in_chans=1,
+        img_size=8,
+        mean=(mean,),
+        std=(std,),
+        raw_train=raw,
+        default_scale=(0.95, 1.0),
+    )
 
 
 class _UInt8Images(Dataset):
@@ -87,21 +103,37 @@ class PILImages(Dataset):
 
     def __getitem__(self, i):
         img = self.images[i]
-        img = Image.fromarray(img[0]) if img.shape[0] == 1 else Image.fromarray(img.transpose(1, 2, 0))
+        img = (
+            Image.fromarray(img[0])
+            if img.shape[0] == 1
+            else Image.fromarray(img.transpose(1, 2, 0))
+        )
         return img, int(self.labels[i])
 
 
 CIFAR = {  # folder inside --data-path, training files, test file, label key, mean, std
-    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], "test_batch", b"labels",
-                (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": ("cifar-100-python", ["train"], "test", b"fine_labels",
-                 (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "cifar10": (
+        "cifar-10-batches-py",
+        [f"data_batch_{i}" for i in range(1, 6)],
+        "test_batch",
+        b"labels",
+        (0.4914, 0.4822, 0.4465),
+        (0.2470, 0.2435, 0.2616),
+    ),
+    "cifar100": (
+        "cifar-100-python",
+        ["train"],
+        "test",
+        b"fine_labels",
+        (0.5071, 0.4865, 0.4409),
+        (0.2673, 0.2564, 0.2762),
+    ),
 }
 
 
 def load_cifar(name: str, data_path: str, download: bool, norm: tuple | None = None) -> DataSplit:
-    """CIFAR in the standard python pickle batch format (as published, and as torchvision saves it), normalised
-    with `norm` (mean, std) when given, else with CIFAR's own statistics."""
+    """CIFAR in the standard python pickle batch format (as published, and as torchvision saves it),
+    normalised with `norm` (mean, std) when given, else with CIFAR's own statistics."""
     folder, train_files, test_file, label_key, mean, std = CIFAR[name]
     mean, std = norm or (mean, std)
     root = Path(data_path)
@@ -113,8 +145,11 @@ def load_cifar(name: str, data_path: str, download: bool, norm: tuple | None = N
         getattr(datasets, name.upper())(str(root.parent), download=True)
     missing = [f for f in [*train_files, test_file] if not (root / f).is_file()]
     if missing:
-        raise ConfigError(f"{name}: {root} lacks {', '.join(missing)} (python pickle batches; pass --download to "
-                          "fetch)")
+        raise ConfigError(
+            f"{name}: {root} lacks {', '.join(missing)} (python pickle batches; pass "
+            f"--download to "
+            "fetch)"
+        )
 
     def read(files):
         xs, ys = [], []
@@ -126,9 +161,16 @@ def load_cifar(name: str, data_path: str, download: bool, norm: tuple | None = N
         return np.concatenate(xs), np.concatenate(ys)
 
     (x_tr, y_tr), (x_te, y_te) = read(train_files), read([test_file])
-    return DataSplit(_UInt8Images(x_tr, y_tr, mean, std), _UInt8Images(x_te, y_te, mean, std),
-                     num_classes=100 if name == "cifar100" else 10, in_chans=3, img_size=32, mean=mean, std=std,
-                     raw_train=PILImages(x_tr, y_tr))
+    return DataSplit(
+        _UInt8Images(x_tr, y_tr, mean, std),
+        _UInt8Images(x_te, y_te, mean, std),
+        num_classes=100 if name == "cifar100" else 10,
+        in_chans=3,
+        img_size=32,
+        mean=mean,
+        std=std,
+        raw_train=PILImages(x_tr, y_tr),
+    )
 
 
 class _Synthetic(Dataset):
@@ -147,7 +189,8 @@ class _Synthetic(Dataset):
 
 
 def infer_dataset(data_path: str) -> str | None:
-    """The data set a --data-path folder holds, from its layout: CIFAR's pickle folders or train/ and val/."""
+    """The data set a --data-path folder holds, from its layout: CIFAR's pickle folders or train/
+    and val/."""
     root = Path(data_path)
     for name, (folder, *_rest) in CIFAR.items():
         if root.name == folder or (root / folder).is_dir():
@@ -158,28 +201,46 @@ def infer_dataset(data_path: str) -> str | None:
 
 
 def dataset_for(data: DataSettings) -> tuple[str, str | None]:
-    """(data set, note): --dataset as given, or inferred from --data-path, else digits; a --data-path that the data
-    set would not read is an error, never ignored."""
+    """(data set, note): --dataset as given, or inferred from --data-path, else digits; a
+    --data-path that the data set would not read is an error, never ignored."""
     if data.data_path is None:
         return data.dataset or "digits", None
     if data.dataset in READS_DATA_PATH:
         return data.dataset, None
     if data.dataset:
-        raise ConfigError(f"--data-path {data.data_path}: --dataset {data.dataset} reads no files; use "
-                          f"--dataset {' / '.join(READS_DATA_PATH)}, or leave --data-path out")
+        raise ConfigError(
+            f"--data-path {data.data_path}: --dataset {data.dataset} reads no files; "
+            f"use "
+            f"--dataset {' / '.join(READS_DATA_PATH)}, or leave --data-path out"
+        )
     inferred = infer_dataset(data.data_path)
     if inferred is None:
-        raise ConfigError(f"--data-path {data.data_path}: not a CIFAR folder (cifar-10-batches-py/, "
-                          "cifar-100-python/) nor an image folder (train/ and val/); pass --dataset")
-    return inferred, f"--data-path {data.data_path} holds {inferred}: training on it (--dataset {inferred})"
+        raise ConfigError(
+            f"--data-path {data.data_path}: not a CIFAR folder "
+            f"(cifar-10-batches-py/, "
+            "cifar-100-python/) nor an image folder (train/ and val/); pass "
+            "--dataset"
+        )
+    return (
+        inferred,
+        f"--data-path {data.data_path} holds {inferred}: training on it (--dataset {inferred})",
+    )
 
 
-def load_dataset(name: str, data_path: str | None, img_size: int, download: bool = False,
-                 synthetic_size: int = 2048, seed: int = 0, norm: tuple | None = None) -> DataSplit:
-    """`norm`: the (mean, std) of pretrained weights (vit.model.weights.pretrained_norm), for the RGB data sets; digits
-    and synthetic keep their own."""
+def load_dataset(
+    name: str,
+    data_path: str | None,
+    img_size: int,
+    download: bool = False,
+    synthetic_size: int = 2048,
+    seed: int = 0,
+    norm: tuple | None = None,
+) -> DataSplit:
+    """`norm`: the (mean, std) of pretrained weights (vit.model.weights.pretrained_norm), for the
+    RGB data sets; digits and synthetic keep their own."""
     if norm is not None:
-        norm = tuple(tuple(v) * 3 if len(v) == 1 else tuple(v) for v in norm)  # a grey model's, on RGB images
+        # a grey model's, on RGB images
+        norm = tuple(tuple(v) * 3 if len(v) == 1 else tuple(v) for v in norm)
     if name == "digits":
         return load_digits()
     if name in CIFAR:
@@ -189,11 +250,26 @@ def load_dataset(name: str, data_path: str | None, img_size: int, download: bool
             raise ConfigError("imagefolder needs --data-path DATA (with DATA/train and DATA/val)")
         mean, std = norm or (DataSplit.mean, DataSplit.std)  # ImageNet's statistics
         train, test, raw = load_imagefolder(data_path, img_size, mean, std)
-        return DataSplit(train, test, num_classes=len(train.classes), in_chans=3, img_size=img_size, mean=mean,
-                         std=std, raw_train=raw)
+        return DataSplit(
+            train,
+            test,
+            num_classes=len(train.classes),
+            in_chans=3,
+            img_size=img_size,
+            mean=mean,
+            std=std,
+            raw_train=raw,
+        )
     if name == "synthetic":
-        return DataSplit(_Synthetic(synthetic_size, img_size, 10, seed), _Synthetic(256, img_size, 10, seed + 1),
-                         num_classes=10, in_chans=3, img_size=img_size, mean=(0.0,) * 3, std=(1.0,) * 3)
+        return DataSplit(
+            _Synthetic(synthetic_size, img_size, 10, seed),
+            _Synthetic(256, img_size, 10, seed + 1),
+            num_classes=10,
+            in_chans=3,
+            img_size=img_size,
+            mean=(0.0,) * 3,
+            std=(1.0,) * 3,
+        )
     raise ConfigError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
 
 
@@ -205,26 +281,42 @@ class TrainBatches(Sampler):
     """Index lists of this rank's micro-batches, step after step, from `start_step` to `end_step`.
 
     Global batch k is cut into grad_accum chunks, one per micro-step; data-parallel rank r takes its
-    micro-batch out of each chunk, after those of ranks 0..r-1. `sizes` gives every rank's micro-batch
-    when they differ (--batch-split proportional); by default all are `micro_batch`. keyed: sample i of step k
-    is asked for as k x N + i (vit.data.augment.Augmented); partners: each micro-batch is followed by its mixup
-    partners (vit.data.augment.Mixed).
+    micro-batch out of each chunk, after those of ranks 0..r-1. `sizes` gives every rank's
+    micro-batch when they differ (--batch-split proportional); by default all are `micro_batch`.
+    keyed: sample i of step k is asked for as k x N + i (vit.data.augment.Augmented); partners: each
+    micro-batch is followed by its mixup partners (vit.data.augment.Mixed).
     """
 
-    def __init__(self, num_samples: int, micro_batch: int, grad_accum: int, dp_rank: int, dp_size: int,
-                 seed: int, start_step: int, end_step: int, sizes: list[int] | None = None, keyed: bool = False,
-                 partners: bool = False):
+    def __init__(
+        self,
+        num_samples: int,
+        micro_batch: int,
+        grad_accum: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        start_step: int,
+        end_step: int,
+        sizes: list[int] | None = None,
+        keyed: bool = False,
+        partners: bool = False,
+    ):
         self.sizes = sizes or [micro_batch] * dp_size
         self.global_batch = sum(self.sizes) * grad_accum
         self.per_epoch = steps_per_epoch(num_samples, self.global_batch)
         if self.per_epoch == 0:
-            raise ConfigError(f"global batch {self.global_batch} is larger than the {num_samples} training samples")
+            raise ConfigError(
+                f"global batch {self.global_batch} is larger than the {num_samples} "
+                f"training samples"
+            )
         self.n, self.grad_accum, self.r = num_samples, grad_accum, dp_rank
         self.seed, self.start, self.end = seed, start_step, end_step
         self.keyed, self.partners = keyed, partners
 
     def _perm(self, epoch: int) -> torch.Tensor:
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
+        return torch.randperm(
+            self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch)
+        )
 
     def __iter__(self):
         perm, perm_epoch = None, -1
@@ -232,13 +324,14 @@ class TrainBatches(Sampler):
             epoch, pos = divmod(step, self.per_epoch)
             if epoch != perm_epoch:
                 perm, perm_epoch = self._perm(epoch), epoch
-            batch = perm[pos * self.global_batch:(pos + 1) * self.global_batch]
+            batch = perm[pos * self.global_batch : (pos + 1) * self.global_batch]
             chunk, mine = sum(self.sizes), self.sizes[self.r]
             for j in range(self.grad_accum):
-                first = j * chunk + sum(self.sizes[:self.r])
-                idx = batch[first:first + mine]
-                if self.partners:  # then mixup's partners (global positions G-1-p), in reverse: see vit.data.augment
-                    idx = torch.cat([idx, batch.flip(0)[first:first + mine].flip(0)])
+                first = j * chunk + sum(self.sizes[: self.r])
+                idx = batch[first : first + mine]
+                # then mixup's partners (global positions G-1-p), in reverse: see vit.data.augment
+                if self.partners:
+                    idx = torch.cat([idx, batch.flip(0)[first : first + mine].flip(0)])
                 yield (idx + step * self.n if self.keyed else idx).tolist()
 
     def __len__(self):
@@ -246,8 +339,8 @@ class TrainBatches(Sampler):
 
 
 class _Padded(Dataset):
-    """Index -1 is a padding sample: zeros with PAD_LABEL. The DataLoader fetches a batch at a time (__getitems__),
-    and so does the data set below where it can (vit.data.augment.Augmented)."""
+    """Index -1 is a padding sample: zeros with PAD_LABEL. The DataLoader fetches a batch at a time
+    (__getitems__), and so does the data set below where it can (vit.data.augment.Augmented)."""
 
     def __init__(self, ds: Dataset):
         self.ds, self.pad = ds, torch.zeros_like(ds[0][0])
@@ -268,29 +361,35 @@ def fetch(ds: Dataset, keys: list[int]) -> list:
 def eval_batches(num_samples: int, micro_batch: int, dp_rank: int, dp_size: int) -> list[list[int]]:
     """This rank's share (r, r + dp, ...) in full micro-batches, padded with -1.
 
-    Every rank gets the same number of micro-batches: ZeRO-3 and the pipeline need every rank to run every forward.
+    Every rank gets the same number of micro-batches: ZeRO-3 and the pipeline need every rank to run
+    every forward.
     """
     mine = list(range(dp_rank, num_samples, dp_size))
     per_rank = -(-num_samples // dp_size)
     count = -(-per_rank // micro_batch)
     mine += [-1] * (count * micro_batch - len(mine))
-    return [mine[i * micro_batch:(i + 1) * micro_batch] for i in range(count)]
+    return [mine[i * micro_batch : (i + 1) * micro_batch] for i in range(count)]
 
 
 def make_loader(ds: Dataset, batches, workers: int, pin_memory: bool) -> DataLoader:
-    """A DataLoader over precomputed index lists (a Sampler or a list of lists); its workers, if any, persist
-    from one pass to the next (the evaluation loader is reused)."""
-    return DataLoader(_Padded(ds), batch_sampler=batches, num_workers=workers, pin_memory=pin_memory,
-                      persistent_workers=workers > 0)
+    """A DataLoader over precomputed index lists (a Sampler or a list of lists); its workers, if
+    any, persist from one pass to the next (the evaluation loader is reused)."""
+    return DataLoader(
+        _Padded(ds),
+        batch_sampler=batches,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+    )
 
 
 MAX_GPU_WORKERS = 4
 
 
 def loader_workers(requested: int | None, device_type: str, cores: int) -> int:
-    """--workers, or by default: none on a CPU (its cores train the model, and CPU runs stay as they were); on a
-    GPU up to MAX_GPU_WORKERS, leaving one of the rank's cores (`cores`: vit.runtime.dist_env.rank_cores) to the
-    loop."""
+    """--workers, or by default: none on a CPU (its cores train the model, and CPU runs stay as they
+    were); on a GPU up to MAX_GPU_WORKERS, leaving one of the rank's cores (`cores`:
+    vit.runtime.dist_env.rank_cores) to the loop."""
     if requested is not None:
         return requested
     return min(MAX_GPU_WORKERS, max(1, cores - 1)) if device_type == "cuda" else 0

@@ -1,10 +1,13 @@
-"""ImageNet-style image folders, DATA/train/<class>/ and DATA/val/<class>/, through torchvision's ImageFolder.
+"""ImageNet-style image folders, DATA/train/<class>/ and DATA/val/<class>/, through torchvision's
+ImageFolder.
 
-A damaged image is refused at the start, not met mid-run: every file's header is read with PIL (Image.open
-identifies the format and size from the first bytes, without decoding), and any file that is not an image stops
-the run in one line naming it. That costs about 30 us an image from the page cache (3,000 small PNGs: 0.09 s;
-ImageNet's 1.3 million, about 40 s), more from a cold disk. A file whose header is sound but whose data is cut
-short passes that check; reading it fails the run mid-way, naming the file (read_rgb)."""
+A damaged image is refused at the start, not met mid-run: every file's header is read with PIL
+(Image.open identifies the format and size from the first bytes, without decoding), and any file
+that is not an image stops the run in one line naming it. That costs about 30 us an image from the
+page cache (3,000 small PNGs: 0.09 s; ImageNet's 1.3 million, about 40 s), more from a cold disk. A
+file whose header is sound but whose data is cut short passes that check; reading it fails the run
+mid-way, naming the file (read_rgb)."""
+
 from pathlib import Path
 
 from PIL import Image
@@ -28,7 +31,9 @@ def _header_problem(path: str) -> str | None:
         with Image.open(path):
             return None
     except OSError as e:  # UnidentifiedImageError too
-        return type(e).__name__ if "cannot identify image file" in str(e) else str(e).splitlines()[0]
+        return (
+            type(e).__name__ if "cannot identify image file" in str(e) else str(e).splitlines()[0]
+        )
 
 
 def check_images(root: Path, paths: list[str]) -> None:
@@ -37,30 +42,44 @@ def check_images(root: Path, paths: list[str]) -> None:
     if bad:
         named = ", ".join(f"{Path(p).relative_to(root)} ({why})" for p, why in bad[:SHOWN])
         more = f" and {len(bad) - SHOWN} more" if len(bad) > SHOWN else ""
-        raise ConfigError(f"imagefolder: {len(bad)} of the {len(paths)} files under {root} are not images PIL can "
-                          f"read: {named}{more}; remove or replace them (every image's header is checked before "
-                          "training)")
+        raise ConfigError(
+            f"imagefolder: {len(bad)} of the {len(paths)} files under {root} are not "
+            f"images PIL can "
+            f"read: {named}{more}; remove or replace them (every image's header is "
+            f"checked before "
+            "training)"
+        )
 
 
 def load_imagefolder(data_path: str, img_size: int, mean: tuple, std: tuple) -> tuple:
-    """ImageNet-style tree: DATA/train/<class>/*.jpg and DATA/val/<class>/*.jpg. (the training set, the validation
-    set), normalised with (mean, std), and the training images as they are, for augmentation
-    (vit.data.datasets.DataSplit)."""
+    """ImageNet-style tree: DATA/train/<class>/*.jpg and DATA/val/<class>/*.jpg. (the training set,
+    the validation set), normalised with (mean, std), and the training images as they are, for
+    augmentation (vit.data.datasets.DataSplit)."""
     from torchvision import datasets, transforms
 
     root = Path(data_path)
     splits = [root / "train", root / "val"]
     for s in splits:
         if not s.is_dir():
-            raise ConfigError(f"imagefolder: {s} is not a folder (expected DATA/train/<class>/ and DATA/val/<class>/)")
-    tf = transforms.Compose([
-        transforms.Resize(int(img_size * 1.14)), transforms.CenterCrop(img_size), transforms.ToTensor(),
-        transforms.Normalize(mean, std),
-    ])
+            raise ConfigError(
+                f"imagefolder: {s} is not a folder (expected DATA/train/<class>/ and "
+                f"DATA/val/<class>/)"
+            )
+    tf = transforms.Compose(
+        [
+            transforms.Resize(int(img_size * 1.14)),
+            transforms.CenterCrop(img_size),
+            transforms.ToTensor(),
+            transforms.Normalize(mean, std),
+        ]
+    )
     try:
         train, test = (datasets.ImageFolder(str(s), transform=tf, loader=read_rgb) for s in splits)
     except FileNotFoundError as e:  # torchvision: no class folder, or no image in any of them
-        raise ConfigError(f"imagefolder: {str(e).splitlines()[0]} (expected DATA/<split>/<class>/*.jpg, .png, ...)")
+        raise ConfigError(
+            f"imagefolder: {str(e).splitlines()[0]} (expected "
+            f"DATA/<split>/<class>/*.jpg, .png, ...)"
+        )
     if train.classes != test.classes:
         raise ConfigError(f"imagefolder: the class folders of {splits[0]} and {splits[1]} differ")
     check_images(root, [p for ds in (train, test) for p, _label in ds.samples])

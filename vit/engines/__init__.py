@@ -1,19 +1,24 @@
-"""Training engines, one module each, behind one interface (vit.engines.base.Engine), each declared with what it
-supports in vit.engines.registry:
+"""Training engines, one module each, behind one interface (vit.engines.base.Engine), each declared
+with what it supports in vit.engines.registry:
 
     engine = build(name, ctx)          # ctx: EngineContext
     loss = engine.train_step(batches)  # one optimizer step; this rank's share of the loss, no host sync
     engine.mean_loss(loss); engine.evaluate(batches); engine.save(...); engine.load(...); engine.breakdown(steps)
     rebuilt.take_over(engine.handover())  # --freeze: an engine on other trainable layers goes on (vit.freeze.freezer)
 
-Nothing outside this package and vit.config.compat knows which engine runs: the rest asks the engine's spec.
-Importing the
-package is light (the registry needs no torch); Engine, EngineContext and build load on first use.
+Nothing outside this package and vit.config.compat knows which engine runs: the rest asks the
+engine's spec. Importing the package is light (the registry needs no torch); Engine, EngineContext
+and build load on first use.
 """
+
 import importlib
 
 __all__ = ["Engine", "EngineContext", "build"]
-_WHERE = {"Engine": "vit.engines.base", "EngineContext": "vit.engines.base", "build": "vit.engines.registry"}
+_WHERE = {
+    "Engine": "vit.engines.base",
+    "EngineContext": "vit.engines.base",
+    "build": "vit.engines.registry",
+}
 
 
 def __getattr__(name: str):

@@ -1,5 +1,6 @@
-"""The engine contract: what the training loop sees of ZeRO, the pipeline or DDP (in the manner of Lightning's
-Strategy), with evaluation written once for all of them."""
+"""The engine contract: what the training loop sees of ZeRO, the pipeline or DDP (in the manner of
+Lightning's Strategy), with evaluation written once for all of them."""
+
 import contextlib
 import os
 from abc import ABC, abstractmethod
@@ -19,26 +20,32 @@ from vit.loop.stats import PhaseTimer
 @dataclass(frozen=True)
 class EngineContext:
     """What an engine is built from."""
+
     layers: list[nn.Module]  # the network as a flat list (vit.model.layers.build_layers)
-    ds_config: dict  # the resolved DeepSpeed JSON (ddp reads its batch, precision, loss scale and clipping)
+    # the resolved DeepSpeed JSON (ddp reads its batch, precision, loss scale and clipping)
+    ds_config: dict
     batch: Batch
     device: torch.device
     optim: OptimSettings
     total_steps: int  # for the LR schedule
     precision: str  # fp32, fp16 or bf16, as every rank agreed
     pipeline_stages: int = 1
-    partition: str = "parameters"  # pipeline: DeepSpeed's partition_method, or "balanced" with `parts`
+    # pipeline: DeepSpeed's partition_method, or "balanced" with `parts`
+    partition: str = "parameters"
     parts: list[int] | None = None  # pipeline stage boundaries for --partition balanced
-    loss_weight: float = 1.0  # this rank's micro-batch x data-parallel size / the micro-step's samples
+    # this rank's micro-batch x data-parallel size / the micro-step's samples
+    loss_weight: float = 1.0
     smoothing: float = 0.0  # --smoothing, for hard labels (mixup's soft targets carry their own)
-    asynchrony: AsyncSettings = AsyncSettings()  # --engine async-pipeline's update interval, stashing, prediction
+    # --engine async-pipeline's update interval, stashing, prediction
+    asynchrony: AsyncSettings = AsyncSettings()
     compile: bool = False  # --compile: torch.compile the module this rank trains
     comm: CommSettings = CommSettings()  # --comm-hook and PowerSGD's options (--engine ddp)
 
 
 class Engine(ABC):
-    """One optimizer step at a time over this rank's micro-batches; nothing outside vit.engines knows which
-    engine runs. A subclass sets device, dp_rank, dp_size, timer (a PhaseTimer) and reads_data."""
+    """One optimizer step at a time over this rank's micro-batches; nothing outside vit.engines
+    knows which engine runs. A subclass sets device, dp_rank, dp_size, timer (a PhaseTimer) and
+    reads_data."""
 
     device: torch.device
     dp_rank: int  # this rank's data-parallel index and the number of data-parallel copies
@@ -49,19 +56,29 @@ class Engine(ABC):
     grad_accum: int  # micro-batches per step on each data-parallel copy
     ema = None  # a vit.loop.ema.Ema when --model-ema is on
     optimizer: torch.optim.Optimizer
-    dtype: torch.dtype | None = None  # engines that autocast themselves (ddp, async-pipeline): the half dtype
+    # engines that autocast themselves (ddp, async-pipeline): the half dtype
+    dtype: torch.dtype | None = None
 
     def autocast(self):
-        """Autocast to `dtype` where the engine trains in half precision by autocast; a no-op elsewhere."""
-        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
-    layout = None  # a pipeline's stages (vit.core.layout.Layout), which --freeze may re-plan; None without stages
+        """Autocast to `dtype` where the engine trains in half precision by autocast; a no-op
+        elsewhere."""
+        return (
+            torch.autocast(self.device.type, dtype=self.dtype)
+            if self.dtype
+            else contextlib.nullcontext()
+        )
+
+    # a pipeline's stages (vit.core.layout.Layout), which --freeze may re-plan; None without stages
+    layout = None
 
     @abstractmethod
     def live_module(self) -> nn.Module:
-        """The module this rank trains, its state dict keyed '<layer index>.<name>' (the layers it holds)."""
+        """The module this rank trains, its state dict keyed '<layer index>.<name>' (the layers it
+        holds)."""
 
     def gathered(self, modifier_rank: int | None = None):
-        """A context in which live_module()'s parameters are whole (ZeRO-3 gathers them; elsewhere they are)."""
+        """A context in which live_module()'s parameters are whole (ZeRO-3 gathers them; elsewhere
+        they are)."""
         return contextlib.nullcontext()
 
     def layer_state(self) -> dict | None:
@@ -76,7 +93,8 @@ class Engine(ABC):
 
     @abstractmethod
     def train_step(self, batches: Iterator) -> torch.Tensor:
-        """One optimizer step over grad_accum micro-batches; this rank's share of the loss (no host sync)."""
+        """One optimizer step over grad_accum micro-batches; this rank's share of the loss (no host
+        sync)."""
 
     @abstractmethod
     def eval_logits(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -91,29 +109,34 @@ class Engine(ABC):
         """Collective: restore from load_dir/tag; returns the client state saved with it."""
 
     def handover(self) -> dict:
-        """Collective: what an engine rebuilt on the same weights continues from (--freeze): each trainable
-        parameter's optimizer state by name, whole on every rank, the LR schedule's position, the loss scaler."""
+        """Collective: what an engine rebuilt on the same weights continues from (--freeze): each
+        trainable parameter's optimizer state by name, whole on every rank, the LR schedule's
+        position, the loss scaler."""
         raise NotImplementedError(f"{type(self).__name__} cannot be rebuilt in place")
 
     def take_over(self, state: dict) -> None:
-        """Continue from another engine's handover(): the parameters it no longer trains are left out."""
+        """Continue from another engine's handover(): the parameters it no longer trains are left
+        out."""
         raise NotImplementedError(f"{type(self).__name__} cannot be rebuilt in place")
 
     def whole_weights(self) -> dict:
-        """Collective: the whole network's state dict (layer keys) on every rank, on the host, for a rebuilt
-        engine."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.live_module().state_dict().items()}
+        """Collective: the whole network's state dict (layer keys) on every rank, on the host, for a
+        rebuilt engine."""
+        return {
+            k: v.detach().to("cpu", copy=True) for k, v in self.live_module().state_dict().items()
+        }
 
     def close(self) -> None:
-        """Release everything the engine holds: DeepSpeed's hooks and buffers, the process groups it created and
-        every reference to its module, gradients and optimizer state (--freeze frees them before it builds the
-        next engine). The engine is unusable afterwards."""
+        """Release everything the engine holds: DeepSpeed's hooks and buffers, the process groups it
+        created and every reference to its module, gradients and optimizer state (--freeze frees
+        them before it builds the next engine). The engine is unusable afterwards."""
 
     @property
     def lr(self) -> float | torch.Tensor:
         """The learning rate of the next step: the head's under --layer-decay (the largest)."""
         lrs = [g["lr"] for g in self.optimizer.param_groups]
-        if isinstance(lrs[0], torch.Tensor):  # device tensors updated in place (ddp's fused fp16 Adam)
+        # device tensors updated in place (ddp's fused fp16 Adam)
+        if isinstance(lrs[0], torch.Tensor):
             return torch.stack(lrs).max()
         return max(lrs)
 
@@ -122,16 +145,18 @@ class Engine(ABC):
         """fp16 steps skipped because the gradients overflowed."""
         return 0
 
-    counts_skips_on_device = False  # True: StepStats reads device_skip_counts() on logging steps only
+    # True: StepStats reads device_skip_counts() on logging steps only
+    counts_skips_on_device = False
 
     def device_skip_counts(self) -> tuple[int, int, int]:
-        """fp16 steps skipped so far, skipped in a row now, and the longest run of skips since the last call, for an
-        engine that counts them on the device to add no host sync per step."""
+        """fp16 steps skipped so far, skipped in a row now, and the longest run of skips since the
+        last call, for an engine that counts them on the device to add no host sync per step."""
         raise NotImplementedError
 
     @property
     def loss_scale(self) -> float | None:
-        """fp16: the loss scale of the next step (read on logging steps); None without a loss scaler."""
+        """fp16: the loss scale of the next step (read on logging steps); None without a loss
+        scaler."""
         return None
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -147,7 +172,8 @@ class Engine(ABC):
 
     @torch.no_grad()
     def evaluate(self, batches: Iterator) -> tuple[float, int, int, int]:
-        """(loss sum, top-1 correct, top-5 correct, count) over every rank's batches; padding counts nowhere."""
+        """(loss sum, top-1 correct, top-5 correct, count) over every rank's batches; padding counts
+        nowhere."""
         totals = torch.zeros(4, device=self.device)
         self.train_mode(False)
         with self.timer.paused():  # evaluation is no part of the training steps' breakdown
@@ -162,7 +188,8 @@ class Engine(ABC):
 
 
 class StagedEngine(Engine):
-    """An engine whose ranks each hold some of the layers (the pipelines): the whole state is gathered on rank 0."""
+    """An engine whose ranks each hold some of the layers (the pipelines): the whole state is
+    gathered on rank 0."""
 
     def layer_state(self):
         return merged_on_rank0(self.live_module().state_dict())
@@ -172,7 +199,8 @@ class StagedEngine(Engine):
 
 
 def save_atomic(state: dict, path: str) -> None:
-    """torch.save into a temporary name, then rename: a killed save never leaves a half-written `path`."""
+    """torch.save into a temporary name, then rename: a killed save never leaves a half-written
+    `path`."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -193,10 +221,13 @@ def mean_over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def eval_totals(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[loss sum, top-1 correct, top-5 correct, count] of one micro-batch; padding (PAD_LABEL) counts nowhere."""
+    """[loss sum, top-1 correct, top-5 correct, count] of one micro-batch; padding (PAD_LABEL)
+    counts nowhere."""
     labels = labels.to(logits.device)
     real = labels != PAD_LABEL
-    loss_sum = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=PAD_LABEL, reduction="sum")
+    loss_sum = torch.nn.functional.cross_entropy(
+        logits.float(), labels, ignore_index=PAD_LABEL, reduction="sum"
+    )
     top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices == labels[:, None]
     correct, correct5 = (top[:, 0] & real).sum(), (top.any(-1) & real).sum()
     return torch.stack([loss_sum, correct.float(), correct5.float(), real.sum().float()])

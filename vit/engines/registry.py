@@ -1,7 +1,9 @@
-"""Every engine, one row each: its spec (what it supports, what it holds, what its step costs, its names), declared
-in its own folder under vit/engines/. The checks between engines and options (vit.config.compat) and every other
-module read these specs, never an engine's name. Importable without torch: the command line and the plan read it
-before anything heavy is imported; build() imports the engine's torch module on first use."""
+"""Every engine, one row each: its spec (what it supports, what it holds, what its step costs, its
+names), declared in its own folder under vit/engines/. The checks between engines and options
+(vit.config.compat) and every other module read these specs, never an engine's name. Importable
+without torch: the command line and the plan read it before anything heavy is imported; build()
+imports the engine's torch module on first use."""
+
 import importlib
 
 from vit.core.spec import EngineSpec
@@ -9,7 +11,8 @@ from vit.engines import async_pipeline, ddp, pipeline, zero
 
 SPECS: dict[str, EngineSpec] = {e.SPEC.name: e.SPEC for e in (zero, pipeline, async_pipeline, ddp)}
 NAMES = tuple(SPECS)
-AUTO = "auto"  # --engine auto: vit.planner.auto picks one of NAMES and its settings once the process group runs
+# --engine auto: vit.planner.auto picks one of NAMES and its settings once the process group runs
+AUTO = "auto"
 
 
 def spec(name: str) -> EngineSpec:

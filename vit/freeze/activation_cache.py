@@ -1,13 +1,16 @@
-"""--freeze-cache (PipeTransformer's AutoCache): the frozen prefix's output for each training sample, kept in host
-memory (past --freeze-cache-gib in files under the log dir) and fed to the engine in place of the images, whose
-frozen layers then pass their input through while training. Where the loader reads in the training process (no
-workers) and the data set gives its labels without its images, the images of a sample it holds are not read at all
+"""--freeze-cache (PipeTransformer's AutoCache): the frozen prefix's output for each training
+sample, kept in host memory (past --freeze-cache-gib in files under the log dir) and fed to the
+engine in place of the images, whose frozen layers then pass their input through while training.
+Where the loader reads in the training process (no workers) and the data set gives its labels
+without its images, the images of a sample it holds are not read at all
 (vit.data.augment.ImagesUnless).
 
-Valid only when a sample is the same every epoch: no random augmentation, no mixup. At a new freeze boundary each
-entry is carried through the newly frozen layers (`advance`) rather than computed again from its image. Dropout or
-drop-path inside the frozen layers would be drawn once per sample instead of per step.
+Valid only when a sample is the same every epoch: no random augmentation, no mixup. At a new freeze
+boundary each entry is carried through the newly frozen layers (`advance`) rather than computed
+again from its image. Dropout or drop-path inside the frozen layers would be drawn once per sample
+instead of per step.
 """
+
 import os
 import shutil
 
@@ -46,9 +49,10 @@ class FeatureCache:
         shutil.rmtree(self.spill_dir, ignore_errors=True)
 
     def advance(self, depth: int, run, on_progress=None) -> None:
-        """Make the entries the output of the first `depth` layers: run(x, start) is the frozen prefix from layer
-        `start` on (host tensors in and out), applied to ADVANCE_BATCH entries at a time, on_progress() after each
-        (a large spilled cache rewrites every file: the watchdog hears of it). A shorter prefix empties the cache."""
+        """Make the entries the output of the first `depth` layers: run(x, start) is the frozen
+        prefix from layer `start` on (host tensors in and out), applied to ADVANCE_BATCH entries at
+        a time, on_progress() after each (a large spilled cache rewrites every file: the watchdog
+        hears of it). A shorter prefix empties the cache."""
         if depth < self.depth:
             self.clear()
         keys, start = [*self.memory, *self.spilled], self.depth
@@ -58,8 +62,10 @@ class FeatureCache:
         memory, spilled = self.memory, self.spilled
         self.memory, self.spilled, self.bytes = {}, set(), 0
         for first in range(0, len(keys), ADVANCE_BATCH):
-            chunk = keys[first:first + ADVANCE_BATCH]
-            old = torch.stack([memory.pop(i) if i not in spilled else self._take_file(i) for i in chunk])
+            chunk = keys[first : first + ADVANCE_BATCH]
+            old = torch.stack(
+                [memory.pop(i) if i not in spilled else self._take_file(i) for i in chunk]
+            )
             for i, row in zip(chunk, run(old, start)):
                 self.put(i, row.clone())
             if on_progress is not None:
@@ -73,9 +79,10 @@ class FeatureCache:
 
 
 def cached_batches(batches, order: TrainBatches, prefix, cache: FeatureCache, device: torch.device):
-    """This rank's micro-batches with the images replaced by prefix(images): each sample's looked up in the cache,
-    or computed (the missing ones together) and stored. `order` is the sampler the batches were drawn with, walked
-    in step to name their samples; padding (index -1) is computed and never stored."""
+    """This rank's micro-batches with the images replaced by prefix(images): each sample's looked up
+    in the cache, or computed (the missing ones together) and stored. `order` is the sampler the
+    batches were drawn with, walked in step to name their samples; padding (index -1) is computed
+    and never stored."""
     for (x, y), idx in zip(batches, order):
         missing = [k for k, i in enumerate(idx) if i < 0 or i not in cache]
         computed = {}
@@ -93,5 +100,7 @@ def cached_batches(batches, order: TrainBatches, prefix, cache: FeatureCache, de
 def directory(s, log_dir: str, rank: int) -> str | None:
     """Where this rank's cache spills, or None when --freeze-cache is off for settings `s`."""
     f, r = s.freeze, s.recipe
-    on = f.freeze != "none" and (f.freeze_cache == "on" or (f.freeze_cache == "auto" and not (r.augments or r.mixes)))
+    on = f.freeze != "none" and (
+        f.freeze_cache == "on" or (f.freeze_cache == "auto" and not (r.augments or r.mixes))
+    )
     return os.path.join(log_dir, f"freeze_cache_rank{rank}") if on else None

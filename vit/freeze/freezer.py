@@ -1,11 +1,13 @@
-"""Freeze training (PipeTransformer's AutoFreeze): when a growing prefix of the layer list stops training, and what
-freezing means (no gradients, no activations kept, no optimizer state, nothing to all-reduce).
+"""Freeze training (PipeTransformer's AutoFreeze): when a growing prefix of the layer list stops
+training, and what freezing means (no gradients, no activations kept, no optimizer state, nothing to
+all-reduce).
 
-The freezable layers are the embedding and the blocks (layer list indices 0 .. L-1); the head, last, never freezes.
-Decisions are taken every --freeze-interval-epochs, at the end of a step, from values every rank holds alike (the
-step, gradient norms summed over all ranks or weight moves taken as the largest over them; vit.freeze.measures), so
-every rank rebuilds its engine at the same step.
+The freezable layers are the embedding and the blocks (layer list indices 0 .. L-1); the head, last,
+never freezes. Decisions are taken every --freeze-interval-epochs, at the end of a step, from values
+every rank holds alike (the step, gradient norms summed over all ranks or weight moves taken as the
+largest over them; vit.freeze.measures), so every rank rebuilds its engine at the same step.
 """
+
 import gc
 import math
 import weakref
@@ -14,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vit.core.layout import Layout
 from vit.core.settings import FreezeSettings
 from vit.freeze.activation_cache import FeatureCache, cached_batches
 from vit.freeze.measures import GradNorms, WeightMoves, changes
-from vit.core.layout import Layout
 from vit.freeze.replan import replan
 from vit.runtime.dist_env import live_process_groups
 
@@ -28,13 +30,17 @@ def scheduled(intervals: int, num_freezable: int, alpha: float) -> int:
     return min(num_freezable, math.ceil(num_freezable * (1 - (1 - alpha) ** intervals) - 1e-9))
 
 
-THRESHOLDS = {"grad": 0.1, "settled": 0.65}  # --freeze-threshold's default for each rule (and the schedule's warning)
+# --freeze-threshold's default for each rule (and the schedule's warning)
+THRESHOLDS = {"grad": 0.1, "settled": 0.65}
 
 
-def by_measure(change: list[float], frozen: int, threshold: float, alpha: float, allowed: int) -> int:
-    """The convergence rules (grad, settled): the frozen prefix grows over the next layers while each one's measure
-    is below `threshold` (a settled layer behind one still learning does not freeze), by at most alpha of the active
-    layers (at least one) at a time, and to at most `allowed` (the schedule's count at this point) in all."""
+def by_measure(
+    change: list[float], frozen: int, threshold: float, alpha: float, allowed: int
+) -> int:
+    """The convergence rules (grad, settled): the frozen prefix grows over the next layers while
+    each one's measure is below `threshold` (a settled layer behind one still learning does not
+    freeze), by at most alpha of the active layers (at least one) at a time, and to at most
+    `allowed` (the schedule's count at this point) in all."""
     cap = min(len(change), allowed, frozen + max(1, math.floor(alpha * (len(change) - frozen))))
     count = frozen
     while count < cap and change[count] < threshold:
@@ -42,17 +48,26 @@ def by_measure(change: list[float], frozen: int, threshold: float, alpha: float,
     return count
 
 
-def next_measure(change: list[float] | None, frozen: int, threshold: float, num_freezable: int,
-                 rule: str = "grad") -> str:
+def next_measure(
+    change: list[float] | None,
+    frozen: int,
+    threshold: float,
+    num_freezable: int,
+    rule: str = "grad",
+) -> str:
     """What the decision line says of the next layer to freeze: its measure against the threshold."""
     if frozen >= num_freezable:
         return "all freezable layers frozen"
     if change is None:
-        return f"next: layer {frozen}, " + ("no weight move over a whole interval yet (resumed)" if rule == "settled"
-                                            else "no gradient change yet (the first interval has nothing to compare "
-                                            "with)")
+        return f"next: layer {frozen}, " + (
+            "no weight move over a whole interval yet (resumed)"
+            if rule == "settled"
+            else "no gradient change yet (the first interval has nothing to compare with)"
+        )
     sign = "<" if change[frozen] < threshold else ">="
-    what = "weights moved {:.3g} of their fastest" if rule == "settled" else "gradient change {:.3g}"
+    what = (
+        "weights moved {:.3g} of their fastest" if rule == "settled" else "gradient change {:.3g}"
+    )
     return f"next: layer {frozen}, {what.format(change[frozen])} {sign} {threshold:g}"
 
 
@@ -62,17 +77,20 @@ def layer_range(frozen: int) -> str:
 
 def _frozen_forward(layer: nn.Module, forward, cached: bool):
     def run(x, *args, **kwargs):
-        if cached and layer.training:  # the input is already the frozen prefix's output (vit.freeze.activation_cache)
+        # the input is already the frozen prefix's output (vit.freeze.activation_cache)
+        if cached and layer.training:
             return x
         with torch.no_grad():
             return forward(x, *args, **kwargs)
+
     return run
 
 
 def freeze_prefix(layers: list[nn.Module], count: int, cached: bool = False) -> None:
-    """requires_grad False and a forward that records nothing for autograd, for layers[:count] (before an engine
-    is built on them, so that its optimizer, its gradient buckets and DDP's reducer leave them out); cached: in
-    training they pass their input through, which --freeze-cache has computed already."""
+    """requires_grad False and a forward that records nothing for autograd, for layers[:count]
+    (before an engine is built on them, so that its optimizer, its gradient buckets and DDP's
+    reducer leave them out); cached: in training they pass their input through, which --freeze-cache
+    has computed already."""
     for layer in layers[:count]:
         layer.requires_grad_(False)
         if getattr(layer, "frozen_forward", None) is None:
@@ -81,25 +99,44 @@ def freeze_prefix(layers: list[nn.Module], count: int, cached: bool = False) -> 
 
 
 class Freezer:
-    """Decides its own cadence: after each step, `decide(step)` returns the new number of frozen layers at a freeze
-    point where it grew, else None."""
+    """Decides its own cadence: after each step, `decide(step)` returns the new number of frozen
+    layers at a freeze point where it grew, else None."""
 
-    def __init__(self, s: FreezeSettings, num_layers: int, steps_per_epoch: int, total_steps: int,
-                 device: torch.device, *, frozen: int = 0, make_layers=None, make_engine=None,
-                 cache_dir: str | None = None, census: dict | None = None, micro_batch: int = 1, time_layers=None,
-                 on_progress=None):
-        """frozen: layers frozen already (a resumed run); make_layers(): a fresh copy of the layer list;
-        make_engine(layers, layout): the run's engine built on them; cache_dir: --freeze-cache's spill folder
-        (None: no cache); census: hetero.adapt's record, and time_layers() (collective) every rank's layer times,
-        for --freeze-replan; on_progress(): a sign of life inside a long carry of the cache."""
+    def __init__(
+        self,
+        s: FreezeSettings,
+        num_layers: int,
+        steps_per_epoch: int,
+        total_steps: int,
+        device: torch.device,
+        *,
+        frozen: int = 0,
+        make_layers=None,
+        make_engine=None,
+        cache_dir: str | None = None,
+        census: dict | None = None,
+        micro_batch: int = 1,
+        time_layers=None,
+        on_progress=None,
+    ):
+        """frozen: layers frozen already (a resumed run); make_layers(): a fresh copy of the layer
+        list; make_engine(layers, layout): the run's engine built on them; cache_dir:
+        --freeze-cache's spill folder (None: no cache); census: hetero.adapt's record, and
+        time_layers() (collective) every rank's layer times, for --freeze-replan; on_progress(): a
+        sign of life inside a long carry of the cache."""
         self.mode, self.alpha, self.total_steps = s.freeze, s.freeze_alpha, total_steps
         self.num_freezable = num_layers - 1
         self.interval_steps = max(1, round(s.freeze_interval_epochs * steps_per_epoch))
         self.frozen, self.previous, self.replan = frozen, None, s.freeze_replan == "on"
         self.threshold = s.freeze_threshold or THRESHOLDS.get(self.mode, THRESHOLDS["grad"])
-        # grad decides by each layer's gradients and schedule warns when it outruns them; settled decides by weights.
-        self.norms = GradNorms(self.num_freezable, device) if self.mode in ("grad", "schedule") else None
-        self.moves = WeightMoves(self.num_freezable, self.interval_steps) if self.mode == "settled" else None
+        # grad decides by each layer's gradients and schedule warns when it outruns them; settled
+        # decides by weights.
+        self.norms = (
+            GradNorms(self.num_freezable, device) if self.mode in ("grad", "schedule") else None
+        )
+        self.moves = (
+            WeightMoves(self.num_freezable, self.interval_steps) if self.mode == "settled" else None
+        )
         self.make_layers, self.make_engine = make_layers, make_engine
         self.census, self.micro_batch, self.time_layers = census, micro_batch, time_layers
         self.planned = None  # the StagePlan of the last re-plan
@@ -117,25 +154,25 @@ class Freezer:
         self.layers = layers
 
     def feeds_from_cache(self, engine) -> bool:
-        """Whether this rank's engine takes the cache's features: the cache is on, something is frozen and this rank
-        holds the first layer."""
+        """Whether this rank's engine takes the cache's features: the cache is on, something is
+        frozen and this rank holds the first layer."""
         holds = any(name.startswith("0.") for name, _ in engine.live_module().named_parameters())
         return self.cache is not None and self.frozen > 0 and holds
 
     def samples(self, engine, workers: int):
-        """The samples whose images this rank needs not read (the cache, looked up as they are fetched), where it
-        feeds the engine from the cache and fetches in this process; a loader worker's copy of the cache would not
-        see it grow. Else None."""
+        """The samples whose images this rank needs not read (the cache, looked up as they are
+        fetched), where it feeds the engine from the cache and fetches in this process; a loader
+        worker's copy of the cache would not see it grow. Else None."""
         return self.cache if workers == 0 and self.feeds_from_cache(engine) else None
 
     def cached(self, batches, order, engine):
-        """This rank's batches, through the cache where it feeds the engine from it (its entries carried to the
-        current frozen prefix first)."""
+        """This rank's batches, through the cache where it feeds the engine from it (its entries
+        carried to the current frozen prefix first)."""
         if not self.feeds_from_cache(engine):
             if self.cache is not None:
                 self.cache.clear()  # nothing to keep it for on this rank
             return batches
-        prefix = self.layers[:self.frozen]
+        prefix = self.layers[: self.frozen]
         dtype = next(prefix[0].parameters()).dtype
 
         def run(x, start: int = 0):
@@ -143,19 +180,32 @@ class Freezer:
             for layer in prefix[start:]:
                 x = layer.frozen_forward(x)
             return x
-        self.cache.advance(self.frozen, lambda x, start: run(x.to(engine.device), start).cpu(), self.on_progress)
+
+        self.cache.advance(
+            self.frozen, lambda x, start: run(x.to(engine.device), start).cpu(), self.on_progress
+        )
         return cached_batches(batches, order, run, self.cache, engine.device)
 
     def after_step(self, step: int, engine, metrics) -> "object | None":
-        """Collective: at a freeze point, the engine rebuilt with the longer frozen prefix (else None)."""
+        """Collective: at a freeze point, the engine rebuilt with the longer frozen prefix (else
+        None)."""
         current = engine.layout  # a pipeline's stages, else None
-        # Without re-planning a pipeline's first stage must keep an active layer (it would have no backward).
+        # Without re-planning a pipeline's first stage must keep an active layer (it would have no
+        # backward).
         if self.moves is not None:
             self.moves.stepped(engine.lr)
-        frozen = self.decide(step, cap=current.parts[1] - 1 if current and not self.replan else None, engine=engine)
+        frozen = self.decide(
+            step, cap=current.parts[1] - 1 if current and not self.replan else None, engine=engine
+        )
         if self.said:
-            metrics.write("freeze_decision", step, frozen=self.frozen, changes=self.change,
-                          norms=self.previous, threshold=self.threshold)
+            metrics.write(
+                "freeze_decision",
+                step,
+                frozen=self.frozen,
+                changes=self.change,
+                norms=self.previous,
+                threshold=self.threshold,
+            )
         if frozen is None:
             if self.said and dist.get_rank() == 0:
                 print(f"freeze at step {step}: nothing frozen ({self.said})", flush=True)
@@ -163,53 +213,91 @@ class Freezer:
 
         def plan(layers: list) -> Layout | None:
             if current is None or not self.replan:
-                self.layout = current  # explicit boundaries: DeepSpeed's own methods count trainable layers
+                # explicit boundaries: DeepSpeed's own methods count trainable layers
+                self.layout = current
                 return current
-            self.layout, self.planned = replan(self.census, frozen, current, self.micro_batch, self.time_layers)
+            self.layout, self.planned = replan(
+                self.census, frozen, current, self.micro_batch, self.time_layers
+            )
             return self.layout
 
-        self.layers = None  # the old engine's: nothing may keep them alive while the new one is built
-        rebuilt, freed = rebuild(engine, lambda layers: self.freeze(layers, frozen), self.make_layers,
-                                 self.make_engine, plan)
+        # the old engine's: nothing may keep them alive while the new one is built
+        self.layers = None
+        rebuilt, freed = rebuild(
+            engine,
+            lambda layers: self.freeze(layers, frozen),
+            self.make_layers,
+            self.make_engine,
+            plan,
+        )
         self.watch(rebuilt, step)
         self.rescale(current, rebuilt.layout if current else None)
         stages = rebuilt.layout.stages if current else 1
         planned = {"parts": rebuilt.layout.parts} if current else {}
-        if current and self.replan and any(self.planned.times):  # one stage, never timed: no prediction
+        # one stage, never timed: no prediction
+        if current and self.replan and any(self.planned.times):
             planned["predicted_ms"] = 1e3 * max(self.planned.times)
-        measure = {"next_change": self.change[frozen] if self.change and frozen < len(self.change) else None,
-                   "threshold": self.threshold}
-        metrics.write("freeze", step, frozen=frozen, **measure, stages=stages, dp=rebuilt.dp_size,
-                      cache=self.cache is not None, old_engine_freed=freed, process_groups=live_process_groups(),
-                      **planned)
+        measure = {
+            "next_change": self.change[frozen]
+            if self.change and frozen < len(self.change)
+            else None,
+            "threshold": self.threshold,
+        }
+        metrics.write(
+            "freeze",
+            step,
+            frozen=frozen,
+            **measure,
+            stages=stages,
+            dp=rebuilt.dp_size,
+            cache=self.cache is not None,
+            old_engine_freed=freed,
+            process_groups=live_process_groups(),
+            **planned,
+        )
         if dist.get_rank() == 0:
             plan = f", layers {planned['parts']}" if planned else ""
-            plan += f", slowest stage {planned['predicted_ms']:.2f} ms predicted" if "predicted_ms" in planned else ""
-            print(f"freeze at step {step}: {layer_range(frozen)} frozen ({self.said}); {stages} stages x "
-                  f"{rebuilt.dp_size} data-parallel{plan}", flush=True)
+            plan += (
+                f", slowest stage {planned['predicted_ms']:.2f} ms predicted"
+                if "predicted_ms" in planned
+                else ""
+            )
+            print(
+                f"freeze at step {step}: {layer_range(frozen)} frozen ({self.said}); {stages} "
+                f"stages x "
+                f"{rebuilt.dp_size} data-parallel{plan}",
+                flush=True,
+            )
         return rebuilt
 
     def rescale(self, before: Layout | None, after: Layout | None) -> None:
-        """A micro-batch's gradient is 1/grad_accum of its step's: when a re-plan changes the micro-batches per copy
-        (the total stays), the last interval's norms are put on the new scale, else every layer would seem to
-        change by the ratio (x2 when 2 stages become 1 stage x 2 copies)."""
+        """A micro-batch's gradient is 1/grad_accum of its step's: when a re-plan changes the
+        micro-batches per copy (the total stays), the last interval's norms are put on the new
+        scale, else every layer would seem to change by the ratio (x2 when 2 stages become 1 stage x
+        2 copies)."""
         if before and after and self.previous and before.grad_accum != after.grad_accum:
             self.previous = [p * before.grad_accum / after.grad_accum for p in self.previous]
 
     def watch(self, engine, step: int) -> None:
-        """Collective: measure this (newly built) engine's gradients, or its weights from this step on (a freeze
-        point's decision copied them already: the same weights)."""
+        """Collective: measure this (newly built) engine's gradients, or its weights from this step
+        on (a freeze point's decision copied them already: the same weights)."""
         if self.norms is not None:
             self.norms.attach(engine.live_module())
         if self.moves is not None and self.moves.since != step:
             self.moves.snapshot(engine, step)
 
     def decide(self, step: int, cap: int | None = None, engine=None) -> int | None:
-        """The new number of frozen layers (at most `cap`) at a freeze point where it grew, else None; at every
-        freeze point `self.said` gives the next layer's measure. No decision once no more layers can freeze."""
+        """The new number of frozen layers (at most `cap`) at a freeze point where it grew, else
+        None; at every freeze point `self.said` gives the next layer's measure. No decision once no
+        more layers can freeze."""
         self.said = None
         limit = self.num_freezable if cap is None else min(cap, self.num_freezable)
-        if self.mode == "none" or step % self.interval_steps or step >= self.total_steps or self.frozen >= limit:
+        if (
+            self.mode == "none"
+            or step % self.interval_steps
+            or step >= self.total_steps
+            or self.frozen >= limit
+        ):
             return None
         allowed = min(limit, scheduled(step // self.interval_steps, self.num_freezable, self.alpha))
         if self.moves is not None:
@@ -232,13 +320,22 @@ class Freezer:
         return frozen
 
     def warn_if_learning(self, step: int, frozen: int) -> None:
-        """--freeze schedule: one line, once per run, when it freezes a layer whose gradient change says it is
-        still learning."""
-        learning = [i for i in range(self.frozen, frozen) if self.change and self.change[i] >= self.threshold]
+        """--freeze schedule: one line, once per run, when it freezes a layer whose gradient change
+        says it is still learning."""
+        learning = [
+            i
+            for i in range(self.frozen, frozen)
+            if self.change and self.change[i] >= self.threshold
+        ]
         if learning and not self.warned and dist.get_rank() == 0:
-            print(f"warning: the freeze schedule freezes layer {learning[0]} at step {step} while it still learns "
-                  f"(gradient change {self.change[learning[0]]:.3g} >= --freeze-threshold {self.threshold:g}); "
-                  "--freeze grad waits for it", flush=True)
+            print(
+                f"warning: the freeze schedule freezes layer {learning[0]} at step {step} while "
+                f"it still learns "
+                f"(gradient change {self.change[learning[0]]:.3g} >= --freeze-threshold "
+                f"{self.threshold:g}); "
+                "--freeze grad waits for it",
+                flush=True,
+            )
         self.warned = self.warned or bool(learning)
 
     def checkpoint_state(self) -> dict:
@@ -247,9 +344,13 @@ class Freezer:
 
     def state_dict(self) -> dict:
         """Collective under --freeze (the gradient norms)."""
-        return {"frozen": self.frozen, "previous": self.previous, "peak": self.moves.peak if self.moves else None,
-                "layout": self.layout.__dict__ if self.layout else None,
-                "sums": self.norms.state_dict() if self.norms is not None else None}
+        return {
+            "frozen": self.frozen,
+            "previous": self.previous,
+            "peak": self.moves.peak if self.moves else None,
+            "layout": self.layout.__dict__ if self.layout else None,
+            "sums": self.norms.state_dict() if self.norms is not None else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.frozen, self.previous = state["frozen"], state["previous"]
@@ -260,18 +361,22 @@ class Freezer:
             self.norms.load_state_dict(state["sums"])
 
 
-def rebuild(engine, freeze, make_layers, make_engine, plan=lambda layers: None) -> tuple["object", bool]:
-    """Collective: a new engine on fresh layers holding the old one's weights, freeze(layers) freezing a prefix,
-    continuing the old one's optimizer state, LR schedule, loss scaler and EMA; plan(layers): a pipeline's new
-    vit.core.layout.Layout (None: the engine's layout as it was). DeepSpeed and DDP fix their
-    parameters, buckets and hooks at construction, so freezing means building them again. The old engine is closed
-    and its memory freed first, its state held on the host meanwhile: (the new engine, whether the old one's module
-    was gone before the new one was built)."""
+def rebuild(
+    engine, freeze, make_layers, make_engine, plan=lambda layers: None
+) -> tuple["object", bool]:
+    """Collective: a new engine on fresh layers holding the old one's weights, freeze(layers)
+    freezing a prefix, continuing the old one's optimizer state, LR schedule, loss scaler and EMA;
+    plan(layers): a pipeline's new vit.core.layout.Layout (None: the engine's layout as it was).
+    DeepSpeed and DDP fix their parameters, buckets and hooks at construction, so freezing means
+    building them again. The old engine is closed and its memory freed first, its state held on the
+    host meanwhile: (the new engine, whether the old one's module was gone before the new one was
+    built)."""
     state, weights = engine.handover(), engine.whole_weights()
     device, ema, module = engine.device, engine.ema, weakref.ref(engine.live_module())
     engine.close()
     freed = free_memory(device, module)
-    # Building layers re-seeds torch's generator; dropout and drop-path must go on drawing as before.
+    # Building layers re-seeds torch's generator; dropout and drop-path must go on drawing as
+    # before.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         layers = make_layers()
     with torch.no_grad():
@@ -284,8 +389,8 @@ def rebuild(engine, freeze, make_layers, make_engine, plan=lambda layers: None) 
 
 
 def free_memory(device: torch.device, module: weakref.ref) -> bool:
-    """Collect what a closed engine left (DeepSpeed's hooks hold its module in reference cycles) and hand the
-    GPU memory it held back to the driver; True when `module` is gone."""
+    """Collect what a closed engine left (DeepSpeed's hooks hold its module in reference cycles) and
+    hand the GPU memory it held back to the driver; True when `module` is gone."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -1,11 +1,13 @@
 """Checkpoints that are never half-loaded.
 
-<save-dir>/step<N>/ counts as a checkpoint only when it holds manifest.json: every file with its size
-and sha256, the step, the config hash and the world layout. A save writes into <save-dir>/.tmp-step<N>/,
-adds the manifest, renames the folder into place, then points <save-dir>/latest at it, and keeps the
-newest K. Loading looks at complete checkpoints only, newest first, verifies the manifest and falls
-back to the previous one when the newest is damaged. Every rank must see the folder (shared storage).
+<save-dir>/step<N>/ counts as a checkpoint only when it holds manifest.json: every file with its
+size and sha256, the step, the config hash and the world layout. A save writes into
+<save-dir>/.tmp-step<N>/, adds the manifest, renames the folder into place, then points
+<save-dir>/latest at it, and keeps the newest K. Loading looks at complete checkpoints only, newest
+first, verifies the manifest and falls back to the previous one when the newest is damaged. Every
+rank must see the folder (shared storage).
 """
+
 import hashlib
 import json
 import os
@@ -28,7 +30,15 @@ MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
 TAG = re.compile(r"^step(\d+)$")
 # What resuming reads from a manifest; one without any of them is a damaged checkpoint.
-MANIFEST_KEYS = ("step", "files", "engine", "world_size", "data_parallel_size", "pipeline_stages", "zero_stage")
+MANIFEST_KEYS = (
+    "step",
+    "files",
+    "engine",
+    "world_size",
+    "data_parallel_size",
+    "pipeline_stages",
+    "zero_stage",
+)
 
 
 class CheckpointError(RuntimeError):
@@ -49,7 +59,8 @@ def complete_tags(save_dir) -> list[str]:
 
 
 def locate(path: str) -> tuple[str, list[str]]:
-    """(save dir, candidate tags newest first) for --resume PATH: a save dir, or one checkpoint folder."""
+    """(save dir, candidate tags newest first) for --resume PATH: a save dir, or one checkpoint
+    folder."""
     p = Path(path)
     if (p / MANIFEST).is_file() and TAG.match(p.name):
         return str(p.parent), [p.name]
@@ -62,7 +73,8 @@ def locate(path: str) -> tuple[str, list[str]]:
 
 
 class DamagedManifest(ValueError):
-    """A manifest that cannot be read, is not JSON, or lacks what loading and checking the checkpoint need."""
+    """A manifest that cannot be read, is not JSON, or lacks what loading and checking the
+    checkpoint need."""
 
 
 def read_manifest(save_dir: str, tag: str) -> dict:
@@ -70,34 +82,56 @@ def read_manifest(save_dir: str, tag: str) -> dict:
         manifest = json.loads((Path(save_dir) / tag / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DamagedManifest(f"unreadable manifest: {e}") from None
-    missing = [k for k in MANIFEST_KEYS if k not in manifest] if isinstance(manifest, dict) else ["everything"]
+    missing = (
+        [k for k in MANIFEST_KEYS if k not in manifest]
+        if isinstance(manifest, dict)
+        else ["everything"]
+    )
     if missing:
         raise DamagedManifest(f"its manifest lacks {', '.join(missing)}")
     if not isinstance(manifest["files"], dict) or not all(
-            isinstance(m, dict) and {"size", "sha256"} <= m.keys() for m in manifest["files"].values()):
+        isinstance(m, dict) and {"size", "sha256"} <= m.keys() for m in manifest["files"].values()
+    ):
         raise DamagedManifest("its manifest's files are not a list of sizes and sha256 sums")
     return manifest
 
 
 def check_layout(saved: dict, current: dict, where: str) -> None:
     """Refuse to resume under a layout the checkpoint cannot be loaded into, and say what would."""
-    model = saved.get("model")  # the architecture: a pretrained tag (.augreg_in21k) makes no other shapes
+    # the architecture: a pretrained tag (.augreg_in21k) makes no other shapes
+    model = saved.get("model")
     if model and split_model_name_tag(model)[0] != split_model_name_tag(current["model"])[0]:
-        raise ConfigError(f"{where} was written by --model {model}, this run uses --model {current['model']}; "
-                          f"resume with --model {model}")
+        raise ConfigError(
+            f"{where} was written by --model {model}, this run uses --model "
+            f"{current['model']}; "
+            f"resume with --model {model}"
+        )
     if saved["engine"] != current["engine"]:
-        raise ConfigError(f"{where} was written by --engine {saved['engine']}, this run uses --engine "
-                          f"{current['engine']}; resume with --engine {saved['engine']}")
+        raise ConfigError(
+            f"{where} was written by --engine {saved['engine']}, this run uses "
+            f"--engine "
+            f"{current['engine']}; resume with --engine {saved['engine']}"
+        )
     if saved["pipeline_stages"] != current["pipeline_stages"]:  # 1 for an engine without stages
-        raise ConfigError(f"{where} has {saved['pipeline_stages']} pipeline stages, this run "
-                          f"{current['pipeline_stages']}; resume with --pipeline-stages {saved['pipeline_stages']}")
+        raise ConfigError(
+            f"{where} has {saved['pipeline_stages']} pipeline stages, this run "
+            f"{current['pipeline_stages']}; resume with --pipeline-stages "
+            f"{saved['pipeline_stages']}"
+        )
     if saved["zero_stage"] > 0 and saved["data_parallel_size"] != current["data_parallel_size"]:
-        raise ConfigError(f"{where} holds ZeRO-{saved['zero_stage']} state sharded over {saved['data_parallel_size']} "
-                          f"data-parallel ranks, this run has {current['data_parallel_size']}; resume with the same "
-                          f"number of ranks, or convert it with DeepSpeed's ds_to_universal.py")
+        raise ConfigError(
+            f"{where} holds ZeRO-{saved['zero_stage']} state sharded over "
+            f"{saved['data_parallel_size']} "
+            f"data-parallel ranks, this run has {current['data_parallel_size']}; "
+            f"resume with the same "
+            f"number of ranks, or convert it with DeepSpeed's ds_to_universal.py"
+        )
     if saved["zero_stage"] != current["zero_stage"]:
-        raise ConfigError(f"{where} was written with ZeRO stage {saved['zero_stage']}, this run uses stage "
-                          f"{current['zero_stage']}; resume with the same DeepSpeed config")
+        raise ConfigError(
+            f"{where} was written with ZeRO stage {saved['zero_stage']}, this run "
+            f"uses stage "
+            f"{current['zero_stage']}; resume with the same DeepSpeed config"
+        )
 
 
 def _sha256(path: Path) -> str:
@@ -131,12 +165,19 @@ def choose(save_dir: str, tags: list[str]) -> str:
         problem = verify(Path(save_dir) / tag)
         if problem is None:
             return tag
-        print(f"warning: checkpoint {save_dir}/{tag} is damaged ({problem}); trying the previous one", flush=True)
+        print(
+            f"warning: checkpoint {save_dir}/{tag} is damaged ({problem}); trying the previous one",
+            flush=True,
+        )
     raise CheckpointError(f"no undamaged checkpoint in {save_dir} (tried {', '.join(tags)})")
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -155,7 +196,8 @@ def _files(folder: Path) -> list[str]:
 
 
 def save(engine, save_dir: str, step: int, client_state: dict, meta: dict, keep: int) -> None:
-    """Collective: every rank calls it. Raises CheckpointError naming the checkpoint that stays valid."""
+    """Collective: every rank calls it. Raises CheckpointError naming the checkpoint that stays
+    valid."""
     tag, rank = tag_for(step), dist.get_rank()
     tmp = Path(save_dir) / (TMP_PREFIX + tag)
     previous = (complete_tags(save_dir) or ["none"])[0]
@@ -174,27 +216,41 @@ def save(engine, save_dir: str, step: int, client_state: dict, meta: dict, keep:
             _commit(save_dir, tmp, tag, step, meta, seen, keep)
         dist.barrier()
     except Exception as e:
-        free_mib = shutil.disk_usage(save_dir).free / 2**20 if os.path.isdir(save_dir) else float("nan")
-        raise CheckpointError(f"saving checkpoint {tag} in {save_dir} failed on rank {rank} "
-                              f"({socket.gethostname()}; {free_mib:.1f} MiB free there): {e}; the previous "
-                              f"checkpoint ({previous}) is still valid") from e
+        free_mib = (
+            shutil.disk_usage(save_dir).free / 2**20 if os.path.isdir(save_dir) else float("nan")
+        )
+        raise CheckpointError(
+            f"saving checkpoint {tag} in {save_dir} failed on rank {rank} "
+            f"({socket.gethostname()}; {free_mib:.1f} MiB free there): {e}; the "
+            f"previous "
+            f"checkpoint ({previous}) is still valid"
+        ) from e
 
 
-def _commit(save_dir: str, tmp: Path, tag: str, step: int, meta: dict, seen: list, keep: int) -> None:
+def _commit(
+    save_dir: str, tmp: Path, tag: str, step: int, meta: dict, seen: list, keep: int
+) -> None:
     mine = set(_files(tmp))
     for host, files in seen:
         missing = set(files) - mine
         if missing:
-            raise CheckpointError(f"rank 0 cannot see {sorted(missing)[0]} written on host {host}: put --save-dir "
-                                  "on storage every host shares")
-    files = {name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in sorted(mine)}
+            raise CheckpointError(
+                f"rank 0 cannot see {sorted(missing)[0]} written on host {host}: "
+                f"put --save-dir "
+                "on storage every host shares"
+            )
+    files = {
+        name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        for name in sorted(mine)
+    }
     manifest = {"step": step, "tag": tag, "created": time.time(), "files": files, **meta}
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     final = Path(save_dir) / tag
-    if final.exists():  # a damaged checkpoint the resume fell back past: kept for a look, never overwritten
+    # a damaged checkpoint the resume fell back past: kept for a look, never overwritten
+    if final.exists():
         aside = _free_name(final, ".damaged")
         os.rename(final, aside)
         print(f"warning: moved the damaged checkpoint {final} aside to {aside.name}", flush=True)
@@ -226,21 +282,38 @@ def load(engine, save_dir: str, tag: str) -> dict:
     ema = Path(save_dir) / tag / f"ema_rank{dist.get_rank()}.pt"
     if engine.ema is not None:
         if not ema.is_file():
-            raise CheckpointError(f"{ema.parent} holds no EMA weights (written without --model-ema)")
+            raise CheckpointError(
+                f"{ema.parent} holds no EMA weights (written without --model-ema)"
+            )
         engine.ema.load_state_dict(torch.load(ema, map_location=engine.device, weights_only=True))
     return client_state
 
 
 class Checkpointer:
-    """Decides its own cadence: save(engine, step) after every step saves at each --save-interval; save(engine,
-    step, last_step=True) at the end saves unless that step was just saved."""
+    """Decides its own cadence: save(engine, step) after every step saves at each --save-interval;
+    save(engine, step, last_step=True) at the end saves unless that step was just saved."""
 
-    def __init__(self, save_dir: str, *, interval: int, enabled: bool, keep: int, meta: dict, on_progress,
-                 extra_state=None):
-        """extra_state(): a collective returning what the manifest and the client state also record (--freeze's
-        state: the manifest says how many layers to freeze before the engine that loads it is built)."""
+    def __init__(
+        self,
+        save_dir: str,
+        *,
+        interval: int,
+        enabled: bool,
+        keep: int,
+        meta: dict,
+        on_progress,
+        extra_state=None,
+    ):
+        """extra_state(): a collective returning what the manifest and the client state also record
+        (--freeze's state: the manifest says how many layers to freeze before the engine that loads
+        it is built)."""
         self.save_dir, self.interval, self.enabled = save_dir, interval, enabled
-        self.keep, self.meta, self.on_progress, self.extra_state = keep, meta, on_progress, extra_state
+        self.keep, self.meta, self.on_progress, self.extra_state = (
+            keep,
+            meta,
+            on_progress,
+            extra_state,
+        )
         self.saved_step = None
 
     def save(self, engine, step: int, last_step: bool = False) -> None:
@@ -249,8 +322,14 @@ class Checkpointer:
             return
         self.on_progress()
         extra = self.extra_state() if self.extra_state else {}
-        save(engine, self.save_dir, step, {"step": step, "engine": self.meta["engine"], **extra},
-             {**self.meta, **extra}, self.keep)
+        save(
+            engine,
+            self.save_dir,
+            step,
+            {"step": step, "engine": self.meta["engine"], **extra},
+            {**self.meta, **extra},
+            self.keep,
+        )
         self.saved_step = step
 
 

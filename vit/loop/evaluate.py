@@ -1,4 +1,5 @@
 """Evaluation on the held-out split at --eval-interval steps and at the end."""
+
 from vit.data.augment import without_images
 from vit.data.datasets import DataSplit, eval_batches, make_loader
 
@@ -11,15 +12,27 @@ def alive(batches, watchdog):
 
 
 class Evaluator:
-    """evaluator.maybe(engine, step) after every step; evaluator.run(engine, step) at the end. One metrics record and
-    a line on rank 0 per evaluation."""
+    """evaluator.maybe(engine, step) after every step; evaluator.run(engine, step) at the end. One
+    metrics record and a line on rank 0 per evaluation."""
 
-    def __init__(self, data: DataSplit, *, micro_batch: int, workers: int, pin_memory: bool, metrics,
-                 watchdog, interval: int, total_steps: int, is_main: bool):
+    def __init__(
+        self,
+        data: DataSplit,
+        *,
+        micro_batch: int,
+        workers: int,
+        pin_memory: bool,
+        metrics,
+        watchdog,
+        interval: int,
+        total_steps: int,
+        is_main: bool,
+    ):
         self.data, self.metrics, self.watchdog = data, metrics, watchdog
         self.micro_batch, self.workers, self.pin_memory = micro_batch, workers, pin_memory
         self.interval, self.total_steps, self.is_main = interval, total_steps, is_main
-        self.loader, self.loader_for = None, None  # built once per data-parallel layout; its workers persist
+        # built once per data-parallel layout; its workers persist
+        self.loader, self.loader_for = None, None
 
     def maybe(self, engine, step: int) -> None:
         if self.interval and step % self.interval == 0 and step != self.total_steps:
@@ -28,25 +41,37 @@ class Evaluator:
     def _once(self, engine, step: int, label: str) -> dict:
         lists = eval_batches(len(self.data.test), self.micro_batch, engine.dp_rank, engine.dp_size)
         if engine.reads_data:
-            layout = (engine.dp_rank, engine.dp_size, engine.reads_images)  # a rebuilt engine may shard otherwise
+            # a rebuilt engine may shard otherwise
+            layout = (engine.dp_rank, engine.dp_size, engine.reads_images)
             if self.loader_for != layout:
                 self.loader_for = layout
-                test = self.data.test if engine.reads_images else without_images(self.data.test, self.data)
+                test = (
+                    self.data.test
+                    if engine.reads_images
+                    else without_images(self.data.test, self.data)
+                )
                 self.loader = make_loader(test, lists, self.workers, self.pin_memory)
             batches = self.loader
         else:
             batches = [(None, None)] * len(lists)
         loss_sum, correct, correct5, count = engine.evaluate(alive(batches, self.watchdog))
         if self.is_main:
-            print(f"eval{label} at step {step}: loss {loss_sum / count:.4f} | top-1 {100 * correct / count:.2f}% "
-                  f"({correct}/{count}) | top-5 {100 * correct5 / count:.2f}%", flush=True)
+            print(
+                f"eval{label} at step {step}: loss {loss_sum / count:.4f} | top-1 "
+                f"{100 * correct / count:.2f}% "
+                f"({correct}/{count}) | top-5 {100 * correct5 / count:.2f}%",
+                flush=True,
+            )
         return {"eval_loss": loss_sum / count, "top1": correct / count, "top5": correct5 / count}
 
     def run(self, engine, step: int) -> dict:
-        """The held-out loss, top-1 and top-5; with --model-ema also the average's, as ema_eval_loss, ema_top1, ..."""
+        """The held-out loss, top-1 and top-5; with --model-ema also the average's, as
+        ema_eval_loss, ema_top1, ..."""
         result = self._once(engine, step, "")
         if engine.ema is not None:
             with engine.ema.swapped_in(engine):
-                result.update({f"ema_{k}": v for k, v in self._once(engine, step, " (EMA)").items()})
+                result.update(
+                    {f"ema_{k}": v for k, v in self._once(engine, step, " (EMA)").items()}
+                )
         self.metrics.write("eval", step, **result)
         return result

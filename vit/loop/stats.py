@@ -1,5 +1,7 @@
-"""Per-step statistics, kept without host syncs and written on logging steps: the timing windows, the step-time
-breakdown, fp16 skipped steps and the non-finite-loss check. Time spent evaluating or saving is kept out."""
+"""Per-step statistics, kept without host syncs and written on logging steps: the timing windows,
+the step-time breakdown, fp16 skipped steps and the non-finite-loss check. Time spent evaluating or
+saving is kept out."""
+
 import contextlib
 import sys
 import time
@@ -14,8 +16,9 @@ from vit.telemetry.metrics import log_line, peak_mem_gib, progress
 class PhaseTimer:
     """Seconds spent per phase of the training steps since the last read.
 
-    CUDA events on a GPU, read only when asked (on logging steps, after the loss already synchronised),
-    so timing adds no host sync to the step; the wall clock on a CPU. Laps taken while paused count nowhere.
+    CUDA events on a GPU, read only when asked (on logging steps, after the loss already
+    synchronised), so timing adds no host sync to the step; the wall clock on a CPU. Laps taken
+    while paused count nowhere.
     """
 
     def __init__(self, device: torch.device):
@@ -67,18 +70,38 @@ class PhaseTimer:
 
 
 class StepStats:
-    """stats.record(engine, step, loss, lr) after every step; `if stats.should_log(step): stats.log(engine, step)`;
-    evaluation and saving inside `with stats.paused():`; stats.totals() for the summary. The engine is passed at each
-    call, so a rebuilt one (--freeze) is simply the next one passed."""
+    """stats.record(engine, step, loss, lr) after every step; `if stats.should_log(step):
+    stats.log(engine, step)`; evaluation and saving inside `with stats.paused():`; stats.totals()
+    for the summary. The engine is passed at each call, so a rebuilt one (--freeze) is simply the
+    next one passed."""
 
-    def __init__(self, engine, metrics, *, global_batch: int, rank_images: int, total_steps: int, log_interval: int,
-                 precision: str, max_skipped_steps: int, is_main: bool, earlier: dict | None = None):
-        """earlier: the training time and segments recorded in the checkpoint a resumed run starts from."""
+    def __init__(
+        self,
+        engine,
+        metrics,
+        *,
+        global_batch: int,
+        rank_images: int,
+        total_steps: int,
+        log_interval: int,
+        precision: str,
+        max_skipped_steps: int,
+        is_main: bool,
+        earlier: dict | None = None,
+    ):
+        """earlier: the training time and segments recorded in the checkpoint a resumed run starts
+        from."""
         self.device, self.metrics, self.is_main = engine.device, metrics, is_main
-        self.global_batch, self.rank_images = global_batch, rank_images  # images per step: the job's, this rank's
-        self.total_steps, self.log_interval, self.max_skipped = total_steps, log_interval, max_skipped_steps
-        # fp16 overflows are the loss scaler's to skip; any other non-finite loss stops the run. The first bad step
-        # is kept on the device and read on logging steps, to add no host sync per step.
+        # images per step: the job's, this rank's
+        self.global_batch, self.rank_images = global_batch, rank_images
+        self.total_steps, self.log_interval, self.max_skipped = (
+            total_steps,
+            log_interval,
+            max_skipped_steps,
+        )
+        # fp16 overflows are the loss scaler's to skip; any other non-finite loss stops the run. The
+        # first bad step is kept on the device and read on logging steps, to add no host sync per
+        # step.
         self.check_finite = precision != "fp16"
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=engine.device)
         self.skipped_in_a_row, self.skipped_before = 0, engine.skipped_steps
@@ -105,16 +128,23 @@ class StepStats:
         self._report_skips(step, skipped, self.skipped_in_a_row, self.skipped_in_a_row)
 
     def _report_skips(self, step: int, skipped: int, in_a_row: int, longest: int) -> None:
-        """A skip record when steps were skipped since the last call: every step for an engine that counts skips on
-        the host (DeepSpeed), on logging steps for one that counts them on the device (DDP)."""
+        """A skip record when steps were skipped since the last call: every step for an engine that
+        counts skips on the host (DeepSpeed), on logging steps for one that counts them on the
+        device (DDP)."""
         if skipped > self.skipped_before:
             self.metrics.write("skip", step, skipped_steps=skipped, in_a_row=in_a_row)
             if self.is_main:
-                print(f"step {step}: fp16 gradients overflowed, step skipped ({skipped} so far)", flush=True)
+                print(
+                    f"step {step}: fp16 gradients overflowed, step skipped ({skipped} so far)",
+                    flush=True,
+                )
         self.skipped_before = skipped
         if longest > self.max_skipped:
-            raise NonFiniteLoss(f"fp16: {longest} overflow-skipped steps in a row up to step {step}; "
-                                "lower initial_scale_power in the DeepSpeed config or use bf16")
+            raise NonFiniteLoss(
+                f"fp16: {longest} overflow-skipped steps in a row up to step "
+                f"{step}; "
+                "lower initial_scale_power in the DeepSpeed config or use bf16"
+            )
 
     def should_log(self, step: int) -> bool:
         return step % self.log_interval == 0 or step == self.total_steps
@@ -126,29 +156,48 @@ class StepStats:
         if not self.check_finite and engine.counts_skips_on_device:
             self._report_skips(step, *engine.device_skip_counts())
         if self.check_finite and self.first_bad_step.item():
-            raise NonFiniteLoss(f"the loss became non-finite at step {self.first_bad_step.item()} (now "
-                                f"{self.last_loss}); lower --lr, or resume from an earlier checkpoint")
+            raise NonFiniteLoss(
+                f"the loss became non-finite at step {self.first_bad_step.item()} "
+                f"(now "
+                f"{self.last_loss}); lower --lr, or resume from an earlier "
+                f"checkpoint"
+            )
         window_s = time.perf_counter() - self.window_start - self.window_excluded
         self.train_s += window_s
         step_time = window_s / self.window_steps
         images_per_s, mem = self.global_batch / step_time, peak_mem_gib(self.device)
         phases = engine.breakdown(self.window_steps)
         for phase, seconds in phases.items():
-            self.phase_totals[phase] = self.phase_totals.get(phase, 0.0) + seconds * self.window_steps
-        self.metrics.write("train", step, loss=self.last_loss, lr=float(self.lr), images_per_s=images_per_s,
-                           step_time_s=step_time, mem_gib=mem, rank_images_per_s=self.rank_images / step_time,
-                           skipped_steps=engine.skipped_steps, loss_scale=engine.loss_scale, **phases)
+            self.phase_totals[phase] = (
+                self.phase_totals.get(phase, 0.0) + seconds * self.window_steps
+            )
+        self.metrics.write(
+            "train",
+            step,
+            loss=self.last_loss,
+            lr=float(self.lr),
+            images_per_s=images_per_s,
+            step_time_s=step_time,
+            mem_gib=mem,
+            rank_images_per_s=self.rank_images / step_time,
+            skipped_steps=engine.skipped_steps,
+            loss_scale=engine.loss_scale,
+            **phases,
+        )
         if self.is_main:
             if sys.stderr.isatty():
                 sys.stderr.write("\r")
-            line = log_line(step, self.total_steps, self.last_loss, float(self.lr), images_per_s, step_time, mem)
+            line = log_line(
+                step, self.total_steps, self.last_loss, float(self.lr), images_per_s, step_time, mem
+            )
             print(line, flush=True)
         self.window_steps, self.window_start, self.window_excluded = 0, time.perf_counter(), 0.0
 
     @contextlib.contextmanager
     def paused(self):
-        """Time spent inside (evaluation, checkpoints) counts in no step time, images/s or breakdown. The steps' work
-        still queued on the GPU is waited for first, so that it counts as training."""
+        """Time spent inside (evaluation, checkpoints) counts in no step time, images/s or
+        breakdown. The steps' work still queued on the GPU is waited for first, so that it counts as
+        training."""
         wait_for_queued(self.device)
         start = self.paused_at = time.perf_counter()
         try:
@@ -158,17 +207,30 @@ class StepStats:
             self.paused_at = None
 
     def train_time(self) -> dict:
-        """The run's training time over its segments (the first run and each resume) up to the last step done: the
-        earlier segments' from the checkpoint resumed, plus this one's, the steps not logged yet included."""
-        pending = self.paused_at - self.window_start - self.window_excluded if self.window_steps and self.paused_at \
+        """The run's training time over its segments (the first run and each resume) up to the last
+        step done: the earlier segments' from the checkpoint resumed, plus this one's, the steps not
+        logged yet included."""
+        pending = (
+            self.paused_at - self.window_start - self.window_excluded
+            if self.window_steps and self.paused_at
             else 0.0
-        return {"train_s": self.earlier["train_s"] + self.train_s + pending, "segments": self.earlier["segments"] + 1}
+        )
+        return {
+            "train_s": self.earlier["train_s"] + self.train_s + pending,
+            "segments": self.earlier["segments"] + 1,
+        }
 
     def totals(self) -> dict:
-        """For the summary: the steps' wall time (over every segment of a resumed run, and this one's), this run's
-        images/s and mean breakdown per step."""
+        """For the summary: the steps' wall time (over every segment of a resumed run, and this
+        one's), this run's images/s and mean breakdown per step."""
         steps, run = self.steps_done, self.train_time()
-        return {"train_s": run["train_s"], "train_s_this_run": self.train_s, "segments": run["segments"],
-                "final_loss": self.last_loss,
-                "images_per_s": steps * self.global_batch / self.train_s if steps and self.train_s else None,
-                "breakdown": {k: v / max(1, steps) for k, v in self.phase_totals.items()}}
+        return {
+            "train_s": run["train_s"],
+            "train_s_this_run": self.train_s,
+            "segments": run["segments"],
+            "final_loss": self.last_loss,
+            "images_per_s": steps * self.global_batch / self.train_s
+            if steps and self.train_s
+            else None,
+            "breakdown": {k: v / max(1, steps) for k, v in self.phase_totals.items()},
+        }

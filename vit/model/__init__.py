@@ -1,1 +1,2 @@
-"""The network as a flat list of timm layers, its loss, and weights in (pretrained) and out (--export)."""
+"""The network as a flat list of timm layers, its loss, and weights in (pretrained) and out
+(--export)."""

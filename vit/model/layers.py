@@ -1,10 +1,12 @@
-"""The network as a flat list of layers, from any timm model of the VisionTransformer family or a preset.
+"""The network as a flat list of layers, from any timm model of the VisionTransformer family or a
+preset.
 
 Every engine trains `nn.Sequential(*layers)`; the pipeline engine hands the same list to
-deepspeed.pipe.PipelineModule. So pipeline and non-pipeline runs train one network, from the
-same initial weights for a given seed. The layers keep timm's attribute names, so a layer list's
-state dict maps onto timm's by its index alone (`timm_state_dict`, `layer_state_dict`).
+deepspeed.pipe.PipelineModule. So pipeline and non-pipeline runs train one network, from the same
+initial weights for a given seed. The layers keep timm's attribute names, so a layer list's state
+dict maps onto timm's by its index alone (`timm_state_dict`, `layer_state_dict`).
 """
+
 import difflib
 import re
 from dataclasses import dataclass
@@ -38,34 +40,48 @@ PRESETS = {
     "vit_small_cifar": Preset(32, 4, 384, 12, 6),
     "vit_base_cifar": Preset(32, 4, 768, 12, 12),
 }
-# timm modules whose models are VisionTransformer (DeiT's distilled models, with a second head, are refused).
+# timm modules whose models are VisionTransformer (DeiT's distilled models, with a second head, are
+# refused).
 FAMILIES = ("vision_transformer", "deit", "vision_transformer_hybrid")
 
 
 def check_model(name: str) -> str:
-    """The timm architecture of --model NAME (a preset is its own), or one line saying what is wrong."""
+    """The timm architecture of --model NAME (a preset is its own), or one line saying what is
+    wrong."""
     if name in PRESETS:
         return name
     arch, _tag = split_model_name_tag(name)
     if not timm.is_model(arch):
-        near = difflib.get_close_matches(name, [*PRESETS, *timm.list_models(pretrained=True), *timm.list_models()],
-                                         n=5, cutoff=0.6)
+        near = difflib.get_close_matches(
+            name,
+            [*PRESETS, *timm.list_models(pretrained=True), *timm.list_models()],
+            n=5,
+            cutoff=0.6,
+        )
         hint = f"; nearest: {', '.join(dict.fromkeys(near))}" if near else ""
         raise ConfigError(f"unknown model '{name}'{hint}")
     module = timm.models.model_entrypoint(arch).__module__.rsplit(".", 1)[-1]
     if "distilled" in arch:
-        raise ConfigError(f"model '{name}' is a distilled DeiT (a second head for the teacher); use its plain "
-                          f"form, {arch.replace('_distilled', '')}")
+        raise ConfigError(
+            f"model '{name}' is a distilled DeiT (a second head for the teacher); "
+            f"use its plain "
+            f"form, {arch.replace('_distilled', '')}"
+        )
     if module not in FAMILIES:
-        raise ConfigError(f"model '{name}' is a timm {module} model, not a VisionTransformer; supported: the "
-                          f"presets ({', '.join(PRESETS)}) and timm's vit_*, deit_*, deit3_* (not distilled), "
-                          "vit hybrids, with pretrained tags (vit_small_patch16_224.augreg_in21k)")
+        raise ConfigError(
+            f"model '{name}' is a timm {module} model, not a VisionTransformer; "
+            f"supported: the "
+            f"presets ({', '.join(PRESETS)}) and timm's vit_*, deit_*, deit3_* (not "
+            f"distilled), "
+            "vit hybrids, with pretrained tags (vit_small_patch16_224.augreg_in21k)"
+        )
     return arch
 
 
 @dataclass(frozen=True)
 class Shape:
     """What the plan needs to know of a model before building it."""
+
     img_size: int  # its default image side
     patch_size: int
     depth: int
@@ -86,14 +102,36 @@ def model_shape(name: str, in_chans: int = 3, img_size: int | None = None) -> Sh
 def check_img_size(model_name: str, img_size: int) -> None:
     patch = model_shape(model_name).patch_size
     if img_size <= 0 or img_size % patch:
-        raise ConfigError(f"image size {img_size} is not divisible by the patch size {patch} of model {model_name}")
+        raise ConfigError(
+            f"image size {img_size} is not divisible by the patch size {patch} of "
+            f"model {model_name}"
+        )
 
 
-# timm.models.vision_transformer.VisionTransformer's own pieces, run on the layer that holds their attributes.
-EMBED_ATTRS = ("patch_embed", "cls_token", "reg_token", "pos_embed", "pos_drop", "patch_drop", "norm_pre",
-               "no_embed_class", "dynamic_img_size", "num_prefix_tokens")
-HEAD_ATTRS = ("norm", "attn_pool", "fc_norm", "head_drop", "head", "global_pool", "num_prefix_tokens",
-              "pool_include_prefix")
+# timm.models.vision_transformer.VisionTransformer's own pieces, run on the layer that holds their
+# attributes.
+EMBED_ATTRS = (
+    "patch_embed",
+    "cls_token",
+    "reg_token",
+    "pos_embed",
+    "pos_drop",
+    "patch_drop",
+    "norm_pre",
+    "no_embed_class",
+    "dynamic_img_size",
+    "num_prefix_tokens",
+)
+HEAD_ATTRS = (
+    "norm",
+    "attn_pool",
+    "fc_norm",
+    "head_drop",
+    "head",
+    "global_pool",
+    "num_prefix_tokens",
+    "pool_include_prefix",
+)
 
 
 def _take(layer: nn.Module, vit: VisionTransformer, attrs) -> None:
@@ -102,7 +140,8 @@ def _take(layer: nn.Module, vit: VisionTransformer, attrs) -> None:
 
 
 class Embed(nn.Module):
-    """Patch embedding, class and register tokens, position embedding: timm's forward_features up to the blocks."""
+    """Patch embedding, class and register tokens, position embedding: timm's forward_features up to
+    the blocks."""
 
     def __init__(self, vit: VisionTransformer):
         super().__init__()
@@ -115,8 +154,8 @@ class Embed(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm, pooling (class token, average or attention), fc_norm, pre-logits dropout and the classifier:
-    the end of timm's forward_features, and its forward_head."""
+    """Final norm, pooling (class token, average or attention), fc_norm, pre-logits dropout and the
+    classifier: the end of timm's forward_features, and its forward_head."""
 
     def __init__(self, vit: VisionTransformer):
         super().__init__()
@@ -127,24 +166,44 @@ class Head(nn.Module):
         return self.head(self.head_drop(self.fc_norm(x)))
 
 
-def create_vit(model_name: str, num_classes: int, in_chans: int, img_size: int | None = None,
-               seed: int = 0, drop_path: float = 0.0) -> VisionTransformer:
+def create_vit(
+    model_name: str,
+    num_classes: int,
+    in_chans: int,
+    img_size: int | None = None,
+    seed: int = 0,
+    drop_path: float = 0.0,
+) -> VisionTransformer:
     """The timm model, initialised from `seed` (same weights on every rank)."""
     arch = check_model(model_name)
     torch.manual_seed(seed)
     if arch not in PRESETS:
         kwargs = {"img_size": img_size} if img_size else {}
-        vit = timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans,
-                                drop_path_rate=drop_path, **kwargs)
+        vit = timm.create_model(
+            arch,
+            pretrained=False,
+            num_classes=num_classes,
+            in_chans=in_chans,
+            drop_path_rate=drop_path,
+            **kwargs,
+        )
         check_img_size(model_name, vit.patch_embed.img_size[0])
         return vit
     p = PRESETS[model_name]
     img_size = img_size or p.img_size
     check_img_size(model_name, img_size)
     return VisionTransformer(
-        img_size=img_size, patch_size=p.patch_size, in_chans=in_chans, num_classes=num_classes,
-        embed_dim=p.embed_dim, depth=p.depth, num_heads=p.num_heads, mlp_ratio=p.mlp_ratio,
-        class_token=True, global_pool="token", drop_path_rate=drop_path,
+        img_size=img_size,
+        patch_size=p.patch_size,
+        in_chans=in_chans,
+        num_classes=num_classes,
+        embed_dim=p.embed_dim,
+        depth=p.depth,
+        num_heads=p.num_heads,
+        mlp_ratio=p.mlp_ratio,
+        class_token=True,
+        global_pool="token",
+        drop_path_rate=drop_path,
     )
 
 
@@ -153,9 +212,17 @@ def to_layers(vit: VisionTransformer) -> list[nn.Module]:
     return [Embed(vit), *vit.blocks, Head(vit)]
 
 
-def build_layers(model_name: str, num_classes: int, in_chans: int, img_size: int | None = None,
-                 seed: int = 0, drop_path: float = 0.0, state: dict | None = None) -> list[nn.Module]:
-    """The layer list, from `seed`, with `state` (timm's keys: vit.model.weights.pretrained_state) loaded over it."""
+def build_layers(
+    model_name: str,
+    num_classes: int,
+    in_chans: int,
+    img_size: int | None = None,
+    seed: int = 0,
+    drop_path: float = 0.0,
+    state: dict | None = None,
+) -> list[nn.Module]:
+    """The layer list, from `seed`, with `state` (timm's keys: vit.model.weights.pretrained_state)
+    loaded over it."""
     vit = create_vit(model_name, num_classes, in_chans, img_size, seed, drop_path)
     if state is not None:
         vit.load_state_dict(state, strict=False)
@@ -166,7 +233,8 @@ LAYER_KEY = re.compile(r"^(\d+)\.(.*)$")
 
 
 def timm_key(key: str, depth: int) -> str:
-    """'3.attn.qkv.weight' of the layer list (nn.Sequential or PipelineModule) -> timm's 'blocks.2.attn.qkv.weight'."""
+    """'3.attn.qkv.weight' of the layer list (nn.Sequential or PipelineModule) -> timm's
+    'blocks.2.attn.qkv.weight'."""
     i, rest = LAYER_KEY.match(key).groups()
     i = int(i)
     return rest if i in (0, depth + 1) else f"blocks.{i - 1}.{rest}"
@@ -189,9 +257,10 @@ def layer_state_dict(timm_state: dict, depth: int) -> dict:
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
-    """The training loss in fp32: soft targets (mixup, cutmix) with timm's SoftTargetCrossEntropy, else cross-entropy
-    with --smoothing. Label -100 marks evaluation padding (the pipeline's eval_batch computes a loss too) and counts
-    nowhere: masked, not dropped by indexing, whose data-dependent shape would make the host wait for the GPU."""
+    """The training loss in fp32: soft targets (mixup, cutmix) with timm's SoftTargetCrossEntropy,
+    else cross-entropy with --smoothing. Label -100 marks evaluation padding (the pipeline's
+    eval_batch computes a loss too) and counts nowhere: masked, not dropped by indexing, whose
+    data-dependent shape would make the host wait for the GPU."""
     if labels.ndim == 2:
         return SoftTargetCrossEntropy()(logits.float(), labels)
     return F.cross_entropy(logits.float(), labels, ignore_index=-100, label_smoothing=smoothing)

@@ -1,5 +1,6 @@
-"""What a --pretrained-path file is when this run cannot load it: a damaged or foreign file, or the weights of
-another kind of network, each said in a few words with the closest fix."""
+"""What a --pretrained-path file is when this run cannot load it: a damaged or foreign file, or the
+weights of another kind of network, each said in a few words with the closest fix."""
+
 import json
 import re
 import zipfile
@@ -12,11 +13,22 @@ FAMILIES = (
     (r"^layer\d\.\d+\.conv\d\.weight$", "a ResNet state dict: no ViT keys", VIT_FIX),
     (r"^stages\.\d+\.blocks\.\d+\.conv_dw\.", "a ConvNeXt state dict: no ViT keys", VIT_FIX),
     (r"^layers\.\d+\.blocks\.\d+\.", "a Swin Transformer state dict, not a plain ViT's", VIT_FIX),
-    (r"^(vit\.)?(encoder\.layer\.\d+|embeddings)\.", "a Hugging Face transformers ViT (vit.encoder.layer.*), not "
-     "timm's names", "use timm's copy of these weights (the hub's timm/*, --pretrained) or rename its keys"),
-    (r"^(norm1|attn|ls1|mlp|norm2|ls2)\.", "one transformer block (a pipeline checkpoint's layer file?)", FOLDER_FIX),
+    (
+        r"^(vit\.)?(encoder\.layer\.\d+|embeddings)\.",
+        "a Hugging Face transformers ViT (vit.encoder.layer.*), not timm's names",
+        "use timm's copy of these weights (the hub's timm/*, --pretrained) or rename its keys",
+    ),
+    (
+        r"^(norm1|attn|ls1|mlp|norm2|ls2)\.",
+        "one transformer block (a pipeline checkpoint's layer file?)",
+        FOLDER_FIX,
+    ),
     (r"^optimizer_state_dict$", "a DeepSpeed optimizer state file", FOLDER_FIX),
-    (r"^(torch|numpy|python|cuda)$", "a checkpoint's random-number state (rng_rank*.pt)", FOLDER_FIX),
+    (
+        r"^(torch|numpy|python|cuda)$",
+        "a checkpoint's random-number state (rng_rank*.pt)",
+        FOLDER_FIX,
+    ),
 )
 
 
@@ -35,8 +47,8 @@ def _size(path: Path) -> str:
 
 
 def safetensors_problem(path: Path, error: Exception) -> str:
-    """Why safetensors could not read `path`: truncated (the file is shorter than its header says), or not a
-    safetensors file at all; else safetensors' own words."""
+    """Why safetensors could not read `path`: truncated (the file is shorter than its header says),
+    or not a safetensors file at all; else safetensors' own words."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -45,7 +57,9 @@ def safetensors_problem(path: Path, error: Exception) -> str:
         if len(head) < 8 or start != b"{":  # an 8-byte header length, then the JSON header
             return f"not a safetensors file ({_size(path)}, without a safetensors header)"
         if 8 + header_len > size:
-            return f"truncated: {_size(path)}, shorter than its own header ({8 + header_len:,} bytes)"
+            return (
+                f"truncated: {_size(path)}, shorter than its own header ({8 + header_len:,} bytes)"
+            )
         try:
             header = json.loads(start + f.read(header_len - 1))
             end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
@@ -57,7 +71,8 @@ def safetensors_problem(path: Path, error: Exception) -> str:
 
 
 def torch_problem(path: Path, error: Exception) -> str:
-    """Why torch.load could not read `path`: torch.save writes a zip archive (a legacy one, a pickle)."""
+    """Why torch.load could not read `path`: torch.save writes a zip archive (a legacy one, a
+    pickle)."""
     with open(path, "rb") as f:
         head = f.read(4)
     reason = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
@@ -65,6 +80,9 @@ def torch_problem(path: Path, error: Exception) -> str:
         return "an empty file"
     if head.startswith(b"PK") and not zipfile.is_zipfile(path):
         return f"truncated or damaged: {_size(path)}, a zip archive (torch.save's format) without its end"
-    if head.startswith(b"PK") or head.startswith(b"\x80"):  # a zip archive or a pickle, that torch cannot read
+    # a zip archive or a pickle, that torch cannot read
+    if head.startswith(b"PK") or head.startswith(b"\x80"):
         return f"truncated or damaged ({_size(path)}: {reason[:160]})"
-    return f"not a weights file: neither torch.save's format nor safetensors (it starts with {head!r})"
+    return (
+        f"not a weights file: neither torch.save's format nor safetensors (it starts with {head!r})"
+    )

@@ -1,9 +1,10 @@
-"""--engine auto: once the process group runs, measure what the cost model needs (each rank's layer times at the
-run's micro-batch, every rank at once and then one at a time, and its free memory; the link from the first host to
-each other host), rank every candidate (vit.planner.search), take the fastest that fits every rank and that runs as
-a command line would ask for it, and plan the run again with it. Rank 0 prints the table and the choice;
-config.json keeps both (engine_auto). The fixed costs come from a calibration file where there is one, else the
-defaults (docs/planner.md)."""
+"""--engine auto: once the process group runs, measure what the cost model needs (each rank's layer
+times at the run's micro-batch, every rank at once and then one at a time, and its free memory; the
+link from the first host to each other host), rank every candidate (vit.planner.search), take the
+fastest that fits every rank and that runs as a command line would ask for it, and plan the run
+again with it. Rank 0 prints the table and the choice; config.json keeps both (engine_auto). The
+fixed costs come from a calibration file where there is one, else the defaults (docs/planner.md)."""
+
 import dataclasses
 import os
 import statistics
@@ -29,33 +30,58 @@ from vit.runtime.dist_env import Job, rank0_decides
 from vit.telemetry.metrics import write_json
 
 TOP = 10  # rows printed
-ROUNDS = 30  # of every layer's forward and backward, the median kept: ranks timed at once are noisier than alone
+# of every layer's forward and backward, the median kept: ranks timed at once are noisier than alone
+ROUNDS = 30
 ALONE_ROUNDS = 5  # the same, one rank at a time
 TIE = 0.02  # predictions this close are a tie (the model's error is larger)
-PICK = "VIT_ENGINE_AUTO_PICK"  # a family (family()) to run instead of the choice: the model's validation, bench planner
+# a family (family()) to run instead of the choice: the model's validation, bench planner
+PICK = "VIT_ENGINE_AUTO_PICK"
 
 
-def choose(job: Job, dev: torch.device, layers: list, sample: torch.Tensor, batch: Batch, precision: str,
-           engine: str, slowdown: float = 1.0, powersgd_rank: int = 4) -> dict:
-    """Collective: measure `layers` (the model as the run builds it) on every rank at `batch`'s micro-batch in
-    `precision`, rank every candidate (rank 0 decides for all) and return the record of the choice (its table, its
-    measurements), which vit.config.plan.with_auto_choice turns into the run's plan. `engine`: the one the run is
-    planned as until it chooses."""
+def choose(
+    job: Job,
+    dev: torch.device,
+    layers: list,
+    sample: torch.Tensor,
+    batch: Batch,
+    precision: str,
+    engine: str,
+    slowdown: float = 1.0,
+    powersgd_rank: int = 4,
+) -> dict:
+    """Collective: measure `layers` (the model as the run builds it) on every rank at `batch`'s
+    micro-batch in `precision`, rank every candidate (rank 0 decides for all) and return the record
+    of the choice (its table, its measurements), which vit.config.plan.with_auto_choice turns into
+    the run's plan. `engine`: the one the run is planned as until it chooses."""
     start = time.perf_counter()
     micro = batch.micro_batch
     report = capabilities(dev, job.local_world_size, spec(engine))
-    dist.barrier()  # every rank at once, as training runs: ranks sharing a host's cores slow each other there too
-    report["layer_ms"] = time_layers(layers, sample, micro, precision, dev, slowdown, rounds=ROUNDS,
-                                     pick=statistics.median)
+    # every rank at once, as training runs: ranks sharing a host's cores slow each other there too
+    dist.barrier()
+    report["layer_ms"] = time_layers(
+        layers, sample, micro, precision, dev, slowdown, rounds=ROUNDS, pick=statistics.median
+    )
     report["layer_ms_micro_batch"] = micro
-    alone = {}  # and one rank at a time: where the two differ, ranks share processors (the engines' busy_slots)
+    # and one rank at a time: where the two differ, ranks share processors (the engines' busy_slots)
+    alone = {}
 
     def time_alone(first: bool) -> None:
-        alone["layer_ms"] = time_layers(layers, sample, micro, precision, dev, slowdown, rounds=ALONE_ROUNDS,
-                                        pick=statistics.median)
+        alone["layer_ms"] = time_layers(
+            layers,
+            sample,
+            micro,
+            precision,
+            dev,
+            slowdown,
+            rounds=ALONE_ROUNDS,
+            pick=statistics.median,
+        )
+
     dist.barrier()  # no rank's turn alone while another still times at once
     in_turns(job, 1, time_alone)
-    report["contention"] = max(1.0, sum(map(sum, report["layer_ms"])) / sum(map(sum, alone["layer_ms"])))
+    report["contention"] = max(
+        1.0, sum(map(sum, report["layer_ms"])) / sum(map(sum, alone["layer_ms"]))
+    )
     reports = gather(report)
     links = measure_links([r["host"] for r in reports], job.rank, dev)
     work = dict(batch=batch, world_size=job.world_size, powersgd_rank=powersgd_rank)
@@ -66,14 +92,25 @@ def choose(job: Job, dev: torch.device, layers: list, sample: torch.Tensor, batc
     if only := os.environ.get(PLAN_ONLY):
         if job.is_main:
             write_json(only, record)
-        raise NothingToDo(f"engine auto: planned only (${PLAN_ONLY}): the table and the choice are in {only}")
+        raise NothingToDo(
+            f"engine auto: planned only (${PLAN_ONLY}): the table and the choice are in {only}"
+        )
     return record
 
 
-def decide(layers: list, sample: torch.Tensor, precision: str, reports: list[dict],
-           links: dict[str, tuple[float, float]], start: float, batch: Batch, world_size: int,
-           powersgd_rank: int) -> dict:
-    """Rank 0: every candidate ranked, the first that fits and runs chosen; ConfigError when none does."""
+def decide(
+    layers: list,
+    sample: torch.Tensor,
+    precision: str,
+    reports: list[dict],
+    links: dict[str, tuple[float, float]],
+    start: float,
+    batch: Batch,
+    world_size: int,
+    powersgd_rank: int,
+) -> dict:
+    """Rank 0: every candidate ranked, the first that fits and runs chosen; ConfigError when none
+    does."""
     described, flops = describe_layers(layers, sample, precision)
     ranks, _ = ranks_from_census(reports, flops, batch.micro_batch)
     net = network(reports, links)
@@ -81,49 +118,89 @@ def decide(layers: list, sample: torch.Tensor, precision: str, reports: list[dic
     (calib, calib_from), rows = run_calibration(), []
     for p in rank_candidates(ranks, net, work, calib):
         cannot = cannot_run(p.candidate, world_size, precision)
-        rows.append({**row(p, work.global_batch), "engine_key": engine_key(p.candidate), "runs": cannot is None,
-                     "not_chosen": "does not fit every rank" if not p.fits else cannot or not_chosen(p.candidate)})
+        rows.append(
+            {
+                **row(p, work.global_batch),
+                "engine_key": engine_key(p.candidate),
+                "runs": cannot is None,
+                "not_chosen": "does not fit every rank"
+                if not p.fits
+                else cannot or not_chosen(p.candidate),
+            }
+        )
     runs = [r for r in rows if r["not_chosen"] is None]
     if not runs:
-        raise ConfigError(f"--engine auto: none of the {len(rows)} candidates fits every rank's memory and runs "
-                          f"({rows[0]['candidate']}: {rows[0]['not_chosen']}); name an engine")
+        raise ConfigError(
+            f"--engine auto: none of the {len(rows)} candidates fits every rank's "
+            f"memory and runs "
+            f"({rows[0]['candidate']}: {rows[0]['not_chosen']}); name an engine"
+        )
     chosen = pick(runs) if not os.environ.get(PICK) else forced(rows, os.environ[PICK])
-    why = f"{PICK} asked for #{rows.index(chosen) + 1}" if os.environ.get(PICK) else \
-        f"within {TIE:.0%} of #{rows.index(chosen) + 1}, which is plainer"
-    for r in rows[:rows.index(chosen)]:
+    why = (
+        f"{PICK} asked for #{rows.index(chosen) + 1}"
+        if os.environ.get(PICK)
+        else f"within {TIE:.0%} of #{rows.index(chosen) + 1}, which is plainer"
+    )
+    for r in rows[: rows.index(chosen)]:
         r["not_chosen"] = r["not_chosen"] or why
     mbit = {h: 8 * b / 1e6 for h, b in net.host_bytes_s.items()}
     hosts = len({r["host"] for r in reports})
-    said = [f"engine auto: {len(reports)} ranks on {hosts} host{'s' if hosts > 1 else ''}, {precision}, global "
-            f"batch {work.global_batch}; links " + (", ".join(f"{h} {v:.1f} Mbit/s" for h, v in mbit.items())
-                                                   or "none (one host)") + f", latency {1e3 * net.latency_s:.2f} ms; "
-            f"fixed costs from {calib_from or 'the defaults (bench planner --save-calibration measures them)'}"]
-    if (shared := [r["contention"] for r in reports if r["contention"] > SHARED]):
-        said.append(f"  {len(shared)} of the ranks share processors: layer times with every rank at once "
-                    f"{min(shared):.1f}x to {max(shared):.1f}x their times alone (their pipelines' idle stages leave "
-                    "the processors to the others: docs/planner.md)")
+    said = [
+        f"engine auto: {len(reports)} ranks on {hosts} host{'s' if hosts > 1 else ''}, "
+        f"{precision}, global "
+        f"batch {work.global_batch}; links "
+        + (", ".join(f"{h} {v:.1f} Mbit/s" for h, v in mbit.items()) or "none (one host)")
+        + f", latency {1e3 * net.latency_s:.2f} ms; "
+        f"fixed costs from "
+        f"{calib_from or 'the defaults (bench planner --save-calibration measures them)'}"
+    ]
+    if shared := [r["contention"] for r in reports if r["contention"] > SHARED]:
+        said.append(
+            f"  {len(shared)} of the ranks share processors: layer times with every rank "
+            f"at once "
+            f"{min(shared):.1f}x to {max(shared):.1f}x their times alone (their pipelines' "
+            f"idle stages leave "
+            "the processors to the others: docs/planner.md)"
+        )
     said.append(table(rows, TOP))
-    said += [f"  not #{i}: {r['not_chosen']}" for i, r in enumerate(rows[:min(rows.index(chosen), TOP)], 1)]
+    said += [
+        f"  not #{i}: {r['not_chosen']}"
+        for i, r in enumerate(rows[: min(rows.index(chosen), TOP)], 1)
+    ]
     plan_s = time.perf_counter() - start
-    said.append(f"engine auto chose #{rows.index(chosen) + 1}: {chosen['candidate']} (predicted "
-                f"{chosen['step_ms']:.1f} ms a step, {chosen['images_per_s']:.0f} images/s; planned in {plan_s:.1f} s)")
-    return {"choice": chosen, "candidates": rows, "links_mbit": mbit, "latency_ms": 1e3 * net.latency_s,
-            "precision": precision, "layer_flops": flops, "calibration": dataclasses.asdict(calib),
-            "contention": [r["contention"] for r in reports],
-            "calibration_from": calib_from,
-            "planning_s": plan_s, "text": "\n".join(said)}
+    said.append(
+        f"engine auto chose #{rows.index(chosen) + 1}: {chosen['candidate']} (predicted "
+        f"{chosen['step_ms']:.1f} ms a step, {chosen['images_per_s']:.0f} images/s; "
+        f"planned in {plan_s:.1f} s)"
+    )
+    return {
+        "choice": chosen,
+        "candidates": rows,
+        "links_mbit": mbit,
+        "latency_ms": 1e3 * net.latency_s,
+        "precision": precision,
+        "layer_flops": flops,
+        "calibration": dataclasses.asdict(calib),
+        "contention": [r["contention"] for r in reports],
+        "calibration_from": calib_from,
+        "planning_s": plan_s,
+        "text": "\n".join(said),
+    }
 
 
 def pick(runs: list[dict]) -> dict:
-    """Of the candidates that run, in the model's order: within TIE of the fastest the model cannot tell them
-    apart, so the plainest wins (no compression, equal micro-batches, fewer stages), then the model's order."""
+    """Of the candidates that run, in the model's order: within TIE of the fastest the model cannot
+    tell them apart, so the plainest wins (no compression, equal micro-batches, fewer stages), then
+    the model's order."""
     near = [r for r in runs if r["step_ms"] <= (1 + TIE) * runs[0]["step_ms"]]
-    return min(near, key=lambda r: (r["compression"] != "none", r["split"] is not None, r["stages"]))
+    return min(
+        near, key=lambda r: (r["compression"] != "none", r["split"] is not None, r["stages"])
+    )
 
 
 def family(r: dict) -> str:
-    """A candidate's family, as stable between runs as the measurements are: all but its micro-batch, batch split
-    and stage boundaries (each run's model chooses those again)."""
+    """A candidate's family, as stable between runs as the measurements are: all but its
+    micro-batch, batch split and stage boundaries (each run's model chooses those again)."""
     return f"{r['engine']}:zero{r['zero_stage']}:stages{r['stages']}:{r['compression']}"
 
 
@@ -132,8 +209,10 @@ def forced(rows: list[dict], wanted: str) -> dict:
     for r in rows:
         if family(r) == wanted and r["fits"] and r["runs"]:
             return r
-    raise ConfigError(f"{PICK}={wanted}: no candidate of that family fits and runs; families: "
-                      f"{', '.join(sorted({family(r) for r in rows}))}")
+    raise ConfigError(
+        f"{PICK}={wanted}: no candidate of that family fits and runs; families: "
+        f"{', '.join(sorted({family(r) for r in rows}))}"
+    )
 
 
 def not_chosen(c: Candidate) -> str | None:

@@ -1,4 +1,5 @@
 """Data-parallel micro-batches in proportion to each rank's measured speed, within its free memory."""
+
 import math
 
 from vit.core.errors import ConfigError
@@ -9,8 +10,8 @@ from vit.runtime.precision import who
 def proportional_split(total: int, speed: list[float], cap: list[int]) -> list[int]:
     """`total` samples over the ranks in proportion to speed, each at least 1 and at most its cap.
 
-    Ranks that hit their cap keep it and the rest is shared by the others in proportion; integers by the
-    largest remainders."""
+    Ranks that hit their cap keep it and the rest is shared by the others in proportion; integers by
+    the largest remainders."""
     n = len(speed)
     if sum(cap) < total or min(cap) < 1:
         raise ValueError(f"cannot place {total} samples within the per-rank limits {cap}")
@@ -33,17 +34,23 @@ def proportional_split(total: int, speed: list[float], cap: list[int]) -> list[i
     return [sizes[r] for r in range(n)]
 
 
-def split_batches(profile: list[dict], reports: list[dict], micro_batch: int, bytes_per_param: float) -> list[int]:
-    """Per-rank micro-batch for --batch-split proportional: the data-parallel total micro x ranks shared in
-    proportion to the measured block speed, within each rank's free memory less bytes_per_param per parameter
-    (vit.planner.memory.bytes_per_param)."""
+def split_batches(
+    profile: list[dict], reports: list[dict], micro_batch: int, bytes_per_param: float
+) -> list[int]:
+    """Per-rank micro-batch for --batch-split proportional: the data-parallel total micro x ranks
+    shared in proportion to the measured block speed, within each rank's free memory less
+    bytes_per_param per parameter (vit.planner.memory.bytes_per_param)."""
     static = sum(p["params"] for p in profile) * bytes_per_param
     per_sample = sum(p["act_bytes"] for p in profile)  # profiled in the run's precision
     caps = [int((plan_bytes(r) - static) // per_sample) for r in reports]
     total = micro_batch * len(reports)
     if sum(caps) < total or min(caps) < 1:
         worst = min(range(len(reports)), key=lambda r: caps[r])
-        raise ConfigError(f"--batch-split proportional: the ranks' free memory holds {max(0, sum(caps))} samples at "
-                          f"once, fewer than the {total} of a micro-step ({who(worst, reports[worst])} fits "
-                          f"{max(0, caps[worst])}); lower --micro-batch-size")
+        raise ConfigError(
+            f"--batch-split proportional: the ranks' free memory holds "
+            f"{max(0, sum(caps))} samples at "
+            f"once, fewer than the {total} of a micro-step "
+            f"({who(worst, reports[worst])} fits "
+            f"{max(0, caps[worst])}); lower --micro-batch-size"
+        )
     return proportional_split(total, [1 / r["block_ms"] for r in reports], caps)

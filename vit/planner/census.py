@@ -1,5 +1,6 @@
-"""The census: what every rank's device is and can run, and how fast it is (vit.runtime.precision settles the
-precision)."""
+"""The census: what every rank's device is and can run, and how fast it is (vit.runtime.precision
+settles the precision)."""
+
 import socket
 from pathlib import Path
 
@@ -18,8 +19,8 @@ def capabilities(dev: torch.device, local_world_size: int, engine: EngineSpec) -
     """This rank's device: name, memory, compute capability and what it trains in under `engine`
     (vit.runtime.precision.gpu_precisions; on a CPU, what DeepSpeed's accelerator says).
 
-    A plugin may change the report (vit.runtime.plugins' "census" hook), so that tests can stand in for a GPU without
-    bf16 on a machine that has none."""
+    A plugin may change the report (vit.runtime.plugins' "census" hook), so that tests can stand in
+    for a GPU without bf16 on a machine that has none."""
     from deepspeed.accelerator import get_accelerator
 
     name, free, total = device_memory(dev, local_world_size)
@@ -31,29 +32,37 @@ def capabilities(dev: torch.device, local_world_size: int, engine: EngineSpec) -
         capability = None
         acc = get_accelerator()
         native = {"fp16": bool(acc.is_fp16_supported()), "bf16": bool(acc.is_bf16_supported())}
-    report = {"host": socket.gethostname(), "machine": machine_id(), "device": name, "capability": capability,
-              "mem_total_gib": total / 2**30, "mem_free_gib": free / 2**30, **native}
+    report = {
+        "host": socket.gethostname(),
+        "machine": machine_id(),
+        "device": name,
+        "capability": capability,
+        "mem_total_gib": total / 2**30,
+        "mem_free_gib": free / 2**30,
+        **native,
+    }
     plugins.call("census", report)
     return report
 
 
 def machine_id() -> str:
-    """What ranks sharing one machine's processors have in common and ranks on other machines do not: the running
-    kernel's boot id (network namespaces and containers on one machine share it, with their own host names), else
-    the host name."""
+    """What ranks sharing one machine's processors have in common and ranks on other machines do
+    not: the running kernel's boot id (network namespaces and containers on one machine share it,
+    with their own host names), else the host name."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return socket.gethostname()
 
 
-WARMUP_S = 0.2  # consumer GPUs ramp their clocks up over the first few hundred ms of load: time only after that
+# consumer GPUs ramp their clocks up over the first few hundred ms of load: time only after that
+WARMUP_S = 0.2
 TIMED_REPS = 20
 
 
 def _timed(fn, clock: Clock, reps: int = TIMED_REPS, warmup_s: float = WARMUP_S) -> float:
-    """Fastest of `reps` runs of fn() after running it for at least warmup_s, slowed like the rank's layers (in
-    seconds; the fastest, because a busy host only ever slows a run down)."""
+    """Fastest of `reps` runs of fn() after running it for at least warmup_s, slowed like the rank's
+    layers (in seconds; the fastest, because a busy host only ever slows a run down)."""
     start = clock.now()
     fn()
     while clock.now() - start < warmup_s:
@@ -68,9 +77,15 @@ def _timed(fn, clock: Clock, reps: int = TIMED_REPS, warmup_s: float = WARMUP_S)
     return min(times)
 
 
-def measure_speed(dev: torch.device, precision: str, block: nn.Module, block_input: tuple[int, ...],
-                  slowdown: float) -> dict:
-    """A timed matmul and one timed forward and backward of a ViT block on an input of the run's shape."""
+def measure_speed(
+    dev: torch.device,
+    precision: str,
+    block: nn.Module,
+    block_input: tuple[int, ...],
+    slowdown: float,
+) -> dict:
+    """A timed matmul and one timed forward and backward of a ViT block on an input of the run's
+    shape."""
     dtype = DTYPES[precision]
     clock = Clock(slowdown, dev)
     n = 4096 if dev.type == "cuda" else 512
@@ -93,13 +108,21 @@ def gather(report: dict) -> list[dict]:
 
 
 def census_table(reports: list[dict], precision: str) -> str:
-    lines = [f"census ({precision}; block: one forward and backward of a ViT block at the run's micro-batch)",
-             f"{'rank':>4}  {'host':<12} {'device':<32} {'cc':>4} {'free/total GiB':>15} {'fp16':>4} {'bf16':>4} "
-             f"{'matmul TFLOP/s':>14} {'block ms':>9}"]
+    lines = [
+        f"census ({precision}; block: one forward and backward of a ViT block at the run's "
+        f"micro-batch)",
+        f"{'rank':>4}  {'host':<12} {'device':<32} {'cc':>4} {'free/total GiB':>15} "
+        f"{'fp16':>4} {'bf16':>4} "
+        f"{'matmul TFLOP/s':>14} {'block ms':>9}",
+    ]
     for r, rep in enumerate(reports):
         slow = f"  (slowed x{rep['slowdown']:g})" if rep["slowdown"] != 1 else ""
-        lines.append(f"{r:>4}  {rep['host'][:12]:<12} {rep['device'][:32]:<32} {rep['capability'] or '-':>4} "
-                     f"{rep['mem_free_gib']:>6.1f}/{rep['mem_total_gib']:<8.1f} {'yes' if rep['fp16'] else 'no':>4} "
-                     f"{'yes' if rep['bf16'] else 'no':>4} {rep['matmul_tflops']:>14.3f} {rep['block_ms']:>9.2f}"
-                     + slow)
+        lines.append(
+            f"{r:>4}  {rep['host'][:12]:<12} {rep['device'][:32]:<32} "
+            f"{rep['capability'] or '-':>4} "
+            f"{rep['mem_free_gib']:>6.1f}/{rep['mem_total_gib']:<8.1f} "
+            f"{'yes' if rep['fp16'] else 'no':>4} "
+            f"{'yes' if rep['bf16'] else 'no':>4} {rep['matmul_tflops']:>14.3f} "
+            f"{rep['block_ms']:>9.2f}" + slow
+        )
     return "\n".join(lines)

@@ -1,5 +1,6 @@
-"""`python -m vit.planner RUN`: every candidate's predicted step for the cluster a previous run measured, ranked
-(docs/planner.md). Bad input: one line on stderr, exit 2."""
+"""`python -m vit.planner RUN`: every candidate's predicted step for the cluster a previous run
+measured, ranked (docs/planner.md). Bad input: one line on stderr, exit 2."""
+
 import argparse
 import dataclasses
 import json
@@ -10,18 +11,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vit.core.paths import ROOT
-from vit.core.settings import positive_int
 from vit.core.costs import Calibration, Prediction, Workload
 from vit.core.errors import ConfigError
+from vit.core.paths import ROOT
+from vit.core.settings import positive_int
 from vit.planner.inputs import load_run, network, profile_model, ranks_from_census, read_json
 from vit.planner.predict import calibration_keys, label
 from vit.planner.search import rank_candidates
 
 PROG = "python -m vit.planner"
-CALIBRATION = "VIT_PLANNER_CALIBRATION"  # the fixed costs bench planner --save-calibration measured; else
+# the fixed costs bench planner --save-calibration measured; else
+CALIBRATION = "VIT_PLANNER_CALIBRATION"
 CALIBRATION_FILE = ROOT / "logs" / "planner_calibration.json"  # when it exists; else the defaults
-PLAN_ONLY = "VIT_ENGINE_AUTO_PLAN_ONLY"  # --engine auto with it: rank 0 writes the table to this file, nothing trains
+# --engine auto with it: rank 0 writes the table to this file, nothing trains
+PLAN_ONLY = "VIT_ENGINE_AUTO_PLAN_ONLY"
 
 
 class Parser(argparse.ArgumentParser):
@@ -37,45 +40,86 @@ def rate(text: str, zero_ok: bool = False) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        raise argparse.ArgumentTypeError(f"must be a finite number {'of at least' if zero_ok else 'above'} 0, got "
-                                         f"{text}")
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number {'of at least' if zero_ok else 'above'} 0, got {text}"
+        )
     return value
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog=PROG, usage=f"{PROG} RUN [options] | {PROG} --hostfile FILE [--json OUT] [-- TRAIN_OPTIONS]",
-               description="Rank every engine, ZeRO stage, pipeline split, batch split, compression and "
-               "micro-batch by predicted step time, from a previous run's census (its cluster.json) and the "
-               "links between its hosts, or measured now on every slot of a hostfile (--engine auto's "
-               "measurements, then it stops). Predictions only: nothing trains (docs/planner.md).")
-    p.add_argument("run", nargs="?", help="a run's log dir (with cluster.json and config.json) or a cluster.json")
-    p.add_argument("--hostfile", help="measure now: mpirun a rank on each of its slots with --engine auto and the "
-                   "vit.train options after --, print the top 10 and stop before training (no RUN then)")
+    p = Parser(
+        prog=PROG,
+        usage=f"{PROG} RUN [options] | {PROG} --hostfile FILE [--json OUT] [-- TRAIN_OPTIONS]",
+        description="Rank every engine, ZeRO stage, pipeline split, batch split, "
+        "compression and "
+        "micro-batch by predicted step time, from a previous run's census (its "
+        "cluster.json) and the "
+        "links between its hosts, or measured now on every slot of a hostfile (--engine "
+        "auto's "
+        "measurements, then it stops). Predictions only: nothing trains (docs/planner.md).",
+    )
+    p.add_argument(
+        "run",
+        nargs="?",
+        help="a run's log dir (with cluster.json and config.json) or a cluster.json",
+    )
+    p.add_argument(
+        "--hostfile",
+        help="measure now: mpirun a rank on each of its slots with "
+        "--engine auto and the "
+        "vit.train options after --, print the top 10 and stop before training (no RUN "
+        "then)",
+    )
     p.add_argument("--link-mbit", type=rate, help="every host's link in Mbit/s")
-    p.add_argument("--link-file", help="setup/doctor.sh --link's output ('link from A to B: X Mbit/s'), or "
-                   "'HOST MBIT' lines; --link-mbit fills hosts it lacks")
-    p.add_argument("--latency-ms", type=lambda t: rate(t, zero_ok=True), default=0.1,
-                   help="one message's latency between hosts (default 0.1)")
-    p.add_argument("--same-host-gbit", type=rate, default=40.0,
-                   help="bandwidth between two ranks on one host, assumed (default 40 Gbit/s)")
+    p.add_argument(
+        "--link-file",
+        help="setup/doctor.sh --link's output ('link from A to B: X "
+        "Mbit/s'), or "
+        "'HOST MBIT' lines; --link-mbit fills hosts it lacks",
+    )
+    p.add_argument(
+        "--latency-ms",
+        type=lambda t: rate(t, zero_ok=True),
+        default=0.1,
+        help="one message's latency between hosts (default 0.1)",
+    )
+    p.add_argument(
+        "--same-host-gbit",
+        type=rate,
+        default=40.0,
+        help="bandwidth between two ranks on one host, assumed (default 40 Gbit/s)",
+    )
     p.add_argument("--model", help="default: the run's (config.json)")
     p.add_argument("--dataset", help="default: the run's")
     p.add_argument("--img-size", type=positive_int, help="default: the run's, else the model's")
     p.add_argument("--global-batch", type=positive_int, help="default: the run's")
-    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"),
-                   help="default: what the run trained in; another changes the bytes and the memory, not the times "
-                   "the census measured")
-    p.add_argument("--census-micro-batch", type=positive_int,
-                   help="the micro-batch the census's block_ms was measured at (default: the run's)")
-    p.add_argument("--calibration", help="JSON of fixed costs and factors overriding the defaults "
-                   f"({', '.join(f.name for f in dataclasses.fields(Calibration))})")
-    p.add_argument("--top", type=positive_int, default=20, help="rows printed (default 20; --json gets all)")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "fp16", "bf16"),
+        help="default: what the run trained in; another changes the bytes and the "
+        "memory, not the times "
+        "the census measured",
+    )
+    p.add_argument(
+        "--census-micro-batch",
+        type=positive_int,
+        help="the micro-batch the census's block_ms was measured at (default: the run's)",
+    )
+    p.add_argument(
+        "--calibration",
+        help="JSON of fixed costs and factors overriding the defaults "
+        f"({', '.join(f.name for f in dataclasses.fields(Calibration))})",
+    )
+    p.add_argument(
+        "--top", type=positive_int, default=20, help="rows printed (default 20; --json gets all)"
+    )
     p.add_argument("--json", metavar="OUT", help="write every candidate's prediction here")
     return p
 
 
 def calibration(path: str | None, name: str = "--calibration") -> Calibration:
-    """The Calibration a JSON file gives (the defaults for what it leaves out); `name`: what errors call it."""
+    """The Calibration a JSON file gives (the defaults for what it leaves out); `name`: what errors
+    call it."""
     if not path:
         return Calibration()
     given = read_json(Path(path), name)
@@ -83,22 +127,31 @@ def calibration(path: str | None, name: str = "--calibration") -> Calibration:
     if not isinstance(given, dict):
         raise ConfigError(f"{name} {path}: a JSON object of {', '.join(sorted(known))}")
     if set(given) - known:
-        raise ConfigError(f"{name} {path}: unknown keys {sorted(set(given) - known)}; known: "
-                          f"{', '.join(sorted(known))}")
+        raise ConfigError(
+            f"{name} {path}: unknown keys {sorted(set(given) - known)}; known: "
+            f"{', '.join(sorted(known))}"
+        )
     defaults = dataclasses.asdict(Calibration())
     for key, value in given.items():
         default = defaults[key]
         if isinstance(default, bool):
             ok, want = isinstance(value, bool), "true or false"
         elif isinstance(default, dict):
-            ok, want = isinstance(value, dict) and all(map(number, value.values())), \
-                "an object of seconds >= 0 per engine (ddp, zero0..zero3, pipeline, async-pipeline, 'ddp bf16')"
+            ok, want = (
+                isinstance(value, dict) and all(map(number, value.values())),
+                "an object of seconds >= 0 per engine (ddp, zero0..zero3, pipeline, "
+                "async-pipeline, 'ddp bf16')",
+            )
             keys = calibration_keys()
             if ok and (unknown := sorted(set(value) - set(keys))):
-                raise ConfigError(f"{name} {path}: {key}: unknown keys {unknown}; known: {', '.join(keys)}")
+                raise ConfigError(
+                    f"{name} {path}: {key}: unknown keys {unknown}; known: {', '.join(keys)}"
+                )
         elif isinstance(default, tuple):
-            ok, want = isinstance(value, list) and len(value) == len(default) and all(map(number, value)), \
-                f"a list of {len(default)} numbers >= 0 (one per ZeRO stage)"
+            ok, want = (
+                isinstance(value, list) and len(value) == len(default) and all(map(number, value)),
+                f"a list of {len(default)} numbers >= 0 (one per ZeRO stage)",
+            )
             given[key] = tuple(value) if ok else value
         else:
             ok, want = number(value), "a number >= 0"
@@ -110,7 +163,9 @@ def calibration(path: str | None, name: str = "--calibration") -> Calibration:
 def run_calibration() -> tuple[Calibration, str | None]:
     """A run's fixed costs (--engine auto, --partition balanced): $VIT_PLANNER_CALIBRATION, else
     logs/planner_calibration.json where it exists, else the defaults (None)."""
-    source = os.environ.get(CALIBRATION) or (str(CALIBRATION_FILE) if CALIBRATION_FILE.is_file() else None)
+    source = os.environ.get(CALIBRATION) or (
+        str(CALIBRATION_FILE) if CALIBRATION_FILE.is_file() else None
+    )
     return calibration(source, CALIBRATION), source
 
 
@@ -123,7 +178,9 @@ def setting(args, config: dict | None, name: str, value):
     if value is not None:
         return value
     if not config or name not in config:
-        raise ConfigError(f"no {name} in a config.json beside the cluster.json: give --{name.replace('_', '-')}")
+        raise ConfigError(
+            f"no {name} in a config.json beside the cluster.json: give --{name.replace('_', '-')}"
+        )
     return config[name]
 
 
@@ -134,40 +191,81 @@ def inputs(args) -> tuple[list, object, Workload, Calibration, str]:
     dataset = args.dataset or run_args.get("dataset", "synthetic")
     precision = args.precision or cluster.get("precision", "fp32")
     global_batch = setting(args, config, "global_batch", args.global_batch)
-    micro = args.census_micro_batch or (config or {}).get("deepspeed", {}).get("train_micro_batch_size_per_gpu")
+    micro = args.census_micro_batch or (config or {}).get("deepspeed", {}).get(
+        "train_micro_batch_size_per_gpu"
+    )
     if not micro and not all("layer_ms" in r for r in cluster["census"]):
-        raise ConfigError("the census's block_ms needs the micro-batch it was measured at: give --census-micro-batch")
+        raise ConfigError(
+            "the census's block_ms needs the micro-batch it was measured at: give "
+            "--census-micro-batch"
+        )
     if global_batch < 1:
         raise ConfigError(f"--global-batch {global_batch}: must be at least 1")
-    layers, flops = profile_model(model, dataset, args.img_size or run_args.get("img_size"), precision,
-                                  run_args.get("data_path"))
-    measured = cluster.get("layers")  # the run's own profile (its precision, its device), where it made one
+    layers, flops = profile_model(
+        model,
+        dataset,
+        args.img_size or run_args.get("img_size"),
+        precision,
+        run_args.get("data_path"),
+    )
+    # the run's own profile (its precision, its device), where it made one
+    measured = cluster.get("layers")
     if measured and len(measured) == len(layers) and precision == cluster.get("precision"):
-        layers = [dataclasses.replace(x, act_bytes=float(m["act_bytes"])) for x, m in zip(layers, measured)]
+        layers = [
+            dataclasses.replace(x, act_bytes=float(m["act_bytes"]))
+            for x, m in zip(layers, measured)
+        ]
     ranks, how = ranks_from_census(cluster["census"], flops, micro or 1)
-    net = network([r.host for r in ranks], args.link_mbit, args.link_file, args.latency_ms, args.same_host_gbit)
+    net = network(
+        [r.host for r in ranks],
+        args.link_mbit,
+        args.link_file,
+        args.latency_ms,
+        args.same_host_gbit,
+    )
     work = Workload(tuple(layers), global_batch, precision, run_args.get("powersgd_rank", 4))
-    return ranks, net, work, calibration(args.calibration), f"{model}, global batch {global_batch}, {precision}; " \
-        f"{len(ranks)} ranks on {len({r.host for r in ranks})} hosts; layer times {how}"
+    return (
+        ranks,
+        net,
+        work,
+        calibration(args.calibration),
+        f"{model}, global batch {global_batch}, {precision}; "
+        f"{len(ranks)} ranks on {len({r.host for r in ranks})} hosts; layer times {how}",
+    )
 
 
 def row(p: Prediction, global_batch: int) -> dict:
     c = p.candidate
-    return {"candidate": label(c), **dataclasses.asdict(c), "step_ms": 1e3 * p.step_s,
-            "images_per_s": p.images_per_s(global_batch), "compute_ms": 1e3 * p.compute_s, "link_ms": 1e3 * p.link_s,
-            "bubble_ms": 1e3 * p.bubble_s, "fixed_ms": 1e3 * p.fixed_s, "bottleneck": p.bottleneck,
-            "mem_gib": [m / 2**30 for m in p.mem_bytes], "capacity_gib": [m / 2**30 for m in p.capacity_bytes],
-            "fits": p.fits, "slots": p.slots_paid}
+    return {
+        "candidate": label(c),
+        **dataclasses.asdict(c),
+        "step_ms": 1e3 * p.step_s,
+        "images_per_s": p.images_per_s(global_batch),
+        "compute_ms": 1e3 * p.compute_s,
+        "link_ms": 1e3 * p.link_s,
+        "bubble_ms": 1e3 * p.bubble_s,
+        "fixed_ms": 1e3 * p.fixed_s,
+        "bottleneck": p.bottleneck,
+        "mem_gib": [m / 2**30 for m in p.mem_bytes],
+        "capacity_gib": [m / 2**30 for m in p.capacity_bytes],
+        "fits": p.fits,
+        "slots": p.slots_paid,
+    }
 
 
 def table(rows: list[dict], top: int) -> str:
     width = max([len("candidate")] + [len(r["candidate"]) for r in rows[:top]])
-    lines = [f"{'#':>3}  {'candidate':<{width}} {'ms/step':>9} {'images/s':>9} {'bottleneck':<10} "
-             f"{'per-rank GiB':<24} fits"]
+    lines = [
+        f"{'#':>3}  {'candidate':<{width}} {'ms/step':>9} {'images/s':>9} {'bottleneck':<10} "
+        f"{'per-rank GiB':<24} fits"
+    ]
     for i, r in enumerate(rows[:top], 1):
         mem = "/".join(f"{m:.2f}" for m in r["mem_gib"])
-        lines.append(f"{i:>3}  {r['candidate']:<{width}} {r['step_ms']:>9.2f} {r['images_per_s']:>9.1f} "
-                     f"{r['bottleneck']:<10} {mem:<24} {'yes' if r['fits'] else 'no'}")
+        lines.append(
+            f"{i:>3}  {r['candidate']:<{width}} {r['step_ms']:>9.2f} "
+            f"{r['images_per_s']:>9.1f} "
+            f"{r['bottleneck']:<10} {mem:<24} {'yes' if r['fits'] else 'no'}"
+        )
     if len(rows) > top:
         lines.append(f"     ... {len(rows) - top} more (--top, --json)")
     return "\n".join(lines)
@@ -175,16 +273,23 @@ def table(rows: list[dict], top: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    train = argv[argv.index("--") + 1:] if "--" in argv else []
+    train = argv[argv.index("--") + 1 :] if "--" in argv else []
     p = parser()
-    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if (args.run is None) == (args.hostfile is None):
         p.error("give a run's log dir or --hostfile, one of the two")
     if args.hostfile:
-        given = [k for k, v in vars(args).items() if k not in ("run", "hostfile", "json") and v != p.get_default(k)]
+        given = [
+            k
+            for k, v in vars(args).items()
+            if k not in ("run", "hostfile", "json") and v != p.get_default(k)
+        ]
         if given:
-            p.error(f"--{given[0].replace('_', '-')} plans from a run's census; with --hostfile the ranks measure "
-                    "(vit.train options such as --model go after --)")
+            p.error(
+                f"--{given[0].replace('_', '-')} plans from a run's census; with --hostfile "
+                f"the ranks measure "
+                "(vit.train options such as --model go after --)"
+            )
         return measure_hostfile(args.hostfile, args.json, train)
     if train:
         p.error("vit.train options after -- go with --hostfile")
@@ -194,29 +299,51 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    links = ", ".join(f"{h} {8 * b / 1e6:g} Mbit/s" for h, b in net.host_bytes_s.items()) or "none (one host)"
+    links = (
+        ", ".join(f"{h} {8 * b / 1e6:g} Mbit/s" for h, b in net.host_bytes_s.items())
+        or "none (one host)"
+    )
     print(f"planner: {what}; links {links}, latency {1e3 * net.latency_s:g} ms")
     print(table(rows, args.top))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"inputs": what, "ranks": [{"host": r.host, "capacity_gib": r.capacity_bytes / 2**30,
-                                                  "layer_ms_per_sample": [[1e3 * a, 1e3 * b] for a, b in
-                                                                          zip(r.fwd_s, r.bwd_s)]} for r in ranks],
-                       "links_mbit": {h: 8 * b / 1e6 for h, b in net.host_bytes_s.items()},
-                       "latency_ms": 1e3 * net.latency_s, "calibration": dataclasses.asdict(calib),
-                       "candidates": rows}, f, indent=2)
+            json.dump(
+                {
+                    "inputs": what,
+                    "ranks": [
+                        {
+                            "host": r.host,
+                            "capacity_gib": r.capacity_bytes / 2**30,
+                            "layer_ms_per_sample": [
+                                [1e3 * a, 1e3 * b] for a, b in zip(r.fwd_s, r.bwd_s)
+                            ],
+                        }
+                        for r in ranks
+                    ],
+                    "links_mbit": {h: 8 * b / 1e6 for h, b in net.host_bytes_s.items()},
+                    "latency_ms": 1e3 * net.latency_s,
+                    "calibration": dataclasses.asdict(calib),
+                    "candidates": rows,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 
 def measure_hostfile(hostfile: str, out: str | None, train: list[str]) -> int:
-    """--hostfile: `mpirun --hostfile HOSTFILE ./entry_cn.sh --engine auto TRAIN...` with $VIT_ENGINE_AUTO_PLAN_ONLY
-    set, so that every rank measures, rank 0 prints the table and writes it (JSON) to `out`, and all stop."""
+    """--hostfile: `mpirun --hostfile HOSTFILE ./entry_cn.sh --engine auto TRAIN...` with
+    $VIT_ENGINE_AUTO_PLAN_ONLY set, so that every rank measures, rank 0 prints the table and writes
+    it (JSON) to `out`, and all stop."""
     from vit.runtime.preflight import hostfile_slots
 
     try:
         slots = hostfile_slots(hostfile)
     except (OSError, ValueError) as e:
-        print(f"{PROG}: error: --hostfile {hostfile}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        print(
+            f"{PROG}: error: --hostfile {hostfile}: {getattr(e, 'strerror', None) or e}",
+            file=sys.stderr,
+        )
         return 2
     folder = os.path.dirname(os.path.abspath(out)) if out else None
     if out and (os.path.isdir(out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
@@ -224,6 +351,17 @@ def measure_hostfile(hostfile: str, out: str | None, train: list[str]) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, PLAN_ONLY: os.path.abspath(out or os.path.join(tmp, "plan.json"))}
-        cmd = [str(ROOT / "scripts" / "mpirun"), "-np", str(slots), "--hostfile", hostfile, "-x", PLAN_ONLY,
-               str(ROOT / "entry_cn.sh"), "--engine", "auto", *train]
+        cmd = [
+            str(ROOT / "scripts" / "mpirun"),
+            "-np",
+            str(slots),
+            "--hostfile",
+            hostfile,
+            "-x",
+            PLAN_ONLY,
+            str(ROOT / "entry_cn.sh"),
+            "--engine",
+            "auto",
+            *train,
+        ]
         return subprocess.run(cmd, env=env, cwd=ROOT).returncode

@@ -1,6 +1,7 @@
-"""The links the cost model needs, measured once the process group runs: rank 0 and each other host's first rank
-exchange messages (latency from a byte's round trip, bandwidth from a message grown until its transfer takes
-PROBE_S). Used by --engine auto and --partition balanced."""
+"""The links the cost model needs, measured once the process group runs: rank 0 and each other
+host's first rank exchange messages (latency from a byte's round trip, bandwidth from a message
+grown until its transfer takes PROBE_S). Used by --engine auto and --partition balanced."""
+
 import statistics
 import time
 
@@ -14,8 +15,8 @@ PROBE_MAX_BYTES = 64 * 2**20
 
 
 def network(reports: list[dict], links: dict[str, tuple[float, float]]) -> Network:
-    """Each host's link (bytes/s, latency) as measured from the first host: a host's, the pair's with the first;
-    the first's, its fastest pair's; the latency, the pairs' median."""
+    """Each host's link (bytes/s, latency) as measured from the first host: a host's, the pair's
+    with the first; the first's, its fastest pair's; the latency, the pairs' median."""
     if not links:  # one host: two ranks on it at Network's assumed bandwidth
         return Network({}, 0.0)
     per_host = {h: b for h, (b, _) in links.items()}
@@ -24,8 +25,8 @@ def network(reports: list[dict], links: dict[str, tuple[float, float]]) -> Netwo
 
 
 def measure_links(hosts: list[str], rank: int, dev: torch.device) -> dict[str, tuple[float, float]]:
-    """Collective: the first host's first rank (rank 0) and each other host's first rank in turn exchange
-    messages (probe). On rank 0, {host: (bytes/s, latency s)}; elsewhere {}."""
+    """Collective: the first host's first rank (rank 0) and each other host's first rank in turn
+    exchange messages (probe). On rank 0, {host: (bytes/s, latency s)}; elsewhere {}."""
     firsts = {}
     for r, h in enumerate(hosts):
         firsts.setdefault(h, r)
@@ -40,9 +41,10 @@ def measure_links(hosts: list[str], rank: int, dev: torch.device) -> dict[str, t
 
 
 def probe(peer: int, dev: torch.device, sender: bool) -> tuple[float, float] | None:
-    """The sender's (bytes/s, latency s) to `peer`: latency, half the fastest of five round trips of a byte;
-    bandwidth, a message grown 8x from 64 KiB until its transfer takes PROBE_S (or PROBE_MAX_BYTES), its bytes over
-    its round trip less the byte's. Before each message a control message tells the receiver its size (0: done)."""
+    """The sender's (bytes/s, latency s) to `peer`: latency, half the fastest of five round trips of
+    a byte; bandwidth, a message grown 8x from 64 KiB until its transfer takes PROBE_S (or
+    PROBE_MAX_BYTES), its bytes over its round trip less the byte's. Before each message a control
+    message tells the receiver its size (0: done)."""
     ctl = torch.zeros(1, dtype=torch.int64, device=dev)
     if not sender:
         while True:

@@ -1,6 +1,8 @@
-"""The memory model: what a rank's training holds per parameter (each engine's own terms, from its spec, and the
-EMA's), the headroom a GPU keeps for NCCL, cuBLAS and the engine's buffers, what a plan may fill and what fits.
-Pure except for device_memory; it knows nothing of plans or the census (their callers pass numbers in)."""
+"""The memory model: what a rank's training holds per parameter (each engine's own terms, from its
+spec, and the EMA's), the headroom a GPU keeps for NCCL, cuBLAS and the engine's buffers, what a
+plan may fill and what fits. Pure except for device_memory; it knows nothing of plans or the census
+(their callers pass numbers in)."""
+
 import psutil
 import torch
 
@@ -8,13 +10,23 @@ from vit.core.costs import USABLE_MEMORY
 from vit.core.spec import EngineSpec
 
 
-def state_bytes(engine: EngineSpec, precision: str, ds_config: dict, dp_size: int = 1, ema_on_gpu: bool = False,
-                stashed_copies: int = 0, compression: str = "none") -> dict[str, float]:
-    """Bytes per parameter one rank holds for the model's state (not activations), by what holds them, for
-    `engine` in `precision` (EngineSpec.state_bytes: its optimizer, its buffers, its `stashed_copies` of the weights
-    and what its `compression` keeps), with `ema_on_gpu`: timm's ModelEmaV3 in fp32 on the rank's device
-    (vit/loop/ema.py). AdamW throughout (vit/loop/optim.py)."""
-    terms = engine.state_bytes(precision, ds_config, dp_size, stashed_copies=stashed_copies, compression=compression)
+def state_bytes(
+    engine: EngineSpec,
+    precision: str,
+    ds_config: dict,
+    dp_size: int = 1,
+    ema_on_gpu: bool = False,
+    stashed_copies: int = 0,
+    compression: str = "none",
+) -> dict[str, float]:
+    """Bytes per parameter one rank holds for the model's state (not activations), by what holds
+    them, for `engine` in `precision` (EngineSpec.state_bytes: its optimizer, its buffers, its
+    `stashed_copies` of the weights and what its `compression` keeps), with `ema_on_gpu`: timm's
+    ModelEmaV3 in fp32 on the rank's device (vit/loop/ema.py). AdamW throughout (vit/loop/optim.py).
+    """
+    terms = engine.state_bytes(
+        precision, ds_config, dp_size, stashed_copies=stashed_copies, compression=compression
+    )
     if ema_on_gpu:
         # vit/loop/ema.py: ModelEmaV3(dtype=float32, device=engine.device), never partitioned
         terms["ema fp32 copy"] = 4
@@ -27,22 +39,27 @@ def bytes_per_param(*args, **kwargs) -> float:
 
 
 def gpu_reserved_bytes(engine: EngineSpec, ds_config: dict, precision: str) -> float:
-    """The headroom memory plans keep on a GPU rank (EngineSpec.reserved_bytes: NCCL, cuBLAS, ZeRO's buckets)."""
+    """The headroom memory plans keep on a GPU rank (EngineSpec.reserved_bytes: NCCL, cuBLAS, ZeRO's
+    buckets)."""
     return engine.reserved_bytes(ds_config, precision)
 
 
 def plan_bytes(report: dict) -> float:
-    """What a plan may fill on a rank of the census: USABLE_MEMORY of its free memory less its reserved headroom
-    (mem_reserved_gib: gpu_reserved_bytes on a GPU, 0 on a CPU)."""
+    """What a plan may fill on a rank of the census: USABLE_MEMORY of its free memory less its
+    reserved headroom (mem_reserved_gib: gpu_reserved_bytes on a GPU, 0 on a CPU)."""
     return (USABLE_MEMORY * report["mem_free_gib"] - report.get("mem_reserved_gib", 0.0)) * 2**30
 
 
-def estimate_fit(total_bytes: float, params: int, act_bytes_per_sample: float, reserved: float,
-                 per_param: float) -> int:
-    """Samples per micro-batch that fit: `per_param` bytes of state per parameter (bytes_per_param) and
-    activations (profiled in the run's precision), within USABLE_MEMORY of the device less `reserved` (a GPU's
-    headroom for NCCL, ZeRO's buckets and cuBLAS); negative when the model alone does not fit."""
-    return int((USABLE_MEMORY * total_bytes - reserved - params * per_param) // act_bytes_per_sample)
+def estimate_fit(
+    total_bytes: float, params: int, act_bytes_per_sample: float, reserved: float, per_param: float
+) -> int:
+    """Samples per micro-batch that fit: `per_param` bytes of state per parameter (bytes_per_param)
+    and activations (profiled in the run's precision), within USABLE_MEMORY of the device less
+    `reserved` (a GPU's headroom for NCCL, ZeRO's buckets and cuBLAS); negative when the model alone
+    does not fit."""
+    return int(
+        (USABLE_MEMORY * total_bytes - reserved - params * per_param) // act_bytes_per_sample
+    )
 
 
 def device_memory(dev: torch.device, local_world_size: int) -> tuple[str, float, float]:
@@ -51,6 +68,12 @@ def device_memory(dev: torch.device, local_world_size: int) -> tuple[str, float,
         free, total = torch.cuda.mem_get_info(dev)
         return torch.cuda.get_device_properties(dev).name, free, total
     mem = psutil.virtual_memory()
-    name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                "CPU")
+    name = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        ),
+        "CPU",
+    )
     return name, mem.available / local_world_size, mem.total / local_world_size

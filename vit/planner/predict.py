@@ -1,10 +1,13 @@
-"""One candidate's predicted step, as its engine prices it (the engine's spec: vit/engines/<engine>/), and its
-name in the planner's table. Pure."""
+"""One candidate's predicted step, as its engine prices it (the engine's spec:
+vit/engines/<engine>/), and its name in the planner's table. Pure."""
+
 from vit.core.costs import Calibration, Candidate, Network, Prediction, Rank, Workload
 from vit.engines.registry import SPECS, spec
 
 
-def predict(c: Candidate, ranks: list[Rank], net: Network, work: Workload, calib: Calibration) -> Prediction:
+def predict(
+    c: Candidate, ranks: list[Rank], net: Network, work: Workload, calib: Calibration
+) -> Prediction:
     return spec(c.engine).predict(c, ranks, net, work, calib)
 
 
@@ -18,7 +21,8 @@ def label(c: Candidate) -> str:
 
 
 def engine_key(c: Candidate) -> str:
-    """The engine as a calibration names it: with its ZeRO stage where its DeepSpeed JSON sets it ('zero2')."""
+    """The engine as a calibration names it: with its ZeRO stage where its DeepSpeed JSON sets it
+    ('zero2')."""
     return spec(c.engine).key(c.zero_stage)
 
 
@@ -28,7 +32,11 @@ def calibration_key(c: Candidate) -> str:
 
 
 def calibration_keys() -> list[str]:
-    """Every key Calibration.engine_micro_s may hold: each engine's (at each ZeRO stage its key tells apart), alone
-    or with a compression it has."""
-    return [e.calibration_key(Candidate(e.name, z, 1, 1, 1, comp)) for e in SPECS.values()
-            for z in e.keyed_zero_stages() for comp in e.compressions("fp32")]
+    """Every key Calibration.engine_micro_s may hold: each engine's (at each ZeRO stage its key
+    tells apart), alone or with a compression it has."""
+    return [
+        e.calibration_key(Candidate(e.name, z, 1, 1, 1, comp))
+        for e in SPECS.values()
+        for z in e.keyed_zero_stages()
+        for comp in e.compressions("fp32")
+    ]

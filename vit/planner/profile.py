@@ -1,5 +1,7 @@
-"""Per-layer cost of the network: forward FLOPs, activation bytes kept for backward, parameters, and each layer's
-measured forward and backward time (the memory rules the planners share are vit.planner.memory's)."""
+"""Per-layer cost of the network: forward FLOPs, activation bytes kept for backward, parameters, and
+each layer's measured forward and backward time (the memory rules the planners share are
+vit.planner.memory's)."""
+
 import copy
 
 import torch
@@ -11,10 +13,12 @@ from vit.runtime.precision import DTYPES
 from vit.runtime.slowdown import Clock
 
 
-def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str = "fp32") -> list[dict]:
-    """Per layer and per sample: forward FLOPs, bytes kept for backward (activations), parameter count, output
-    elements (what a pipeline boundary after it sends). In half
-    precision the activations are measured on a copy of the layers in that dtype, as DeepSpeed runs them (what
+def profile_layers(
+    layers: list[nn.Module], sample: torch.Tensor, precision: str = "fp32"
+) -> list[dict]:
+    """Per layer and per sample: forward FLOPs, bytes kept for backward (activations), parameter
+    count, output elements (what a pipeline boundary after it sends). In half precision the
+    activations are measured on a copy of the layers in that dtype, as DeepSpeed runs them (what
     stays in fp32 there, stays in fp32 here)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
@@ -37,11 +41,18 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor, precision: str
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 y = layer(x)
             counter = FlopCounterMode(display=False)
-            with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):  # the math kernel's matmuls are counted
+            # the math kernel's matmuls are counted
+            with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
                 layer(x)
-            out.append({"name": type(layer).__name__, "flops": counter.get_total_flops(),
-                        "act_bytes": sum(saved.values()), "params": sum(p.numel() for p in layer.parameters()),
-                        "out_elems": y.numel() // y.shape[0]})
+            out.append(
+                {
+                    "name": type(layer).__name__,
+                    "flops": counter.get_total_flops(),
+                    "act_bytes": sum(saved.values()),
+                    "params": sum(p.numel() for p in layer.parameters()),
+                    "out_elems": y.numel() // y.shape[0],
+                }
+            )
             x = y.detach().requires_grad_()
     return out
 
@@ -50,17 +61,26 @@ LAYER_ROUNDS = 10  # rounds per turn of time_layers
 LAYER_TURNS = 2  # for balanced stages adapt() alternates the ranks' turns this many times
 
 
-def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int, precision: str,
-                dev: torch.device, slowdown: float = 1.0, rounds: int = LAYER_ROUNDS, pick=min,
-                warmup_s: float = WARMUP_S) -> list[list[float]]:
-    """[forward ms, backward ms] of each layer at the run's micro-batch on this rank, slowed like the rank's
-    layers: the fastest of `rounds` rounds that each time every layer once, after `warmup_s` of such rounds.
-    Round by round, so that a burst of load on a shared host slows all layers alike, not a few. Identical layers
-    (the blocks) get their group's fastest: they cost the same, and any difference is noise. The fixed costs of
-    tiny layers (kernel launches, the embedding's reshapes) count, which FLOPs do not see. Runs a copy of the
-    layers on `dev`. `pick`: how a layer's rounds (and a group's layers) become one time; statistics.median for the
-    time while other ranks load the host as training does (--engine auto times every rank at once). `warmup_s`: 0
-    for a rank timed moments before, whose times are kept only where faster."""
+def time_layers(
+    layers: list[nn.Module],
+    sample: torch.Tensor,
+    micro_batch: int,
+    precision: str,
+    dev: torch.device,
+    slowdown: float = 1.0,
+    rounds: int = LAYER_ROUNDS,
+    pick=min,
+    warmup_s: float = WARMUP_S,
+) -> list[list[float]]:
+    """[forward ms, backward ms] of each layer at the run's micro-batch on this rank, slowed like
+    the rank's layers: the fastest of `rounds` rounds that each time every layer once, after
+    `warmup_s` of such rounds. Round by round, so that a burst of load on a shared host slows all
+    layers alike, not a few. Identical layers (the blocks) get their group's fastest: they cost the
+    same, and any difference is noise. The fixed costs of tiny layers (kernel launches, the
+    embedding's reshapes) count, which FLOPs do not see. Runs a copy of the layers on `dev`. `pick`:
+    how a layer's rounds (and a group's layers) become one time; statistics.median for the time
+    while other ranks load the host as training does (--engine auto times every rank at once).
+    `warmup_s`: 0 for a rank timed moments before, whose times are kept only where faster."""
     dtype, clock = DTYPES[precision], Clock(slowdown, dev)
     copies = [copy.deepcopy(layer).to(dev, dtype) for layer in layers]
     inputs, grads = [], []
@@ -68,7 +88,8 @@ def time_layers(layers: list[nn.Module], sample: torch.Tensor, micro_batch: int,
     with fork_rng(dev):
         with torch.no_grad():
             for i, layer in enumerate(copies):
-                inputs.append(x.requires_grad_(i > 0))  # the images need no gradient; a later stage's input does
+                # the images need no gradient; a later stage's input does
+                inputs.append(x.requires_grad_(i > 0))
                 x = layer(x)
                 grads.append(torch.randn_like(x))
         times = [[] for _ in copies]

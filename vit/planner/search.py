@@ -1,7 +1,8 @@
-"""The candidates: every engine (vit.engines.registry's specs) at each ZeRO stage it runs, each stage count that
-divides the ranks with its best partition, equal and proportional batch splits, each compression option, each
-micro-batch that divides the global batch; the best micro-batch of each, ranked by predicted time per image
-(those that fit every rank's memory first)."""
+"""The candidates: every engine (vit.engines.registry's specs) at each ZeRO stage it runs, each
+stage count that divides the ranks with its best partition, equal and proportional batch splits,
+each compression option, each micro-batch that divides the global batch; the best micro-batch of
+each, ranked by predicted time per image (those that fit every rank's memory first)."""
+
 import math
 from collections.abc import Iterator
 
@@ -12,8 +13,8 @@ from vit.planner.batch_split import proportional_split
 from vit.planner.predict import predict
 from vit.planner.stages import balanced_split
 
-# Ranks whose speeds are this close are one speed (proportional): 5 identical ranks sharing 2 cores, timed at once
-# (--engine auto), differed by up to 28%.
+# Ranks whose speeds are this close are one speed (proportional): 5 identical ranks sharing 2 cores,
+# timed at once (--engine auto), differed by up to 28%.
 SAME_SPEED = 0.3
 
 
@@ -27,31 +28,43 @@ def zero_stages(engine: EngineSpec, dp: int) -> tuple[int, ...]:
     return stages if dp > 1 else (0,)
 
 
-def best_parts(c: Candidate, ranks: list[Rank], net: Network, work: Workload, calib: Calibration) -> tuple[int, ...] | None:
-    """The contiguous split of the layers whose slowest stage (what it alone makes the step, from its compute and
-    its link per micro-batch: the engine's stage_step_s) is fastest and fits each stage's memory: vit.planner.stages'
-    exact dynamic programming with the planner's stage cost (the stages' all-reduce among data-parallel copies
-    aside). Among the splits that reach that step (many, where the link sets it), the one with the least compute
-    on its busiest stage: a second pass of the same programming, the others ruled out. When no split fits, the
-    fastest regardless of memory (predicted as not fitting); None only when there are fewer layers than stages."""
+def best_parts(
+    c: Candidate, ranks: list[Rank], net: Network, work: Workload, calib: Calibration
+) -> tuple[int, ...] | None:
+    """The contiguous split of the layers whose slowest stage (what it alone makes the step, from
+    its compute and its link per micro-batch: the engine's stage_step_s) is fastest and fits each
+    stage's memory: vit.planner.stages' exact dynamic programming with the planner's stage cost (the
+    stages' all-reduce among data-parallel copies aside). Among the splits that reach that step
+    (many, where the link sets it), the one with the least compute on its busiest stage: a second
+    pass of the same programming, the others ruled out. When no split fits, the fastest regardless
+    of memory (predicted as not fitting); None only when there are fewer layers than stages."""
     n, dp, engine = len(work.layers), len(ranks) // c.stages, spec(c.engine)
-    caps = [min(engine.capacity(r, c.zero_stage, work.precision) for r in ranks[s * dp:(s + 1) * dp])
-            for s in range(c.stages)]
+    caps = [
+        min(engine.capacity(r, c.zero_stage, work.precision) for r in ranks[s * dp : (s + 1) * dp])
+        for s in range(c.stages)
+    ]
     costs, busy = {}, engine.busy_slots(c, ranks)
 
     def cost(s: int, i: int, j: int) -> tuple[float, float, float]:
         if (s, i, j) not in costs:
             compute, transfer = engine.stage_time_s(c, ranks, net, work, calib, s, i, j)
-            costs[s, i, j] = (engine.stage_step_s(c, calib, compute, transfer, busy),
-                              engine.stage_mem_bytes(c, work, dp, s, i, j), compute)
+            costs[s, i, j] = (
+                engine.stage_step_s(c, calib, compute, transfer, busy),
+                engine.stage_mem_bytes(c, work, dp, s, i, j),
+                compute,
+            )
         return costs[s, i, j]
 
     def split(caps: list[float], limit: float = math.inf):
         def within(s: int, i: int, j: int) -> tuple[float, float]:
             step, mem, compute = cost(s, i, j)
-            return (step, mem) if limit == math.inf else (compute, mem if step <= limit else math.inf)
+            return (
+                (step, mem) if limit == math.inf else (compute, mem if step <= limit else math.inf)
+            )
 
-        return balanced_split([[]] * c.stages, [0.0] * n, [0.0] * n, caps, [1] * c.stages, cost=within)
+        return balanced_split(
+            [[]] * c.stages, [0.0] * n, [0.0] * n, caps, [1] * c.stages, cost=within
+        )
 
     plan = split(caps) or split([math.inf] * c.stages)
     if plan is None:
@@ -61,9 +74,10 @@ def best_parts(c: Candidate, ranks: list[Rank], net: Network, work: Workload, ca
 
 
 def proportional(c: Candidate, ranks: list[Rank], work: Workload) -> tuple[int, ...] | None:
-    """--batch-split proportional: micro_batch x ranks shared in proportion to each rank's speed (1 / its
-    per-sample forward and backward) within what its memory holds (batch_split.proportional_split); None when
-    it does not fit or equals the equal split, or when the ranks' speeds are within SAME_SPEED of each other."""
+    """--batch-split proportional: micro_batch x ranks shared in proportion to each rank's speed (1
+    / its per-sample forward and backward) within what its memory holds
+    (batch_split.proportional_split); None when it does not fit or equals the equal split, or when
+    the ranks' speeds are within SAME_SPEED of each other."""
     speeds = [1 / (sum(r.fwd_s) + sum(r.bwd_s)) for r in ranks]
     if max(speeds) < (1 + SAME_SPEED) * min(speeds):
         return None
@@ -79,10 +93,13 @@ def proportional(c: Candidate, ranks: list[Rank], work: Workload) -> tuple[int, 
 
 
 def families(ranks: list[Rank], work: Workload) -> Iterator[tuple[EngineSpec, int, int, str, bool]]:
-    """(engine, pipeline stages, ZeRO stage, compression, proportional split) of every candidate family."""
+    """(engine, pipeline stages, ZeRO stage, compression, proportional split) of every candidate
+    family."""
     n = len(ranks)
     for engine in SPECS.values():
-        for stages in [s for s in divisors(n) if 1 < s <= len(work.layers)] if engine.pipeline else [1]:
+        for stages in (
+            [s for s in divisors(n) if 1 < s <= len(work.layers)] if engine.pipeline else [1]
+        ):
             dp = n // stages
             for zero in zero_stages(engine, dp):
                 for comp in engine.compressions(work.precision):
@@ -92,9 +109,11 @@ def families(ranks: list[Rank], work: Workload) -> Iterator[tuple[EngineSpec, in
                         yield engine, stages, zero, comp, split
 
 
-def family_best(family, ranks: list[Rank], net: Network, work: Workload, calib: Calibration) -> Prediction | None:
-    """The family's best micro-batch: the fastest that fits, else the fastest (marked as not fitting). A pipeline
-    takes at least as many micro-batches as stages."""
+def family_best(
+    family, ranks: list[Rank], net: Network, work: Workload, calib: Calibration
+) -> Prediction | None:
+    """The family's best micro-batch: the fastest that fits, else the fastest (marked as not
+    fitting). A pipeline takes at least as many micro-batches as stages."""
     engine, stages, zero, comp, split = family
     dp = len(ranks) // stages
     if work.global_batch % dp:
@@ -103,7 +122,9 @@ def family_best(family, ranks: list[Rank], net: Network, work: Workload, calib: 
     for micro in divisors(work.global_batch // dp):
         c = Candidate(engine.name, zero, stages, micro, work.global_batch // dp // micro, comp)
         if c.grad_accum < stages:
-            continue  # 1F1B needs a micro-batch per stage to fill; fewer leave transfers the model assumes hidden
+            # 1F1B needs a micro-batch per stage to fill; fewer leave transfers the model assumes
+            # hidden
+            continue
         if split:
             sizes = proportional(c, ranks, work)
             if sizes is None:
@@ -120,7 +141,13 @@ def family_best(family, ranks: list[Rank], net: Network, work: Workload, calib: 
     return best
 
 
-def rank_candidates(ranks: list[Rank], net: Network, work: Workload, calib: Calibration) -> list[Prediction]:
+def rank_candidates(
+    ranks: list[Rank], net: Network, work: Workload, calib: Calibration
+) -> list[Prediction]:
     """Every family's best, those that fit first, then by predicted seconds per image."""
-    found = [p for f in families(ranks, work) if (p := family_best(f, ranks, net, work, calib)) is not None]
+    found = [
+        p
+        for f in families(ranks, work)
+        if (p := family_best(f, ranks, net, work, calib)) is not None
+    ]
     return sorted(found, key=lambda p: (not p.fits, p.step_s / work.global_batch))

@@ -1,14 +1,16 @@
-"""A quiet console: the libraries' notes and warnings (DeepSpeed's log lines and op-build prints, torch's and timm's
-warnings) go into <log-dir>/warnings_rank<R>.log instead of the terminal, with one line on rank 0 saying where;
-`--verbose` prints them as they come. Errors always print, and so does everything of our own."""
+"""A quiet console: the libraries' notes and warnings (DeepSpeed's log lines and op-build prints,
+torch's and timm's warnings) go into <log-dir>/warnings_rank<R>.log instead of the terminal, with
+one line on rank 0 saying where; `--verbose` prints them as they come. Errors always print, and so
+does everything of our own."""
+
 import contextlib
 import io
 import logging
 import os
 import sys
 
-# Loggers the libraries write to directly. Records of their children reach the root logger, where capture()
-# puts a handler, or torch's own handlers (torch's loggers do not propagate to the root).
+# Loggers the libraries write to directly. Records of their children reach the root logger, where
+# capture() puts a handler, or torch's own handlers (torch's loggers do not propagate to the root).
 LIBRARY_LOGGERS = ("DeepSpeed",)
 
 
@@ -38,8 +40,8 @@ CAPTURE = Capture()
 
 
 def capture(verbose: bool) -> None:
-    """From here on, library output is kept off the console unless `verbose`; call it before DeepSpeed is
-    imported (it logs at import)."""
+    """From here on, library output is kept off the console unless `verbose`; call it before
+    DeepSpeed is imported (it logs at import)."""
     CAPTURE.verbose = verbose
     if CAPTURE.installed:
         return
@@ -48,15 +50,18 @@ def capture(verbose: bool) -> None:
         logging.getLogger(name).addFilter(CAPTURE)
     for handler in logging.getLogger("torch").handlers:
         handler.addFilter(CAPTURE)
-    root = logging.StreamHandler(sys.stderr)  # what Python's last-resort handler would print, filtered
+    # what Python's last-resort handler would print, filtered
+    root = logging.StreamHandler(sys.stderr)
     root.setFormatter(logging.Formatter("%(message)s"))
     root.addFilter(CAPTURE)
     logging.getLogger().addHandler(root)
-    logging.captureWarnings(True)  # warnings.warn goes through the "py.warnings" logger, to that handler
+    # warnings.warn goes through the "py.warnings" logger, to that handler
+    logging.captureWarnings(True)
 
 
 def to_file(log_dir: str, rank: int) -> str | None:
-    """Once the log dir is agreed: what was kept so far, and everything after, into warnings_rank<R>.log."""
+    """Once the log dir is agreed: what was kept so far, and everything after, into
+    warnings_rank<R>.log."""
     if CAPTURE.verbose:
         return None
     path = os.path.join(log_dir, f"warnings_rank{rank}.log")
@@ -69,8 +74,8 @@ def to_file(log_dir: str, rank: int) -> str | None:
 
 
 def aside(text: str) -> None:
-    """What a one-line report stands for (its traceback): into the warnings log, or printed with --verbose or
-    before the log dir is known."""
+    """What a one-line report stands for (its traceback): into the warnings log, or printed with
+    --verbose or before the log dir is known."""
     if CAPTURE.file:
         CAPTURE.add(text)
     else:
@@ -86,8 +91,8 @@ def where(path: str | None) -> str | None:
 
 @contextlib.contextmanager
 def library_prints():
-    """Around library calls that print() (DeepSpeed's op builds): their output is kept like their log lines; if
-    the call fails, what it printed is shown, since it may say why."""
+    """Around library calls that print() (DeepSpeed's op builds): their output is kept like their
+    log lines; if the call fails, what it printed is shown, since it may say why."""
     if CAPTURE.verbose:
         yield
         return

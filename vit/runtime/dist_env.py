@@ -1,5 +1,6 @@
 """Who am I in the job: rank, world size, local rank and rank 0's address, from whichever launcher
 started us (Open MPI, MPICH/PMI, Slurm, torchrun or the DeepSpeed launcher, or none)."""
+
 import gc
 import ipaddress
 import os
@@ -19,8 +20,13 @@ DEFAULT_PORT = 29500
 # (launcher, rank, world size, local rank, local world size)
 SOURCES = [
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "Open MPI",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("MPICH/PMI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 ]
@@ -31,6 +37,7 @@ IFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 @dataclass
 class Job:
     """This process's place in the job, as its launcher tells it."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -65,7 +72,15 @@ def discover(environ=None) -> Job:
         # mpirun inside a Slurm allocation inherits the Slurm daemon's variables: MPI wins there.
         if launcher == "Slurm" and any(f[0] in MPI_LAUNCHERS for f in found):
             continue
-        found.append((launcher, _int(environ, r), _int(environ, w), _int(environ, lr) or 0, _int(environ, lw)))
+        found.append(
+            (
+                launcher,
+                _int(environ, r),
+                _int(environ, w),
+                _int(environ, lr) or 0,
+                _int(environ, lw),
+            )
+        )
     if not found:
         return Job(rank=0, world_size=1, local_rank=0, local_world_size=1, launcher="single")
     if len({(f[1], f[2]) for f in found}) > 1:
@@ -74,8 +89,13 @@ def discover(environ=None) -> Job:
     launcher, rank, world, local, local_world = found[0]
     if not 0 <= rank < world:
         raise ConfigError(f"{launcher}: rank {rank} is outside world size {world}")
-    return Job(rank=rank, world_size=world, local_rank=local, local_world_size=local_world or 1,
-                   launcher=launcher)
+    return Job(
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        local_world_size=local_world or 1,
+        launcher=launcher,
+    )
 
 
 def ipv4_interfaces() -> list[tuple[str, ipaddress.IPv4Interface]]:
@@ -102,14 +122,19 @@ def choose_master_addr(hosts: list[tuple[str, list]], ifname: str | None) -> str
         for name, iface in ifaces0:
             if name == ifname:
                 return str(iface.ip)
-        raise ConfigError(f"rank 0 ({host0}) has no IPv4 address on interface {ifname} (GLOO_SOCKET_IFNAME)")
+        raise ConfigError(
+            f"rank 0 ({host0}) has no IPv4 address on interface {ifname} (GLOO_SOCKET_IFNAME)"
+        )
     others = [ifaces for h, ifaces in hosts if h != host0]
     for _, iface in ifaces0:
         if all(any(o.ip in iface.network for _, o in ifaces) for ifaces in others):
             return str(iface.ip)
     mine = ", ".join(f"{n}={i}" for n, i in ifaces0) or "none"
-    raise ConfigError(f"rank 0 ({host0}) shares no subnet with every other host (its addresses: {mine}); "
-                     "set MASTER_ADDR or the interface (IFACE in setup/cluster.env)")
+    raise ConfigError(
+        f"rank 0 ({host0}) shares no subnet with every other host (its addresses: "
+        f"{mine}); "
+        "set MASTER_ADDR or the interface (IFACE in setup/cluster.env)"
+    )
 
 
 def interface_toward(addr: str, ifaces: list[tuple[str, ipaddress.IPv4Interface]]) -> str | None:
@@ -118,12 +143,17 @@ def interface_toward(addr: str, ifaces: list[tuple[str, ipaddress.IPv4Interface]
         ip = ipaddress.IPv4Address(socket.gethostbyname(addr))
     except (OSError, ValueError):
         return None
-    return None if ip.is_loopback else next((name for name, iface in ifaces if ip in iface.network), None)
+    return (
+        None
+        if ip.is_loopback
+        else next((name for name, iface in ifaces if ip in iface.network), None)
+    )
 
 
 def pin_interface(master_addr: str, environ=None) -> str | None:
-    """Without IFACE (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), gloo and NCCL use the interface that reaches rank 0:
-    left to themselves they may pick a bridge (virbr0, docker0) or a VPN and hang. Returns the one chosen."""
+    """Without IFACE (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), gloo and NCCL use the interface that
+    reaches rank 0: left to themselves they may pick a bridge (virbr0, docker0) or a VPN and hang.
+    Returns the one chosen."""
     environ = os.environ if environ is None else environ
     if any(environ.get(v) for v in IFACE_VARS):
         return None
@@ -143,7 +173,10 @@ def resolve_master(job: Job, environ=None) -> Job:
     """Fill in rank 0's address and port; under MPI without MASTER_ADDR, agree on them via mpi4py."""
     environ = os.environ if environ is None else environ
     if environ.get("MASTER_ADDR"):
-        job.master_addr, job.master_port = environ["MASTER_ADDR"], _int(environ, "MASTER_PORT") or DEFAULT_PORT
+        job.master_addr, job.master_port = (
+            environ["MASTER_ADDR"],
+            _int(environ, "MASTER_PORT") or DEFAULT_PORT,
+        )
     elif job.world_size == 1:
         job.master_addr, job.master_port = "127.0.0.1", _int(environ, "MASTER_PORT") or free_port()
     elif job.launcher in MPI_LAUNCHERS:
@@ -165,37 +198,51 @@ def resolve_master(job: Job, environ=None) -> Job:
     elif job.launcher == "Slurm" and environ.get("SLURM_JOB_NODELIST"):
         import subprocess
 
-        first = subprocess.run(["scontrol", "show", "hostnames", environ["SLURM_JOB_NODELIST"]],
-                               capture_output=True, text=True, check=True).stdout.split()[0]
+        first = subprocess.run(
+            ["scontrol", "show", "hostnames", environ["SLURM_JOB_NODELIST"]],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()[0]
         job.master_addr, job.master_port = first, _int(environ, "MASTER_PORT") or DEFAULT_PORT
     else:
-        raise ConfigError(f"{job.launcher} started {job.world_size} ranks but MASTER_ADDR is not set")
+        raise ConfigError(
+            f"{job.launcher} started {job.world_size} ranks but MASTER_ADDR is not set"
+        )
     return job
 
 
 def rank_cores(local_world_size: int) -> int:
-    """The cores this rank's torch threads use: the process's CPU affinity, which a launcher that binds (Open MPI
-    binds each rank to one core when np <= 2, to a socket otherwise) has already made this rank's share; unbound
-    (every core allowed), the host's cores split between the ranks that share it."""
+    """The cores this rank's torch threads use: the process's CPU affinity, which a launcher that
+    binds (Open MPI binds each rank to one core when np <= 2, to a socket otherwise) has already
+    made this rank's share; unbound (every core allowed), the host's cores split between the ranks
+    that share it."""
     allowed = len(os.sched_getaffinity(0))
     if allowed < (os.cpu_count() or allowed):
         return allowed
     return max(1, allowed // local_world_size)
 
 
-def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto", requested_precision: str | None = None,
-                       engine: "EngineSpec | None" = None) -> str:
-    """Start torch.distributed on the backend every rank can run (nccl on GPUs, gloo on CPUs), decided from
-    every rank's device report before any collective (vit.runtime.gpu, which with an engine also checks the precision);
-    export the torchrun variables DeepSpeed reads."""
+def init_process_group(
+    job: Job,
+    timeout_s: float,
+    wanted_device: str = "auto",
+    requested_precision: str | None = None,
+    engine: "EngineSpec | None" = None,
+) -> str:
+    """Start torch.distributed on the backend every rank can run (nccl on GPUs, gloo on CPUs),
+    decided from every rank's device report before any collective (vit.runtime.gpu, which with an
+    engine also checks the precision); export the torchrun variables DeepSpeed reads."""
     from vit.runtime import gpu
 
     timeout = timedelta(seconds=timeout_s)
     pin_interface(job.master_addr)
-    store = dist.TCPStore(job.master_addr, job.master_port, job.world_size, is_master=job.rank == 0,
-                          timeout=timeout)
-    reports = gpu.exchange(store, job.world_size, gpu.local_report(wanted_device, job.rank, job.local_rank),
-                           timeout_s)
+    store = dist.TCPStore(
+        job.master_addr, job.master_port, job.world_size, is_master=job.rank == 0, timeout=timeout
+    )
+    reports = gpu.exchange(
+        store, job.world_size, gpu.local_report(wanted_device, job.rank, job.local_rank), timeout_s
+    )
     job.device_type = gpu.decide(reports, wanted_device, requested_precision, engine)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(rank_cores(job.local_world_size))
@@ -203,25 +250,41 @@ def init_process_group(job: Job, timeout_s: float, wanted_device: str = "auto", 
     if job.device_type == "cuda":
         device_id = device(job)
         torch.cuda.set_device(device_id)
-    elif torch.cuda.is_available():  # --device cpu on a GPU host: DeepSpeed must not pick CUDA either
+    # --device cpu on a GPU host: DeepSpeed must not pick CUDA either
+    elif torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
-    os.environ.update(RANK=str(job.rank), WORLD_SIZE=str(job.world_size), LOCAL_RANK=str(job.local_rank),
-                      MASTER_ADDR=job.master_addr, MASTER_PORT=str(job.master_port))
+    os.environ.update(
+        RANK=str(job.rank),
+        WORLD_SIZE=str(job.world_size),
+        LOCAL_RANK=str(job.local_rank),
+        MASTER_ADDR=job.master_addr,
+        MASTER_PORT=str(job.master_port),
+    )
     backend = "nccl" if job.device_type == "cuda" else "gloo"
-    # With device_id NCCL creates its communicators here, and a full GPU fails it (vit.train words that error).
-    dist.init_process_group(backend, store=store, rank=job.rank, world_size=job.world_size, timeout=timeout,
-                            device_id=device_id)
+    # With device_id NCCL creates its communicators here, and a full GPU fails it (vit.train words
+    # that error).
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=job.rank,
+        world_size=job.world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
     return backend
 
 
 def device(job: Job) -> torch.device:
     """This rank's device: GPU LOCAL_RANK of its host, the one DeepSpeed picks too."""
-    return torch.device("cuda", job.local_rank) if job.device_type == "cuda" else torch.device("cpu")
+    return (
+        torch.device("cuda", job.local_rank) if job.device_type == "cuda" else torch.device("cpu")
+    )
 
 
 def rank0_decides(decide):
-    """Collective: rank 0 runs decide() and every rank gets its answer, or raises the ConfigError (or other
-    exception of the project's) that it raised, so that all ranks stop alike with one message."""
+    """Collective: rank 0 runs decide() and every rank gets its answer, or raises the ConfigError
+    (or other exception of the project's) that it raised, so that all ranks stop alike with one
+    message."""
     answer = [None]
     if dist.get_rank() == 0:
         try:
@@ -235,21 +298,22 @@ def rank0_decides(decide):
 
 
 def live_process_groups() -> int:
-    """The process groups alive in this process, the default one included (torch's public get_pg_count() counts
-    every group ever created, destroyed ones too)."""
+    """The process groups alive in this process, the default one included (torch's public
+    get_pg_count() counts every group ever created, destroyed ones too)."""
     return len(dist.distributed_c10d._world.pg_map)  # noqa: SLF001
 
 
 def destroy_groups(groups: list) -> None:
-    """Destroy process groups nothing uses again (NCCL: their communicators and the GPU memory these hold), in the
-    order given, the same on every rank."""
+    """Destroy process groups nothing uses again (NCCL: their communicators and the GPU memory these
+    hold), in the order given, the same on every rank."""
     for group in groups:
         dist.destroy_process_group(group)
 
 
 def end_process_group() -> None:
-    """Destroy the default group after everything that uses it: dynamo's caches hold a compiled DDP module, and a DDP
-    reducer that outlives its group can abort the process at exit ('terminate called without an active exception')."""
+    """Destroy the default group after everything that uses it: dynamo's caches hold a compiled DDP
+    module, and a DDP reducer that outlives its group can abort the process at exit ('terminate
+    called without an active exception')."""
     if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
     gc.collect()

@@ -1,15 +1,20 @@
-"""Plugins: modules named in VIT_PLUGINS (comma-separated, found on PYTHONPATH) that every rank imports at start,
-and the few hooks they may add functions to. The tests inject faults into real runs this way (tests/plugins/), so
-that no library module reads a test's environment variable.
+"""Plugins: modules named in VIT_PLUGINS (comma-separated, found on PYTHONPATH) that every rank
+imports at start, and the few hooks they may add functions to. The tests inject faults into real
+runs this way (tests/plugins/), so that no library module reads a test's environment variable.
 
-A plugin calls `add(hook, fn)` when it is imported; the library calls each hook's functions in the order added:
-- "start": fn(rank, watchdog), once the process group and the watchdog (vit.runtime.faults) run, before the census;
-- "census": fn(report), this rank's census report (a dict, vit.planner.census.capabilities) before it is
-  gathered, which fn may change;
-- "checkpoint_written": fn(tag), this rank has written a checkpoint's files and the manifest is not yet written;
-- "async_forward": fn(engine, k, weights), the async pipeline forwarded micro-batch k on `weights` (by name);
-- "async_backward": fn(engine, k, inflight, weights), and backwarded it (inflight: vit.engines.async_pipeline.engine's
-  InFlight record of its forward)."""
+A plugin calls `add(hook, fn)` when it is imported; the library calls each hook's functions in the
+order added:
+- "start": fn(rank, watchdog), once the process group and the watchdog (vit.runtime.faults) run,
+  before the census;
+- "census": fn(report), this rank's census report (a dict, vit.planner.census.capabilities) before
+  it is gathered, which fn may change;
+- "checkpoint_written": fn(tag), this rank has written a checkpoint's files and the manifest is not
+  yet written;
+- "async_forward": fn(engine, k, weights), the async pipeline forwarded micro-batch k on `weights`
+  (by name);
+- "async_backward": fn(engine, k, inflight, weights), and backwarded it (inflight:
+  vit.engines.async_pipeline.engine's InFlight record of its forward)."""
+
 import importlib
 import os
 from collections.abc import Callable
@@ -17,11 +22,14 @@ from collections.abc import Callable
 from vit.core.errors import ConfigError
 
 HOOKS: dict[str, list[Callable]] = {
-    name: [] for name in ("start", "census", "checkpoint_written", "async_forward", "async_backward")}
+    name: []
+    for name in ("start", "census", "checkpoint_written", "async_forward", "async_backward")
+}
 
 
 def load() -> list[str]:
-    """Import the modules VIT_PLUGINS names; their names. One that cannot be imported is a ConfigError."""
+    """Import the modules VIT_PLUGINS names; their names. One that cannot be imported is a
+    ConfigError."""
     names = [n.strip() for n in os.environ.get("VIT_PLUGINS", "").split(",") if n.strip()]
     for name in names:
         try:

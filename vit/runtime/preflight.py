@@ -4,6 +4,7 @@ cluster fails with one message listing every problem, instead of deep inside Dee
 (Rank 0's address was already agreed before the process group started, and the group's start proves
 that every rank reaches it; setup/doctor.sh runs the same checks by hand, over ssh.)
 """
+
 import importlib.metadata
 import os
 import platform
@@ -31,7 +32,8 @@ def local_report() -> dict:
 
 
 def hostfile_slots(path: str) -> int:
-    """Total slots of an Open MPI / DeepSpeed hostfile (`host slots=N`; a host without slots= counts 1)."""
+    """Total slots of an Open MPI / DeepSpeed hostfile (`host slots=N`; a host without slots= counts
+    1)."""
     total = 0
     for line in Path(path).read_text().splitlines():
         words = line.split("#")[0].split()
@@ -48,25 +50,38 @@ def problems(reports: list[dict], world_size: int, slots: int | None) -> list[st
         found.append(f"world size {world_size} is more than the hostfile's {slots} slots")
     first = reports[0]
     for key in ("python", *PACKAGES, *IFACE_VARS):
-        # Interface names may differ between hosts; set on some ranks and not on others is the mistake.
+        # Interface names may differ between hosts; set on some ranks and not on others is the
+        # mistake.
         differs = (lambda a, b: bool(a) != bool(b)) if key in IFACE_VARS else (lambda a, b: a != b)
-        odd = [f"rank {r} ({rep['host']}) has {rep[key] or 'none'}" for r, rep in enumerate(reports)
-               if differs(rep[key], first[key])]
+        odd = [
+            f"rank {r} ({rep['host']}) has {rep[key] or 'none'}"
+            for r, rep in enumerate(reports)
+            if differs(rep[key], first[key])
+        ]
         if odd:
-            found.append(f"{key}: rank 0 ({first['host']}) has {first[key] or 'none'}, but " + ", ".join(odd))
+            found.append(
+                f"{key}: rank 0 ({first['host']}) has {first[key] or 'none'}, but " + ", ".join(odd)
+            )
     return found
 
 
 def offloads_optimizer(ds_config: dict) -> bool:
     zero = ds_config.get("zero_optimization", {})
-    return any(zero.get(k, {}).get("device") in ("cpu", "nvme") for k in ("offload_optimizer", "offload_param"))
+    return any(
+        zero.get(k, {}).get("device") in ("cpu", "nvme")
+        for k in ("offload_optimizer", "offload_param")
+    )
 
 
 def nvcc_release(cuda_home: str) -> str | None:
     """The CUDA version of the toolkit's nvcc ('13.0'), or None when it has none that runs."""
     try:
-        out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
+        out = subprocess.run(
+            [os.path.join(cuda_home, "bin", "nvcc"), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     found = re.search(r"release (\d+\.\d+)", out)
@@ -74,15 +89,22 @@ def nvcc_release(cuda_home: str) -> str | None:
 
 
 def cpu_adam_problem(torch_cuda: str, cuda_home: str | None, built: bool) -> str | None:
-    """Why DeepSpeedCPUAdam (ZeRO-Offload) cannot be built on this GPU host, or None: on GPUs DeepSpeed builds it
-    against CUDA, with an nvcc of torch's major CUDA version (a missing toolkit crashes deep inside DeepSpeed)."""
+    """Why DeepSpeedCPUAdam (ZeRO-Offload) cannot be built on this GPU host, or None: on GPUs
+    DeepSpeed builds it against CUDA, with an nvcc of torch's major CUDA version (a missing toolkit
+    crashes deep inside DeepSpeed)."""
     if built:
         return None
-    install = (f"install the CUDA {torch_cuda} toolkit (NVIDIA's cuda-toolkit-{torch_cuda.replace('.', '-')} "
-               f"package) and set CUDA_HOME to it (DeepSpeed then builds the op on first use, or prebuilds it with "
-               "DS_BUILD_CPU_ADAM=1 pip install deepspeed); or train without offload_optimizer")
+    install = (
+        f"install the CUDA {torch_cuda} toolkit (NVIDIA's "
+        f"cuda-toolkit-{torch_cuda.replace('.', '-')} "
+        f"package) and set CUDA_HOME to it (DeepSpeed then builds the op on first use, or "
+        f"prebuilds it with "
+        "DS_BUILD_CPU_ADAM=1 pip install deepspeed); or train without offload_optimizer"
+    )
     if cuda_home is None:
-        return f"no CUDA toolkit (CUDA_HOME unset, no nvcc on PATH or in /usr/local/cuda): {install}"
+        return (
+            f"no CUDA toolkit (CUDA_HOME unset, no nvcc on PATH or in /usr/local/cuda): {install}"
+        )
     release = nvcc_release(cuda_home)
     if release is None:
         return f"CUDA_HOME={cuda_home} has no working bin/nvcc: {install}"
@@ -92,28 +114,38 @@ def cpu_adam_problem(torch_cuda: str, cuda_home: str | None, built: bool) -> str
 
 
 def check_offload(ds_config: dict, device_type: str) -> None:
-    """Collective: ZeRO-Offload on GPUs needs DeepSpeed's CPU Adam op; every rank says whether its host can have
-    it, and every rank stops alike, naming the hosts, when one cannot."""
+    """Collective: ZeRO-Offload on GPUs needs DeepSpeed's CPU Adam op; every rank says whether its
+    host can have it, and every rank stops alike, naming the hosts, when one cannot."""
     if device_type != "cuda" or not offloads_optimizer(ds_config):
         return
     import torch
     from torch.utils import cpp_extension
 
-    built = os.path.isfile(os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", ""), "cpu_adam", "cpu_adam.so"))
+    built = os.path.isfile(
+        os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", ""), "cpu_adam", "cpu_adam.so")
+    )
     try:
         from deepspeed.git_version_info import installed_ops
+
         built = built or bool(installed_ops.get("cpu_adam"))
     except ImportError:
         pass
     reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, (socket.gethostname(),
-                                     cpu_adam_problem(torch.version.cuda, cpp_extension.CUDA_HOME, built)))
+    dist.all_gather_object(
+        reports,
+        (
+            socket.gethostname(),
+            cpu_adam_problem(torch.version.cuda, cpp_extension.CUDA_HOME, built),
+        ),
+    )
 
     def verdict():
         found = {host: why for host, why in reports if why}
         if found:
-            raise ConfigError("ZeRO-Offload (offload_optimizer) on GPUs needs DeepSpeed's CPU Adam op: "
-                              + "; ".join(f"{host}: {why}" for host, why in found.items()))
+            raise ConfigError(
+                "ZeRO-Offload (offload_optimizer) on GPUs needs DeepSpeed's CPU Adam "
+                "op: " + "; ".join(f"{host}: {why}" for host, why in found.items())
+            )
 
     rank0_decides(verdict)
 

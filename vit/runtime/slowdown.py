@@ -1,11 +1,13 @@
-"""--simulate-slowdown RANK=FACTOR[,...]: make some ranks' compute FACTOR times slower, to study mixed GPUs
-on identical hardware (or on one CPU machine).
+"""--simulate-slowdown RANK=FACTOR[,...]: make some ranks' compute FACTOR times slower, to study
+mixed GPUs on identical hardware (or on one CPU machine).
 
-Honest, not a fixed delay: every layer's forward, and its backward, is timed as it runs and followed by a
-wait of (FACTOR - 1) x that time, so a rank behaves like a device FACTOR times slower at every shape. Waiting
-(not repeating the work) leaves the host's cores to the other ranks, as a slower GPU would. Communication
-and the optimizer are not slowed, except ZeRO-3's parameter gathering, which runs inside a layer's forward.
+Honest, not a fixed delay: every layer's forward, and its backward, is timed as it runs and followed
+by a wait of (FACTOR - 1) x that time, so a rank behaves like a device FACTOR times slower at every
+shape. Waiting (not repeating the work) leaves the host's cores to the other ranks, as a slower GPU
+would. Communication and the optimizer are not slowed, except ZeRO-3's parameter gathering, which
+runs inside a layer's forward.
 """
+
 import time
 
 import torch
@@ -23,11 +25,17 @@ def parse(text: str | None, world_size: int) -> dict[int, float]:
         try:
             rank, factor = int(rank), float(factor)
         except ValueError:
-            raise ConfigError(f"--simulate-slowdown: '{item}' is not RANK=FACTOR (e.g. 1=2)") from None
+            raise ConfigError(
+                f"--simulate-slowdown: '{item}' is not RANK=FACTOR (e.g. 1=2)"
+            ) from None
         if not 0 <= rank < world_size:
-            raise ConfigError(f"--simulate-slowdown: rank {rank} does not exist (world size {world_size})")
+            raise ConfigError(
+                f"--simulate-slowdown: rank {rank} does not exist (world size {world_size})"
+            )
         if factor < 1:
-            raise ConfigError(f"--simulate-slowdown: factor {factor} for rank {rank} must be at least 1")
+            raise ConfigError(
+                f"--simulate-slowdown: factor {factor} for rank {rank} must be at least 1"
+            )
         factors[rank] = factor
     return factors
 
@@ -39,7 +47,8 @@ class Clock:
         self.factor, self.device, self.t0 = factor, device, 0.0
 
     def now(self) -> float:
-        wait_for_queued(self.device)  # the layer's kernels, on this stream only (not NCCL's receives posted ahead)
+        # the layer's kernels, on this stream only (not NCCL's receives posted ahead)
+        wait_for_queued(self.device)
         return time.perf_counter()
 
     def start(self) -> None:
@@ -50,7 +59,8 @@ class Clock:
 
 
 class _Mark(torch.autograd.Function):
-    """Identity whose backward starts (at a layer's output) or stops (at its input) the layer's clock."""
+    """Identity whose backward starts (at a layer's output) or stops (at its input) the layer's
+    clock."""
 
     @staticmethod
     def forward(ctx, x, clock, is_input):
@@ -70,7 +80,8 @@ def attach(module: nn.Module, factor: float, device: torch.device) -> None:
     def before(_, inputs):
         fwd.start()
         x = inputs[0]
-        if torch.is_grad_enabled() and not x.requires_grad:  # the first layer: mark where its backward ends
+        # the first layer: mark where its backward ends
+        if torch.is_grad_enabled() and not x.requires_grad:
             x = x.detach().requires_grad_()
         return (_Mark.apply(x, bwd, True), *inputs[1:]) if torch.is_grad_enabled() else None
 

@@ -1,2 +1,2 @@
-"""What a run leaves behind: JSON-lines metrics, the GPU/CPU monitor, trackers, config/cluster/summary
-files, and the readers behind plot_logs.py."""
+"""What a run leaves behind: JSON-lines metrics, the GPU/CPU monitor, trackers,
+config/cluster/summary files, and the readers behind plot_logs.py."""

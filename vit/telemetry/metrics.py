@@ -23,6 +23,7 @@ Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore u
    weight move as a share of its largest, or grad's and the schedule's relative change of the gradient norm, whose
    "norms" it also gives; null where nothing was measured yet)
 """
+
 import json
 import os
 import resource
@@ -58,7 +59,14 @@ class MetricsLog:
         self.file = open_append(os.path.join(log_dir, f"metrics_rank{rank}.jsonl"))
 
     def write(self, kind: str, step: int, **fields) -> None:
-        record = {"kind": kind, "step": step, "time": time.time(), "rank": self.rank, "host": self.host, **fields}
+        record = {
+            "kind": kind,
+            "step": step,
+            "time": time.time(),
+            "rank": self.rank,
+            "host": self.host,
+            **fields,
+        }
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
@@ -66,11 +74,21 @@ class MetricsLog:
         self.file.close()
 
 
-def log_line(step: int, total: int, loss: float, lr: float, images_per_s: float, step_time_s: float,
-             mem_gib: float) -> str:
+def log_line(
+    step: int,
+    total: int,
+    loss: float,
+    lr: float,
+    images_per_s: float,
+    step_time_s: float,
+    mem_gib: float,
+) -> str:
     width = len(str(total))
-    return (f"step {step:>{width}}/{total} | loss {loss:.4f} | lr {lr:.2e} | {images_per_s:8.1f} img/s"
-            f" | step {step_time_s * 1e3:7.1f} ms | mem {mem_gib:.2f} GiB")
+    return (
+        f"step {step:>{width}}/{total} | loss {loss:.4f} | lr {lr:.2e} | {images_per_s:8.1f} "
+        f"img/s"
+        f" | step {step_time_s * 1e3:7.1f} ms | mem {mem_gib:.2f} GiB"
+    )
 
 
 def progress(step: int, total: int, width: int = 30) -> None:

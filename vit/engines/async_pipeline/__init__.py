@@ -1,6 +1,8 @@
-"""The asynchronous pipeline (PipeDream-2BW's 1F1B without a flush, no DeepSpeed in its step): the engine
-(engine.py), its channels (p2p.py), the weight prediction (msnag.py), and what it declares (SPEC): no bubble, a
-stashed weight copy per further micro-batch in flight, fp32 under autocast, a bf16 wire as its compression."""
+"""The asynchronous pipeline (PipeDream-2BW's 1F1B without a flush, no DeepSpeed in its step): the
+engine (engine.py), its channels (p2p.py), the weight prediction (msnag.py), and what it declares
+(SPEC): no bubble, a stashed weight copy per further micro-batch in flight, fp32 under autocast, a
+bf16 wire as its compression."""
+
 from vit.engines.step_cost import PipelinedSpec, autocast_state
 
 
@@ -29,6 +31,18 @@ class AsyncPipelineSpec(PipelinedSpec):
         return terms
 
 
-SPEC = AsyncPipelineSpec("async-pipeline", "vit.engines.async_pipeline.engine", pipeline=True, deepspeed=False,
-                         zero_stage=0, zero_stages=(0, 1), fp16=False, freeze=False, async_schedule=True,
-                         micro_batch_auto=False, default_ds_config="pipeline.json", comm_hooks=False, autocast=True)
+SPEC = AsyncPipelineSpec(
+    "async-pipeline",
+    "vit.engines.async_pipeline.engine",
+    pipeline=True,
+    deepspeed=False,
+    zero_stage=0,
+    zero_stages=(0, 1),
+    fp16=False,
+    freeze=False,
+    async_schedule=True,
+    micro_batch_auto=False,
+    default_ds_config="pipeline.json",
+    comm_hooks=False,
+    autocast=True,
+)

@@ -1,18 +1,22 @@
-"""--engine async-pipeline: the layer list cut into --pipeline-stages stages as the pipeline engine cuts it, trained
-1F1B with no flush (PipeDream-2BW). Each stage applies its update after every --async-update-interval of its
-backward passes, so the first stages forward some micro-batches on weights one update older than those their
-gradients are applied to; weight stashing and msnag weight prediction (vit.engines.async_pipeline.msnag) offset that.
-Data parallelism across copies of the pipeline: each stage all-reduces its gradients in a group of its copies.
+"""--engine async-pipeline: the layer list cut into --pipeline-stages stages as the pipeline engine
+cuts it, trained 1F1B with no flush (PipeDream-2BW). Each stage applies its update after every
+--async-update-interval of its backward passes, so the first stages forward some micro-batches on
+weights one update older than those their gradients are applied to; weight stashing and msnag weight
+prediction (vit.engines.async_pipeline.msnag) offset that. Data parallelism across copies of the
+pipeline: each stage all-reduces its gradients in a group of its copies.
 
-The schedule is a fixed function of the stage and the micro-batch counters, never of timing: stage s keeps at
-most stages - s micro-batches in flight, runs a backward when it holds more than stages - s - 1 and a forward
-otherwise, until the step's micro-batches are all forwarded. The micro-batches still in flight at a step's end
-finish in the next step. A checkpoint drains them first (and the last step does), so what is saved is weights,
-optimizer and counters, and a resumed run continues as the uninterrupted one does.
+The schedule is a fixed function of the stage and the micro-batch counters, never of timing: stage s
+keeps at most stages - s micro-batches in flight, runs a backward when it holds more than stages - s
+- 1 and a forward otherwise, until the step's micro-batches are all forwarded. The micro-batches
+still in flight at a step's end finish in the next step. A checkpoint drains them first (and the
+last step does), so what is saved is weights, optimizer and counters, and a resumed run continues as
+the uninterrupted one does.
 
-Activations and gradients cross in --pipe-wire-dtype: cast just before the send, back to fp32 on arrival (the
-tensors between a stage's layers are fp32 under bf16 autocast too: the residual stream adds to fp32 weights).
+Activations and gradients cross in --pipe-wire-dtype: cast just before the send, back to fp32 on
+arrival (the tensors between a stage's layers are fp32 under bf16 autocast too: the residual stream
+adds to fp32 weights).
 """
+
 import os
 import re
 from collections import OrderedDict
@@ -23,10 +27,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from vit.engines.async_pipeline import p2p
-from vit.engines.base import EngineContext, StagedEngine, save_atomic
-from vit.engines.async_pipeline.msnag import predict
 from vit.core.errors import ConfigError
+from vit.engines.async_pipeline import p2p
+from vit.engines.async_pipeline.msnag import predict
+from vit.engines.base import EngineContext, StagedEngine, save_atomic
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
@@ -34,8 +38,11 @@ from vit.runtime import plugins
 from vit.runtime.precision import DTYPES
 
 
-def stage_parts(layers: list[nn.Module], stages: int, method: str, planned: list[int] | None) -> list[int]:
-    """Stage boundaries as DeepSpeed's PipelineModule cuts them, or the balanced plan's (vit.hetero)."""
+def stage_parts(
+    layers: list[nn.Module], stages: int, method: str, planned: list[int] | None
+) -> list[int]:
+    """Stage boundaries as DeepSpeed's PipelineModule cuts them, or the balanced plan's
+    (vit.hetero)."""
     from deepspeed.runtime import utils as ds_utils
 
     if method == "balanced":
@@ -43,7 +50,9 @@ def stage_parts(layers: list[nn.Module], stages: int, method: str, planned: list
     if method == "uniform":
         return ds_utils.partition_uniform(len(layers), stages)
     if method == "parameters":
-        weights = [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]
+        weights = [
+            sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers
+        ]
     else:  # type:REGEX, on the layers' class names
         pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
         weights = [int(bool(pattern.search(type(layer).__name__))) for layer in layers]
@@ -55,8 +64,11 @@ def stage_parts(layers: list[nn.Module], stages: int, method: str, planned: list
 @dataclass
 class InFlight:
     """A micro-batch this stage has forwarded and not yet backwarded."""
-    x: torch.Tensor  # its input: the images on the first stage, the previous stage's activations elsewhere
-    out: torch.Tensor | None  # its output (its loss on the last stage); None: the backward runs the forward again
+
+    # its input: the images on the first stage, the previous stage's activations elsewhere
+    x: torch.Tensor
+    # its output (its loss on the last stage); None: the backward runs the forward again
+    out: torch.Tensor | None
     weights: dict | None  # the weights its forward used, by name
     version: int  # updates this stage had applied when it was forwarded
     staleness: int  # updates that land before its own
@@ -65,29 +77,39 @@ class InFlight:
 class AsyncPipelineEngine(StagedEngine):
     def __init__(self, ctx: EngineContext):
         if ctx.precision == "fp16":
-            raise ConfigError("--engine async-pipeline trains in fp32 or bf16 (it has no fp16 loss scaler); pass "
-                              "--precision bf16 or fp32")
+            raise ConfigError(
+                "--engine async-pipeline trains in fp32 or bf16 (it has no fp16 loss "
+                "scaler); pass "
+                "--precision bf16 or fp32"
+            )
         stages, self.device = ctx.pipeline_stages, ctx.device
         self.dp_size = dist.get_world_size() // stages
         self.links = p2p.Links(stages, self.dp_size, self.device)
         self.stage, self.dp_rank = self.links.stage, self.links.dp_rank
         parts = stage_parts(ctx.layers, stages, ctx.partition, ctx.parts)
         held = range(parts[self.stage], parts[self.stage + 1])
-        self.module = nn.Sequential(OrderedDict((str(i), ctx.layers[i]) for i in held)).to(self.device)
+        self.module = nn.Sequential(OrderedDict((str(i), ctx.layers[i]) for i in held)).to(
+            self.device
+        )
         self.params = dict(self.module.named_parameters())
         if ctx.compile:
             self.module.compile()  # in place: the names and functional_call's weights are unchanged
         self.first, self.last = self.stage == 0, self.stage == stages - 1
-        self.reads_data = self.first or self.last  # images on the first, labels on the last: never sent along
+        # images on the first, labels on the last: never sent along
+        self.reads_data = self.first or self.last
         self.reads_images = self.first
-        self.ahead = stages - 1 - self.stage  # micro-batches in flight beyond the one 1F1B alternates on
+        # micro-batches in flight beyond the one 1F1B alternates on
+        self.ahead = stages - 1 - self.stage
         a = ctx.asynchrony
         self.grad_accum = ctx.batch.grad_accum
         self.interval = a.async_update_interval or ctx.batch.grad_accum
         self.stashing, self.prediction = a.weight_stashing == "on", a.weight_prediction == "msnag"
-        self.optimizer = make_optimizer(self.module, ctx.optim, num_layers=len(ctx.layers), device=self.device)
-        self.scheduler = make_scheduler(self.optimizer, ctx.optim,
-                                        ctx.total_steps * self.grad_accum // self.interval)
+        self.optimizer = make_optimizer(
+            self.module, ctx.optim, num_layers=len(ctx.layers), device=self.device
+        )
+        self.scheduler = make_scheduler(
+            self.optimizer, ctx.optim, ctx.total_steps * self.grad_accum // self.interval
+        )
         self.loss_fn, self.loss_weight = Loss(ctx.smoothing), ctx.loss_weight
         self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
         self.dtype = torch.bfloat16 if ctx.precision == "bf16" else None
@@ -96,7 +118,8 @@ class AsyncPipelineEngine(StagedEngine):
         self.total_steps = ctx.total_steps
         self.steps = self.forwarded = self.backwarded = self.version = 0
         self.inflight: dict[int, InFlight] = {}
-        self.cached = None  # (version, staleness, weights): the stashed or predicted weights forwards share
+        # (version, staleness, weights): the stashed or predicted weights forwards share
+        self.cached = None
         self.losses: list[torch.Tensor] = []
         self.timer = PhaseTimer(self.device)
 
@@ -113,16 +136,20 @@ class AsyncPipelineEngine(StagedEngine):
         self.steps += 1
         if self.steps == self.total_steps:
             self.drain()  # nothing left in flight, no send unwaited
-        loss = torch.stack(self.losses).mean() if self.losses else torch.zeros((), device=self.device)
+        loss = (
+            torch.stack(self.losses).mean() if self.losses else torch.zeros((), device=self.device)
+        )
         self.losses = []
         return loss
 
     def staleness(self, k: int) -> int:
-        """Updates this stage applies between micro-batch k's forward (now) and the update its gradient joins."""
+        """Updates this stage applies between micro-batch k's forward (now) and the update its
+        gradient joins."""
         return k // self.interval - self.version
 
     def _weights(self, k: int) -> tuple[dict, bool]:
-        """The weights micro-batch k's forward uses, and whether its backward must run the forward again."""
+        """The weights micro-batch k's forward uses, and whether its backward must run the forward
+        again."""
         d = self.staleness(k)
         if d == 0:  # no update lands before its backward: the live weights serve both passes
             return self.params, False
@@ -130,9 +157,16 @@ class AsyncPipelineEngine(StagedEngine):
             return self.params, True
         if self.cached is None or self.cached[:2] != (self.version, d):
             with torch.no_grad():
-                values = predict(self.optimizer, d) if self.prediction else {
-                    p: p.detach().clone() for p in self.params.values()}
-            self.cached = (self.version, d, {n: values[p].requires_grad_() for n, p in self.params.items()})
+                values = (
+                    predict(self.optimizer, d)
+                    if self.prediction
+                    else {p: p.detach().clone() for p in self.params.values()}
+                )
+            self.cached = (
+                self.version,
+                d,
+                {n: values[p].requires_grad_() for n, p in self.params.items()},
+            )
         return self.cached[2], not self.stashing
 
     def _forward(self, batches) -> None:
@@ -157,8 +191,9 @@ class AsyncPipelineEngine(StagedEngine):
         else:
             self.links.send_act.send(out.detach().to(self.wire))
             t.lap("pipe_send_s")
-        self.inflight[k] = InFlight(x, None if again else out, None if again else weights, self.version,
-                                    self.staleness(k))
+        self.inflight[k] = InFlight(
+            x, None if again else out, None if again else weights, self.version, self.staleness(k)
+        )
         plugins.call("async_forward", self, k, weights)  # tests: which weights each pass used
         self.forwarded += 1
 
@@ -177,9 +212,13 @@ class AsyncPipelineEngine(StagedEngine):
         if self.last:
             out = out / self.interval  # an update's gradient is the mean over its micro-batches
         inputs = [] if self.first else [rec.x]
-        grads = torch.autograd.grad(out, inputs + list(weights.values()),
-                                    None if grad_out is None else grad_out.to(out.dtype), allow_unused=True)
-        for p, g in zip(self.params.values(), grads[len(inputs):]):
+        grads = torch.autograd.grad(
+            out,
+            inputs + list(weights.values()),
+            None if grad_out is None else grad_out.to(out.dtype),
+            allow_unused=True,
+        )
+        for p, g in zip(self.params.values(), grads[len(inputs) :]):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         plugins.call("async_backward", self, k, rec, weights)
@@ -200,7 +239,8 @@ class AsyncPipelineEngine(StagedEngine):
             for p, g in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(g.view_as(p))
             self.timer.lap("allreduce_s")
-        if self.clip:  # each stage its own norm: a norm over all stages would tie them back together
+        # each stage its own norm: a norm over all stages would tie them back together
+        if self.clip:
             nn.utils.clip_grad_norm_(params, self.clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -229,7 +269,10 @@ class AsyncPipelineEngine(StagedEngine):
 
     def breakdown(self, steps):
         """The phases, and wire_bytes: the bytes this rank sent its neighbours per step."""
-        sent, self.wire_counted = self.links.bytes_sent() - self.wire_counted, self.links.bytes_sent()
+        sent, self.wire_counted = (
+            self.links.bytes_sent() - self.wire_counted,
+            self.links.bytes_sent(),
+        )
         return {**self.timer.read(steps), "wire_bytes": sent / steps}
 
     @torch.no_grad()
@@ -257,9 +300,13 @@ class AsyncPipelineEngine(StagedEngine):
             self.drain()
         if self.dp_rank == 0:  # the copies of a stage are identical
             path = self._path(save_dir, tag)
-            state = {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "scheduler": self.scheduler.state_dict(), "client_state": client_state,
-                     "counters": [self.steps, self.forwarded, self.backwarded, self.version]}
+            state = {
+                "module": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "client_state": client_state,
+                "counters": [self.steps, self.forwarded, self.backwarded, self.version],
+            }
             save_atomic(state, path)
         dist.barrier()
 

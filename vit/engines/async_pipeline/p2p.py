@@ -1,27 +1,32 @@
-"""Point-to-point channels of the asynchronous pipeline: one process group per direction per neighbour pair (and a
-gloo group beside it for the headers), so that a stage sending activations forward and gradients back never shares
-a group with a transfer the other way (FTPipe's broadcast deadlock), and sends in flight whose handles are always
-waited on.
+"""Point-to-point channels of the asynchronous pipeline: one process group per direction per
+neighbour pair (and a gloo group beside it for the headers), so that a stage sending activations
+forward and gradients back never shares a group with a transfer the other way (FTPipe's broadcast
+deadlock), and sends in flight whose handles are always waited on.
 
-Sends stay in flight in a ring as deep as the pipeline (two at two stages: double buffering): stage 0 runs up
-to stages - 1 micro-batches ahead of the last, so a shallower ring could make two neighbours wait on each other.
+Sends stay in flight in a ring as deep as the pipeline (two at two stages: double buffering): stage
+0 runs up to stages - 1 micro-batches ahead of the last, so a shallower ring could make two
+neighbours wait on each other.
 
-gloo moves a message only once its receive is posted, so a receive waited on at once costs a round trip between
-the two processes at the moment the tensor is needed. When the caller knows another message will come, the next
-receive is posted as soon as one arrives (double buffering on the receiving side too), and the transfer overlaps
-the work in between. It is posted only then: a receive left posted when nothing more is sent would never end.
+gloo moves a message only once its receive is posted, so a receive waited on at once costs a round
+trip between the two processes at the moment the tensor is needed. When the caller knows another
+message will come, the next receive is posted as soon as one arrives (double buffering on the
+receiving side too), and the transfer overlaps the work in between. It is posted only then: a
+receive left posted when nothing more is sent would never end.
 
-Every tensor travels with a header (its rank, shape and dtype) sent first on the gloo group beside, as a CPU
-tensor: the receiver learns what comes from host memory, never by reading a GPU tensor (a host sync per message),
-and each tensor it returns is an allocation of its own, at offset 0 and contiguous. A batch of another size (the
-last, partial one) needs no drop_last: a receive posted ahead is posted in the last header's shape, so a sender
-whose shape changes first sends a notice header and a dummy tensor in the old shape for that receive to take.
+Every tensor travels with a header (its rank, shape and dtype) sent first on the gloo group beside,
+as a CPU tensor: the receiver learns what comes from host memory, never by reading a GPU tensor (a
+host sync per message), and each tensor it returns is an allocation of its own, at offset 0 and
+contiguous. A batch of another size (the last, partial one) needs no drop_last: a receive posted
+ahead is posted in the last header's shape, so a sender whose shape changes first sends a notice
+header and a dummy tensor in the old shape for that receive to take.
 
-On NCCL a receive posted ahead is a kernel waiting for the peer: a device-wide synchronize on this rank would wait
-for it, and so for the peer, which may be waiting for this rank (a deadlock). Nothing in the asynchronous pipeline
-synchronizes the device or empties the allocator's cache (vit.runtime.gpu.wait_for_queued waits for one stream); torch's
-allocator still frees its cache (cudaFree, which synchronizes) when an allocation fails on a nearly full GPU.
+On NCCL a receive posted ahead is a kernel waiting for the peer: a device-wide synchronize on this
+rank would wait for it, and so for the peer, which may be waiting for this rank (a deadlock).
+Nothing in the asynchronous pipeline synchronizes the device or empties the allocator's cache
+(vit.runtime.gpu.wait_for_queued waits for one stream); torch's allocator still frees its cache
+(cudaFree, which synchronizes) when an allocation fails on a nearly full GPU.
 """
+
 from collections import deque
 
 import torch
@@ -29,17 +34,25 @@ import torch.distributed as dist
 
 MAX_DIMS = 6
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-NOTICE = -1  # a header's rank field: the next tensor is a dummy in the old shape, another header follows
+# a header's rank field: the next tensor is a dummy in the old shape, another header follows
+NOTICE = -1
 
 
 class Channel:
-    """One direction between this rank and `peer`: tensors on `group` (the job's backend), their headers on
-    `headers` (gloo)."""
+    """One direction between this rank and `peer`: tensors on `group` (the job's backend), their
+    headers on `headers` (gloo)."""
 
     def __init__(self, group, headers, peer: int, device: torch.device, depth: int):
-        self.group, self.headers, self.peer, self.device, self.depth = group, headers, peer, device, depth
+        self.group, self.headers, self.peer, self.device, self.depth = (
+            group,
+            headers,
+            peer,
+            device,
+            depth,
+        )
         self.pending: deque = deque()  # (handles, tensors kept alive until sent)
-        self.sent = self.received = None  # the last header's (shape, dtype): what a receive posted ahead expects
+        # the last header's (shape, dtype): what a receive posted ahead expects
+        self.sent = self.received = None
         self.posted = None  # (header, tensor) receives of the next message, posted ahead
         self.bytes = 0  # the tensors' bytes sent so far (dummies included, the 64-byte headers not)
 
@@ -58,12 +71,13 @@ class Channel:
         self.pending.append((handles, [m for m, _ in messages]))
 
     def recv(self, more: bool = False) -> torch.Tensor:
-        """The next tensor. more: the peer is sure to send another message on this channel (the training schedule
-        says so), so its receives are posted now."""
+        """The next tensor. more: the peer is sure to send another message on this channel (the
+        training schedule says so), so its receives are posted now."""
         head, tensor = self.posted or self._post()
         self.posted = None
         meta = read_header(_wait(head))
-        if meta is None:  # the shape changed: the tensor receive posted in the old one takes a dummy
+        # the shape changed: the tensor receive posted in the old one takes a dummy
+        if meta is None:
             _wait(tensor)
             meta, tensor = read_header(_wait(self._post_header())), None
         if tensor is None:  # the first message, or a new shape
@@ -75,7 +89,8 @@ class Channel:
         return t
 
     def _post(self) -> tuple:
-        """Receives for the next message: its header, and its tensor in the last shape (none before the first)."""
+        """Receives for the next message: its header, and its tensor in the last shape (none before
+        the first)."""
         return self._post_header(), self._post_tensor() if self.received else None
 
     def _post_header(self) -> tuple:
@@ -118,9 +133,10 @@ def _wait(posted: tuple) -> torch.Tensor:
 
 
 class Links:
-    """This rank's channels: activations from the previous stage and to the next, gradients the other way, and the
-    group of its stage's data-parallel copies (for the gradient all-reduce). Rank = stage x dp_size + copy, as in
-    DeepSpeed's pipe-major topology (which vit.hetero's balanced plan assumes)."""
+    """This rank's channels: activations from the previous stage and to the next, gradients the
+    other way, and the group of its stage's data-parallel copies (for the gradient all-reduce). Rank
+    = stage x dp_size + copy, as in DeepSpeed's pipe-major topology (which vit.hetero's balanced
+    plan assumes)."""
 
     def __init__(self, stages: int, dp_size: int, device: torch.device):
         rank = dist.get_rank()
@@ -132,7 +148,9 @@ class Links:
             for s in range(stages - 1):
                 a, b = s * dp_size + copy, (s + 1) * dp_size + copy
                 forward, backward = dist.new_group([a, b]), dist.new_group([a, b])
-                forward_headers, backward_headers = (dist.new_group([a, b], backend="gloo") for _ in range(2))
+                forward_headers, backward_headers = (
+                    dist.new_group([a, b], backend="gloo") for _ in range(2)
+                )
                 if rank == a:
                     self.send_act = Channel(forward, forward_headers, b, device, stages)
                     self.recv_grad = Channel(backward, backward_headers, b, device, stages)
@@ -150,5 +168,6 @@ class Links:
                 channel.flush()
 
     def bytes_sent(self) -> int:
-        """The tensors' bytes this rank has sent to its neighbours (activations and gradients) so far."""
+        """The tensors' bytes this rank has sent to its neighbours (activations and gradients) so
+        far."""
         return sum(c.bytes for c in (self.send_act, self.send_grad) if c is not None)

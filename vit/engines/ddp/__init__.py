@@ -1,6 +1,8 @@
-"""Plain PyTorch DistributedDataParallel with torch.amp, no DeepSpeed: the baseline (engine.py), torch's DDP
-communication hooks (comm_hooks.py, --comm-hook) and what it declares (SPEC): fp32 weights under autocast, its
-bucketed all-reduce overlapped with backward, fp16/bf16/PowerSGD compression."""
+"""Plain PyTorch DistributedDataParallel with torch.amp, no DeepSpeed: the baseline (engine.py),
+torch's DDP communication hooks (comm_hooks.py, --comm-hook) and what it declares (SPEC): fp32
+weights under autocast, its bucketed all-reduce overlapped with backward, fp16/bf16/PowerSGD
+compression."""
+
 import math
 
 from vit.core.costs import TORCH_GRAD_BYTES, ring_allreduce_s
@@ -19,31 +21,34 @@ class DDPSpec(DataParallelSpec):
 
     def state_bytes(self, precision, ds_config, dp_size=1, stashed_copies=0, compression="none"):
         terms = autocast_state(precision)
-        # torch/nn/parallel/distributed.py: gradient_as_bucket_view=False (our default) copies the gradients into
-        # allreduce buckets as big as the gradients
+        # torch/nn/parallel/distributed.py: gradient_as_bucket_view=False (our default) copies the
+        # gradients into allreduce buckets as big as the gradients
         terms["DDP buckets"] = 4
         if compression == "powersgd":
-            # torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py: error_dict holds, per bucket, a tensor of
-            # the bucket's length in the gradients' dtype (fp32 here). Its P and Q, (n + m) x rank numbers per n x m
-            # matrix, are left out: 0.04 bytes a parameter for ViT-B/16 at rank 4
+            # torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py: error_dict holds, per
+            # bucket, a tensor of the bucket's length in the gradients' dtype (fp32 here). Its P and
+            # Q, (n + m) x rank numbers per n x m matrix, are left out: 0.04 bytes a parameter for
+            # ViT-B/16 at rank 4
             terms["PowerSGD error feedback"] = 4
         return terms
 
     def grad_bytes(self, work, layers, compression):
-        """PowerSGD sends (rows + columns) x rank per matrix where torch's hook compresses it (rows x columns > 2 x
-        that, its min_compression_rate), every other parameter whole."""
+        """PowerSGD sends (rows + columns) x rank per matrix where torch's hook compresses it (rows
+        x columns > 2 x that, its min_compression_rate), every other parameter whole."""
         if compression != "powersgd":
             return super().grad_bytes(work, layers, compression)
         r, elems = work.powersgd_rank, 0
         for layer in layers:
             whole = layer.params - sum(n * m for n, m in layer.matrices)
-            elems += whole + sum((n + m) * r if n * m > 2 * (n + m) * r else n * m for n, m in layer.matrices)
+            elems += whole + sum(
+                (n + m) * r if n * m > 2 * (n + m) * r else n * m for n, m in layer.matrices
+            )
         return elems * TORCH_GRAD_BYTES
 
     def link_s(self, c, hosts, net, work, calib, backward_s):
-        """Its bucketed all-reduce overlaps the last micro-batch's backward on the slowest rank, except the last
-        bucket: max(C_bucket, C - backward); PowerSGD costs three collectives a bucket (P, Q, the uncompressed
-        tensors)."""
+        """Its bucketed all-reduce overlaps the last micro-batch's backward on the slowest rank,
+        except the last bucket: max(C_bucket, C - backward); PowerSGD costs three collectives a
+        bucket (P, Q, the uncompressed tensors)."""
         rounds = 3 if c.compression == "powersgd" else 1
         wire = self.grad_bytes(work, work.layers, c.compression)
         dense = self.grad_bytes(work, work.layers, "none")  # DDP buckets the uncompressed gradients
@@ -53,6 +58,18 @@ class DDPSpec(DataParallelSpec):
         return max(tail, comm - backward_s) if calib.ddp_overlap else comm
 
 
-SPEC = DDPSpec("ddp", "vit.engines.ddp.engine", pipeline=False, deepspeed=False, zero_stage=0, zero_stages=(0,),
-               fp16=True, freeze=True, async_schedule=False, micro_batch_auto=True, default_ds_config="zero0.json",
-               comm_hooks=True, autocast=True)
+SPEC = DDPSpec(
+    "ddp",
+    "vit.engines.ddp.engine",
+    pipeline=False,
+    deepspeed=False,
+    zero_stage=0,
+    zero_stages=(0,),
+    fp16=True,
+    freeze=True,
+    async_schedule=False,
+    micro_batch_auto=True,
+    default_ds_config="zero0.json",
+    comm_hooks=True,
+    autocast=True,
+)

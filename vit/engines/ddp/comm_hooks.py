@@ -1,5 +1,7 @@
-"""--comm-hook: torch's DDP communication hooks on the DDP engine's gradient all-reduce, and PowerSGD's state in its
-checkpoint (torch's PowerSGDState.__getstate__/__setstate__: error feedback, warm-start P and Q, its step counter)."""
+"""--comm-hook: torch's DDP communication hooks on the DDP engine's gradient all-reduce, and
+PowerSGD's state in its checkpoint (torch's PowerSGDState.__getstate__/__setstate__: error feedback,
+warm-start P and Q, its step counter)."""
+
 import logging
 import os
 import sys
@@ -21,11 +23,15 @@ class CommHook:
         self.comm, self.state, self.device = comm, None, device
         self.unprimed = self.priming = False  # see prime()
         if comm.comm_hook in HALF_HOOKS:
-            model.register_comm_hook(None, HALF_HOOKS[comm.comm_hook])  # no state: the process group's default
+            # no state: the process group's default
+            model.register_comm_hook(None, HALF_HOOKS[comm.comm_hook])
         elif comm.comm_hook == "powersgd":
             with _quiet():
-                self.state = psgd.PowerSGDState(None, matrix_approximation_rank=comm.powersgd_rank,
-                                                start_powerSGD_iter=comm.powersgd_start_step)
+                self.state = psgd.PowerSGDState(
+                    None,
+                    matrix_approximation_rank=comm.powersgd_rank,
+                    start_powerSGD_iter=comm.powersgd_start_step,
+                )
             model.register_comm_hook(self.state, self._powersgd)
 
     def _powersgd(self, state, bucket):
@@ -35,10 +41,10 @@ class CommHook:
         return psgd.powerSGD_hook(state, bucket)
 
     def prime(self, model, x) -> None:
-        """A restored PowerSGD state is keyed by DDP's buckets as laid out after its first step (in gradient-ready
-        order), but a fresh DDP starts with one bucket in parameter order: one forward and backward on `x`, plain
-        all-reduce, gradients dropped and the random state kept, makes DDP lay them out again before the step that
-        compresses with that state."""
+        """A restored PowerSGD state is keyed by DDP's buckets as laid out after its first step (in
+        gradient-ready order), but a fresh DDP starts with one bucket in parameter order: one
+        forward and backward on `x`, plain all-reduce, gradients dropped and the random state kept,
+        makes DDP lay them out again before the step that compresses with that state."""
         self.unprimed, self.priming = False, True
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
             model(x).float().sum().backward()
@@ -47,36 +53,52 @@ class CommHook:
 
     @property
     def key(self) -> str:
-        """The hook as its options (ddp.pt records it, so a resume can tell whether the state still applies)."""
-        return "--comm-hook " + self.comm.comm_hook + (f" --powersgd-rank {self.comm.powersgd_rank}"
-                                                         if self.state is not None else "")
+        """The hook as its options (ddp.pt records it, so a resume can tell whether the state still
+        applies)."""
+        return (
+            "--comm-hook "
+            + self.comm.comm_hook
+            + (f" --powersgd-rank {self.comm.powersgd_rank}" if self.state is not None else "")
+        )
 
     def save(self, folder: str, rank: int) -> None:
         """PowerSGD's state of this rank (its error feedback is its own) into the checkpoint folder."""
         if self.state is not None:
             with _quiet():
-                save_atomic(self.state.__getstate__(), os.path.join(folder, f"powersgd_rank{rank}.pt"))
+                save_atomic(
+                    self.state.__getstate__(), os.path.join(folder, f"powersgd_rank{rank}.pt")
+                )
 
     def load(self, folder: str, rank: int, saved_key: str | None) -> None:
-        """This rank's PowerSGD state from a checkpoint of the same hook and rank; after another: one warning and
-        a fresh state."""
+        """This rank's PowerSGD state from a checkpoint of the same hook and rank; after another:
+        one warning and a fresh state."""
         was = saved_key or "--comm-hook none"  # a checkpoint from before --comm-hook had none
         if was != self.key:
             if rank == 0:
-                print(f"warning: the checkpoint was trained with {was}; this run's {self.key} starts without its "
-                      "state", file=sys.stderr)
+                print(
+                    f"warning: the checkpoint was trained with {was}; this run's {self.key} "
+                    f"starts without its "
+                    "state",
+                    file=sys.stderr,
+                )
             return
         if self.state is not None:
-            state = torch.load(os.path.join(folder, f"powersgd_rank{rank}.pt"), map_location=self.device,
-                               weights_only=False)  # numpy's RandomState besides tensors
+            state = torch.load(
+                os.path.join(folder, f"powersgd_rank{rank}.pt"),
+                map_location=self.device,
+                weights_only=False,
+            )  # numpy's RandomState besides tensors
             with _quiet():
                 self.state.__setstate__(state)  # the default process group, as DDP's
-            self.state.start_powerSGD_iter = self.comm.powersgd_start_step  # this run's warm-up, if it changed
-            self.unprimed = self.state.iter >= self.state.start_powerSGD_iter  # its next step compresses
+            # this run's warm-up, if it changed
+            self.state.start_powerSGD_iter = self.comm.powersgd_start_step
+            # its next step compresses
+            self.unprimed = self.state.iter >= self.state.start_powerSGD_iter
 
 
 class _quiet:
-    """PowerSGD logs its config and a note on the process group at every save and load: kept off the console."""
+    """PowerSGD logs its config and a note on the process group at every save and load: kept off the
+    console."""
 
     def __enter__(self):
         self.level = psgd.logger.level

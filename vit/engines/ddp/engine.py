@@ -3,6 +3,7 @@
 It reads the same DeepSpeed JSON for the batch (micro-batch, gradient accumulation), precision,
 fp16 initial loss scale and gradient clipping, and ignores the ZeRO settings.
 """
+
 import contextlib
 import os
 
@@ -32,22 +33,34 @@ class DDPEngine(Engine):
     def __init__(self, ctx: EngineContext):
         self.device = ctx.device
         model = nn.Sequential(*ctx.layers).to(self.device)
-        self.model = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None)
-        self.comm_hook = CommHook(self.model, ctx.comm, self.device)  # --comm-hook none registers nothing
+        self.model = DistributedDataParallel(
+            model, device_ids=[self.device] if self.device.type == "cuda" else None
+        )
+        # --comm-hook none registers nothing
+        self.comm_hook = CommHook(self.model, ctx.comm, self.device)
         if ctx.compile:
             self.model.compile()  # the DDP module, so that dynamo splits graphs at its buckets
         self.optimizer = make_optimizer(model, ctx.optim, num_layers=len(ctx.layers))
         self.loss = Loss(ctx.smoothing)
         self.dtype = DTYPES.get(ctx.precision)
         fp16 = ctx.ds_config.get("fp16", {})
-        self.scaler = (torch.amp.GradScaler(self.device.type, init_scale=2.0 ** fp16.get("initial_scale_power", 16))
-                       if ctx.precision == "fp16" else None)
-        self.scheduler = (SkipAwareSchedule(self.optimizer, ctx.optim, ctx.total_steps) if self.scaler
-                          else make_scheduler(self.optimizer, ctx.optim, ctx.total_steps))
+        self.scaler = (
+            torch.amp.GradScaler(
+                self.device.type, init_scale=2.0 ** fp16.get("initial_scale_power", 16)
+            )
+            if ctx.precision == "fp16"
+            else None
+        )
+        self.scheduler = (
+            SkipAwareSchedule(self.optimizer, ctx.optim, ctx.total_steps)
+            if self.scaler
+            else make_scheduler(self.optimizer, ctx.optim, ctx.total_steps)
+        )
         self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
         self.grad_accum, self.loss_weight = ctx.batch.grad_accum, ctx.loss_weight
-        # fp16 steps the GradScaler skipped on inf/nan gradients: so far, in a row now, the longest run since the
-        # last read. Kept on the device and read on logging steps only (see device_skip_counts).
+        # fp16 steps the GradScaler skipped on inf/nan gradients: so far, in a row now, the longest
+        # run since the last read. Kept on the device and read on logging steps only (see
+        # device_skip_counts).
         self._skips = torch.zeros(3, dtype=torch.long, device=self.device)
         self.timer = PhaseTimer(self.device)
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
@@ -65,7 +78,8 @@ class DDPEngine(Engine):
 
     @property
     def loss_scale(self) -> float | None:
-        return self.scaler.get_scale() if self.scaler else None  # a host sync: read on logging steps only
+        # a host sync: read on logging steps only
+        return self.scaler.get_scale() if self.scaler else None
 
     def train_step(self, batches):
         total, t = 0.0, self.timer
@@ -80,7 +94,8 @@ class DDPEngine(Engine):
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 with self.autocast():
                     logits = self.model(x)
-                loss = self.loss(logits, y) * self.loss_weight  # DDP averages over ranks: see vit.engines.zero.engine
+                # DDP averages over ranks: see vit.engines.zero.engine
+                loss = self.loss(logits, y) * self.loss_weight
                 t.lap("forward_s")
                 scaled = loss / self.grad_accum
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
@@ -100,16 +115,22 @@ class DDPEngine(Engine):
         return total / self.grad_accum
 
     def _scaler_step(self):
-        """The GradScaler skips the step on inf/nan gradients (the fused AdamW on the device, without a host sync)
-        and then halves the scale; a scale that went down is a skipped step, compared on the device."""
+        """The GradScaler skips the step on inf/nan gradients (the fused AdamW on the device,
+        without a host sync) and then halves the scale; a scale that went down is a skipped step,
+        compared on the device."""
         scale = self.scaler._get_scale_async().clone()  # noqa: SLF001 (get_scale() would sync)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         skipped = self.scaler._get_scale_async() < scale  # noqa: SLF001
         self.scheduler.step(~skipped)
         in_a_row = (self._skips[1] + 1) * skipped
-        self._skips += torch.stack([skipped.long(), in_a_row - self._skips[1],
-                                    torch.clamp(in_a_row - self._skips[2], min=0)])
+        self._skips += torch.stack(
+            [
+                skipped.long(),
+                in_a_row - self._skips[1],
+                torch.clamp(in_a_row - self._skips[2], min=0),
+            ]
+        )
 
     def eval_logits(self, x, y):
         with self.autocast():
@@ -122,9 +143,12 @@ class DDPEngine(Engine):
         return self.model.module
 
     def handover(self):
-        return {"adam": adam_state(self.optimizer, self.model.module),
-                "schedule": schedule_position(self.scheduler), "skips": self._skips.clone(),
-                "scaler": self.scaler.state_dict() if self.scaler else None}
+        return {
+            "adam": adam_state(self.optimizer, self.model.module),
+            "schedule": schedule_position(self.scheduler),
+            "skips": self._skips.clone(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+        }
 
     def take_over(self, state):
         put_adam_state(self.optimizer, self.model.module, state["adam"])
@@ -134,18 +158,26 @@ class DDPEngine(Engine):
             self.scaler.load_state_dict(state["scaler"])
 
     def close(self):
-        self.model = self.optimizer = self.scheduler = None  # DDP's reducer and buckets go with the model
+        # DDP's reducer and buckets go with the model
+        self.model = self.optimizer = self.scheduler = None
 
     def _state(self):
-        return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler else None, "comm_hook": self.comm_hook.key}
+        return {
+            "model": self.model.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "comm_hook": self.comm_hook.key,
+        }
 
     def save(self, save_dir, tag, client_state):
-        # Replicas are identical: rank 0 writes, the others wait (PowerSGD keeps an error feedback per rank: each
-        # rank writes its own). vit.loop.checkpoint makes it complete.
+        # Replicas are identical: rank 0 writes, the others wait (PowerSGD keeps an error feedback
+        # per rank: each rank writes its own). vit.loop.checkpoint makes it complete.
         if dist.get_rank() == 0:
-            save_atomic({**self._state(), "client_state": client_state}, os.path.join(save_dir, tag, "ddp.pt"))
+            save_atomic(
+                {**self._state(), "client_state": client_state},
+                os.path.join(save_dir, tag, "ddp.pt"),
+            )
         self.comm_hook.save(os.path.join(save_dir, tag), dist.get_rank())
         dist.barrier()
 

@@ -1,5 +1,7 @@
-"""What the two DeepSpeed engines (ZeRO and pipeline) share: DeepSpeed's comm layer, its checkpoints, its loss
-scaler's skipped steps, and the optimizer state a rebuilt engine continues from (--freeze)."""
+"""What the two DeepSpeed engines (ZeRO and pipeline) share: DeepSpeed's comm layer, its
+checkpoints, its loss scaler's skipped steps, and the optimizer state a rebuilt engine continues
+from (--freeze)."""
+
 import itertools
 
 import torch
@@ -17,8 +19,8 @@ def deepspeed_comm() -> None:
 
 
 class DeepSpeedEngine(Engine):
-    """A subclass sets ds_engine (the DeepSpeedEngine or PipelineEngine that deepspeed.initialize returned) and
-    optimizer."""
+    """A subclass sets ds_engine (the DeepSpeedEngine or PipelineEngine that deepspeed.initialize
+    returned) and optimizer."""
 
     @property
     def skipped_steps(self) -> int:
@@ -29,8 +31,11 @@ class DeepSpeedEngine(Engine):
         return float(self.ds_engine.optimizer.loss_scale) if self.ds_engine.fp16_enabled() else None
 
     def save(self, save_dir, tag, client_state):
-        # No 'latest' from DeepSpeed: vit.loop.checkpoint points at a checkpoint once it is complete.
-        self.ds_engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+        # No 'latest' from DeepSpeed: vit.loop.checkpoint points at a checkpoint once it is
+        # complete.
+        self.ds_engine.save_checkpoint(
+            save_dir, tag=tag, client_state=client_state, save_latest=False
+        )
 
     def load(self, load_dir, tag):
         path, client_state = self.ds_engine.load_checkpoint(load_dir, tag=tag)
@@ -44,36 +49,61 @@ class DeepSpeedEngine(Engine):
         names = {p: n for n, p in module.named_parameters()}
         # Everything on the host: the old engine's memory is freed before the new one is built.
         if partitions(zopt):  # fp32 weights and Adam state flat and partitioned
-            adam = {names[p]: whole for i in range(len(partitions(zopt)[0]))
-                    for p, whole in whole_adam_state(zopt, i).items()}
+            adam = {
+                names[p]: whole
+                for i in range(len(partitions(zopt)[0]))
+                for p, whole in whole_adam_state(zopt, i).items()
+            }
             step = next(iter(zopt.optimizer.state.values()))["step"].clone()
-        elif hasattr(zopt, "fp32_groups"):  # FP16_UnfusedOptimizer: our AdamW steps an fp32 copy of each parameter
-            adam = {names[lp]: {"master": hp.detach().cpu(), **{k: v.cpu() if k in ADAM_KEYS else v
-                                                                for k, v in zopt.optimizer.state[hp].items()}}
-                    for lp, hp in fp32_copies(zopt)}
+        # FP16_UnfusedOptimizer: our AdamW steps an fp32 copy of each parameter
+        elif hasattr(zopt, "fp32_groups"):
+            adam = {
+                names[lp]: {
+                    "master": hp.detach().cpu(),
+                    **{
+                        k: v.cpu() if k in ADAM_KEYS else v
+                        for k, v in zopt.optimizer.state[hp].items()
+                    },
+                }
+                for lp, hp in fp32_copies(zopt)
+            }
             step = None
-        elif isinstance(zopt, torch.optim.Optimizer):  # no ZeRO, fp32: DeepSpeed steps our AdamW itself
+        # no ZeRO, fp32: DeepSpeed steps our AdamW itself
+        elif isinstance(zopt, torch.optim.Optimizer):
             adam, step = adam_state(zopt, module), None
         else:
-            raise RuntimeError(f"--freeze cannot move the state of DeepSpeed's {type(zopt).__name__}")
-        # The loss scale: ZeRO's loss_scaler, FP16_UnfusedOptimizer's loss_scale_config (BF16_Optimizer has none).
-        scaler = {a: getattr(zopt, a) for a in ("loss_scaler", "loss_scale_config") if hasattr(zopt, a)}
-        return {"adam": adam, "step": step, "schedule": schedule_position(self.scheduler),
-                "counters": (ds.global_steps, ds.global_samples, ds.skipped_steps), "loss_scaler": scaler}
+            raise RuntimeError(
+                f"--freeze cannot move the state of DeepSpeed's {type(zopt).__name__}"
+            )
+        # The loss scale: ZeRO's loss_scaler, FP16_UnfusedOptimizer's loss_scale_config
+        # (BF16_Optimizer has none).
+        scaler = {
+            a: getattr(zopt, a) for a in ("loss_scaler", "loss_scale_config") if hasattr(zopt, a)
+        }
+        return {
+            "adam": adam,
+            "step": step,
+            "schedule": schedule_position(self.scheduler),
+            "counters": (ds.global_steps, ds.global_samples, ds.skipped_steps),
+            "loss_scaler": scaler,
+        }
 
     def take_over(self, state):
         ds, zopt = self.ds_engine, self.ds_engine.optimizer
         names = {p: n for n, p in self.live_module().named_parameters()}
         if partitions(zopt):
             for flat, params, _ in zip(*partitions(zopt)):
-                zopt.optimizer.state[flat] = flat_adam_state(flat, [(p, state["adam"][names[p]]) for p in params],
-                                                             state["step"])
+                zopt.optimizer.state[flat] = flat_adam_state(
+                    flat, [(p, state["adam"][names[p]]) for p in params], state["step"]
+                )
         elif hasattr(zopt, "fp32_groups"):
             with torch.no_grad():
                 for lp, hp in fp32_copies(zopt):
                     whole = dict(state["adam"][names[lp]])
                     hp.copy_(whole.pop("master"))  # handover() left it on the host
-                    zopt.optimizer.state[hp] = {k: v.to(hp.device) if k in ADAM_KEYS else v for k, v in whole.items()}
+                    zopt.optimizer.state[hp] = {
+                        k: v.to(hp.device) if k in ADAM_KEYS else v for k, v in whole.items()
+                    }
         else:
             put_adam_state(zopt, self.live_module(), state["adam"])
         for attr, value in state["loss_scaler"].items():
@@ -83,17 +113,19 @@ class DeepSpeedEngine(Engine):
 
     def close(self):
         self.ds_engine.destroy()
-        self.ds_engine = self.optimizer = self.scheduler = None  # the module, its gradients, the optimizer state
+        # the module, its gradients, the optimizer state
+        self.ds_engine = self.optimizer = self.scheduler = None
 
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def partitions(zopt) -> tuple | None:
-    """(fp32 partitions, their low-precision parameters, data-parallel groups), one of each per parameter group, of
-    a DeepSpeed optimizer that keeps the fp32 weights flat and partitioned over the data-parallel ranks, its
-    parameters linked to their partition by _hp_mapping: ZeRO 1 and 2, and BF16_Optimizer (bf16 on the pipeline or
-    ZeRO 1 with fp32 gradient accumulation); None for any other."""
+    """(fp32 partitions, their low-precision parameters, data-parallel groups), one of each per
+    parameter group, of a DeepSpeed optimizer that keeps the fp32 weights flat and partitioned over
+    the data-parallel ranks, its parameters linked to their partition by _hp_mapping: ZeRO 1 and 2,
+    and BF16_Optimizer (bf16 on the pipeline or ZeRO 1 with fp32 gradient accumulation); None for
+    any other."""
     if hasattr(zopt, "bit16_groups"):
         return zopt.single_partition_of_fp32_groups, zopt.bit16_groups, zopt.real_dp_process_group
     if hasattr(zopt, "bf16_groups"):
@@ -102,47 +134,55 @@ def partitions(zopt) -> tuple | None:
 
 
 def fp32_copies(zopt):
-    """(parameter, its fp32 copy that the optimizer steps) of FP16_UnfusedOptimizer (fp16 or bf16 without ZeRO)."""
+    """(parameter, its fp32 copy that the optimizer steps) of FP16_UnfusedOptimizer (fp16 or bf16
+    without ZeRO)."""
     for low, high in zip(zopt.fp16_groups, zopt.fp32_groups):
         yield from zip(low, high)
 
 
 def _fragments(flat: torch.Tensor, state: dict, params: list):
-    """(parameter, this rank's part of each of its values in the partition, where that part lies in the whole
-    parameter) for the parameters of one ZeRO group that reach into this rank's partition (DeepSpeed's
-    _hp_mapping)."""
+    """(parameter, this rank's part of each of its values in the partition, where that part lies in
+    the whole parameter) for the parameters of one ZeRO group that reach into this rank's partition
+    (DeepSpeed's _hp_mapping)."""
     for p in params:
         m = p._hp_mapping  # noqa: SLF001
         if m is not None:
             hp, lp = m.get_hp_fragment_address(), m.lp_fragment_address
-            parts = {key: t.narrow(0, hp.start, hp.numel) for key, t in (("master", flat), *(
-                (k, state[k]) for k in ADAM_KEYS))}
+            parts = {
+                key: t.narrow(0, hp.start, hp.numel)
+                for key, t in (("master", flat), *((k, state[k]) for k in ADAM_KEYS))
+            }
             yield p, parts, (lp.start, lp.numel)
 
 
 @torch.no_grad()
 def whole_adam_state(zopt, group: int) -> dict:
-    """Collective over the data-parallel ranks: each parameter of ZeRO group `group` with its whole fp32 weights
-    and Adam moments (flat), assembled from every rank's partition, on the host. Views of one buffer, summed in one
-    all-reduce and copied to the host at once (an all-reduce a tensor took up to 0.3 s a rebuild for vit_digits on 2
-    CPU ranks)."""
+    """Collective over the data-parallel ranks: each parameter of ZeRO group `group` with its whole
+    fp32 weights and Adam moments (flat), assembled from every rank's partition, on the host. Views
+    of one buffer, summed in one all-reduce and copied to the host at once (an all-reduce a tensor
+    took up to 0.3 s a rebuild for vit_digits on 2 CPU ranks)."""
     flats, groups, dp_groups = partitions(zopt)
     flat, params = flats[group], groups[group]
     keys = ("master", *ADAM_KEYS)
     offsets = dict(zip(params, itertools.accumulate((p.numel() for p in params), initial=0)))
-    buffer = torch.zeros(len(keys), sum(p.numel() for p in params), dtype=flat.dtype, device=flat.device)
+    buffer = torch.zeros(
+        len(keys), sum(p.numel() for p in params), dtype=flat.dtype, device=flat.device
+    )
     for p, parts, (start, numel) in _fragments(flat, zopt.optimizer.state[flat], params):
         for row, key in zip(buffer, keys):
             row.narrow(0, offsets[p] + start, numel).copy_(parts[key])
     dist.all_reduce(buffer, group=dp_groups[group])
     host = buffer.cpu()
-    return {p: {k: row.narrow(0, offsets[p], p.numel()) for k, row in zip(keys, host)} for p in params}
+    return {
+        p: {k: row.narrow(0, offsets[p], p.numel()) for k, row in zip(keys, host)} for p in params
+    }
 
 
 @torch.no_grad()
 def flat_adam_state(flat: torch.Tensor, params: list, step: torch.Tensor) -> dict:
-    """The torch AdamW state of one ZeRO partition `flat` (and its fp32 weights), from whole per-parameter values:
-    each parameter's slice that falls into this rank's partition (DeepSpeed's _hp_mapping says where)."""
+    """The torch AdamW state of one ZeRO partition `flat` (and its fp32 weights), from whole
+    per-parameter values: each parameter's slice that falls into this rank's partition (DeepSpeed's
+    _hp_mapping says where)."""
     state = {"step": step.clone(), **{k: torch.zeros_like(flat) for k in ADAM_KEYS}}
     wholes = dict(params)
     for p, parts, (start, numel) in _fragments(flat, state, list(wholes)):

@@ -1,6 +1,7 @@
-"""DeepSpeed's PipelineModule and PipelineEngine (1F1B with a flush at every step) over the same layer list: the
-engine (engine.py) and what it declares (SPEC): ZeRO 0 or 1 from the JSON, a bubble of S - 1 slots a step, its
-stages' all-reduce priced like ZeRO's."""
+"""DeepSpeed's PipelineModule and PipelineEngine (1F1B with a flush at every step) over the same
+layer list: the engine (engine.py) and what it declares (SPEC): ZeRO 0 or 1 from the JSON, a bubble
+of S - 1 slots a step, its stages' all-reduce priced like ZeRO's."""
+
 from vit.engines.deepspeed import DeepSpeedSpec
 from vit.engines.step_cost import PipelinedSpec
 
@@ -13,6 +14,18 @@ class PipelineSpec(DeepSpeedSpec, PipelinedSpec):
         return calib.zero_comm_factor[c.zero_stage]
 
 
-SPEC = PipelineSpec("pipeline", "vit.engines.pipeline.engine", pipeline=True, deepspeed=True, zero_stage=None,
-                    zero_stages=(0, 1), fp16=True, freeze=True, async_schedule=False, micro_batch_auto=False,
-                    default_ds_config="pipeline.json", comm_hooks=False, autocast=False)
+SPEC = PipelineSpec(
+    "pipeline",
+    "vit.engines.pipeline.engine",
+    pipeline=True,
+    deepspeed=True,
+    zero_stage=None,
+    zero_stages=(0, 1),
+    fp16=True,
+    freeze=True,
+    async_schedule=False,
+    micro_batch_auto=False,
+    default_ds_config="pipeline.json",
+    comm_hooks=False,
+    autocast=False,
+)

@@ -1,4 +1,5 @@
 """DeepSpeed ZeRO (stage 0-3, optional CPU offload), all from the JSON config."""
+
 import deepspeed
 import torch.distributed as dist
 from torch import nn
@@ -14,12 +15,26 @@ class ZeroEngine(DeepSpeedEngine):
     def __init__(self, ctx: EngineContext):
         deepspeed_comm()
         model = nn.Sequential(*ctx.layers)
-        offload = ctx.ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-        opt = make_optimizer(model, ctx.optim, cpu_offload=offload == "cpu", num_layers=len(ctx.layers),
-                             device=ctx.device)
+        offload = (
+            ctx.ds_config.get("zero_optimization", {})
+            .get("offload_optimizer", {})
+            .get("device", "none")
+        )
+        opt = make_optimizer(
+            model,
+            ctx.optim,
+            cpu_offload=offload == "cpu",
+            num_layers=len(ctx.layers),
+            device=ctx.device,
+        )
         sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
         self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=ctx.ds_config, dist_init_required=False)
+            model=model,
+            optimizer=opt,
+            lr_scheduler=sched,
+            config=ctx.ds_config,
+            dist_init_required=False,
+        )
         if ctx.compile:
             self.ds_engine.compile()
         self.device = self.ds_engine.device
@@ -35,7 +50,8 @@ class ZeroEngine(DeepSpeedEngine):
             x, y = next(batches)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             t.lap("data_s")
-            # Weighted by this rank's share, so the average over ranks is the global batch's mean loss.
+            # Weighted by this rank's share, so the average over ranks is the global batch's mean
+            # loss.
             loss = self.loss(self.ds_engine(x), y) * self.loss_weight
             t.lap("forward_s")
             self.ds_engine.backward(loss)
@@ -57,10 +73,13 @@ class ZeroEngine(DeepSpeedEngine):
     def gathered(self, modifier_rank=None):
         if not self.ds_engine.zero_optimization_partition_weights():
             return super().gathered(modifier_rank)
-        return deepspeed.zero.GatheredParameters(list(self.live_module().parameters()), modifier_rank=modifier_rank)
+        return deepspeed.zero.GatheredParameters(
+            list(self.live_module().parameters()), modifier_rank=modifier_rank
+        )
 
     def layer_state(self):
-        if self.ds_engine.zero_optimization_partition_weights():  # ZeRO-3: gathered onto rank 0 layer by layer
+        # ZeRO-3: gathered onto rank 0 layer by layer
+        if self.ds_engine.zero_optimization_partition_weights():
             return self.ds_engine._zero3_consolidated_16bit_state_dict()
         return super().layer_state()
 
