@@ -136,7 +136,7 @@ def mixed_table(a, chosen: list, best: dict) -> str:
         "| run | images/s | vs equal share | ideal | census | ms/step | predicted | error | plan |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    factors = slowdown.parse(a.slowdown, a.ranks)
+    factors = slowdown.factors(a.slowdown, a.ranks)
     ideal = ideal_ratio([1 / factors.get(r, 1.0) for r in range(a.ranks)])
     model = best.get("pipeline, --partition balanced", {}).get("cluster", {}).get("stages", {})
     for name, _ in chosen:  # each engine's first row (uniform, equal) is its equal share
@@ -181,7 +181,8 @@ def mixed_table(a, chosen: list, best: dict) -> str:
 def grad_max_per_step(a) -> tuple[list[float], float]:
     """fp32 training on the global batch for --steps steps: the largest |gradient| of each step over
     the parameters and the layer outputs; and the --loss-scale auto probe's value at step 0."""
-    from vit.data.datasets import TrainBatches, load_dataset, make_loader
+    from vit.data.datasets import load_dataset
+    from vit.data.sampling import TrainBatches, make_loader
     from vit.loop.optim import make_optimizer, make_scheduler
     from vit.loop.reference import train_step
     from vit.model.layers import build_layers, model_shape

@@ -98,7 +98,8 @@ def test_prediction_is_the_optimizers_own_steps_with_no_new_gradient(opt, option
         assert all(torch.equal(predicted[p], b) for p, b in zip(layer.parameters(), before))
 
 
-def emulate(s, batches, stages, steps, interval=ACCUM, stashing=True, prediction=True):
+# The schedule written out step by step in one function: the specification the engine is tested against.
+def emulate(s, batches, stages, steps, interval=ACCUM, stashing=True, prediction=True):  # noqa: C901, PLR0915
     """Per-step mean losses of the asynchronous schedule; `batches`: the micro-batches in order,
     ACCUM a step."""
     from deepspeed.runtime import utils as ds_utils

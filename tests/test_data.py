@@ -9,7 +9,8 @@ import torch
 from helpers import base_env, run_cmd
 
 from vit.core.errors import ConfigError
-from vit.data.datasets import PAD_LABEL, TrainBatches, eval_batches, load_dataset, make_loader
+from vit.data.datasets import load_dataset
+from vit.data.sampling import PAD_LABEL, TrainBatches, eval_batches, make_loader
 
 
 def test_digits_split_is_fixed_and_stratified():

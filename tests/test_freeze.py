@@ -16,9 +16,10 @@ from vit.core.errors import ConfigError
 from vit.core.layout import Layout
 from vit.freeze import activation_cache
 from vit.freeze.activation_cache import FeatureCache
-from vit.freeze.freezer import Freezer, by_measure, freeze_prefix, next_measure, scheduled
+from vit.freeze.freezer import Freezer, freeze_prefix
 from vit.freeze.measures import WeightMoves, changes
 from vit.freeze.replan import replan
+from vit.freeze.rules import by_measure, next_measure, scheduled
 from vit.loop.reference import reference_losses
 from vit.model.layers import build_layers
 from vit.planner import stages

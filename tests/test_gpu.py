@@ -539,7 +539,7 @@ def test_torch_threads_follow_the_cpu_affinity(monkeypatch):
 
 
 def test_gpu_ranks_load_data_with_persistent_workers_and_cpu_ranks_stay_as_they_were():
-    from vit.data.datasets import MAX_GPU_WORKERS, loader_workers, make_loader
+    from vit.data.sampling import MAX_GPU_WORKERS, loader_workers, make_loader
 
     assert loader_workers(None, "cpu", cores=16) == 0  # the CPU default is unchanged
     assert loader_workers(None, "cuda", cores=16) == MAX_GPU_WORKERS == 4

@@ -14,7 +14,7 @@ from helpers import base_env, launch, plugin_env, run_cmd, train_losses
 from vit.config.cli import defaults
 from vit.core.costs import CUBLAS_BYTES, NCCL_BYTES
 from vit.core.errors import ConfigError
-from vit.data.datasets import TrainBatches
+from vit.data.sampling import TrainBatches
 from vit.engines.registry import spec
 from vit.loop.reference import reference_losses
 from vit.planner import batch_split, census, loss_scale, stages
@@ -24,7 +24,7 @@ from vit.runtime.precision import choose
 
 def brute_force_split(
     time, static, act, capacity, inflight, min_first=0
-) -> stages.StagePlan | None:
+) -> stages.StageSplit | None:
     """Every contiguous split (the first stage ending past layer min_first): the specification
     balanced_split is checked against."""
     n, num_stages, found = len(static), len(time), None
@@ -43,7 +43,7 @@ def brute_force_split(
         if all(m <= capacity[s] for s, (_, m) in enumerate(costs)):
             slowest = max(t for t, _ in costs)
             if found is None or slowest < max(found.times):
-                found = stages.StagePlan(parts, [t for t, _ in costs], [m for _, m in costs])
+                found = stages.StageSplit(parts, [t for t, _ in costs], [m for _, m in costs])
     return found
 
 
@@ -357,14 +357,14 @@ def test_scale_power_keeps_the_margin():
 
 
 def test_slowdown_parse_and_unchanged_gradients():
-    assert slowdown.parse("1=2,3=1.5", 4) == {1: 2.0, 3: 1.5}
+    assert slowdown.factors("1=2,3=1.5", 4) == {1: 2.0, 3: 1.5}
     for bad, msg in [
         ("1:2", "not RANK=FACTOR"),
         ("4=2", "rank 4 does not exist"),
         ("1=0.5", "at least 1"),
     ]:
         with pytest.raises(ConfigError, match=msg):
-            slowdown.parse(bad, 4)
+            slowdown.factors(bad, 4)
 
     def grads(factor):
         torch.manual_seed(0)

@@ -18,7 +18,7 @@ from vit.config.records import start_record
 from vit.config.rundir import RunLock, agree_log_dir, lock_run_dirs
 from vit.core.layout import Layout
 from vit.data.augment import train_batches
-from vit.data.datasets import TrainBatches, loader_workers, make_loader
+from vit.data.sampling import TrainBatches, loader_workers, make_loader
 from vit.engines import Engine, EngineContext, build
 from vit.freeze import activation_cache, replan
 from vit.freeze.freezer import Freezer
@@ -130,7 +130,7 @@ def survey_cluster(plan: Plan, dev: torch.device, layers: list, start_step: int)
         parts=plan.stage_parts,
         state_bytes=plan.state_bytes_per_param,
         reserved_bytes=plan.reserved_bytes(dev, plan.likely_precision(dev)),
-        probe_on_cpu=pipeline or plan.layout["zero_stage"] == 3,
+        probe_on_cpu=pipeline or plan.shape["zero_stage"] == 3,
         profile_only=pipeline and s.freeze.freeze != "none" and s.freeze.freeze_replan == "on",
     )
     return survey(job, dev, layers, asked)

@@ -21,7 +21,8 @@ from vit.core.paths import DS_CONFIGS, ROOT
 from vit.core.settings import Settings
 from vit.core.spec import EngineSpec
 from vit.data.augment import data_recipe
-from vit.data.datasets import DataSplit, dataset_for, load_dataset, steps_per_epoch
+from vit.data.datasets import DataSplit, dataset_for, load_dataset
+from vit.data.sampling import steps_per_epoch
 from vit.engines.registry import AUTO, spec
 from vit.loop import checkpoint
 from vit.model import weights
@@ -56,7 +57,9 @@ class Plan:
     total_steps: int
     save_dir: str | None  # None: <log dir>/checkpoints, once the log dir's default name is agreed
     resume: Resume | None
-    layout: dict  # what a checkpoint must match to be resumed by this run
+    shape: (
+        dict  # what a checkpoint must match to be resumed by this run (model, engine, ranks, ...)
+    )
     slowdowns: dict[int, float]  # --simulate-slowdown: rank -> factor
     notes: list[str]  # said first by rank 0
     # --micro-batch-size auto with --batch-split proportional: each rank's
@@ -89,7 +92,7 @@ class Plan:
 
     def checkpoint_meta(self) -> dict:
         """What each checkpoint's manifest records of the run, for a resume to compare with its own."""
-        return {**self.layout, "config_hash": self.settings_hash(), "total_steps": self.total_steps}
+        return {**self.shape, "config_hash": self.settings_hash(), "total_steps": self.total_steps}
 
     @property
     def engine(self) -> EngineSpec:
@@ -150,7 +153,7 @@ class Plan:
             par.pipeline_stages,
             self.batch.micro_batch,
             self.batch.grad_accum,
-            self.layout["zero_stage"] or 0,
+            self.shape["zero_stage"] or 0,
             self.compression(),
         )
 
@@ -178,7 +181,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     ):
         requested = None  # none given: auto on GPUs, fp32 on CPUs
     check_precision(requested, par.engine)
-    slowdowns = slowdown.parse(par.simulate_slowdown, job.world_size)
+    slowdowns = slowdown.factors(par.simulate_slowdown, job.world_size)
     if par.compile and slowdowns:
         raise ConfigError(
             "--compile cannot run with --simulate-slowdown: the slowdown times each "
@@ -233,7 +236,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     save_dir = ckpt.save_dir or (
         os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None
     )
-    layout = {
+    shape = {
         "model": s.model.model,
         "engine": par.engine,
         "world_size": job.world_size,
@@ -243,7 +246,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         "global_batch": batch.global_size,
     }
     check_freeze(s, ds_config)
-    resume = find_resume(s, save_dir, layout, batch) if ckpt.resume else None
+    resume = find_resume(s, save_dir, shape, batch) if ckpt.resume else None
     resolve_master(job)
     plan = Plan(
         s,
@@ -256,7 +259,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         total_steps,
         save_dir,
         resume,
-        layout,
+        shape,
         slowdowns,
         notes,
     )
@@ -318,7 +321,7 @@ def with_micro_batch(plan: Plan, micro_batch: int, split: list[int] | None, sear
         batch=batch,
         steps_per_epoch=per_epoch,
         total_steps=total_steps,
-        layout={**plan.layout, "global_batch": batch.global_size},
+        shape={**plan.shape, "global_batch": batch.global_size},
         micro_split=split,
         micro_search=search,
     )
@@ -351,7 +354,7 @@ def with_auto_choice(plan: Plan, record: dict) -> Plan:
     )
 
 
-def find_resume(s: Settings, save_dir: str | None, layout: dict, batch: Batch) -> Resume:
+def find_resume(s: Settings, save_dir: str | None, shape: dict, batch: Batch) -> Resume:
     """What --resume continues from, refused when it cannot be continued without overwriting a
     checkpoint."""
     where, tags = checkpoint.locate(
@@ -363,7 +366,7 @@ def find_resume(s: Settings, save_dir: str | None, layout: dict, batch: Batch) -
             saved = saved_run(where, checkpoint.read_manifest(where, tag))
         except (OSError, ValueError):
             continue
-        checkpoint.check_layout(saved, layout, f"checkpoint {where}/{tag}")
+        checkpoint.check_shape(saved, shape, f"checkpoint {where}/{tag}")
         check_global_batch(saved.get("global_batch"), batch, f"checkpoint {where}/{tag}")
         break
     step = checkpoint.step_of(tags[0])

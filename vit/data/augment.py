@@ -5,7 +5,7 @@ Every engine, data-parallel width and number of workers must see the same augmen
 the engines would not train the same network. So:
 
 - a training sample is asked for by key step x N + index
-  (vit.data.datasets.TrainBatches(keyed=True)), and `Augmented` runs timm's create_transform on it
+  (vit.data.sampling.TrainBatches(keyed=True)), and `Augmented` runs timm's create_transform on it
   with torch's, numpy's and Python's generators seeded from (seed, step, index), in a forked state
   that leaves the model's (drop-path's) generator alone;
 - timm's Mixup mixes a batch with its reverse (sample p with sample B-1-p) with one lam per batch,
@@ -26,7 +26,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from vit.core.errors import ConfigError
 from vit.core.settings import RecipeSettings
-from vit.data.datasets import TrainBatches, fetch, make_loader
+from vit.data.sampling import TrainBatches, fetch, make_loader
 
 
 def _seed(*parts: int) -> int:
@@ -224,7 +224,7 @@ def train_batches(
     cached=None,
     **sampler,
 ):
-    """This rank's training batches: vit.data.datasets.TrainBatches(**sampler) over the (augmented)
+    """This rank's training batches: vit.data.sampling.TrainBatches(**sampler) over the (augmented)
     training set, mixed when --mixup or --cutmix is on. partners=False: the single-process
     reference, which mixes whole global batches. labels_only: the same labels (and mixed targets)
     with blank images, where the data set can give its labels without its images (without_images).

@@ -13,7 +13,7 @@ from torch import nn
 
 from vit.core.batch import Batch
 from vit.core.settings import AsyncSettings, CommSettings, OptimSettings
-from vit.data.datasets import PAD_LABEL
+from vit.data.sampling import PAD_LABEL
 from vit.loop.stats import PhaseTimer
 
 

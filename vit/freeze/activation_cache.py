@@ -16,7 +16,7 @@ import shutil
 
 import torch
 
-from vit.data.datasets import TrainBatches
+from vit.data.sampling import TrainBatches
 
 ADVANCE_BATCH = 256  # entries carried through the newly frozen layers at a time
 

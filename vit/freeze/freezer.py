@@ -1,15 +1,14 @@
-"""Freeze training (PipeTransformer's AutoFreeze): when a growing prefix of the layer list stops
-training, and what freezing means (no gradients, no activations kept, no optimizer state, nothing to
-all-reduce).
+"""Freeze training's engine side (PipeTransformer's AutoFreeze): the Freezer takes the rules'
+decisions (vit.freeze.rules) at its cadence, freezes the prefix (no gradients, no activations kept, no
+optimizer state, nothing to all-reduce) and rebuilds the engine on it, the pipeline re-planned
+(vit.freeze.replan) and the frozen prefix's outputs cached (vit.freeze.activation_cache).
 
-The freezable layers are the embedding and the blocks (layer list indices 0 .. L-1); the head, last,
-never freezes. Decisions are taken every --freeze-interval-epochs, at the end of a step, from values
-every rank holds alike (the step, gradient norms summed over all ranks or weight moves taken as the
-largest over them; vit.freeze.measures), so every rank rebuilds its engine at the same step.
+Decisions are taken every --freeze-interval-epochs, at the end of a step, from values every rank
+holds alike (the step, gradient norms summed over all ranks or weight moves taken as the largest over
+them; vit.freeze.measures), so every rank rebuilds its engine at the same step.
 """
 
 import gc
-import math
 import weakref
 
 import torch
@@ -21,58 +20,8 @@ from vit.core.settings import FreezeSettings
 from vit.freeze.activation_cache import FeatureCache, cached_batches
 from vit.freeze.measures import GradNorms, WeightMoves, changes
 from vit.freeze.replan import replan
+from vit.freeze.rules import THRESHOLDS, by_measure, layer_range, next_measure, scheduled
 from vit.runtime.dist_env import live_process_groups
-
-
-def scheduled(intervals: int, num_freezable: int, alpha: float) -> int:
-    """PipeTransformer's released rule: frozen(e) = ceil(L (1 - (1 - alpha)^e)) after e intervals."""
-    # The epsilon keeps float noise (5 x (1 - 2/3) = 1.6666...7) from rounding a whole number up.
-    return min(num_freezable, math.ceil(num_freezable * (1 - (1 - alpha) ** intervals) - 1e-9))
-
-
-# --freeze-threshold's default for each rule (and the schedule's warning)
-THRESHOLDS = {"grad": 0.1, "settled": 0.65}
-
-
-def by_measure(
-    change: list[float], frozen: int, threshold: float, alpha: float, allowed: int
-) -> int:
-    """The convergence rules (grad, settled): the frozen prefix grows over the next layers while
-    each one's measure is below `threshold` (a settled layer behind one still learning does not
-    freeze), by at most alpha of the active layers (at least one) at a time, and to at most
-    `allowed` (the schedule's count at this point) in all."""
-    cap = min(len(change), allowed, frozen + max(1, math.floor(alpha * (len(change) - frozen))))
-    count = frozen
-    while count < cap and change[count] < threshold:
-        count += 1
-    return count
-
-
-def next_measure(
-    change: list[float] | None,
-    frozen: int,
-    threshold: float,
-    num_freezable: int,
-    rule: str = "grad",
-) -> str:
-    """What the decision line says of the next layer to freeze: its measure against the threshold."""
-    if frozen >= num_freezable:
-        return "all freezable layers frozen"
-    if change is None:
-        return f"next: layer {frozen}, " + (
-            "no weight move over a whole interval yet (resumed)"
-            if rule == "settled"
-            else "no gradient change yet (the first interval has nothing to compare with)"
-        )
-    sign = "<" if change[frozen] < threshold else ">="
-    what = (
-        "weights moved {:.3g} of their fastest" if rule == "settled" else "gradient change {:.3g}"
-    )
-    return f"next: layer {frozen}, {what.format(change[frozen])} {sign} {threshold:g}"
-
-
-def layer_range(frozen: int) -> str:
-    return "nothing" if frozen == 0 else "layer 0" if frozen == 1 else f"layers 0-{frozen - 1}"
 
 
 def _frozen_forward(layer: nn.Module, forward, cached: bool):
@@ -139,7 +88,7 @@ class Freezer:
         )
         self.make_layers, self.make_engine = make_layers, make_engine
         self.census, self.micro_batch, self.time_layers = census, micro_batch, time_layers
-        self.planned = None  # the StagePlan of the last re-plan
+        self.planned = None  # the StageSplit of the last re-plan
         self.layout = None  # the pipeline's layout once a freeze point changed it
         self.cache = FeatureCache(s.freeze_cache_gib, cache_dir) if cache_dir else None
         self.on_progress = on_progress

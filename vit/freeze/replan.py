@@ -15,7 +15,7 @@ from dataclasses import replace
 from vit.core.batch import Batch
 from vit.core.errors import ConfigError
 from vit.core.layout import Layout
-from vit.planner.stages import StagePlan, plan_stages
+from vit.planner.stages import StageSplit, plan_stages
 
 
 def replan(
@@ -24,7 +24,7 @@ def replan(
     current: Layout,
     micro_batch: int,
     time_layers: Callable[[], list] | None = None,
-) -> tuple[Layout, StagePlan]:
+) -> tuple[Layout, StageSplit]:
     """Collective when it times the layers: the layout after `frozen` layers froze, and its plan:
     K/2 stages with twice the copies (the same global batch, half the micro-batches each) when they
     fit, else K stages balanced again. census: hetero.adapt's record (its "layers" profile and
@@ -32,7 +32,7 @@ def replan(
     time a plan of several stages needs them (a one-stage plan has no boundary to place: its
     predicted times are 0)."""
 
-    def plan(stages: int, grad_accum: int) -> StagePlan:
+    def plan(stages: int, grad_accum: int) -> StageSplit:
         # alike on every rank
         if stages > 1 and "layer_ms" not in census["census"][0] and time_layers:
             for report, layer_ms in zip(census["census"], time_layers()):

@@ -96,7 +96,7 @@ def read_manifest(save_dir: str, tag: str) -> dict:
     return manifest
 
 
-def check_layout(saved: dict, current: dict, where: str) -> None:
+def check_shape(saved: dict, current: dict, where: str) -> None:
     """Refuse to resume under a layout the checkpoint cannot be loaded into, and say what would."""
     # the architecture: a pretrained tag (.augreg_in21k) makes no other shapes
     model = saved.get("model")

@@ -1,7 +1,8 @@
 """Evaluation on the held-out split at --eval-interval steps and at the end."""
 
 from vit.data.augment import without_images
-from vit.data.datasets import DataSplit, eval_batches, make_loader
+from vit.data.datasets import DataSplit
+from vit.data.sampling import eval_batches, make_loader
 
 
 def alive(batches, watchdog):

@@ -12,7 +12,7 @@ from vit.planner.memory import plan_bytes
 
 
 @dataclass
-class StagePlan:
+class StageSplit:
     parts: list[int]  # stage s holds layers parts[s]:parts[s+1] (PipelineModule's convention)
     times: list[float]  # predicted seconds per micro-batch, forward and backward
     mems: list[float]  # predicted bytes
@@ -34,7 +34,7 @@ def balanced_split(
     inflight: list[int],
     min_first: int = 0,
     cost: Callable[[int, int, int], tuple[float, float]] | None = None,
-) -> StagePlan | None:
+) -> StageSplit | None:
     """The contiguous split of the layers into len(time) non-empty stages that minimises the slowest
     stage's time (time[s][r][i]: seconds of layer i on rank r of stage s) with every stage's memory
     (static + act x inflight) within its capacity, the first stage ending past layer min_first; None
@@ -63,7 +63,7 @@ def balanced_split(
         parts.append(best[(s, parts[-1])][1])
     parts.reverse()
     stats = [cost(s, parts[s], parts[s + 1]) for s in range(stages)]
-    return StagePlan(parts, [t for t, _ in stats], [m for _, m in stats], time)
+    return StageSplit(parts, [t for t, _ in stats], [m for _, m in stats], time)
 
 
 def plan_layers(
@@ -76,7 +76,7 @@ def plan_layers(
     frozen: int = 0,
     first_active: bool = False,
     frozen_share: float = 0.25,
-) -> StagePlan:
+) -> StageSplit:
     """The balanced plan from measurements. layer_s[rank][i]: (forward, backward) seconds of layer i
     at the run's micro-batch on that rank; static_bytes[i]: its weights, gradients and optimizer
     state when trained; act_bytes[i]: its activations kept for backward per micro-batch;
@@ -127,7 +127,7 @@ def plan_stages(
     bytes_per_param: float,
     frozen: int = 0,
     first_active: bool = False,
-) -> StagePlan:
+) -> StageSplit:
     """plan_layers from the census: each rank's measured layer times (layer_ms, at
     layer_ms_micro_batch) and free memory, the profile's parameters (bytes_per_param each:
     vit.planner.memory.bytes_per_param) and activations. A re-plan at another micro-batch (more

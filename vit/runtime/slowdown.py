@@ -17,7 +17,7 @@ from vit.core.errors import ConfigError
 from vit.runtime.gpu import wait_for_queued
 
 
-def parse(text: str | None, world_size: int) -> dict[int, float]:
+def factors(text: str | None, world_size: int) -> dict[int, float]:
     """'1=2,3=1.5' -> {1: 2.0, 3: 1.5}."""
     factors = {}
     for item in filter(None, (text or "").split(",")):
