@@ -101,7 +101,8 @@ def allreduce_table(r: dict) -> str:
     for row in r["rows"]:
         cells = ""
         for w in ways:
-            cells += f" {1e6 * row[w]['time_s']:.1f} | {row[w]['algbw_gbps']:.3f} | {row[w]['busbw_gbps']:.3f} |"
+            cells += f" {1e6 * row[w]['time_s']:.1f} | {row[w]['algbw_gbps']:.3f} |"
+            cells += f" {row[w]['busbw_gbps']:.3f} |"
             if link:
                 cells += f" {row[w]['busbw_gbps'] * 8 / link:.2f} |"
         lines.append(f"| {row['bytes']} |{cells}")

@@ -1,9 +1,9 @@
 """Benchmarks for mixed GPUs (docs/benchmarks.md):
 
-    python -m bench mixed [--slowdown 1=2]   # pipeline partitions and data-parallel batch splits, with some ranks
-                                             # slowed by --simulate-slowdown
-    python -m bench lossscale                # fp16 overflow-skipped steps: DeepSpeed's default loss scale against
-                                             # --loss-scale auto, emulated from fp32
+    python -m bench mixed [--slowdown 1=2]  # pipeline partitions and data-parallel batch splits,
+                                            # with some ranks slowed by --simulate-slowdown
+    python -m bench lossscale               # fp16 overflow-skipped steps: DeepSpeed's default loss
+                                            # scale against --loss-scale auto, emulated from fp32
 
 Numbers are printed and written to --out; nothing here is a test.
 """

@@ -1,6 +1,7 @@
-"""Run once per rank under mpirun (setup/test_mpi.sh does): an mpi4py allreduce, then an all_reduce through
-torch.distributed the way training starts it: rank 0's address, the backend every rank agrees on (nccl on GPUs,
-gloo on CPUs) and the rank's own device (NCCL refuses CPU tensors)."""
+"""Run once per rank under mpirun (setup/test_mpi.sh does): an mpi4py allreduce, then an all_reduce
+through torch.distributed the way training starts it: rank 0's address, the backend every rank
+agrees on (nccl on GPUs, gloo on CPUs) and the rank's own device (NCCL refuses CPU tensors)."""
+
 import os
 import socket
 import sys
@@ -30,12 +31,18 @@ def main() -> None:
     dev = dist_env.device(de)
     t = torch.tensor([float(rank + 1)], device=dev)
     dist.all_reduce(t)
-    got = t.item()  # before the group goes: on NCCL the all_reduce may still be queued on its stream
+    # before the group goes: on NCCL the all_reduce may still be queued on its stream
+    got = t.item()
     dist.destroy_process_group()
     if got != expected:
-        sys.exit(f"rank {rank} on {host}: {backend} all_reduce on {dev} gave {got}, expected {expected}")
-    print(f"rank {rank} of {size} on {host}: mpi4py allreduce ok, {backend} all_reduce on {dev} ok "
-          f"(rank 0 at {de.master_addr}:{de.master_port}, {time.perf_counter() - start:.1f}s)", flush=True)
+        sys.exit(
+            f"rank {rank} on {host}: {backend} all_reduce on {dev} gave {got}, expected {expected}"
+        )
+    print(
+        f"rank {rank} of {size} on {host}: mpi4py allreduce ok, {backend} all_reduce on {dev} ok "
+        f"(rank 0 at {de.master_addr}:{de.master_port}, {time.perf_counter() - start:.1f}s)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

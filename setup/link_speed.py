@@ -1,7 +1,9 @@
-"""One TCP stream between two hosts, to measure the link: `recv ADDR PORT` listens, prints "listening", then
-after the sender is done prints the bytes it got and the times of the first and last byte; `send ADDR PORT NBYTES`
-sends NBYTES of zeros. setup/doctor.sh --link and the simulated-cluster tests measure links with it.
-Plain Python, no third-party module: it runs on any host with python3."""
+"""One TCP stream between two hosts, to measure the link: `recv ADDR PORT` listens, prints
+"listening", then after the sender is done prints the bytes it got and the times of the first and
+last byte; `send ADDR PORT NBYTES` sends NBYTES of zeros. setup/doctor.sh --link and the
+simulated-cluster tests measure links with it. Plain Python, no third-party module: it runs on any
+host with python3."""
+
 import socket
 import sys
 import time

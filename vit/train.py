@@ -97,7 +97,8 @@ def finish(plan: Plan, run: Trainer, start_time: float) -> None:
 
 
 def tracker_charts(log_dir: str) -> list:
-    """The run's charts for the trackers (matplotlib is imported only by a run that reports to one)."""
+    """The run's charts for the trackers (matplotlib is imported only by a run that reports to
+    one)."""
     from vit.reports.charts import for_trackers
 
     return for_trackers(log_dir)

@@ -1,8 +1,8 @@
-"""The run's named parts, built once the process group runs, in the manner of torchtitan's Trainer: where it
-resumes from (ResumePoint), the model's layers, the cluster survey (vit.planner.survey), the engine factory
-(EngineFactory: the engine on given layers, at start and at every --freeze rebuild), the freezer, and what the
-loop reads and writes (Trainer: batches, statistics, evaluation, checkpoints, metrics, the monitor).
-vit.train's loop drives them."""
+"""The run's named parts, built once the process group runs, in the manner of torchtitan's Trainer:
+where it resumes from (ResumePoint), the model's layers, the cluster survey (vit.planner.survey),
+the engine factory (EngineFactory: the engine on given layers, at start and at every --freeze
+rebuild), the freezer, and what the loop reads and writes (Trainer: batches, statistics, evaluation,
+checkpoints, metrics, the monitor). vit.train's loop drives them."""
 
 import copy
 import logging
@@ -39,8 +39,9 @@ from vit.telemetry.monitor import Monitor
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where the run starts: step 0, or the checkpoint --resume continues (rank 0 verified it), with the frozen
-    prefix and pipeline layout it had, and the training time of the runs before (summary.json adds them up)."""
+    """Where the run starts: step 0, or the checkpoint --resume continues (rank 0 verified it), with
+    the frozen prefix and pipeline layout it had, and the training time of the runs before
+    (summary.json adds them up)."""
 
     step: int = 0
     tag: str | None = None
@@ -63,7 +64,8 @@ class ResumePoint:
 
 @dataclass(frozen=True)
 class EngineFactory:
-    """The run's engine on given layers: at start and at every --freeze rebuild (with --freeze-replan's layout)."""
+    """The run's engine on given layers: at start and at every --freeze rebuild (with
+    --freeze-replan's layout)."""
 
     name: str  # --engine
     context: EngineContext  # everything but the layers
@@ -146,8 +148,8 @@ def make_freezer(
     frozen: int,
     watchdog: Watchdog,
 ) -> Freezer:
-    """--freeze's decisions and rebuilds (vit.freeze.freezer): fresh layers and the factory for a rebuild, the
-    survey's record and the layer times for a re-plan, the cache's spill folder."""
+    """--freeze's decisions and rebuilds (vit.freeze.freezer): fresh layers and the factory for a
+    rebuild, the survey's record and the layer times for a re-plan, the cache's spill folder."""
     s, job, factor = plan.settings, plan.job, plan.slowdowns.get(plan.job.rank, 1.0)
 
     def fresh_layers() -> list:
@@ -200,11 +202,13 @@ class Trainer:
         self.batches = self.batches_from(self.engine, self.resumed.step)
 
     def swap(self, engine: Engine, step: int) -> None:
-        """--freeze rebuilt the engine, maybe with another layout: the parts take it at each call."""
+        """--freeze rebuilt the engine, maybe with another layout: the parts take it at each
+        call."""
         self.engine, self.batches = engine, self.batches_from(engine, step)
 
     def batches_from(self, engine: Engine, start: int) -> Iterator | None:
-        """This rank's batches from step start + 1 on, as `engine` takes them (through the freeze cache)."""
+        """This rank's batches from step start + 1 on, as `engine` takes them (through the freeze
+        cache)."""
         if not engine.reads_data:
             return None
         s, data, batch, pin = (
@@ -237,9 +241,10 @@ class Trainer:
 
 
 def build_trainer(plan: Plan, watchdog: Watchdog, charts) -> Trainer:
-    """Every part, in the order the run needs them: the checks once the group is up, the log folder, where to
-    resume, the model, the survey, the folders locked, the engine (and its checkpoint loaded), the records, and
-    the loop's parts. `charts`: the run's charts for the trackers at its end."""
+    """Every part, in the order the run needs them: the checks once the group is up, the log folder,
+    where to resume, the model, the survey, the folders locked, the engine (and its checkpoint
+    loaded), the records, and the loop's parts. `charts`: the run's charts for the trackers at its
+    end."""
     s, job = plan.settings, plan.job
     preflight.check(job.world_size, s.cluster.hostfile)
     preflight.check_offload(plan.ds_config, job.device_type)
@@ -313,9 +318,11 @@ def build_trainer(plan: Plan, watchdog: Watchdog, charts) -> Trainer:
 def loop_parts(
     plan, engine, watchdog, log_dir, save_dir, resumed, surveyed, ds_config, locks, freezer, charts
 ):
-    """The monitor, the metrics log (and trackers), the step statistics, the evaluator and the checkpointer."""
+    """The monitor, the metrics log (and trackers), the step statistics, the evaluator and the
+    checkpointer."""
     s, job, batch = plan.settings, plan.job, plan.batch
-    # The driver (NVML, nvidia-smi) numbers GPUs unlike CUDA does; the UUID names this rank's GPU in both.
+    # The driver (NVML, nvidia-smi) numbers GPUs unlike CUDA does; the UUID names this rank's GPU in
+    # both.
     cuda = engine.device.type == "cuda"
     gpus = [str(torch.cuda.get_device_properties(engine.device).uuid)] if cuda else None
     say = None if job.is_main or s.log.verbose else console.CAPTURE.add

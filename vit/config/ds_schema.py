@@ -263,7 +263,8 @@ def validate(cfg: dict, name: str) -> None:
 
 
 def refuse_monitors(cfg: dict, name: str) -> None:
-    """DeepSpeed's own monitor would start a second tracker, on every rank; --report-to is rank 0's."""
+    """DeepSpeed's own monitor would start a second tracker, on every rank; --report-to is rank
+    0's."""
     for key, tracker in MONITORS.items():
         # "true" as a string: the schema says so
         if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") is True:

@@ -91,7 +91,8 @@ class Plan:
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     def checkpoint_meta(self) -> dict:
-        """What each checkpoint's manifest records of the run, for a resume to compare with its own."""
+        """What each checkpoint's manifest records of the run, for a resume to compare with its
+        own."""
         return {**self.shape, "config_hash": self.settings_hash(), "total_steps": self.total_steps}
 
     @property
@@ -116,7 +117,8 @@ class Plan:
         return likely(self.requested_precision, self.engine, dev)
 
     def compression(self) -> str:
-        """The compression the settings and the JSON ask of the engine (EngineSpec.compression_of)."""
+        """The compression the settings and the JSON ask of the engine
+        (EngineSpec.compression_of)."""
         return self.engine.compression_of(self.settings, self.ds_config)
 
     def state_bytes_per_param(self, precision: str) -> float:

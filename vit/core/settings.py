@@ -262,7 +262,8 @@ class AsyncSettings:
 
 @dataclass(frozen=True)
 class CommSettings:
-    """--engine ddp: torch's DDP communication hooks (torch.distributed.algorithms.ddp_comm_hooks)."""
+    """--engine ddp: torch's DDP communication hooks
+    (torch.distributed.algorithms.ddp_comm_hooks)."""
 
     comm_hook: str = option(
         "none",

@@ -90,7 +90,8 @@ class EngineSpec:
     # --- its names
 
     def key(self, zero_stage: int) -> str:
-        """Its name in a calibration and a comparison table ('zero2' where the stage is the JSON's)."""
+        """Its name in a calibration and a comparison table ('zero2' where the stage is the
+        JSON's)."""
         return self.name
 
     def label(self, zero_stage: int) -> str:

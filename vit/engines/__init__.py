@@ -1,10 +1,12 @@
-"""Training engines, one module each, behind one interface (vit.engines.base.Engine), each declared
-with what it supports in vit.engines.registry:
+"""Training engines, a folder each (zero/, pipeline/, async_pipeline/, ddp/; deepspeed/ holds what
+DeepSpeed's two share), behind one interface (vit.engines.base.Engine) and one registry row each
+(vit.engines.registry). A folder's __init__.py declares the engine's spec (vit.core.spec.EngineSpec:
+its options, precisions, memory terms, step cost, names; no torch) and its engine.py the engine:
 
     engine = build(name, ctx)          # ctx: EngineContext
-    loss = engine.train_step(batches)  # one optimizer step; this rank's share of the loss, no host sync
-    engine.mean_loss(loss); engine.evaluate(batches); engine.save(...); engine.load(...); engine.breakdown(steps)
-    rebuilt.take_over(engine.handover())  # --freeze: an engine on other trainable layers goes on (vit.freeze.freezer)
+    loss = engine.train_step(batches)  # one optimizer step; this rank's share of the loss
+    engine.mean_loss(loss); engine.evaluate(batches); engine.save(...); engine.load(...)
+    rebuilt.take_over(engine.handover())  # --freeze: an engine on other trainable layers goes on
 
 Nothing outside this package and vit.config.compat knows which engine runs: the rest asks the
 engine's spec. Importing the package is light (the registry needs no torch); Engine, EngineContext

@@ -1,11 +1,11 @@
 """Freeze training's engine side (PipeTransformer's AutoFreeze): the Freezer takes the rules'
-decisions (vit.freeze.rules) at its cadence, freezes the prefix (no gradients, no activations kept, no
-optimizer state, nothing to all-reduce) and rebuilds the engine on it, the pipeline re-planned
+decisions (vit.freeze.rules) at its cadence, freezes the prefix (no gradients, no activations kept,
+no optimizer state, nothing to all-reduce) and rebuilds the engine on it, the pipeline re-planned
 (vit.freeze.replan) and the frozen prefix's outputs cached (vit.freeze.activation_cache).
 
 Decisions are taken every --freeze-interval-epochs, at the end of a step, from values every rank
-holds alike (the step, gradient norms summed over all ranks or weight moves taken as the largest over
-them; vit.freeze.measures), so every rank rebuilds its engine at the same step.
+holds alike (the step, gradient norms summed over all ranks or weight moves taken as the largest
+over them; vit.freeze.measures), so every rank rebuilds its engine at the same step.
 """
 
 import gc
@@ -70,7 +70,7 @@ class Freezer:
     ):
         """frozen: layers frozen already (a resumed run); make_layers(): a fresh copy of the layer
         list; make_engine(layers, layout): the run's engine built on them; cache_dir:
-        --freeze-cache's spill folder (None: no cache); census: hetero.adapt's record, and
+        --freeze-cache's spill folder (None: no cache); census: vit.planner.survey's record, and
         time_layers() (collective) every rank's layer times, for --freeze-replan; on_progress(): a
         sign of life inside a long carry of the cache."""
         self.mode, self.alpha, self.total_steps = s.freeze, s.freeze_alpha, total_steps

@@ -3,11 +3,11 @@ freeze point, and halved when the active layers fit in fewer stages, the freed r
 data-parallel copies.
 
 One planner, vit.planner.stages, with the free memory measured at startup and the layer times
-measured when a plan of more than one stage first needs them (hetero.adapt.time_each_rank): frozen
-layers cost their forward only and keep their weights only, no activations. K stages shrink to K/2
-when such a plan fits every rank's memory, else K stages are balanced again; the first stage keeps
-an active layer (a stage of frozen layers only has no backward, which DeepSpeed's pipeline cannot
-skip)."""
+measured when a plan of more than one stage first needs them (vit.planner.survey.time_each_rank):
+frozen layers cost their forward only and keep their weights only, no activations. K stages shrink
+to K/2 when such a plan fits every rank's memory, else K stages are balanced again; the first stage
+keeps an active layer (a stage of frozen layers only has no backward, which DeepSpeed's pipeline
+cannot skip)."""
 
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,7 +27,7 @@ def replan(
 ) -> tuple[Layout, StageSplit]:
     """Collective when it times the layers: the layout after `frozen` layers froze, and its plan:
     K/2 stages with twice the copies (the same global batch, half the micro-batches each) when they
-    fit, else K stages balanced again. census: hetero.adapt's record (its "layers" profile and
+    fit, else K stages balanced again. census: vit.planner.survey's record (its "layers" profile and
     "census" reports), whose reports get their layer_ms from time_layers() (every rank's) the first
     time a plan of several stages needs them (a one-stage plan has no boundary to place: its
     predicted times are 0)."""

@@ -1,13 +1,14 @@
 """The freeze rules (PipeTransformer's AutoFreeze and ours): how many layers of the list are frozen
-after a decision point. The freezable layers are the embedding and the blocks (layer list indices
-0 .. L-1); the head, last, never freezes. schedule: PipeTransformer's calendar; grad and settled: the
+after a decision point. The freezable layers are the embedding and the blocks (layer list indices 0
+.. L-1); the head, last, never freezes. schedule: PipeTransformer's calendar; grad and settled: the
 prefix grows while each next layer's measure (vit.freeze.measures) is below a threshold."""
 
 import math
 
 
 def scheduled(intervals: int, num_freezable: int, alpha: float) -> int:
-    """PipeTransformer's released rule: frozen(e) = ceil(L (1 - (1 - alpha)^e)) after e intervals."""
+    """PipeTransformer's released rule: frozen(e) = ceil(L (1 - (1 - alpha)^e)) after e
+    intervals."""
     # The epsilon keeps float noise (5 x (1 - 2/3) = 1.6666...7) from rounding a whole number up.
     return min(num_freezable, math.ceil(num_freezable * (1 - (1 - alpha) ** intervals) - 1e-9))
 
@@ -37,7 +38,8 @@ def next_measure(
     num_freezable: int,
     rule: str = "grad",
 ) -> str:
-    """What the decision line says of the next layer to freeze: its measure against the threshold."""
+    """What the decision line says of the next layer to freeze: its measure against the
+    threshold."""
     if frozen >= num_freezable:
         return "all freezable layers frozen"
     if change is None:

@@ -143,7 +143,8 @@ def _sha256(path: Path) -> str:
 
 
 def verify(folder: Path) -> str | None:
-    """None when every file of the manifest is there with its size and sha256, else what is wrong."""
+    """None when every file of the manifest is there with its size and sha256, else what is
+    wrong."""
     try:
         manifest = read_manifest(str(folder.parent), folder.name)
     except DamagedManifest as e:

@@ -267,7 +267,8 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0) 
 
 
 class Loss:
-    """loss_fn with this run's --smoothing, as a picklable callable for the pipeline's last stage."""
+    """loss_fn with this run's --smoothing, as a picklable callable for the pipeline's last
+    stage."""
 
     def __init__(self, smoothing: float = 0.0):
         self.smoothing = smoothing

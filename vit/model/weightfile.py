@@ -7,7 +7,10 @@ import zipfile
 from pathlib import Path
 
 # A key that gives a file away: (its pattern, what the file is, the closest fix).
-VIT_FIX = "pass a ViT's weights under timm's names (cls_token, patch_embed.proj.weight, blocks.0.attn.qkv.weight, ...)"
+VIT_FIX = (
+    "pass a ViT's weights under timm's names (cls_token, patch_embed.proj.weight, "
+    "blocks.0.attn.qkv.weight, ...)"
+)
 FOLDER_FIX = "pass the checkpoint folder that holds it (.../stepN)"
 FAMILIES = (
     (r"^layer\d\.\d+\.conv\d\.weight$", "a ResNet state dict: no ViT keys", VIT_FIX),
@@ -64,7 +67,8 @@ def safetensors_problem(path: Path, error: Exception) -> str:
             header = json.loads(start + f.read(header_len - 1))
             end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
         except (ValueError, KeyError, TypeError, AttributeError):
-            return f"not a safetensors file (its header is not safetensors' JSON: {str(error).splitlines()[0]})"
+            first = str(error).splitlines()[0]
+            return f"not a safetensors file (its header is not safetensors' JSON: {first})"
     if 8 + header_len + end > size:
         return f"truncated: {_size(path)} of the {8 + header_len + end:,} its header describes"
     return f"not a readable safetensors file ({str(error).splitlines()[0]})"
@@ -79,7 +83,10 @@ def torch_problem(path: Path, error: Exception) -> str:
     if not head:
         return "an empty file"
     if head.startswith(b"PK") and not zipfile.is_zipfile(path):
-        return f"truncated or damaged: {_size(path)}, a zip archive (torch.save's format) without its end"
+        return (
+            f"truncated or damaged: {_size(path)}, a zip archive (torch.save's format) "
+            "without its end"
+        )
     # a zip archive or a pickle, that torch cannot read
     if head.startswith(b"PK") or head.startswith(b"\x80"):
         return f"truncated or damaged ({_size(path)}: {reason[:160]})"

@@ -177,7 +177,10 @@ def check_overlap(state: dict, model: nn.Module, path: str) -> None:
         )
         if depth > 0:  # timm's names: a shallower ViT
             what = f"a ViT of {depth} blocks"
-            fix = f"the model has {len(model.blocks)}: pass the weights of as deep a ViT, or a --model that deep"
+            fix = (
+                f"the model has {len(model.blocks)}: pass the weights of as deep a ViT, or a "
+                f"--model that deep"
+            )
         raise ConfigError(
             f"--pretrained-path {path}: {what}; it holds {shared} of the model's "
             f"{len(body)} tensors "

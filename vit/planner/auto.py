@@ -218,7 +218,10 @@ def forced(rows: list[dict], wanted: str) -> dict:
 def not_chosen(c: Candidate) -> str | None:
     """Why a candidate that fits and runs is not chosen however fast (None: it may be)."""
     if c.compression == "powersgd":
-        return "PowerSGD changes what is learned (low-rank gradients): --comm-hook powersgd is yours to choose"
+        return (
+            "PowerSGD changes what is learned (low-rank gradients): --comm-hook powersgd is yours "
+            "to choose"
+        )
     return None
 
 

@@ -1,4 +1,5 @@
-"""Data-parallel micro-batches in proportion to each rank's measured speed, within its free memory."""
+"""Data-parallel micro-batches in proportion to each rank's measured speed, within its free
+memory."""
 
 import math
 

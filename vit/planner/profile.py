@@ -58,7 +58,7 @@ def profile_layers(
 
 
 LAYER_ROUNDS = 10  # rounds per turn of time_layers
-LAYER_TURNS = 2  # for balanced stages adapt() alternates the ranks' turns this many times
+LAYER_TURNS = 2  # for balanced stages survey() alternates the ranks' turns this many times
 
 
 def time_layers(

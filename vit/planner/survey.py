@@ -128,7 +128,8 @@ def survey(job: Job, device: torch.device, layers: list[nn.Module], asked: Asked
             else "proportional to block speed"
         )
         say.append(
-            f"batch split ({how}): micro-batches {split} (sum {sum(split)} = {asked.micro_batch} x {len(split)} ranks)"
+            f"batch split ({how}): micro-batches {split} (sum {sum(split)} = {asked.micro_batch} x "
+            f"{len(split)} ranks)"
         )
     if asked.probe_batches is not None and precision == "fp16":
         decided["scale_power"], record["loss_scale"], line = tune(
@@ -152,8 +153,8 @@ def survey(job: Job, device: torch.device, layers: list[nn.Module], asked: Asked
 def measure(
     job: Job, device: torch.device, layers: list[nn.Module], asked: Asked, precision: str
 ) -> dict:
-    """Collective: this rank's speed (one block's forward and backward, one rank at a time) and, for balanced
-    stages, each layer's times (LAYER_TURNS turns a rank, each layer's fastest kept)."""
+    """Collective: this rank's speed (one block's forward and backward, one rank at a time) and, for
+    balanced stages, each layer's times (LAYER_TURNS turns a rank, each layer's fastest kept)."""
     with torch.no_grad(), fork_rng(device):
         block_input = (asked.micro_batch, *layers[0](asked.sample).shape[1:])
     speed = {}

@@ -153,7 +153,8 @@ class Run:
 
     @property
     def status(self) -> str:
-        """A run writes summary.json last: without it, the run was killed, failed or is still going."""
+        """A run writes summary.json last: without it, the run was killed, failed or is still
+        going."""
         return "complete" if self.summary else "incomplete (no summary.json)"
 
 

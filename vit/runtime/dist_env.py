@@ -170,7 +170,8 @@ def free_port() -> int:
 
 
 def resolve_master(job: Job, environ=None) -> Job:
-    """Fill in rank 0's address and port; under MPI without MASTER_ADDR, agree on them via mpi4py."""
+    """Fill in rank 0's address and port; under MPI without MASTER_ADDR, agree on them via
+    mpi4py."""
     environ = os.environ if environ is None else environ
     if environ.get("MASTER_ADDR"):
         job.master_addr, job.master_port = (

@@ -233,7 +233,10 @@ class Watchdog(threading.Thread):
         peer = self.peers.get(culprit)
         if culprit == self.rank or peer is None or now - peer.step_seen_at <= self.frozen_s:
             return None
-        return f"{self._stopped(culprit, now)} (a collective waited --dist-timeout {self.timeout_s:g} s for it)"
+        return (
+            f"{self._stopped(culprit, now)} (a collective waited --dist-timeout {self.timeout_s:g} "
+            f"s for it)"
+        )
 
     def _store_silent(self, now: float) -> str:
         return (
@@ -271,7 +274,8 @@ class Watchdog(threading.Thread):
         p = self.peers.get(rank)
         if p is None:
             return f"rank {rank} made no progress (it never published a step)"
-        return f"rank {rank} ({p.host}) made no progress for {now - p.step_seen_at:.0f} s (last step {p.step})"
+        idle_s = now - p.step_seen_at
+        return f"rank {rank} ({p.host}) made no progress for {idle_s:.0f} s (last step {p.step})"
 
     def _culprit(self, now: float) -> int:
         """The rank to blame when this one made no progress: the one whose heartbeat stopped first,

@@ -111,7 +111,10 @@ def why_no_cuda(report: dict) -> str:
         return "no NVIDIA GPU or driver (nvidia-smi finds none)"
     seen = f"nvidia-smi sees {len(smi['gpus'])} GPU(s) ({smi['gpus'][0]})"
     if build is None:
-        return f"{seen} but this torch ({report['torch']}) is a CPU-only build: run scripts/bootstrap.sh there"
+        return (
+            f"{seen} but this torch ({report['torch']}) is a CPU-only build: run "
+            f"scripts/bootstrap.sh there"
+        )
     need = MIN_DRIVER.get(build.split(".")[0])
     tag = "cu" + build.replace(".", "")
     if need and _version(smi["driver"]) < _version(need):

@@ -15,7 +15,8 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def deepspeed_fp16(local_rank: int) -> bool:
-    """DeepSpeed's own verdict on fp16 for this host's GPU local_rank, in this rank's environment."""
+    """DeepSpeed's own verdict on fp16 for this host's GPU local_rank, in this rank's
+    environment."""
     # get_accelerator() may not be chosen yet
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 

@@ -109,7 +109,10 @@ def cpu_adam_problem(torch_cuda: str, cuda_home: str | None, built: bool) -> str
     if release is None:
         return f"CUDA_HOME={cuda_home} has no working bin/nvcc: {install}"
     if release.split(".")[0] != torch_cuda.split(".")[0]:
-        return f"the CUDA toolkit at {cuda_home} is {release}, this torch is built with CUDA {torch_cuda}: {install}"
+        return (
+            f"the CUDA toolkit at {cuda_home} is {release}, this torch is built with CUDA "
+            f"{torch_cuda}: {install}"
+        )
     return None
 
 
@@ -151,7 +154,8 @@ def check_offload(ds_config: dict, device_type: str) -> None:
 
 
 def check(world_size: int, hostfile: str | None) -> None:
-    """Collective: every rank calls it; raises ConfigError on every rank when rank 0 finds problems."""
+    """Collective: every rank calls it; raises ConfigError on every rank when rank 0 finds
+    problems."""
     reports = [None] * world_size
     dist.all_gather_object(reports, local_report())
 

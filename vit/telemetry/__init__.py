@@ -1,2 +1,2 @@
-"""What a run leaves behind: JSON-lines metrics, the GPU/CPU monitor, trackers,
-config/cluster/summary files, and the readers behind plot_logs.py."""
+"""What a run records as it goes: JSON-lines metrics, the GPU/CPU monitor and the trackers. Reading
+them back is vit.reports'."""

@@ -2,26 +2,30 @@
 
 Schema of <log-dir>/metrics_rank<R>.jsonl (one object per line; readers ignore unknown fields):
   {"kind": "train", "step", "time", "rank", "host", "loss", "lr", "images_per_s" (the whole job's),
-   "rank_images_per_s" (this rank's data-parallel share), "step_time_s", "mem_gib", "skipped_steps", "loss_scale"
-   (fp16's loss scale, else null),
-   and the step-time breakdown in seconds per step: "data_s", "forward_s", "backward_s", "optimizer_s",
-   for the pipelines also "pipe_send_s", "pipe_recv_s" (the wait for a neighbour: the bubble), "allreduce_s";
-   the async pipeline's "wire_bytes": the bytes of activations and gradients it sent its neighbours per step}
-  {"kind": "eval",  "step", "time", "rank", "host", "eval_loss", "top1", "top5"[, "ema_eval_loss", "ema_top1",
-   "ema_top5"]}
-  {"kind": "skip",  "step", "time", "rank", "host", "skipped_steps", "in_a_row"}: an fp16 step skipped on overflow
-  {"kind": "freeze", "step", "time", "rank", "host", "frozen", "stages", "dp", "cache", "old_engine_freed",
-   "process_groups"[, "parts", "predicted_ms"]}: --freeze rebuilt the engine after `step`; "frozen" layers of the
-   list (a prefix: embedding, then blocks) train no more from the next step on, laid out as "stages" pipeline stages
-   x "dp" data-parallel copies, "cache" (bool) whether the frozen prefix's outputs are read from a cache instead of
-   computed; a pipeline's "parts" (stage boundaries) and, re-planned (--freeze-replan) once the layer times were
-   measured (a plan of several stages needs them), "predicted_ms" (its slowest stage per micro-batch);
-   "old_engine_freed" (bool) whether the old engine's module was gone before the new engine was built,
-   "process_groups" the process groups alive after the rebuild (the same at every freeze point)
-  {"kind": "freeze_decision", "step", "time", "rank", "host", "frozen", "changes", "norms", "threshold"}: every
-   --freeze decision point: the frozen layers after it and each freezable layer's measure ("changes": settled's
-   weight move as a share of its largest, or grad's and the schedule's relative change of the gradient norm, whose
-   "norms" it also gives; null where nothing was measured yet)
+   "rank_images_per_s" (this rank's data-parallel share), "step_time_s", "mem_gib",
+   "skipped_steps", "loss_scale" (fp16's loss scale, else null), and the step-time breakdown in
+   seconds per step: "data_s", "forward_s", "backward_s", "optimizer_s", for the pipelines also
+   "pipe_send_s", "pipe_recv_s" (the wait for a neighbour: the bubble), "allreduce_s"; the async
+   pipeline's "wire_bytes": the bytes of activations and gradients it sent its neighbours per step}
+  {"kind": "eval",  "step", "time", "rank", "host", "eval_loss", "top1", "top5"[, "ema_eval_loss",
+   "ema_top1", "ema_top5"]}
+  {"kind": "skip",  "step", "time", "rank", "host", "skipped_steps", "in_a_row"}: an fp16 step
+   skipped on overflow
+  {"kind": "freeze", "step", "time", "rank", "host", "frozen", "stages", "dp", "cache",
+   "old_engine_freed", "process_groups"[, "parts", "predicted_ms"]}: --freeze rebuilt the engine
+   after `step`; "frozen" layers of the list (a prefix: embedding, then blocks) train no more from
+   the next step on, laid out as "stages" pipeline stages x "dp" data-parallel copies, "cache"
+   (bool) whether the frozen prefix's outputs are read from a cache instead of computed; a
+   pipeline's "parts" (stage boundaries) and, re-planned (--freeze-replan) once the layer times
+   were measured (a plan of several stages needs them), "predicted_ms" (its slowest stage per
+   micro-batch); "old_engine_freed" (bool) whether the old engine's module was gone before the new
+   engine was built, "process_groups" the process groups alive after the rebuild (the same at
+   every freeze point)
+  {"kind": "freeze_decision", "step", "time", "rank", "host", "frozen", "changes", "norms",
+   "threshold"}: every --freeze decision point: the frozen layers after it and each freezable
+   layer's measure ("changes": settled's weight move as a share of its largest, or grad's and the
+   schedule's relative change of the gradient norm, whose "norms" it also gives; null where
+   nothing was measured yet)
 """
 
 import json

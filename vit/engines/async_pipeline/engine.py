@@ -42,7 +42,7 @@ def stage_parts(
     layers: list[nn.Module], stages: int, method: str, planned: list[int] | None
 ) -> list[int]:
     """Stage boundaries as DeepSpeed's PipelineModule cuts them, or the balanced plan's
-    (vit.hetero)."""
+    (vit.planner)."""
     from deepspeed.runtime import utils as ds_utils
 
     if method == "balanced":

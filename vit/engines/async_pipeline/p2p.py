@@ -135,7 +135,7 @@ def _wait(posted: tuple) -> torch.Tensor:
 class Links:
     """This rank's channels: activations from the previous stage and to the next, gradients the
     other way, and the group of its stage's data-parallel copies (for the gradient all-reduce). Rank
-    = stage x dp_size + copy, as in DeepSpeed's pipe-major topology (which vit.hetero's balanced
+    = stage x dp_size + copy, as in DeepSpeed's pipe-major topology (which vit.planner's balanced
     plan assumes)."""
 
     def __init__(self, stages: int, dp_size: int, device: torch.device):

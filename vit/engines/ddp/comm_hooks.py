@@ -35,7 +35,8 @@ class CommHook:
             model.register_comm_hook(self.state, self._powersgd)
 
     def _powersgd(self, state, bucket):
-        """torch's powerSGD_hook; while priming, a plain all-reduce that leaves the state as it is."""
+        """torch's powerSGD_hook; while priming, a plain all-reduce that leaves the state as it
+        is."""
         if self.priming:
             return default_hooks.allreduce_hook(None, bucket)
         return psgd.powerSGD_hook(state, bucket)
@@ -62,7 +63,8 @@ class CommHook:
         )
 
     def save(self, folder: str, rank: int) -> None:
-        """PowerSGD's state of this rank (its error feedback is its own) into the checkpoint folder."""
+        """PowerSGD's state of this rank (its error feedback is its own) into the checkpoint
+        folder."""
         if self.state is not None:
             with _quiet():
                 save_atomic(

@@ -48,7 +48,8 @@ def timed_instructions(instruction_map: dict, timer: PhaseTimer) -> dict:
 
 
 class PlannedPipeline(PipelineModule):
-    """A PipelineModule whose stage boundaries are given (--partition balanced) instead of computed."""
+    """A PipelineModule whose stage boundaries are given (--partition balanced) instead of
+    computed."""
 
     def __init__(self, parts: list[int] | None, **kwargs):
         object.__setattr__(self, "planned_parts", parts)  # before nn.Module's own __init__
