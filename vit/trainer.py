@@ -96,6 +96,7 @@ def engine_factory(
         asynchrony=s.asynchrony,
         compile=s.parallel.compile,
         comm=s.comm,
+        settings=s,
     )
     return EngineFactory(s.parallel.engine, context)
 

@@ -26,6 +26,10 @@ NEEDS = {
     ),
     "freeze": (lambda s: s.freeze.freeze != "none", "--freeze schedule, settled or grad"),
     "powersgd": (lambda s: s.comm.comm_hook == "powersgd", "--comm-hook powersgd"),
+    "diloco": (
+        lambda s: spec(s.parallel.engine).local_steps,
+        _engines(lambda e: e.local_steps),
+    ),
     "pipeline freeze": (
         lambda s: (
             s.freeze.freeze != "none"

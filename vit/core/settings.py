@@ -14,6 +14,7 @@ from vit.core.onebit import check_opt_name
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
+DEFAULT_SYNC_EVERY = 50  # --sync-every
 # fp16's initial loss scale 2^12 (DeepSpeed's 2^16 overflowed on every step in
 DEFAULT_FP16_SCALE_POWER = 12
 #                                users' ViT runs), unless the JSON or --loss-scale auto sets one
@@ -285,6 +286,51 @@ class CommSettings:
     )
 
 
+def parse_worker_ranks(text: str) -> str:
+    """argparse type of --worker-ranks: auto, host or a whole number above zero."""
+    if text in ("auto", "host"):
+        return text
+    return str(positive_int(text))
+
+
+@dataclass(frozen=True)
+class LocalStepSettings:
+    """--engine diloco: local steps with an outer optimizer (DiLoCo, Douillard et al. 2023)."""
+
+    sync_every: int = option(
+        DEFAULT_SYNC_EVERY,
+        "inner steps between syncs (DiLoCo's H): each worker trains alone for H steps with the "
+        "command line's optimizer, then the workers average their pseudo-gradients",
+        "positive",
+        needs="diloco",
+    )
+    outer_lr: float = option(
+        0.7,
+        "learning rate of the outer optimizer (SGD on the averaged pseudo-gradient, the global "
+        "weights minus a worker's)",
+        "positive",
+        needs="diloco",
+    )
+    outer_momentum: float = option(
+        0.9, "Nesterov momentum of the outer optimizer (0: plain SGD)", "below_one", needs="diloco"
+    )
+    outer_wire: str = option(
+        "fp32",
+        "dtype of the pseudo-gradients on the wire: fp32, bf16 (half the bytes) or int8 (a "
+        "quarter, with a scale per block of 256 values)",
+        choices=("fp32", "bf16", "int8"),
+        needs="diloco",
+    )
+    worker_ranks: str = option(
+        "auto",
+        "ranks per worker, which train as DDP among themselves: N, host (the ranks of a host), "
+        "or auto (host on GPUs, one rank each on CPUs)",
+        needs="diloco",
+        type=parse_worker_ranks,
+        metavar="N|host|auto",
+    )
+
+
 @dataclass(frozen=True)
 class RecipeSettings:
     """timm train.py's augmentation and regularisation options, under their names there."""
@@ -497,6 +543,7 @@ GROUPS = {  # attribute of Settings -> (class, --help section title)
     "parallel": (ParallelSettings, "engine, parallelism and precision"),
     "asynchrony": (AsyncSettings, "asynchronous pipeline (--engine async-pipeline)"),
     "comm": (CommSettings, "gradient compression (--engine ddp)"),
+    "local": (LocalStepSettings, "local steps (--engine diloco)"),
     "optim": (OptimSettings, "optimizer"),
     "recipe": (RecipeSettings, "augmentation and regularisation (timm train.py's names)"),
     "freeze": (FreezeSettings, "freeze training"),
@@ -514,6 +561,7 @@ class Settings:
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     asynchrony: AsyncSettings = field(default_factory=AsyncSettings)
     comm: CommSettings = field(default_factory=CommSettings)
+    local: LocalStepSettings = field(default_factory=LocalStepSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     recipe: RecipeSettings = field(default_factory=RecipeSettings)
     freeze: FreezeSettings = field(default_factory=FreezeSettings)

@@ -53,6 +53,8 @@ class EngineSpec:
     comm_hooks: bool
     # trains fp32 weights under torch.autocast (else the model is cast to the half dtype)
     autocast: bool
+    # workers take local steps between syncs: --sync-every and the --outer-* options apply
+    local_steps: bool = False
 
     # --- the options and precisions it takes
 
@@ -188,6 +190,11 @@ class EngineSpec:
         if compression in HALF_WIRES:
             per = min(per, 2)
         return sum(layer.params for layer in layers) * per
+
+    def changes_learning(self, c: Candidate) -> str | None:
+        """Why the candidate learns otherwise than the plain step (None: it learns the same),
+        which --engine auto leaves to the user to choose."""
+        return None
 
     def predict(
         self, c: Candidate, ranks: list[Rank], net: Network, work: Workload, calib: Calibration

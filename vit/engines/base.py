@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vit.core.batch import Batch
-from vit.core.settings import AsyncSettings, CommSettings, OptimSettings
+from vit.core.settings import AsyncSettings, CommSettings, OptimSettings, Settings
 from vit.data.sampling import PAD_LABEL
 from vit.loop.stats import PhaseTimer
 
@@ -40,6 +40,7 @@ class EngineContext:
     asynchrony: AsyncSettings = AsyncSettings()
     compile: bool = False  # --compile: torch.compile the module this rank trains
     comm: CommSettings = CommSettings()  # --comm-hook and PowerSGD's options (--engine ddp)
+    settings: Settings = Settings()  # the whole run's settings: an engine reads its own group there
 
 
 class Engine(ABC):

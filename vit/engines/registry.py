@@ -7,9 +7,11 @@ imports the engine's torch module on first use."""
 import importlib
 
 from vit.core.spec import EngineSpec
-from vit.engines import async_pipeline, ddp, pipeline, zero
+from vit.engines import async_pipeline, ddp, diloco, pipeline, zero
 
-SPECS: dict[str, EngineSpec] = {e.SPEC.name: e.SPEC for e in (zero, pipeline, async_pipeline, ddp)}
+SPECS: dict[str, EngineSpec] = {
+    e.SPEC.name: e.SPEC for e in (zero, pipeline, async_pipeline, ddp, diloco)
+}
 NAMES = tuple(SPECS)
 # --engine auto: vit.planner.auto picks one of NAMES and its settings once the process group runs
 AUTO = "auto"

@@ -216,13 +216,9 @@ def forced(rows: list[dict], wanted: str) -> dict:
 
 
 def not_chosen(c: Candidate) -> str | None:
-    """Why a candidate that fits and runs is not chosen however fast (None: it may be)."""
-    if c.compression == "powersgd":
-        return (
-            "PowerSGD changes what is learned (low-rank gradients): --comm-hook powersgd is yours "
-            "to choose"
-        )
-    return None
+    """Why a candidate that fits and runs is not chosen however fast (None: it may be): one that
+    changes what is learned (EngineSpec.changes_learning) is the user's to choose."""
+    return spec(c.engine).changes_learning(c)
 
 
 def cannot_run(c: Candidate, world_size: int, precision: str) -> str | None:

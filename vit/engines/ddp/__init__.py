@@ -19,6 +19,14 @@ class DDPSpec(DataParallelSpec):
     def compression_options(self, compression):
         return ({"comm_hook": compression} if compression != "none" else {}), {}
 
+    def changes_learning(self, c):
+        if c.compression == "powersgd":
+            return (
+                "PowerSGD changes what is learned (low-rank gradients): --comm-hook powersgd is "
+                "yours to choose"
+            )
+        return None
+
     def state_bytes(self, precision, ds_config, dp_size=1, stashed_copies=0, compression="none"):
         terms = autocast_state(precision)
         # torch/nn/parallel/distributed.py: gradient_as_bucket_view=False (our default) copies the

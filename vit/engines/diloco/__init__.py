@@ -1,0 +1,63 @@
+"""DiLoCo (Douillard et al. 2023): every worker trains alone with the command line's optimizer for
+--sync-every H steps, then the workers average their pseudo-gradients (the global weights minus
+their own) and an outer SGD with Nesterov momentum moves the global weights, from which every
+worker goes on. The engine (engine.py), its wire (wire.py: fp32, bf16 or int8 with a scale per
+block) and what it declares (SPEC): a data-parallel step whose link is one all-reduce of the
+weights every H steps, two more fp32 copies of the weights, and a step that learns otherwise than
+DDP's (auto leaves it to the user)."""
+
+from vit.core.costs import ring_allreduce_s
+from vit.core.settings import DEFAULT_SYNC_EVERY
+from vit.engines.step_cost import DataParallelSpec, autocast_state
+
+WIRE_BYTES = {"none": 4.0, "outer-bf16": 2.0, "outer-int8": 1.0 + 4 / 256}  # per value, with scales
+
+
+class DiLoCoSpec(DataParallelSpec):
+    def compressions(self, precision):
+        return tuple(WIRE_BYTES)
+
+    def compression_of(self, settings, ds_config):
+        wire = settings.local.outer_wire
+        return "none" if wire == "fp32" else f"outer-{wire}"
+
+    def compression_options(self, compression):
+        wire = compression.removeprefix("outer-") if compression != "none" else "fp32"
+        return {"outer_wire": wire}, {}
+
+    def changes_learning(self, c):
+        return (
+            "DiLoCo changes what is learned (local steps, an outer optimizer): --engine diloco is "
+            "yours to choose"
+        )
+
+    def state_bytes(self, precision, ds_config, dp_size=1, stashed_copies=0, compression="none"):
+        terms = autocast_state(precision)
+        terms["global weights"] = 4  # engine.py: the global model, which the outer optimizer moves
+        terms["outer momentum"] = 4  # torch.optim.SGD's momentum_buffer
+        terms["pseudo-gradient"] = 4  # engine.py sync: the flat difference, all-reduced in place
+        return terms
+
+    def link_s(self, c, hosts, net, work, calib, backward_s):
+        """One all-reduce of the weights' difference every --sync-every steps (the default H here),
+        in the wire's bytes, amortised over the H steps."""
+        nbytes = work.params * WIRE_BYTES[c.compression]
+        return ring_allreduce_s(nbytes, hosts, net, calib) / DEFAULT_SYNC_EVERY
+
+
+SPEC = DiLoCoSpec(
+    "diloco",
+    "vit.engines.diloco.engine",
+    pipeline=False,
+    deepspeed=False,
+    zero_stage=0,
+    zero_stages=(0,),
+    fp16=False,
+    freeze=False,
+    async_schedule=False,
+    micro_batch_auto=True,
+    default_ds_config="zero0.json",
+    comm_hooks=False,
+    autocast=True,
+    local_steps=True,
+)
