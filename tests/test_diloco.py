@@ -189,11 +189,22 @@ def test_the_wire_rounds_as_it_says():
         (["--precision", "fp16"], "--engine diloco trains in fp32 or bf16"),
         (["--comm-hook", "bf16"], "--comm-hook applies to --engine ddp"),
         (["--freeze", "settled"], "--freeze works with --engine"),
+        (
+            ["--batch-split", "proportional"],
+            "--batch-split proportional applies to --engine zero or ddp",
+        ),
     ],
 )
 def test_bad_diloco_options_are_one_line(monkeypatch, argv, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         plan_in_process(monkeypatch, ["--engine", "diloco", *argv])
+
+
+def test_workers_must_share_the_ranks_evenly(monkeypatch):
+    with pytest.raises(ConfigError, match="^--worker-ranks 3 does not divide the world size 2$"):
+        plan_in_process(monkeypatch, ["--engine", "diloco", "--worker-ranks", 3], world_size=2)
+    plan = plan_in_process(monkeypatch, ["--engine", "diloco", "--worker-ranks", 2], world_size=4)
+    assert plan.settings.local.worker_ranks == "2"
 
 
 def test_its_options_have_no_effect_on_another_engine():

@@ -167,15 +167,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     dataset, note = dataset_for(settings.data)
     s = settings.with_(dataset=dataset)
     par, ckpt = s.parallel, s.checkpoint
-    if "wandb" in s.log.report_to.split(","):
-        tracking.check_wandb()
-    check_writable(s.log.log_dir or str(ROOT / "logs"), "--log-dir")
-    if s.checkpoint.save_dir and not ckpt.no_save:
-        check_writable(s.checkpoint.save_dir, "--save-dir")
-    if not ckpt.resume:
-        check_unused(s.log.log_dir, None if ckpt.no_save else ckpt.save_dir)
-    if s.model.export:
-        check_export(s.model.export)
+    check_outputs(s)
     ds_config, batch = resolve_ds_config(s, par, job.world_size)
     requested = par.precision or precision_of(ds_config)  # settled by vit.runtime.precision.choose
     if par.precision is None and not any(
@@ -219,22 +211,8 @@ def make_plan(settings: Settings, job: Job) -> Plan:
             "use --freeze-cache "
             "auto or off"
         )
-    if spec(par.engine).pipeline and par.pipeline_stages > preset.depth + 2:
-        raise ConfigError(
-            f"--pipeline-stages {par.pipeline_stages} exceeds the {preset.depth + 2} "
-            f"layers of "
-            f"{s.model.model} (embedding, {preset.depth} blocks, head)"
-        )
+    check_layout(s, job, preset.depth, batch)
     per_epoch, total_steps = run_length(s, data, batch)
-    interval = s.asynchrony.async_update_interval
-    if interval and batch.grad_accum % interval:
-        raise ConfigError(
-            f"--async-update-interval {interval} does not divide the "
-            f"gradient-accumulation count "
-            f"{batch.grad_accum} (a checkpoint drains the pipeline at a step's end, "
-            f"where every "
-            "stage's update must be complete)"
-        )
     save_dir = ckpt.save_dir or (
         os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None
     )
@@ -266,6 +244,42 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         notes,
     )
     return replace(plan, notes=notes + resume_notes(plan)) if resume else plan
+
+
+def check_outputs(s: Settings) -> None:
+    """Where the run writes: folders it can write and no other run's, the export's file, wandb."""
+    ckpt = s.checkpoint
+    if "wandb" in s.log.report_to.split(","):
+        tracking.check_wandb()
+    check_writable(s.log.log_dir or str(ROOT / "logs"), "--log-dir")
+    if ckpt.save_dir and not ckpt.no_save:
+        check_writable(ckpt.save_dir, "--save-dir")
+    if not ckpt.resume:
+        check_unused(s.log.log_dir, None if ckpt.no_save else ckpt.save_dir)
+    if s.model.export:
+        check_export(s.model.export)
+
+
+def check_layout(s: Settings, job: Job, depth: int, batch: Batch) -> None:
+    """The engine's layout against the ranks and the model: stages, updates in flight, workers."""
+    par, engine = s.parallel, spec(s.parallel.engine)
+    if engine.pipeline and par.pipeline_stages > depth + 2:
+        raise ConfigError(
+            f"--pipeline-stages {par.pipeline_stages} exceeds the {depth + 2} layers of "
+            f"{s.model.model} (embedding, {depth} blocks, head)"
+        )
+    interval = s.asynchrony.async_update_interval
+    if interval and batch.grad_accum % interval:
+        raise ConfigError(
+            f"--async-update-interval {interval} does not divide the gradient-accumulation count "
+            f"{batch.grad_accum} (a checkpoint drains the pipeline at a step's end, where every "
+            "stage's update must be complete)"
+        )
+    workers = s.local.worker_ranks
+    if engine.local_steps and workers.isdigit() and job.world_size % int(workers):
+        raise ConfigError(
+            f"--worker-ranks {workers} does not divide the world size {job.world_size}"
+        )
 
 
 def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settings, list[str]]:
