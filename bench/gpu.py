@@ -24,6 +24,15 @@ from vit.core.settings import positive_int
 from vit.telemetry.jsonl import read_jsonl
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
+# Run in the child before training: torch.cuda.Event.synchronize warns like the sync debug mode,
+# naming its caller's file (stacklevel 2), so that sync_sources counts it where it is called.
+EVENT_SYNC_WARNS = f"""import warnings
+_event_sync = torch.cuda.Event.synchronize
+def _warning_event_sync(self):
+    warnings.warn("{SYNC_WARNING} (Event.synchronize)", UserWarning, stacklevel=2)
+    return _event_sync(self)
+torch.cuda.Event.synchronize = _warning_event_sync
+"""
 
 
 def vit_train(
@@ -31,9 +40,10 @@ def vit_train(
 ) -> tuple[int | str, str]:
     """One process of vit.train (rank 0 of 1); its exit code (or why it was killed) and output."""
     code = "import sys, torch\nfrom vit.train import main\n"
-    # every host sync of the CUDA stream warns, each one (PYTHONWARNINGS=always below)
+    # every host sync of the CUDA stream warns, each one (PYTHONWARNINGS=always below); torch's
+    # sync debug mode does not see an event's synchronize (cudaEventSynchronize), so that warns too
     if sync_debug:
-        code += "torch.cuda.set_sync_debug_mode('warn')\n"
+        code += "torch.cuda.set_sync_debug_mode('warn')\n" + EVENT_SYNC_WARNS
     code += "sys.exit(main(sys.argv[1:]))\n"
     env = child_env(PYTHONUNBUFFERED="1", **({"PYTHONWARNINGS": "always"} if sync_debug else {}))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,20 @@ the smaller CPU-only build), PYTHON (interpreter for a new venv), VENV (folder, 
 USAGE
 }
 
+# DeepSpeed's CPU accelerator builds its shared-memory communication op on first use (about 30 s, once
+# per venv); build it here, where vit.train's runs find it (TORCH_EXTENSIONS_DIR=<venv>/torch_extensions
+# with the venv's ninja first on PATH, as vit.train.prepare_environment sets them), so that a fresh
+# clone's first run takes as long as the next. A host with a GPU trains over NCCL and needs none.
+build_cpu_comm_op() {
+  command -v nvidia-smi >/dev/null 2>&1 && return 0
+  local venv
+  venv=$(cd "$VENV" && pwd)
+  echo "$PROG: building DeepSpeed's CPU communication op (about 30 s, once)"
+  TORCH_EXTENSIONS_DIR="$venv/torch_extensions" PATH="$venv/bin:$PATH" "$venv/bin/python" -c \
+    'from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()' \
+    >/dev/null 2>&1 || echo "$PROG: the op did not build now; the first run builds it"
+}
+
 # shellcheck source=setup/common.sh
 . "$(dirname "$0")/../setup/common.sh"
 print_only=0
@@ -219,5 +233,6 @@ if [ -n "$adam_home" ]; then
     --no-cache-dir "$(pin deepspeed)"
 fi
 install_project
+build_cpu_comm_op
 echo "$want_hash torch=$build $want_adam" > "$stamp"
 echo "$PROG: $VENV is ready ($("$VENV/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null))"

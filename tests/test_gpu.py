@@ -4,11 +4,12 @@ device_id; and real 2-rank runs whose ranks disagree about CUDA."""
 
 import ast
 import contextlib
+import sys
 import types
 
 import pytest
 import torch
-from helpers import ROOT, launch
+from helpers import ROOT, launch, plugin_env, run_cmd
 
 from vit.config.cli import parse
 from vit.config.compat import check_precision
@@ -549,3 +550,42 @@ def test_gpu_ranks_load_data_with_persistent_workers_and_cpu_ranks_stay_as_they_
     data = torch.utils.data.TensorDataset(torch.arange(8.0), torch.arange(8))
     assert make_loader(data, [[0, 1], [2, 3]], 2, False).persistent_workers
     assert not make_loader(data, [[0, 1], [2, 3]], 0, False).persistent_workers
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_the_loop_waits_for_the_device_only_where_it_evaluates_saves_or_freezes(tmp_path):
+    """A wait for the device's queued work (an event synchronize on a GPU) in every step would take
+    the host's run-ahead away: the loop waits only at the steps where an evaluation, a checkpoint or
+    a freeze decision is due (here steps 3 and 4 of 6; the last step's are the finish's)."""
+    count = tmp_path / "waits"
+    args = ["--steps", 6, "--eval-interval", 3, "--save-interval", 4, "--log-interval", 6]
+    r = launch(
+        [*args, "--log-dir", tmp_path / "run"],
+        timeout=240,
+        env=plugin_env(count_waits=str(count)),
+    )
+    assert r.ok, r
+    assert [int((tmp_path / f"waits.rank{rank}").read_text()) for rank in (0, 1)] == [2, 2]
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_bench_gpus_sync_check_counts_an_event_synchronize(tmp_path):
+    """torch's sync debug mode does not warn on torch.cuda.Event.synchronize; the check's child
+    makes it warn from its caller's file, which sync_sources counts. Here on a stand-in event class
+    (no GPU), with the child's own code."""
+    from bench.gpu import EVENT_SYNC_WARNS, sync_sources
+
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import types, sys\n"
+        "torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=type('Event', (), "
+        "{'synchronize': lambda self: None})))\n"
+        + EVENT_SYNC_WARNS
+        + "def wait():\n    torch.cuda.Event().synchronize()\n"
+        + "for _ in range(3):\n    wait()\n"
+    )
+    r = run_cmd([sys.executable, "-W", "always", str(script)], timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert sync_sources(r.stderr) == {"ours": 3}, r.stderr

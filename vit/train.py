@@ -2,6 +2,7 @@
 summarise. Run through ./entry_cn.sh (under mpirun, srun, torchrun or directly); `--help` lists the
 options."""
 
+import contextlib
 import gc
 import os
 import socket
@@ -59,7 +60,10 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
         run.stats.record(run.engine, step, loss, lr)
         if run.stats.should_log(step):
             run.stats.log(run.engine, step)
-        with run.stats.paused():
+        # Paused (and the device's queued work waited for) only where one of them acts: a wait
+        # in every step would take the host's run-ahead away.
+        acting = run.freezer.due(step) or run.evaluator.due(step) or run.checkpointer.due(step)
+        with run.stats.paused() if acting else contextlib.nullcontext():
             if (rebuilt := run.freezer.after_step(step, run.engine, run.metrics)) is not None:
                 run.swap(rebuilt, step)
             run.evaluator.maybe(run.engine, step)

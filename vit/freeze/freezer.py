@@ -135,6 +135,10 @@ class Freezer:
         )
         return cached_batches(batches, order, run, self.cache, engine.device)
 
+    def due(self, step: int) -> bool:
+        """Whether after_step(step) is a decision point (where it may rebuild the engine)."""
+        return self.mode != "none" and step % self.interval_steps == 0 and step < self.total_steps
+
     def after_step(self, step: int, engine, metrics) -> "object | None":
         """Collective: at a freeze point, the engine rebuilt with the longer frozen prefix (else
         None)."""

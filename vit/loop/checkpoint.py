@@ -317,9 +317,13 @@ class Checkpointer:
         )
         self.saved_step = None
 
+    def due(self, step: int, last_step: bool = False) -> bool:
+        """Whether save(step) writes a checkpoint."""
+        at = last_step or (self.interval and step % self.interval == 0)
+        return bool(self.enabled and at and step != self.saved_step)
+
     def save(self, engine, step: int, last_step: bool = False) -> None:
-        due = last_step or (self.interval and step % self.interval == 0)
-        if not self.enabled or not due or step == self.saved_step:
+        if not self.due(step, last_step):
             return
         self.on_progress()
         extra = self.extra_state() if self.extra_state else {}

@@ -35,8 +35,12 @@ class Evaluator:
         # built once per data-parallel layout; its workers persist
         self.loader, self.loader_for = None, None
 
+    def due(self, step: int) -> bool:
+        """Whether maybe(step) evaluates (the last step's evaluation is the finish's)."""
+        return bool(self.interval) and step % self.interval == 0 and step != self.total_steps
+
     def maybe(self, engine, step: int) -> None:
-        if self.interval and step % self.interval == 0 and step != self.total_steps:
+        if self.due(step):
             self.run(engine, step)
 
     def _once(self, engine, step: int, label: str) -> dict:
