@@ -11,6 +11,7 @@ from pathlib import Path
 
 from vit.config.compat import NEEDS, PROVISIONAL, check_auto, check_settings
 from vit.core.errors import ConfigError
+from vit.core.hostfile import hostfile_slots
 from vit.core.paths import ROOT
 from vit.core.settings import DEFAULT_EPOCHS, GROUPS, TRACKERS, Settings
 from vit.engines.registry import AUTO, NAMES, SPECS, spec
@@ -135,6 +136,8 @@ def validate(s: Settings) -> Settings:
         raise ConfigError("--nesterov needs --opt sgd with a --momentum above 0")
     if s.cluster.hostfile and not Path(s.cluster.hostfile).is_file():
         raise ConfigError(f"--hostfile {s.cluster.hostfile}: no such file")
+    if s.cluster.hostfile:
+        hostfile_slots(s.cluster.hostfile)  # its slots: whole numbers, and a host at least
     if s.checkpoint.resume == "auto" and not (s.checkpoint.save_dir or s.log.log_dir):
         raise ConfigError("--resume needs the run's --log-dir (or --save-dir), or --resume PATH")
     if s.freeze.freeze_alpha > 1:

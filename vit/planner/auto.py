@@ -19,7 +19,7 @@ from vit.core.errors import ConfigError, NothingToDo
 from vit.engines.registry import spec
 from vit.engines.step_cost import SHARED
 from vit.planner.census import capabilities, gather
-from vit.planner.cli import PLAN_ONLY, row, run_calibration, table
+from vit.planner.cli import NO_FILE, PLAN_ONLY, row, run_calibration, table
 from vit.planner.inputs import describe_layers, ranks_from_census
 from vit.planner.links import measure_links, network
 from vit.planner.predict import engine_key
@@ -90,11 +90,10 @@ def choose(
     if job.is_main:
         print(text, flush=True)
     if only := os.environ.get(PLAN_ONLY):
-        if job.is_main:
+        if job.is_main and only != NO_FILE:
             write_json(only, record)
-        raise NothingToDo(
-            f"engine auto: planned only (${PLAN_ONLY}): the table and the choice are in {only}"
-        )
+        where = "" if only == NO_FILE else f"; the table and the choice are in {only}"
+        raise NothingToDo(f"engine auto: planned only, nothing trained{where}")
     return record
 
 

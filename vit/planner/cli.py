@@ -8,11 +8,11 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from vit.core.costs import Calibration, Prediction, Workload
 from vit.core.errors import ConfigError
+from vit.core.hostfile import hostfile_slots
 from vit.core.paths import ROOT
 from vit.core.settings import positive_int
 from vit.planner.inputs import load_run, network, profile_model, ranks_from_census, read_json
@@ -25,6 +25,7 @@ CALIBRATION = "VIT_PLANNER_CALIBRATION"
 CALIBRATION_FILE = ROOT / "logs" / "planner_calibration.json"  # when it exists; else the defaults
 # --engine auto with it: rank 0 writes the table to this file, nothing trains
 PLAN_ONLY = "VIT_ENGINE_AUTO_PLAN_ONLY"
+NO_FILE = "-"  # PLAN_ONLY without --json: the table printed, no file written
 
 
 class Parser(argparse.ArgumentParser):
@@ -278,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if (args.run is None) == (args.hostfile is None):
         p.error("give a run's log dir or --hostfile, one of the two")
+    if args.json and (problem := unwritable(args.json)):
+        p.error(f"--json {args.json}: {problem}")
     if args.hostfile:
         given = [
             k
@@ -331,37 +334,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def unwritable(out: str) -> str | None:
+    """Why `out` cannot be written as a file (None: it can)."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        return "a folder; give a file's path"
+    if not os.path.isdir(folder):
+        return f"its folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"its folder {folder} is not writable"
+    return None
+
+
 def measure_hostfile(hostfile: str, out: str | None, train: list[str]) -> int:
     """--hostfile: `mpirun --hostfile HOSTFILE ./entry_cn.sh --engine auto TRAIN...` with
     $VIT_ENGINE_AUTO_PLAN_ONLY set, so that every rank measures, rank 0 prints the table and writes
     it (JSON) to `out`, and all stop."""
-    from vit.runtime.preflight import hostfile_slots
-
     try:
         slots = hostfile_slots(hostfile)
-    except (OSError, ValueError) as e:
-        print(
-            f"{PROG}: error: --hostfile {hostfile}: {getattr(e, 'strerror', None) or e}",
-            file=sys.stderr,
-        )
+    except OSError as e:
+        print(f"{PROG}: error: --hostfile {hostfile}: {e.strerror or e}", file=sys.stderr)
         return 2
-    folder = os.path.dirname(os.path.abspath(out)) if out else None
-    if out and (os.path.isdir(out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
-        print(f"{PROG}: error: --json {out}: not a file this user can write", file=sys.stderr)
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, PLAN_ONLY: os.path.abspath(out or os.path.join(tmp, "plan.json"))}
-        cmd = [
-            str(ROOT / "scripts" / "mpirun"),
-            "-np",
-            str(slots),
-            "--hostfile",
-            hostfile,
-            "-x",
-            PLAN_ONLY,
-            str(ROOT / "entry_cn.sh"),
-            "--engine",
-            "auto",
-            *train,
-        ]
-        return subprocess.run(cmd, env=env, cwd=ROOT).returncode
+    env = {**os.environ, PLAN_ONLY: os.path.abspath(out) if out else NO_FILE}
+    cmd = [
+        str(ROOT / "scripts" / "mpirun"),
+        "-np",
+        str(slots),
+        "--hostfile",
+        hostfile,
+        "-x",
+        PLAN_ONLY,
+        str(ROOT / "entry_cn.sh"),
+        "--engine",
+        "auto",
+        *train,
+    ]
+    return subprocess.run(cmd, env=env, cwd=ROOT).returncode

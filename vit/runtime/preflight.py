@@ -11,11 +11,11 @@ import platform
 import re
 import socket
 import subprocess
-from pathlib import Path
 
 import torch.distributed as dist
 
 from vit.core.errors import ConfigError
+from vit.core.hostfile import hostfile_slots
 from vit.runtime.dist_env import rank0_decides
 
 PACKAGES = ("torch", "deepspeed", "timm")
@@ -29,18 +29,6 @@ def local_report() -> dict:
     for var in IFACE_VARS:
         report[var] = os.environ.get(var, "")
     return report
-
-
-def hostfile_slots(path: str) -> int:
-    """Total slots of an Open MPI / DeepSpeed hostfile (`host slots=N`; a host without slots= counts
-    1)."""
-    total = 0
-    for line in Path(path).read_text().splitlines():
-        words = line.split("#")[0].split()
-        if words:
-            slots = [w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")]
-            total += int(slots[0]) if slots else 1
-    return total
 
 
 def problems(reports: list[dict], world_size: int, slots: int | None) -> list[str]:
