@@ -5,11 +5,12 @@ options, for tools and tests)."""
 import argparse
 import importlib.util
 import math
+import sys
 import typing
 from dataclasses import fields, replace
 from pathlib import Path
 
-from vit.config.compat import NEEDS, PROVISIONAL, check_auto, check_settings
+from vit.config.compat import NEEDS, PROVISIONAL, check_auto, check_auto_given, check_settings
 from vit.core.errors import ConfigError
 from vit.core.hostfile import hostfile_slots
 from vit.core.paths import ROOT
@@ -187,8 +188,20 @@ def report_trackers(value: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def given(argv: list[str]) -> set[str]:
+    """The options the command line names (by field name), defaults or not."""
+    p = parser()
+    for action in p._actions:  # noqa: SLF001 (argparse's list of arguments)
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
 def parse(argv=None) -> Settings:
-    return validate(from_namespace(parser().parse_args(argv)))
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    settings = from_namespace(parser().parse_args(argv))
+    if settings.parallel.engine == AUTO:
+        check_auto_given(given(argv))
+    return validate(settings)
 
 
 def defaults() -> Settings:

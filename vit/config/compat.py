@@ -154,6 +154,17 @@ AUTO_CHOOSES = (
 PROVISIONAL = next(e.name for e in SPECS.values() if not e.pipeline and e.micro_batch_auto)
 
 
+def check_auto_given(names: set[str]) -> None:
+    """--engine auto with an option it chooses, given on the command line even at its default: a
+    user who says --comm-hook none must not get compression."""
+    for _, name in AUTO_CHOOSES:
+        if name in names:
+            raise ConfigError(
+                f"--engine {AUTO} chooses --{name.replace('_', '-')} itself; leave it out, or name "
+                "an engine"
+            )
+
+
 def check_auto(s) -> None:
     """--engine auto against the options it decides itself (vit.config.cli.validate)."""
     from dataclasses import fields
