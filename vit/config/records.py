@@ -98,10 +98,10 @@ def write_summary(
     }
     write_json(os.path.join(log_dir, "summary.json"), summary)
     ema = f" (EMA {100 * evaluation['ema_top1']:.2f}%)" if "ema_top1" in evaluation else ""
+    top5 = f", top-5 {100 * evaluation['top5']:.2f}%" if "top5" in evaluation else ""
     print(
         f"done: {total} steps in {summary['wall_s']:.1f} s, top-1 "
-        f"{100 * evaluation['top1']:.2f}%{ema}, top-5 "
-        f"{100 * evaluation['top5']:.2f}%, logs in {log_dir}",
+        f"{100 * evaluation['top1']:.2f}%{ema}{top5}, logs in {log_dir}",
         flush=True,
     )
     return summary

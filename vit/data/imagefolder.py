@@ -82,5 +82,10 @@ def load_imagefolder(data_path: str, img_size: int, mean: tuple, std: tuple) -> 
         )
     if train.classes != test.classes:
         raise ConfigError(f"imagefolder: the class folders of {splits[0]} and {splits[1]} differ")
+    if len(train.classes) < 2:
+        raise ConfigError(
+            f"imagefolder: {splits[0]} holds {len(train.classes)} class folder "
+            f"({', '.join(train.classes)}); a classifier needs at least two"
+        )
     check_images(root, [p for ds in (train, test) for p, _label in ds.samples])
     return train, test, datasets.ImageFolder(str(splits[0]), loader=read_rgb)

@@ -4,6 +4,8 @@ from vit.data.augment import without_images
 from vit.data.datasets import DataSplit
 from vit.data.sampling import eval_batches, make_loader
 
+TOP5_CLASSES = 5  # top-5 is reported only with more classes than this
+
 
 def alive(batches, watchdog):
     """The batches, telling the watchdog of progress at each one."""
@@ -60,14 +62,16 @@ class Evaluator:
         else:
             batches = [(None, None)] * len(lists)
         loss_sum, correct, correct5, count = engine.evaluate(alive(batches, self.watchdog))
+        result = {"eval_loss": loss_sum / count, "top1": correct / count}
+        said = (
+            f"loss {loss_sum / count:.4f} | top-1 {100 * correct / count:.2f}% ({correct}/{count})"
+        )
+        if self.data.num_classes > TOP5_CLASSES:  # with five classes or fewer top-5 is always 100%
+            result["top5"] = correct5 / count
+            said += f" | top-5 {100 * correct5 / count:.2f}%"
         if self.is_main:
-            print(
-                f"eval{label} at step {step}: loss {loss_sum / count:.4f} | top-1 "
-                f"{100 * correct / count:.2f}% "
-                f"({correct}/{count}) | top-5 {100 * correct5 / count:.2f}%",
-                flush=True,
-            )
-        return {"eval_loss": loss_sum / count, "top1": correct / count, "top5": correct5 / count}
+            print(f"eval{label} at step {step}: {said}", flush=True)
+        return result
 
     def run(self, engine, step: int) -> dict:
         """The held-out loss, top-1 and top-5; with --model-ema also the average's, as
