@@ -14,7 +14,7 @@ from vit.config.compat import NEEDS, PROVISIONAL, check_auto, check_auto_given, 
 from vit.core.errors import ConfigError
 from vit.core.hostfile import hostfile_slots
 from vit.core.paths import ROOT
-from vit.core.settings import DEFAULT_EPOCHS, GROUPS, TRACKERS, Settings
+from vit.core.settings import GROUPS, TRACKERS, Settings
 from vit.engines.registry import AUTO, NAMES, SPECS, spec
 
 PROG = "entry_cn.sh"  # the launcher users run: the usage and the training's messages name it
@@ -149,11 +149,9 @@ def validate(s: Settings) -> Settings:
     ds_config = par.ds_config or str(
         ROOT / "deepspeed_configs" / spec(par.engine).default_ds_config
     )
-    epochs = DEFAULT_EPOCHS if s.train.epochs is None and s.train.steps is None else s.train.epochs
     return replace(
         s,
         parallel=replace(par, ds_config=ds_config),
-        train=replace(s.train, epochs=epochs),
         log=replace(s.log, report_to=",".join(report_to) or "none"),
     )
 

@@ -18,7 +18,7 @@ from vit.core.batch import Batch
 from vit.core.costs import Candidate
 from vit.core.errors import ConfigError, NothingToDo
 from vit.core.paths import DS_CONFIGS, ROOT
-from vit.core.settings import Settings
+from vit.core.settings import DEFAULT_EPOCHS, Settings
 from vit.core.spec import EngineSpec
 from vit.data.augment import data_recipe
 from vit.data.datasets import DataSplit, dataset_for, load_dataset
@@ -227,6 +227,9 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     }
     check_freeze(s, ds_config)
     resume = find_resume(s, save_dir, shape, batch) if ckpt.resume else None
+    if resume and s.train.steps is None and s.train.epochs is None:
+        # the length's default would change the run's: keep its own (the LR schedule's)
+        total_steps = resume.saved.get("total_steps", total_steps)
     resolve_master(job)
     plan = Plan(
         s,
@@ -283,10 +286,10 @@ def check_layout(s: Settings, job: Job, depth: int, batch: Batch) -> None:
 
 
 def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settings, list[str]]:
-    """The starting weights (fetched for --pretrained, shapes checked), mixup's classes; the recipe
+    """The starting weights (fetched for --pretrained, shapes checked); the recipe
     as it applies to the data (vit.data.augment.data_recipe), so that config.json records it."""
     s = replace(s, recipe=data_recipe(s.recipe, data))
-    m, r = s.model, s.recipe
+    m = s.model
     if m.pretrained and m.pretrained_path:
         raise ConfigError("--pretrained and --pretrained-path: choose one")
     # the checkpoint's weights replace them
@@ -298,10 +301,6 @@ def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settin
     if s.model.pretrained_path and not s.checkpoint.resume:
         notes = notes + weights.check(
             s.model.pretrained_path, m.model, data.num_classes, data.in_chans, data.img_size
-        )
-    if r.mixes and data.num_classes < 2:
-        raise ConfigError(
-            f"--mixup/--cutmix need at least two classes; {s.data.dataset} has {data.num_classes}"
         )
     return s, notes
 
@@ -323,7 +322,8 @@ def run_length(s: Settings, data: DataSplit, batch: Batch) -> tuple[int, int]:
             f"training samples "
             f"of {s.data.dataset}"
         )
-    return per_epoch, s.train.steps or max(1, round(s.train.epochs * per_epoch))
+    epochs = DEFAULT_EPOCHS if s.train.epochs is None else s.train.epochs
+    return per_epoch, s.train.steps or max(1, round(epochs * per_epoch))
 
 
 def with_micro_batch(plan: Plan, micro_batch: int, split: list[int] | None, search: dict) -> Plan:
@@ -456,19 +456,23 @@ def choose_resume(plan: Plan) -> str:
     r, total = plan.resume, plan.total_steps
     tag = checkpoint.choose(r.save_dir, r.tags)
     step = checkpoint.step_of(tag)
-    if step < total:
-        return tag
     m = plan.settings.model
-    # its last checkpoint holds the final weights: no need to train again
-    if step == total and m.export:
+    if m.export:  # --resume with --export writes the checkpoint's weights and never trains
         weights.export_checkpoint(
             f"{r.save_dir}/{tag}", m.export, m.model, plan.data, plan.settings.recipe.model_ema
         )
-        raise NothingToDo(
-            f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step "
-            f"({step}); exported "
-            "its weights, nothing else to do"
+        where = f"checkpoint {r.save_dir}/{tag}"
+        said = (
+            f"the run is complete: {where} is its last step ({step})"
+            if step == total
+            else f"{where} is at step {step} of {total}"
         )
+        raise NothingToDo(
+            f"{said}; exported its weights to {m.export}, nothing trained (without --export, "
+            "--resume trains on)"
+        )
+    if step < total:
+        return tag
     log_dir = plan.settings.log.log_dir
     summary = Path(log_dir, "summary.json") if log_dir else Path(r.save_dir).parent / "summary.json"
     if step == total and summary.is_file() and json.loads(summary.read_text()).get("steps") == step:

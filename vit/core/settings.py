@@ -459,7 +459,8 @@ class TrainSettings:
     steps: int | None = option(None, "optimizer steps to train", "positive", exclusive="length")
     epochs: float | None = option(
         None,
-        f"epochs to train (default {DEFAULT_EPOCHS:g} when --steps is not given)",
+        f"epochs to train (default {DEFAULT_EPOCHS:g} when --steps is not given; with --resume, "
+        "the resumed run's own length)",
         "positive",
         exclusive="length",
     )
