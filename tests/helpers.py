@@ -209,6 +209,21 @@ def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.Complet
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+def plan_in_process(monkeypatch, argv, world_size: int = 1):
+    """What `vit.train ARGV` plans before any process group starts, in this process: its settings
+    (vit.config.cli.parse) and plan (vit.config.plan.make_plan) as rank 0 of `world_size` ranks,
+    with rank 0's address given as a launcher gives it. A ConfigError here is what the run reports
+    in one line with exit 2 (vit.train.main)."""
+    from vit.config.cli import parse
+    from vit.config.plan import make_plan
+    from vit.runtime.dist_env import Job
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "9")
+    launcher = "single" if world_size == 1 else "torchrun"
+    return make_plan(parse([str(a) for a in argv]), Job(0, world_size, 0, world_size, launcher))
+
+
 def train_losses(log_dir, rank: int = 0) -> dict[int, float]:
     return {
         r["step"]: r["loss"]

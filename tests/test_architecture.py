@@ -26,7 +26,8 @@ NOT_DISPATCH = {
 
 
 def _literals(node: ast.AST) -> list[str]:
-    """The string constants a comparison operand or key is, or holds (a tuple, list or set of them)."""
+    """The string constants a comparison operand or key is, or holds (a tuple, list or set of
+    them)."""
     items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
     return [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
 

@@ -42,7 +42,8 @@ def calibration(tmp_path, monkeypatch):
 
 
 def census(ms_per_layer=(1.0, 2.0), hosts=("a", "a"), free_gib=8.0) -> list[dict]:
-    """Each rank's layer_ms (forward, backward) at the run's micro-batch: `ms` each way per layer."""
+    """Each rank's layer_ms (forward, backward) at the run's micro-batch: `ms` each way per
+    layer."""
     return [
         {
             "host": h,

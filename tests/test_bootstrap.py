@@ -22,11 +22,13 @@ TOOLS = ["bash", "dirname", "basename", "awk", "sed", "grep", "sort", "head", "p
 NO_GPU_ADAM = "DeepSpeed's CPU Adam: not prebuilt: no GPU build of torch on a GPU host"
 
 FAKE_SMI = """#!/bin/sh
-# nvidia-smi of a host with driver $FAKE_DRIVER and one GPU per compute capability in $FAKE_CAPS; other
-# arguments fail as the real one fails on a field it does not know.
+# nvidia-smi of a host with driver $FAKE_DRIVER and one GPU per compute capability in $FAKE_CAPS;
+# other arguments fail as the real one fails on a field it does not know.
 case "$*" in
-  "--query-gpu=driver_version --format=csv,noheader") for cap in $FAKE_CAPS; do echo "$FAKE_DRIVER"; done ;;
-  "--query-gpu=compute_cap --format=csv,noheader") for cap in $FAKE_CAPS; do echo "$cap"; done ;;
+  "--query-gpu=driver_version --format=csv,noheader")
+    for cap in $FAKE_CAPS; do echo "$FAKE_DRIVER"; done ;;
+  "--query-gpu=compute_cap --format=csv,noheader")
+    for cap in $FAKE_CAPS; do echo "$cap"; done ;;
   *) echo "fake nvidia-smi: unexpected arguments: $*"; exit 2 ;;
 esac
 """

@@ -39,8 +39,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.ranks]
 FAKE_NVIDIA_SMI = """#!/bin/sh
 # nvidia-smi of a host with two GPUs: the true outer boundary of setup/make_hostfile.sh.
 case "$*" in
-  -L) printf 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)\\nGPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)\\n' ;;
-  --query-gpu=*) gpu='NVIDIA H100 80GB HBM3, 81559 MiB, 550.54.15'; printf '%s\\n%s\\n' "$gpu" "$gpu" ;;
+  -L) printf 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)\\n'
+      printf 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)\\n' ;;
+  --query-gpu=*) gpu='NVIDIA H100 80GB HBM3, 81559 MiB, 550.54.15'
+      printf '%s\\n%s\\n' "$gpu" "$gpu" ;;
   *) exit 1 ;;
 esac
 """
@@ -69,7 +71,8 @@ class Result:
         self.argv, self.rc, self.output, self.duration_s = argv, rc, output, duration_s
 
     def __str__(self):
-        return f"$ {shlex.join(self.argv)}\nexit {self.rc} after {self.duration_s:.1f}s\n{self.output[-6000:]}"
+        said = f"exit {self.rc} after {self.duration_s:.1f}s"
+        return f"$ {shlex.join(self.argv)}\n{said}\n{self.output[-6000:]}"
 
 
 def run(argv, env, timeout, check=True) -> Result:

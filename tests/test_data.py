@@ -1,12 +1,13 @@
 """Data sets in their real file formats, and the step-indexed sampling every engine shares."""
 
+import json
 import pickle
 import sys
 
 import numpy as np
 import pytest
 import torch
-from helpers import base_env, run_cmd
+from helpers import base_env, plan_in_process, run_cmd
 
 from vit.core.errors import ConfigError
 from vit.data.datasets import load_dataset
@@ -91,9 +92,45 @@ def test_imagefolder(tmp_path):
         load_dataset("imagefolder", str(tmp_path), 16)
 
 
+def image_folder(root, classes, per_class=3):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for k, cls in enumerate(classes):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (36, 36), (40 * k, 90, 200 - 40 * k)).save(
+                    root / split / cls / f"{i}.png"
+                )
+    return root
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(200)
-def test_an_image_that_is_not_one_is_named_before_training(tmp_path):
+def test_a_folder_of_one_class_is_refused_and_few_classes_report_no_top5(tmp_path):
+    """One class trained to 100% without a word; with five classes or fewer top-5 is always 100%,
+    so it is not reported."""
+    with pytest.raises(
+        ConfigError, match=r"holds 1 class folder \(cat\); a classifier needs at least two"
+    ):
+        load_dataset("imagefolder", str(image_folder(tmp_path / "one", ["cat"])), 16)
+    three = image_folder(tmp_path / "three", ["cat", "dog", "eel"])
+    args = ["--dataset", "imagefolder", "--data-path", three, "--model", "vit_tiny_cifar"]
+    args += ["--steps", 2, "--micro-batch-size", 3, "--no-save", "--monitor-interval", 0]
+    run = tmp_path / "run"
+    r = run_cmd(
+        [sys.executable, "-m", "vit.train", *map(str, args), "--log-dir", str(run)],
+        env=base_env(),
+        timeout=150,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    evals = [line for line in r.stdout.splitlines() if line.startswith(("eval at", "done:"))]
+    assert len(evals) == 2 and all("top-1" in e and "top-5" not in e for e in evals), evals
+    summary = json.loads((run / "summary.json").read_text())
+    assert "top1" in summary and "top5" not in summary
+
+
+def test_an_image_that_is_not_one_is_named_before_training(tmp_path, monkeypatch):
     """A garbage file with a .png name refuses the run at the start, naming it (it was an
     UnidentifiedImageError mid-run); a PNG cut short has a sound header and passes, and reading it
     names the file."""
@@ -108,31 +145,27 @@ def test_an_image_that_is_not_one_is_named_before_training(tmp_path):
                 Image.fromarray(pixels).save(tmp_path / split / cls / f"{i}.png")
     bad = tmp_path / "train" / "dog" / "3.png"
     bad.write_bytes(b"garbage bytes with a .png name")
-    # One rank of two that never meets the other: a check made after the process group starts would
-    # hang here.
-    env = base_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="9")
-    r = run_cmd(
-        [
-            sys.executable,
-            "-m",
-            "vit.train",
-            "--data-path",
-            str(tmp_path),
-            "--img-size",
-            "8",
-            "--steps",
-            "1",
-            "--micro-batch-size",
-            "4",
-            "--log-dir",
-            str(tmp_path / "run"),
-        ],
-        env=env,
-        timeout=150,
-    )
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip().splitlines()[-1] == (
-        f"entry_cn.sh: error: imagefolder: 1 of the 12 files under {tmp_path} are not images PIL "
+    # Refused by rank 0 of two as vit.train plans (in-process), before any process group: a check
+    # made after it starts would hang there.
+    with pytest.raises(ConfigError) as e:
+        plan_in_process(
+            monkeypatch,
+            [
+                "--data-path",
+                tmp_path,
+                "--img-size",
+                "8",
+                "--steps",
+                "1",
+                "--micro-batch-size",
+                "4",
+                "--log-dir",
+                tmp_path / "run",
+            ],
+            world_size=2,
+        )
+    assert str(e.value) == (
+        f"imagefolder: 1 of the 12 files under {tmp_path} are not images PIL "
         f"can read: "
         "train/dog/3.png (UnidentifiedImageError); remove or replace them (every image's header is "
         "checked before "
@@ -362,7 +395,8 @@ def test_a_labels_only_rank_gets_the_same_labels_and_mixed_targets_without_readi
 
 
 class _Counting(torch.utils.data.Dataset):
-    """A data set with `targets` that notes each image read; its labels are ints, as ImageFolder's."""
+    """A data set with `targets` that notes each image read; its labels are ints, as
+    ImageFolder's."""
 
     def __init__(self, ds):
         self.ds, self.targets, self.read = ds, ds.tensors[1].tolist(), []

@@ -30,7 +30,8 @@ FAKE_SMI = """#!/bin/sh
 case "$*" in
   "--query-gpu=driver_version,name --format=csv,noheader")
     echo "$FAKE_DRIVER, NVIDIA GeForce RTX 3070"; echo "$FAKE_DRIVER, NVIDIA GeForce RTX 3070" ;;
-  "") echo "| NVIDIA-SMI $FAKE_DRIVER    Driver Version: $FAKE_DRIVER    CUDA Version: $FAKE_DRIVER_CUDA |" ;;
+  "") printf '| NVIDIA-SMI %s    Driver Version: %s    ' "$FAKE_DRIVER" "$FAKE_DRIVER"
+      echo "CUDA Version: $FAKE_DRIVER_CUDA |" ;;
   *) echo "fake nvidia-smi: unexpected arguments: $*"; exit 2 ;;
 esac
 """

@@ -72,7 +72,7 @@ def test_ddp_step_is_compute_plus_the_all_reduce_not_hidden_by_backward():
     assert p.step_s == pytest.approx(32e-3) and p.bottleneck == "compute"
 
 
-def test_zero_stages_cost_the_measured_factors_of_the_all_reduce_and_bf16_halves_only_the_reduction():
+def test_zero_stages_cost_their_measured_factors_and_bf16_halves_only_the_reduction():
     ranks, j = two_hosts(), job()
     ring = 8000 / 1e6  # 2000 fp32 gradients, ring of 2
     for stage, factor in enumerate(Calibration().zero_comm_factor):
@@ -101,7 +101,7 @@ def test_zero_stages_cost_the_measured_factors_of_the_all_reduce_and_bf16_halves
     ).link_s == pytest.approx(1.46 * ring / 2)
 
 
-def test_pipeline_step_is_the_slowest_stage_over_its_slots_or_its_link_and_the_async_one_has_no_bubble():
+def test_pipeline_step_is_its_slowest_stage_over_its_slots_or_link_async_without_bubble():
     ranks, j = two_hosts(slow=2.0), job(batch=8)
     c = Candidate(DS_PIPE, 0, 2, 2, 4, parts=(0, 1, 2))
     # stage 0: 2 x 3 ms; stage 1 (slowed x2): 2 x 6 ms a micro-batch; the boundary: 2 samples x 5

@@ -1,6 +1,6 @@
-"""Style held by tools, not by line counts: the code is as `ruff format` writes it (100 columns), and `ruff check`
-passes, with the complexity rules of ruff.toml (mccabe's C901; pylint's branches, arguments and statements per
-function) that keep a function small by its structure."""
+"""Style held by tools, not by line counts: the code is as `ruff format` writes it (100 columns),
+and `ruff check` passes, with the complexity rules of ruff.toml (mccabe's C901; pylint's branches,
+arguments and statements per function) that keep a function small by its structure."""
 
 import sys
 

@@ -1,22 +1,34 @@
 """The training core with real processes: DeepSpeed engines and DDP on gloo, compared with a plain
-single-process PyTorch loop; resume; bad input."""
+single-process PyTorch loop; resume; bad input (in-process, and once through the entry point)."""
 
+import functools
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import MPIRUN, ROOT, base_env, free_port, launch, read_jsonl, run_cmd, train_losses
+from helpers import (
+    MPIRUN,
+    ROOT,
+    base_env,
+    free_port,
+    launch,
+    plan_in_process,
+    read_jsonl,
+    run_cmd,
+    train_losses,
+)
 
 from vit.config.cli import defaults
+from vit.core.errors import ConfigError
 from vit.loop.reference import reference_losses
-
-pytestmark = pytest.mark.ranks  # every test here starts processes
 
 STEPS = 6
 CONFIGS = ROOT / "deepspeed_configs"
 
 
+@functools.cache  # the recipe's takes seconds; several tests compare with the same losses
 def reference(global_batch: int, steps: int = STEPS, **recipe) -> list[float]:
     return reference_losses(defaults().with_(**recipe), global_batch, steps, clip=1.0)
 
@@ -28,75 +40,6 @@ def assert_matches_reference(log_dir, global_batch: int, rel: float = 2e-4, **re
     for step, loss in got.items():
         assert loss == pytest.approx(want[step - 1], rel=rel), (step, got, want)
     assert want[-1] < want[0]  # it learns
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "engine,config",
-    [
-        ("zero", "zero0.json"),
-        ("zero", "zero1.json"),
-        ("zero", "zero2.json"),
-        ("zero", "zero3.json"),
-        ("pipeline", "pipeline.json"),
-        ("ddp", "zero0.json"),
-    ],
-)
-def test_two_ranks_match_single_process_reference(tmp_path, engine, config):
-    r = launch(
-        [
-            "--engine",
-            engine,
-            "--ds-config",
-            CONFIGS / config,
-            "--steps",
-            STEPS,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-        ],
-        nprocs=2,
-        timeout=240,
-    )
-    assert r.ok, r
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["global_batch"] == 64
-    assert_matches_reference(tmp_path, 64)
-    for rank in (0, 1):  # every rank logs its own records with its host
-        records = read_jsonl(tmp_path / f"metrics_rank{rank}.jsonl")
-        assert {rec["rank"] for rec in records} == {rank} and all(rec["host"] for rec in records)
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["engine"] == engine and summary["world_size"] == 2 and summary["steps"] == STEPS
-    assert 0.0 <= summary["top1"] <= 1.0 and summary["images_per_s"] > 0 and summary["wall_s"] > 0
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("engine", ["zero", "ddp"])
-def test_compiled_engines_match_the_reference(tmp_path, engine):
-    # --compile (inductor's C++ backend on CPU) fuses and reorders float work, so the losses agree
-    # with the uncompiled single-process loop to a tolerance, not bit for bit: 1e-3 relative over
-    # the steps (measured: equal to 4 decimals).
-    r = launch(
-        [
-            "--engine",
-            engine,
-            "--compile",
-            "--steps",
-            STEPS,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-        ],
-        nprocs=2,
-        timeout=540,
-    )
-    assert r.ok, r
-    assert json.loads((tmp_path / "config.json").read_text())["args"]["compile"] is True
-    assert_matches_reference(tmp_path, 64, rel=1e-3)
 
 
 # timm's augmentation (random-resized-crop, flip, RandAugment, random erasing), Mixup/CutMix with
@@ -134,28 +77,34 @@ RECIPE_ARGS = [
 ]
 
 
+# One run per engine, each compared with the single-process loop once. The recipe is on where the
+# data path differs: ZeRO's data-parallel ranks (ZeRO-2, the default, and ZeRO-3, whose partitioned
+# parameters take layer_decay's groups), DDP's own micro-step loop, and the pipeline (its first
+# stage reads the augmented images, its last the mixed soft targets); ZeRO-0 and ZeRO-1 train on
+# the digits' default crop. Micro-steps (16 x 2) on every data-parallel engine but ZeRO-0, which
+# keeps the default 32 x 1; the pipeline accumulates 4 micro-batches of 16 (pipeline.json).
+MATRIX = {
+    "zero0": ("zero", "zero0.json", False, False),
+    "zero1": ("zero", "zero1.json", False, True),
+    "zero2 recipe": ("zero", "zero2.json", True, True),
+    "zero3 recipe": ("zero", "zero3.json", True, True),
+    "pipeline recipe": ("pipeline", "pipeline.json", True, False),
+    "ddp recipe": ("ddp", "zero0.json", True, True),
+}
+
+
+@pytest.mark.ranks
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "engine,config",
-    [
-        ("zero", "zero0.json"),
-        ("zero", "zero1.json"),
-        ("zero", "zero2.json"),
-        ("zero", "zero3.json"),
-        ("pipeline", "pipeline.json"),
-        ("ddp", "zero0.json"),
-    ],
-)
-def test_two_ranks_match_reference_with_augmentation_and_mixup(tmp_path, engine, config):
-    # micro-steps too
-    batch = [] if engine == "pipeline" else ["--micro-batch-size", 16, "--grad-accum", 2]
+@pytest.mark.parametrize("case", MATRIX)
+def test_two_ranks_match_single_process_reference(tmp_path, case):
+    engine, config, recipe, micro_steps = MATRIX[case]
     r = launch(
         [
             "--engine",
             engine,
             "--ds-config",
             CONFIGS / config,
-            *batch,
+            *(["--micro-batch-size", 16, "--grad-accum", 2] if micro_steps else []),
             "--steps",
             STEPS,
             "--log-interval",
@@ -163,22 +112,60 @@ def test_two_ranks_match_reference_with_augmentation_and_mixup(tmp_path, engine,
             "--no-save",
             "--log-dir",
             tmp_path,
-            *RECIPE_ARGS,
+            *(RECIPE_ARGS if recipe else []),
         ],
         nprocs=2,
         timeout=240,
     )
     assert r.ok, r
-    assert json.loads((tmp_path / "config.json").read_text())["global_batch"] == 64
-    assert_matches_reference(tmp_path, 64, **RECIPE)
-    # The recipe is in effect: it trains differently from the run without augmentation (a single
-    # step's losses may come close by chance: with the digits' default crop two of them differed by
-    # 6e-5 at step 4).
-    assert (
-        max(abs(a - b) for a, b in zip(reference(64, **RECIPE), reference(64, no_aug=True))) > 1e-3
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["global_batch"] == 64
+    assert_matches_reference(tmp_path, 64, **(RECIPE if recipe else {}))
+    for rank in (0, 1):  # every rank logs its own records with its host
+        records = read_jsonl(tmp_path / f"metrics_rank{rank}.jsonl")
+        assert {rec["rank"] for rec in records} == {rank} and all(rec["host"] for rec in records)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["engine"] == engine and summary["world_size"] == 2 and summary["steps"] == STEPS
+    assert 0.0 <= summary["top1"] <= 1.0 and summary["images_per_s"] > 0 and summary["wall_s"] > 0
+    if recipe:
+        # The recipe is in effect: it trains differently from the run without augmentation (a
+        # single step's losses may come close by chance: with the digits' default crop two of them
+        # differed by 6e-5 at step 4).
+        assert (
+            max(abs(a - b) for a, b in zip(reference(64, **RECIPE), reference(64, no_aug=True)))
+            > 1e-3
+        )
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["zero", "ddp"])
+def test_compiled_engines_match_the_reference(tmp_path, engine):
+    # --compile (inductor's C++ backend on CPU) fuses and reorders float work, so the losses agree
+    # with the uncompiled single-process loop to a tolerance, not bit for bit: 1e-3 relative over
+    # the steps (measured: equal to 4 decimals).
+    r = launch(
+        [
+            "--engine",
+            engine,
+            "--compile",
+            "--steps",
+            STEPS,
+            "--log-interval",
+            1,
+            "--no-save",
+            "--log-dir",
+            tmp_path,
+        ],
+        nprocs=2,
+        timeout=540,
     )
+    assert r.ok, r
+    assert json.loads((tmp_path / "config.json").read_text())["args"]["compile"] is True
+    assert_matches_reference(tmp_path, 64, rel=1e-3)
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(420)
 def test_pipe_x_data_four_ranks(tmp_path):
     # 2 stages x 2 data-parallel copies: global batch = 16 x 4 micro-batches x 2.
@@ -204,6 +191,7 @@ def test_pipe_x_data_four_ranks(tmp_path):
     assert_matches_reference(tmp_path, 128)
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("engine", ["zero", "ddp"])
 def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
@@ -248,6 +236,7 @@ def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
     assert sorted(s for s in train_losses(full) if s > 8) == [9, 10]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(240)
 def test_mpirun_launch_discovers_ranks(tmp_path):
     hostfile = tmp_path / "hosts.txt"
@@ -296,6 +285,7 @@ def test_mpirun_launch_discovers_ranks(tmp_path):
     assert (tmp_path / "metrics_rank1.jsonl").exists()
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(240)
 def test_torchrun_launch(tmp_path):
     torchrun = str(Path(sys.executable).parent / "torchrun")
@@ -365,7 +355,7 @@ BAD_INPUT = {
         {},
         "unknown model 'vit_smal_patch16_224'; nearest: vit_small_patch16_224",
     ),
-    "mixup with one class": (
+    "an image folder of one class": (
         lambda t: [
             "--dataset",
             "imagefolder",
@@ -373,11 +363,9 @@ BAD_INPUT = {
             one_class_folder(t),
             "--model",
             "vit_tiny_cifar",
-            "--mixup",
-            "0.8",
         ],
         {},
-        "--mixup/--cutmix need at least two classes; imagefolder has 1",
+        "holds 1 class folder (only); a classifier needs at least two",
     ),
     "not a ViT": (
         lambda t: ["--model", "resnet50"],
@@ -440,24 +428,45 @@ BAD_INPUT = {
 }
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_input_is_one_clear_line_and_writes_nothing(tmp_path, case):
+def test_bad_input_is_refused_naming_it_and_writes_nothing(tmp_path, monkeypatch, case):
+    """Checked in-process where vit.train checks it, in parse and make_plan, before any process
+    group (a rank of a bigger job that never starts, where WORLD_SIZE is given); that such an error
+    ends the run with exit 2 and one line is the end-to-end test below."""
     make_args, env, message = BAD_INPUT[case]
     log_dir = tmp_path / "run"
-    extra = {"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", **env} if env else {}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plan_in_process(
+            monkeypatch,
+            [*make_args(tmp_path), "--log-dir", log_dir],
+            int(env.get("WORLD_SIZE", 1)),
+        )
+    assert not log_dir.exists()
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_bad_input_through_the_entry_point_is_one_clear_line_and_writes_nothing(tmp_path):
+    """The one end-to-end case of BAD_INPUT (and of the refusals the other files check in-process):
+    one rank of two that never meets the other (a check made after the process group starts would
+    hang), through ./entry_cn.sh: exit 2, the error as stderr's one line, no traceback, no log
+    folder."""
+    make_args, env, message = BAD_INPUT["batch arithmetic"]
+    log_dir = tmp_path / "run"
     r = run_cmd(
-        [sys.executable, "-m", "vit.train", *make_args(tmp_path), "--log-dir", str(log_dir)],
-        env=base_env(**extra),
+        ["./entry_cn.sh", *make_args(tmp_path), "--log-dir", str(log_dir)],
+        env=base_env(RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="9", **env),
         timeout=100,
     )
     assert r.returncode == 2, r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # that line alone
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("entry_cn.sh: error: ") and message in last, r.stderr
     assert "Traceback" not in r.stderr
     assert not log_dir.exists()
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(60)
 def test_help_lists_the_options():
     r = run_cmd([str(ROOT / "entry_cn.sh"), "--help"], timeout=50)

@@ -8,10 +8,11 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from helpers import base_env, launch, run_cmd
+from helpers import base_env, launch, plan_in_process, run_cmd
 from safetensors.torch import save_file
 from torch import nn
 
+from vit.core.errors import ConfigError
 from vit.data.datasets import load_dataset
 from vit.model.layers import build_layers, timm_state_dict
 from vit.model.weights import initial_layers
@@ -202,7 +203,9 @@ def test_fine_tune_then_export_loads_into_timm(tmp_path, timm_file, config, ema)
 
 @pytest.mark.ranks
 @pytest.mark.timeout(240)
-def test_misfit_foreign_damaged_and_offline_pretrained_are_one_line(tmp_path, timm_file):
+def test_misfit_foreign_damaged_and_offline_pretrained_are_one_line(
+    tmp_path, timm_file, monkeypatch
+):
     path, want = timm_file
     bad = tmp_path / "bad.pth"
     torch.save({"state_dict": {**want, "blocks.0.mlp.fc1.weight": torch.zeros(3, 3)}}, bad)
@@ -232,41 +235,45 @@ def test_misfit_foreign_damaged_and_offline_pretrained_are_one_line(tmp_path, ti
             f"3,000,000 bytes of the "
             f"{path.stat().st_size:,} its header describes",
         ),
-        (["--pretrained"], "--pretrained: cannot fetch timm/vit_tiny_patch16_224"),
     ]
-    # One rank of two that never meets the other: a check made after the process group starts would
-    # hang here.
+
+    def check(last: str, message: str) -> None:
+        assert message in last and "--pretrained-path" in last and "\n" not in last, last
+        assert len(last) < 400, last
+        assert not (tmp_path / "run").exists()
+
+    common = ["--model", NAME, "--dataset", "synthetic", "--img-size", "32"]
+    # The files: refused as rank 0 of two plans (in-process), before any process group (a check
+    # made after it starts would hang there); test_train.py runs one refusal through the entry
+    # point (exit 2, the line).
+    for args, message in cases:
+        with pytest.raises(ConfigError) as e:
+            plan_in_process(
+                monkeypatch, [*common, *args, "--log-dir", tmp_path / "run"], world_size=2
+            )
+        check(str(e.value), message)
+    # Offline (Hugging Face's HF_HUB_OFFLINE, read when it is imported): through a process, one
+    # rank of two that never meets the other.
     env = base_env(
         HF_HUB_OFFLINE="1", RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="9"
     )
-    for args, message in cases:
-        r = run_cmd(
-            [
-                ".venv/bin/python",
-                "-m",
-                "vit.train",
-                "--model",
-                NAME,
-                "--dataset",
-                "synthetic",
-                "--img-size",
-                "32",
-                *map(str, args),
-                "--log-dir",
-                str(tmp_path / "run"),
-            ],
-            env=env,
-            timeout=100,
-        )
-        assert r.returncode == 2, r.stdout + r.stderr
-        last = r.stderr.strip().splitlines()[-1]
-        assert (
-            last.startswith("entry_cn.sh: error: ")
-            and message in last
-            and "--pretrained-path" in last
-        ), last
-        assert "Traceback" not in r.stderr and len(last) < 400, r.stderr
-        assert not (tmp_path / "run").exists()
+    r = run_cmd(
+        [
+            ".venv/bin/python",
+            "-m",
+            "vit.train",
+            *common,
+            "--pretrained",
+            "--log-dir",
+            str(tmp_path / "run"),
+        ],
+        env=env,
+        timeout=100,
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("entry_cn.sh: error: ") and "Traceback" not in r.stderr, r.stderr
+    check(last, "--pretrained: cannot fetch timm/vit_tiny_patch16_224")
 
 
 def test_damaged_and_foreign_files_say_what_they_are(tmp_path, timm_file):

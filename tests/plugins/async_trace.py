@@ -48,7 +48,8 @@ def backwarded(engine, k: int, inflight, weights: dict) -> None:
 def input_kind(x) -> str:
     """What the stage's input was: its dtype, and whether a leaf requiring grad (a received
     activation)."""
-    return f"{str(x.dtype).removeprefix('torch.')}{', leaf requiring grad' if x.is_leaf and x.requires_grad else ''}"
+    leaf = ", leaf requiring grad" if x.is_leaf and x.requires_grad else ""
+    return f"{str(x.dtype).removeprefix('torch.')}{leaf}"
 
 
 plugins.add("async_forward", forwarded)

@@ -9,7 +9,10 @@ import torch
 from vit.planner import loss_scale
 from vit.runtime import plugins
 
-INJECTED = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` (injected by VIT_TEST_OOM_AT)"
+INJECTED = (
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` "
+    "(injected by VIT_TEST_OOM_AT)"
+)
 
 
 def start(rank: int, watchdog) -> None:
