@@ -208,3 +208,23 @@ def test_powersgds_error_feedback_is_the_copy_of_the_gradients_the_estimate_coun
 
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_every_shipped_json_sizes_zeros_buckets_and_they_are_counted_by_stage():
+    """DeepSpeed's default reduce_bucket_size is 5e8 elements: 1 GB a rank in bf16 on any model.
+    Every shipped JSON with ZeRO sizes its buckets; ZeRO-1/2 hold reduce buckets only (two with
+    overlap_comm), in the gradient accumulation dtype; ZeRO-3 its reduce buckets and prefetch."""
+    for path in sorted(CONFIGS.glob("*.json")):
+        zero = json.loads(path.read_text()).get("zero_optimization", {})
+        if zero.get("stage", 0) >= 1:
+            assert zero.get("reduce_bucket_size", 5e8) <= 5e7, path.name
+    deepspeed = spec("zero")
+    assert deepspeed.bucket_bytes(config("zero0"), "bf16") == 0
+    assert deepspeed.bucket_bytes(config("zero1"), "bf16") == 2e7 * 2  # one bucket, no all-gather's
+    assert deepspeed.bucket_bytes(config("zero2"), "bf16") == 2 * 2e7 * 2  # overlap_comm: two
+    assert deepspeed.bucket_bytes(config("pipeline"), "bf16") == 2e7 * 4  # grad_accum_dtype fp32
+    zero3 = config("zero3")["zero_optimization"]
+    prefetch = zero3.get("stage3_prefetch_bucket_size", 5e7)
+    assert deepspeed.bucket_bytes(config("zero3"), "fp32") == (2 * 2e7 + prefetch) * 4
+    no_sizes = {"zero_optimization": {"stage": 1}}
+    assert deepspeed.bucket_bytes(no_sizes, "fp32") == 5e8 * 4  # DeepSpeed's default: 2 GB

@@ -11,8 +11,8 @@ from vit.core.costs import ELEMENT_BYTES
 from vit.core.paths import DS_CONFIGS
 from vit.core.spec import FP16_FAST, EngineSpec
 
-# DeepSpeed's reduce_bucket_size and allgather_bucket_size, in elements
-ZERO_BUCKET_DEFAULT = 500_000_000
+ZERO_BUCKET_DEFAULT = 500_000_000  # DeepSpeed's reduce_bucket_size, in elements
+PREFETCH_DEFAULT = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size, in parameters
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,17 +67,22 @@ class DeepSpeedSpec(EngineSpec):
         return {}, ({"communication_data_type": "bf16"} if compression == "comm-bf16" else {})
 
     def bucket_bytes(self, ds_config, precision):
-        """With ZeRO: its gradient buckets in the run's precision: reduce_bucket_size elements
-        (twice with overlap_comm, which fills one bucket while the other is reduced) and
-        allgather_bucket_size."""
+        """ZeRO-1 and -2 (zero/stage_1_and_2.py): with contiguous_gradients, DeepSpeed's default,
+        its reduce buckets of reduce_bucket_size elements, two with overlap_comm (one filled while
+        the other is reduced), in the gradient accumulation dtype where the JSON sets one (else the
+        run's precision); the updated parameters are gathered in place (runtime/utils.py
+        all_gather_dp_groups), with no bucket. ZeRO-3 (zero/stage3.py): its reduce buckets and its
+        prefetch bucket of stage3_prefetch_bucket_size parameters."""
         zero = ds_config.get("zero_optimization", {})
-        if zero.get("stage", 0) < 1:
+        stage, reduce = zero.get("stage", 0), zero.get("reduce_bucket_size", ZERO_BUCKET_DEFAULT)
+        buffers = 2 if zero.get("overlap_comm") else 1
+        if stage == 3:
+            prefetch = zero.get("stage3_prefetch_bucket_size", PREFETCH_DEFAULT)
+            return (buffers * reduce + prefetch) * ELEMENT_BYTES[precision]
+        if stage < 1 or not zero.get("contiguous_gradients", True):
             return 0.0
-        reduce = zero.get("reduce_bucket_size", ZERO_BUCKET_DEFAULT)
-        buckets = (2 if zero.get("overlap_comm") else 1) * reduce + zero.get(
-            "allgather_bucket_size", ZERO_BUCKET_DEFAULT
-        )
-        return buckets * ELEMENT_BYTES[precision]
+        dtype = ds_config.get("data_types", {}).get("grad_accum_dtype") or precision
+        return buffers * reduce * ELEMENT_BYTES[dtype]
 
     def state_bytes(self, precision, ds_config, dp_size=1, stashed_copies=0, compression="none"):
         """The optimizer DeepSpeed wraps around AdamW, as deepspeed/runtime/engine.py's
