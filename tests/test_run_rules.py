@@ -463,3 +463,19 @@ def test_the_model_of_an_older_checkpoint_is_read_from_the_runs_config(tmp_path,
         "vit_tiny_cifar, this run uses --model vit_digits; resume with --model "
         "vit_tiny_cifar"
     )
+
+
+def test_a_pipeline_given_fewer_micro_batches_than_stages_is_warned_of(monkeypatch):
+    """pipeline.json's 4 micro-batches through 5 stages: DeepSpeed's 1F1B takes 4 + 4 = 8 slots,
+    each stage busy half the step (the documented command once ran so). The async pipeline has no
+    flush."""
+    five = ["--engine", "pipeline", "--pipeline-stages", 5, "--synthetic-size", 512]
+    notes = plan_in_process(monkeypatch, [*five, "--dataset", "synthetic"], world_size=5).notes
+    assert notes == [
+        "warning: --pipeline-stages 5 with 4 micro-batches a step: 1F1B takes 4 + 4 = 8 slots for "
+        "them, each stage busy 50% of the step; --grad-accum 10 (at least 5) fills the pipeline"
+    ]
+    full = [*five, "--dataset", "synthetic", "--grad-accum", 10]
+    assert plan_in_process(monkeypatch, full, world_size=5).notes == []
+    no_flush = ["--engine", "async-pipeline", *five[2:], "--dataset", "synthetic"]
+    assert plan_in_process(monkeypatch, no_flush, world_size=5).notes == []

@@ -212,6 +212,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
             "auto or off"
         )
     check_layout(s, job, preset.depth, batch)
+    notes += fill_notes(s, batch)
     per_epoch, total_steps = run_length(s, data, batch)
     save_dir = ckpt.save_dir or (
         os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None
@@ -283,6 +284,20 @@ def check_layout(s: Settings, job: Job, depth: int, batch: Batch) -> None:
         raise ConfigError(
             f"--worker-ranks {workers} does not divide the world size {job.world_size}"
         )
+
+
+def fill_notes(s: Settings, batch: Batch) -> list[str]:
+    """A pipeline that flushes every step given fewer micro-batches than stages: most of its slots
+    are bubble."""
+    stages, m = s.parallel.pipeline_stages, batch.grad_accum
+    bubble = spec(s.parallel.engine).bubble_slots(stages) if spec(s.parallel.engine).pipeline else 0
+    if not bubble or m >= stages:
+        return []
+    return [
+        f"warning: --pipeline-stages {stages} with {m} micro-batches a step: 1F1B takes {m} + "
+        f"{bubble} = {m + bubble} slots for them, each stage busy {m / (m + bubble):.0%} of the "
+        f"step; --grad-accum {2 * stages} (at least {stages}) fills the pipeline"
+    ]
 
 
 def check_recipe(s: Settings, data: DataSplit, notes: list[str]) -> tuple[Settings, list[str]]:

@@ -191,6 +191,10 @@ class EngineSpec:
             per = min(per, 2)
         return sum(layer.params for layer in layers) * per
 
+    def bubble_slots(self, stages: int) -> int:
+        """Slots a step of `stages` stages spends filling and draining (0: no pipeline, or none)."""
+        return 0
+
     def changes_learning(self, c: Candidate) -> str | None:
         """Why the candidate learns otherwise than the plain step (None: it learns the same),
         which --engine auto leaves to the user to choose."""

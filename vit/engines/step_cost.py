@@ -84,9 +84,12 @@ class PipelinedSpec(EngineSpec):
         stay in flight across steps (PipeDream-2BW: no flush, no bubble)."""
         return True
 
+    def bubble_slots(self, stages):
+        return stages - 1 if self.flushes() else 0
+
     def slots(self, c: Candidate) -> int:
         """1F1B's slots a step: m + S - 1 with a flush at every step, m without."""
-        return c.grad_accum + (c.stages - 1 if self.flushes() else 0)
+        return c.grad_accum + self.bubble_slots(c.stages)
 
     def wire_bytes_per_elem(self, precision: str, compression: str) -> int:
         """A stage boundary's element on the wire: the activations' dtype (fp32 where the engine
