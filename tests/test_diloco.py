@@ -144,6 +144,15 @@ def test_a_resume_between_syncs_repeats_the_losses(tmp_path):
     assert sorted(got) == [7, 8, 9, 10]
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got, want)
+    # plot_logs.py marks the syncs on the loss chart: after steps 4 and 8, and the last
+    from vit.reports.charts import plot_loss
+    from vit.reports.runlogs import Run
+
+    fig = plot_loss([Run(full)], None)
+    marks = [
+        x for line in fig.axes[0].lines if len(x := list(line.get_xdata())) == 2 and x[0] == x[1]
+    ]
+    assert sorted(x[0] for x in marks) == [4, 8, 10]
 
 
 @pytest.mark.ranks

@@ -576,3 +576,38 @@ def test_resume_keeps_the_runs_length_and_with_export_never_trains(tmp_path):
     said = f"checkpoint {step3} is at step 3 of 100; exported its weights to {out}, nothing trained"
     assert said in r.outputs[0], r.outputs[0]
     assert out.is_file() and not (exported / "metrics_rank0.jsonl").exists()
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("launcher", ["single", "mpirun"])
+def test_ctrl_c_is_one_line_naming_the_step_and_the_checkpoint(tmp_path, launcher):
+    """Ctrl-C once printed 69 lines of traceback (one process) or nothing at all (mpirun): one line
+    now, and exit 130 for a process on its own."""
+    run = tmp_path / "run"
+    args = ["--steps", 500, "--save-interval", 2, "--log-interval", 1, "--log-dir", str(run)]
+    entry = [str(ROOT / "entry_cn.sh"), *map(str, args)]
+    cmd = entry if launcher == "single" else [*MPIRUN, "-np", "2", *entry]
+    out = open(tmp_path / "out.log", "w+")
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step4").is_dir(), 240, "the checkpoint of step 4")
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends the foreground group
+        returncode = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out.seek(0)
+    log = out.read()
+    said = [line for line in log.splitlines() if "interrupted at step" in line]
+    assert len(said) == 1 and "Traceback" not in log, log[-3000:]
+    assert re.fullmatch(
+        rf"entry_cn\.sh: interrupted at step \d+; --resume goes on from {run}/checkpoints/step\d+",
+        said[0],
+    ), said
+    assert returncode != 0 and (launcher != "single" or returncode == 130), (
+        returncode,
+        log[-2000:],
+    )

@@ -5,6 +5,7 @@ options."""
 import contextlib
 import gc
 import os
+import signal
 import socket
 import sys
 
@@ -48,8 +49,25 @@ def prepare_environment() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) or SIGTERM during the loop: where the run stood, for its one line."""
+
+    def __init__(self, step: int, save_dir: str | None):
+        super().__init__(step, save_dir)
+        self.step, self.save_dir = step, save_dir
+
+
 def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
     run = build_trainer(plan, watchdog, charts=tracker_charts)
+    try:
+        loop(plan, run, watchdog)
+    except KeyboardInterrupt:
+        enabled = run.checkpointer.enabled
+        raise Interrupted(watchdog.step, run.checkpointer.save_dir if enabled else None) from None
+    finish(plan, run, start_time)
+
+
+def loop(plan: Plan, run: Trainer, watchdog: Watchdog) -> None:
     for step in range(run.resumed.step + 1, plan.total_steps + 1):
         lr = run.engine.lr
         loss = run.engine.train_step(run.batches)
@@ -68,7 +86,6 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
                 run.swap(rebuilt, step)
             run.evaluator.maybe(run.engine, step)
             run.checkpointer.save(run.engine, step)
-    finish(plan, run, start_time)
 
 
 def finish(plan: Plan, run: Trainer, start_time: float) -> None:
@@ -161,6 +178,32 @@ def out_of_memory(plan: Plan, dev: torch.device, step: int, error: Exception) ->
     return oom.out_of_memory(error, dev, step, plan.batch, estimated)
 
 
+def interrupted(plan: Plan, e: BaseException) -> None:
+    """One line on rank 0 naming the step and the checkpoint --resume goes on from, then exit 130
+    at once (no collective: the other ranks are stopping too)."""
+    if plan.job.is_main:
+        step, save_dir = (e.step, e.save_dir) if isinstance(e, Interrupted) else (None, None)
+        tags = checkpoint.complete_tags(save_dir) if save_dir and os.path.isdir(save_dir) else []
+        where = f"interrupted at step {step}" if step is not None else "interrupted before training"
+        resume = (
+            f"--resume goes on from {save_dir}/{tags[0]}"
+            if tags
+            else "no complete checkpoint yet: the run starts over"
+        )
+        print(f"{PROG}: {where}; {resume}", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (mpirun passes Ctrl-C on as one, a scheduler ends a job with it) ends the run as
+    Ctrl-C does."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run(plan: Plan, start_time: float) -> int:
     """Train; any failure on any rank ends every rank, non-zero, naming the rank that failed."""
     try:  # every rank reaches the same verdict on the job's devices, so each stops alike
@@ -186,6 +229,7 @@ def run(plan: Plan, start_time: float) -> int:
         return 1
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
+    stop_on_sigterm()
     plugins.call("start", plan.job.rank, watchdog)
     try:
         if plan.auto is not None:  # --engine auto
@@ -196,6 +240,8 @@ def run(plan: Plan, start_time: float) -> int:
     except NothingToDo as e:  # decided on rank 0 before anything was written
         if plan.job.is_main:
             print(f"{PROG}: {e}", flush=True)
+    except (KeyboardInterrupt, Interrupted) as e:
+        interrupted(plan, e)
     except Exception as e:
         if oom.is_oom(e):
             e = out_of_memory(plan, device(plan.job), watchdog.step, e)

@@ -76,6 +76,9 @@ def plot_loss(runs: list[Run], path: Path | None):
         color = f"C{i % 10}"
         train = [r for r in run.records("train") if isinstance(r.get("loss"), (int, float))]
         ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], color=color)
+        for k, step in enumerate(run.sync_steps()):  # diloco: where the workers synced
+            label = f"{run.name}: syncs" if k == 0 else None
+            ax_loss.axvline(step, color=color, alpha=0.25, lw=0.8, label=label)
         evals = run.records("eval")
         ev = [r for r in evals if isinstance(r.get("eval_loss"), (int, float))]
         ax_loss.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o--", color=color)

@@ -151,6 +151,16 @@ class Run:
             )
         )
 
+    def sync_steps(self) -> list[int]:
+        """The steps at which the workers of an engine with local steps synced (--sync-every, and
+        the last step), from config.json; [] for every other engine."""
+        args = self.config.get("args", {})
+        known = SPECS.get(args.get("engine"))
+        every, total = args.get("sync_every"), self.config.get("total_steps")
+        if not (known and known.local_steps and isinstance(every, int) and isinstance(total, int)):
+            return []
+        return sorted({*range(every, total + 1, every), total})
+
     @property
     def status(self) -> str:
         """A run writes summary.json last: without it, the run was killed, failed or is still
