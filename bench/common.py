@@ -188,8 +188,13 @@ def mpirun_train(
         try:
             return p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            # SIGTERM first: scripts/mpirun passes it on to Open MPI (in a session of its own)
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
             return f"timed out after {timeout} s"
 
 

@@ -31,13 +31,26 @@ CURRENT_TEST_STARTS_PROCESSES = None
 STARTED: list[subprocess.Popen] = []
 
 
+def stop_group(p: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """End a process started in a session of its own, and what it started: SIGTERM first, which
+    scripts/mpirun passes on to Open MPI (in a session of its own, out of this group's reach), then
+    SIGKILL for what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def kill_leftovers() -> None:
     for p in STARTED:
         if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            stop_group(p)
             p.wait()
     STARTED.clear()
 
@@ -203,7 +216,7 @@ def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.Complet
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        stop_group(p)
         out, err = p.communicate()
         pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)

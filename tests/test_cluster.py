@@ -10,7 +10,6 @@ import pwd
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import last_step, read_jsonl, wait_for
+from helpers import last_step, read_jsonl, stop_group, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SIM = str(ROOT / "scripts" / "sim_cluster.sh")
@@ -92,11 +91,11 @@ def run(argv, env, timeout, check=True) -> Result:
         try:
             rc = p.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            stop_group(p)
             p.wait()
             rc = None
         except BaseException:  # the test's own timeout: leave nothing running
-            os.killpg(p.pid, signal.SIGKILL)
+            stop_group(p)
             raise
         out.seek(0)
         r = Result(argv, rc, out.read(), time.monotonic() - start)
@@ -544,7 +543,7 @@ def test_killed_rank_on_one_host_ends_every_rank_and_retry_finishes_the_run(clus
             assert proc.wait(timeout=420) == 0
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                stop_group(proc)
         out.seek(0)
         log = out.read()
     assert "attempt 2 of 2" in log and "--resume" in log and "resumed from step" in log, log[-4000:]

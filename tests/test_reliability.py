@@ -23,6 +23,7 @@ from helpers import (
     mpi_rank_process,
     plan_in_process,
     plugin_env,
+    stop_group,
     train_losses,
     wait_for,
 )
@@ -123,7 +124,7 @@ def test_stopped_rank_ends_every_rank_naming_it(tmp_path, stopped, first):
                 except psutil.Error:
                     pass
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_group(proc)
     out.seek(0)
     log = out.read()
     assert returncode != 0 and elapsed < 30, (
@@ -191,7 +192,7 @@ def test_killed_rank_is_named_by_the_survivors_in_one_line(tmp_path, killed, eng
         assert not [p.pid for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_group(proc)
     out.seek(0)
     log = out.read()
     # shown with -rP
@@ -545,7 +546,7 @@ def test_retry_wrapper_relaunches_from_last_checkpoint(tmp_path):
         assert proc.wait(timeout=300) == 0
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_group(proc)
     out.seek(0)
     log = out.read()
     assert "attempt 2 of 3" in log and "--resume" in log, log[-3000:]
@@ -565,7 +566,7 @@ def test_resume_keeps_the_runs_length_and_with_export_never_trains(tmp_path):
     step3 = first / "checkpoints" / "step3"
     r = launch(["--resume", step3, "--log-interval", 1, "--log-dir", resumed])
     assert r.ok, r
-    assert "warning" not in r.outputs[0], r.outputs[0]
+    assert "warning: " not in r.outputs[0], r.outputs[0]  # no length changed, no schedule redone
     want, got = train_losses(first), train_losses(resumed)
     assert sorted(got) == [4, 5, 6]
     assert all(got[s] == pytest.approx(want[s], rel=1e-6) for s in got), (got, want)
@@ -598,7 +599,7 @@ def test_ctrl_c_is_one_line_naming_the_step_and_the_checkpoint(tmp_path, launche
         returncode = proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_group(proc)
     out.seek(0)
     log = out.read()
     said = [line for line in log.splitlines() if "interrupted at step" in line]

@@ -6,13 +6,21 @@ before any process group starts, and a --data-path is never ignored."""
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import Ranks, base_env, last_step, launch, plan_in_process, run_cmd, wait_for
+from helpers import (
+    Ranks,
+    base_env,
+    last_step,
+    launch,
+    plan_in_process,
+    run_cmd,
+    stop_group,
+    wait_for,
+)
 
 from vit.core.errors import ConfigError
 
@@ -248,7 +256,7 @@ def test_a_second_run_in_the_same_folder_is_refused_naming_the_first(tmp_path):
         assert json.loads((tmp_path / "config.json").read_text())["world_size"] == 2
     finally:
         for p in first.procs:
-            os.killpg(p.pid, signal.SIGKILL)
+            stop_group(p)
         first.wait(timeout=30)
     assert (tmp_path / "metrics_rank0.jsonl").stat().st_size >= before
     # A kill releases the lock: the folder can be used again.

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 import psutil
 import torch
@@ -49,21 +50,10 @@ def prepare_environment() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-class Interrupted(Exception):
-    """Ctrl-C (SIGINT) or SIGTERM during the loop: where the run stood, for its one line."""
-
-    def __init__(self, step: int, save_dir: str | None):
-        super().__init__(step, save_dir)
-        self.step, self.save_dir = step, save_dir
-
-
-def train(plan: Plan, start_time: float, watchdog: Watchdog) -> None:
+def train(plan: Plan, start_time: float, watchdog: Watchdog, stop: "StopOnSignal") -> None:
     run = build_trainer(plan, watchdog, charts=tracker_charts)
-    try:
-        loop(plan, run, watchdog)
-    except KeyboardInterrupt:
-        enabled = run.checkpointer.enabled
-        raise Interrupted(watchdog.step, run.checkpointer.save_dir if enabled else None) from None
+    stop.save_dir = run.checkpointer.save_dir if run.checkpointer.enabled else None
+    loop(plan, run, watchdog)
     finish(plan, run, start_time)
 
 
@@ -178,30 +168,39 @@ def out_of_memory(plan: Plan, dev: torch.device, step: int, error: Exception) ->
     return oom.out_of_memory(error, dev, step, plan.batch, estimated)
 
 
-def interrupted(plan: Plan, e: BaseException) -> None:
-    """One line on rank 0 naming the step and the checkpoint --resume goes on from, then exit 130
-    at once (no collective: the other ranks are stopping too)."""
-    if plan.job.is_main:
-        step, save_dir = (e.step, e.save_dir) if isinstance(e, Interrupted) else (None, None)
+class StopOnSignal:
+    """Ctrl-C (SIGINT), SIGTERM, and SIGUSR1 (what scripts/mpirun sends the ranks for a Ctrl-C:
+    Open MPI kills them on SIGINT and drops their output) end the run at once: one line on rank 0
+    naming the step and the checkpoint --resume goes on from, exit 130. The other ranks wait a
+    second first, so that rank 0's line is out before the launcher, seeing them end, stops
+    forwarding output. No collective: every rank is stopping."""
+
+    def __init__(self, plan: Plan, watchdog: Watchdog):
+        self.plan, self.watchdog = plan, watchdog
+        self.save_dir: str | None = None  # where the checkpoints are, once the trainer is built
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, self.stop)
+
+    def stop(self, signum, frame) -> None:
+        if not self.plan.job.is_main:
+            time.sleep(1.0)
+            os._exit(130)
+        print(f"{PROG}: {self.where()}", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    def where(self) -> str:
+        step, save_dir = self.watchdog.step, self.save_dir
+        if save_dir is None and not step:
+            return "interrupted before training"
         tags = checkpoint.complete_tags(save_dir) if save_dir and os.path.isdir(save_dir) else []
-        where = f"interrupted at step {step}" if step is not None else "interrupted before training"
         resume = (
             f"--resume goes on from {save_dir}/{tags[0]}"
             if tags
             else "no complete checkpoint yet: the run starts over"
         )
-        print(f"{PROG}: {where}; {resume}", file=sys.stderr, flush=True)
-    os._exit(130)
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM (mpirun passes Ctrl-C on as one, a scheduler ends a job with it) ends the run as
-    Ctrl-C does."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)
+        return f"interrupted at step {step}; {resume}"
 
 
 def run(plan: Plan, start_time: float) -> int:
@@ -229,19 +228,18 @@ def run(plan: Plan, start_time: float) -> int:
         return 1
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
-    stop_on_sigterm()
+    stop = StopOnSignal(plan, watchdog)
+    stop.install()
     plugins.call("start", plan.job.rank, watchdog)
     try:
         if plan.auto is not None:  # --engine auto
             plan = with_auto_choice(plan, choose_engine(plan, device(plan.job)))
         if plan.settings.parallel.micro_batch_size == "auto":
             plan = with_micro_batch(plan, *fit_micro_batch(plan, device(plan.job)))
-        train(plan, start_time, watchdog)
+        train(plan, start_time, watchdog, stop)
     except NothingToDo as e:  # decided on rank 0 before anything was written
         if plan.job.is_main:
             print(f"{PROG}: {e}", flush=True)
-    except (KeyboardInterrupt, Interrupted) as e:
-        interrupted(plan, e)
     except Exception as e:
         if oom.is_oom(e):
             e = out_of_memory(plan, device(plan.job), watchdog.step, e)
