@@ -57,7 +57,7 @@ def test_ddp_fp16_skips_an_overflowed_step_without_advancing_the_lr(tmp_path, fu
 
     from vit.core.batch import Batch
     from vit.core.settings import OptimSettings
-    from vit.engines.base import EngineContext
+    from vit.engines.base import EngineContext, ScalerStats
     from vit.engines.ddp.engine import DDPEngine
 
     torch.manual_seed(0)
@@ -85,10 +85,11 @@ def test_ddp_fp16_skips_an_overflowed_step_without_advancing_the_lr(tmp_path, fu
             changed = not torch.equal(weights, engine.model.module[0].weight)
             assert changed == (batch is good)
             lrs.append(float(engine.lr))
-        # 2 skipped, none now, a run of 2 since the last read
-        assert engine.device_skip_counts() == (2, 0, 2)
-        assert engine.device_skip_counts() == (2, 0, 0)
-        assert engine.loss_scale == 2.0**6  # halved twice
+        # counted on the device: nothing to say but on logging steps (no host sync a step)
+        assert engine.scaler(logging=False) is None
+        # 2 skipped, none now, a run of 2 since the last statistic; the scale halved twice
+        assert engine.scaler(logging=True) == ScalerStats(2, 0, 2, 2.0**6)
+        assert engine.scaler(logging=True) == ScalerStats(2, 0, 0, 2.0**6)
     finally:
         dist.destroy_process_group()
     step = [1e-2 * (s + 1) / 4 for s in range(3)]  # warm-up LR after 0, 1 and 2 applied steps

@@ -63,8 +63,8 @@ def loop(plan: Plan, run: Trainer, watchdog: Watchdog) -> None:
         loss = run.engine.train_step(run.batches)
         watchdog.beat(step)
         run.monitor.step = step
-        if run.engine.ema is not None:
-            run.engine.ema.update(run.engine, step)
+        if run.ema is not None:
+            run.ema.update(run.engine, step)
         run.stats.record(run.engine, step, loss, lr)
         if run.stats.should_log(step):
             run.stats.log(run.engine, step)
@@ -74,16 +74,17 @@ def loop(plan: Plan, run: Trainer, watchdog: Watchdog) -> None:
         with run.stats.paused() if acting else contextlib.nullcontext():
             if (rebuilt := run.freezer.after_step(step, run.engine, run.metrics)) is not None:
                 run.swap(rebuilt, step)
-            run.evaluator.maybe(run.engine, step)
+            run.evaluator.maybe(run.engine, step, run.ema)
             run.checkpointer.save(run.engine, step)
 
 
 def finish(plan: Plan, run: Trainer, start_time: float) -> None:
     """The final evaluation and checkpoint, the monitors' summaries, and summary.json."""
-    evaluation = run.evaluator.run(run.engine, plan.total_steps)
+    evaluation = run.evaluator.run(run.engine, plan.total_steps, run.ema)
     run.checkpointer.save(run.engine, plan.total_steps, last_step=True)
     # rank 0 holds the state
-    if plan.settings.model.export and (state := run.engine.export_state()) is not None:
+    ema = run.ema.state_dict() if run.ema is not None else None  # --export: the EMA's weights
+    if plan.settings.model.export and (state := run.engine.layer_state(ema)) is not None:
         weights.export(plan.settings.model.export, state, plan.settings.model.model, plan.data)
     peak = torch.tensor([peak_mem_gib(run.engine.device)], device=run.engine.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)

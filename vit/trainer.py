@@ -195,6 +195,7 @@ class Trainer:
     monitor: Monitor
     locks: list[RunLock]  # the run's folders, held until the process ends
     freezer: Freezer
+    ema: Ema | None  # --model-ema's average of the weights, which the loop updates
     workers: int  # DataLoader workers per rank
     split: list[int] | None  # every data-parallel rank's micro-batch (--batch-split proportional)
     batches: Iterator | None = None
@@ -280,11 +281,10 @@ def build_trainer(plan: Plan, watchdog: Watchdog, charts) -> Trainer:
     freezer = make_freezer(plan, dev, layers, factory, surveyed, log_dir, resumed.frozen, watchdog)
     freezer.freeze(layers, resumed.frozen)
     engine = factory(layers, resumed.layout)
-    if ema_layers:
-        engine.ema = Ema(ema_layers, engine, s.recipe.model_ema_decay)
+    ema = Ema(ema_layers, engine, s.recipe.model_ema_decay) if ema_layers else None
     start = resumed.step
     if plan.resume:
-        client_state = checkpoint.load(engine, plan.resume.save_dir, resumed.tag)
+        client_state = checkpoint.load(engine, plan.resume.save_dir, resumed.tag, ema)
         start = client_state["step"]
         if "freeze" in client_state:
             freezer.load_state_dict(client_state["freeze"])
@@ -312,12 +312,24 @@ def build_trainer(plan: Plan, watchdog: Watchdog, charts) -> Trainer:
         ds_config,
         locks,
         freezer,
+        ema,
         charts,
     )
 
 
 def loop_parts(
-    plan, engine, watchdog, log_dir, save_dir, resumed, surveyed, ds_config, locks, freezer, charts
+    plan,
+    engine,
+    watchdog,
+    log_dir,
+    save_dir,
+    resumed,
+    surveyed,
+    ds_config,
+    locks,
+    freezer,
+    ema,
+    charts,
 ):
     """The monitor, the metrics log (and trackers), the step statistics, the evaluator and the
     checkpointer."""
@@ -373,6 +385,7 @@ def loop_parts(
         meta=plan.checkpoint_meta(),
         on_progress=watchdog.beat,
         extra_state=lambda: {**freezer.checkpoint_state(), **stats.train_time()},
+        ema=ema,
     )
     return Trainer(
         plan,
@@ -388,6 +401,7 @@ def loop_parts(
         monitor,
         locks,
         freezer,
+        ema,
         workers,
         surveyed.split,
     )

@@ -18,6 +18,17 @@ from vit.loop.stats import PhaseTimer
 
 
 @dataclass(frozen=True)
+class ScalerStats:
+    """fp16 steps skipped because the gradients overflowed: so far, in a row now, the longest run
+    since the last statistic; and the loss scale of the next step."""
+
+    skipped: int
+    in_a_row: int
+    longest: int
+    scale: float
+
+
+@dataclass(frozen=True)
 class EngineContext:
     """What an engine is built from."""
 
@@ -55,7 +66,6 @@ class Engine(ABC):
     reads_data: bool = True  # False on ranks that take no batches (a pipeline's middle stages)
     reads_images: bool = True  # False where only the labels are used (a pipeline's last stage)
     grad_accum: int  # micro-batches per step on each data-parallel copy
-    ema = None  # a vit.loop.ema.Ema when --model-ema is on
     optimizer: torch.optim.Optimizer
     # engines that autocast themselves (ddp, async-pipeline): the half dtype
     dtype: torch.dtype | None = None
@@ -82,15 +92,12 @@ class Engine(ABC):
         they are)."""
         return contextlib.nullcontext()
 
-    def layer_state(self) -> dict | None:
-        """Collective: the whole network's state dict (layer keys) on rank 0, None elsewhere."""
-        return self.live_module().state_dict() if dist.get_rank() == 0 else None
-
-    def export_state(self) -> dict | None:
-        """Collective: what --export writes (the EMA's weights when there is one), on rank 0."""
-        if self.ema is None:
-            return self.layer_state()
-        return self.ema.state_dict() if dist.get_rank() == 0 else None
+    def layer_state(self, state: dict | None = None) -> dict | None:
+        """Collective: the whole network's state dict (layer keys) on rank 0, None elsewhere, from
+        this rank's `state` (default: its live module's; the EMA's for --export)."""
+        if dist.get_rank() != 0:
+            return None
+        return state if state is not None else self.live_module().state_dict()
 
     @abstractmethod
     def train_step(self, batches: Iterator) -> torch.Tensor:
@@ -141,23 +148,10 @@ class Engine(ABC):
             return torch.stack(lrs).max()
         return max(lrs)
 
-    @property
-    def skipped_steps(self) -> int:
-        """fp16 steps skipped because the gradients overflowed."""
-        return 0
-
-    # True: StepStats reads device_skip_counts() on logging steps only
-    counts_skips_on_device = False
-
-    def device_skip_counts(self) -> tuple[int, int, int]:
-        """fp16 steps skipped so far, skipped in a row now, and the longest run of skips since the
-        last call, for an engine that counts them on the device to add no host sync per step."""
-        raise NotImplementedError
-
-    @property
-    def loss_scale(self) -> float | None:
-        """fp16: the loss scale of the next step (read on logging steps); None without a loss
-        scaler."""
+    def scaler(self, logging: bool) -> "ScalerStats | None":
+        """The fp16 loss scaler's statistic (StepStats reads it after every step, `logging` on the
+        steps it logs); None when there is nothing to say at this step: no loss scaler, or one kept
+        on the device, whose counts are read on logging steps only, to add no host sync a step."""
         return None
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -192,11 +186,8 @@ class StagedEngine(Engine):
     """An engine whose ranks each hold some of the layers (the pipelines): the whole state is
     gathered on rank 0."""
 
-    def layer_state(self):
-        return merged_on_rank0(self.live_module().state_dict())
-
-    def export_state(self):
-        return merged_on_rank0(self.ema.state_dict()) if self.ema else self.layer_state()
+    def layer_state(self, state=None):
+        return merged_on_rank0(state if state is not None else self.live_module().state_dict())
 
 
 def save_atomic(state: dict, path: str) -> None:

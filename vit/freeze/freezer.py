@@ -325,7 +325,7 @@ def rebuild(
     host meanwhile: (the new engine, whether the old one's module was gone before the new one was
     built)."""
     state, weights = engine.handover(), engine.whole_weights()
-    device, ema, module = engine.device, engine.ema, weakref.ref(engine.live_module())
+    device, module = engine.device, weakref.ref(engine.live_module())
     engine.close()
     freed = free_memory(device, module)
     # Building layers re-seeds torch's generator; dropout and drop-path must go on drawing as
@@ -337,7 +337,6 @@ def rebuild(
     freeze(layers)
     rebuilt = make_engine(layers, plan(layers))
     rebuilt.take_over(state)
-    rebuilt.ema = ema
     return rebuilt, freed
 
 

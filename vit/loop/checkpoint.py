@@ -196,7 +196,9 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
-def save(engine, save_dir: str, step: int, client_state: dict, meta: dict, keep: int) -> None:
+def save(
+    engine, save_dir: str, step: int, client_state: dict, meta: dict, keep: int, ema=None
+) -> None:
     """Collective: every rank calls it. Raises CheckpointError naming the checkpoint that stays
     valid."""
     tag, rank = tag_for(step), dist.get_rank()
@@ -208,8 +210,8 @@ def save(engine, save_dir: str, step: int, client_state: dict, meta: dict, keep:
         dist.barrier()
         engine.save(save_dir, tmp.name, client_state)
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-        if engine.ema is not None:  # --model-ema: each rank's average of the layers it holds
-            torch.save(engine.ema.state_dict(), tmp / f"ema_rank{rank}.pt")
+        if ema is not None:  # --model-ema: each rank's average of the layers it holds
+            torch.save(ema.state_dict(), tmp / f"ema_rank{rank}.pt")
         plugins.call("checkpoint_written", tag)  # tests: die between the files and the manifest
         seen = [None] * dist.get_world_size()
         dist.all_gather_object(seen, (socket.gethostname(), _files(tmp)))
@@ -274,19 +276,19 @@ def _free_name(folder: Path, suffix: str) -> Path:
     return candidate
 
 
-def load(engine, save_dir: str, tag: str) -> dict:
-    """Load a checkpoint chosen by `choose`; restores this rank's random state too."""
+def load(engine, save_dir: str, tag: str, ema=None) -> dict:
+    """Load a checkpoint chosen by `choose`; restores this rank's random state and the EMA's."""
     client_state = engine.load(save_dir, tag)
     rng = Path(save_dir) / tag / f"rng_rank{dist.get_rank()}.pt"
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))
-    ema = Path(save_dir) / tag / f"ema_rank{dist.get_rank()}.pt"
-    if engine.ema is not None:
-        if not ema.is_file():
+    ema_file = Path(save_dir) / tag / f"ema_rank{dist.get_rank()}.pt"
+    if ema is not None:
+        if not ema_file.is_file():
             raise CheckpointError(
-                f"{ema.parent} holds no EMA weights (written without --model-ema)"
+                f"{ema_file.parent} holds no EMA weights (written without --model-ema)"
             )
-        engine.ema.load_state_dict(torch.load(ema, map_location=engine.device, weights_only=True))
+        ema.load_state_dict(torch.load(ema_file, map_location=engine.device, weights_only=True))
     return client_state
 
 
@@ -304,10 +306,11 @@ class Checkpointer:
         meta: dict,
         on_progress,
         extra_state=None,
+        ema=None,
     ):
         """extra_state(): a collective returning what the manifest and the client state also record
         (--freeze's state: the manifest says how many layers to freeze before the engine that loads
-        it is built)."""
+        it is built); ema: --model-ema's average, saved beside the engine's state."""
         self.save_dir, self.interval, self.enabled = save_dir, interval, enabled
         self.keep, self.meta, self.on_progress, self.extra_state = (
             keep,
@@ -315,7 +318,7 @@ class Checkpointer:
             on_progress,
             extra_state,
         )
-        self.saved_step = None
+        self.saved_step, self.ema = None, ema
 
     def due(self, step: int, last_step: bool = False) -> bool:
         """Whether save(step) writes a checkpoint."""
@@ -334,6 +337,7 @@ class Checkpointer:
             {"step": step, "engine": self.meta["engine"], **extra},
             {**self.meta, **extra},
             self.keep,
+            self.ema,
         )
         self.saved_step = step
 

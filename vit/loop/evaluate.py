@@ -41,9 +41,9 @@ class Evaluator:
         """Whether maybe(step) evaluates (the last step's evaluation is the finish's)."""
         return bool(self.interval) and step % self.interval == 0 and step != self.total_steps
 
-    def maybe(self, engine, step: int) -> None:
+    def maybe(self, engine, step: int, ema=None) -> None:
         if self.due(step):
-            self.run(engine, step)
+            self.run(engine, step, ema)
 
     def _once(self, engine, step: int, label: str) -> dict:
         lists = eval_batches(len(self.data.test), self.micro_batch, engine.dp_rank, engine.dp_size)
@@ -73,12 +73,12 @@ class Evaluator:
             print(f"eval{label} at step {step}: {said}", flush=True)
         return result
 
-    def run(self, engine, step: int) -> dict:
-        """The held-out loss, top-1 and top-5; with --model-ema also the average's, as
+    def run(self, engine, step: int, ema=None) -> dict:
+        """The held-out loss, top-1 and top-5; with --model-ema (`ema`) also the average's, as
         ema_eval_loss, ema_top1, ..."""
         result = self._once(engine, step, "")
-        if engine.ema is not None:
-            with engine.ema.swapped_in(engine):
+        if ema is not None:
+            with ema.swapped_in(engine):
                 result.update(
                     {f"ema_{k}": v for k, v in self._once(engine, step, " (EMA)").items()}
                 )

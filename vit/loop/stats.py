@@ -104,7 +104,9 @@ class StepStats:
         # step.
         self.check_finite = precision != "fp16"
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=engine.device)
-        self.skipped_in_a_row, self.skipped_before = 0, engine.skipped_steps
+        first = engine.scaler(logging=True) if not self.check_finite else None
+        self.skipped_before = first.skipped if first else 0  # a resumed run's, before
+        self.scaler = first  # the loss scaler's last statistic (ScalerStats), for the log record
         self.loss, self.lr, self.last_loss = None, None, float("nan")
         self.steps_done, self.phase_totals = 0, {}
         self.train_s = 0.0  # wall time of the steps alone
@@ -118,18 +120,15 @@ class StepStats:
         if self.check_finite:
             bad = (self.first_bad_step == 0) & ~torch.isfinite(loss.to(self.first_bad_step.device))
             self.first_bad_step.masked_fill_(bad, step)
-        elif not engine.counts_skips_on_device:
-            self._count_skips(step, engine.skipped_steps)
+        elif (stats := engine.scaler(logging=self.should_log(step))) is not None:
+            self.scaler = stats
+            self._report_skips(step, stats.skipped, stats.in_a_row, stats.longest)
         if self.is_main:
             progress(step, self.total_steps)
 
-    def _count_skips(self, step: int, skipped: int) -> None:
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped > self.skipped_before else 0
-        self._report_skips(step, skipped, self.skipped_in_a_row, self.skipped_in_a_row)
-
     def _report_skips(self, step: int, skipped: int, in_a_row: int, longest: int) -> None:
-        """A skip record when steps were skipped since the last call: every step for an engine that
-        counts skips on the host (DeepSpeed), on logging steps for one that counts them on the
+        """A skip record when steps were skipped since the last statistic: every step for an engine
+        that counts skips on the host (DeepSpeed), on logging steps for one that counts them on the
         device (DDP)."""
         if skipped > self.skipped_before:
             self.metrics.write("skip", step, skipped_steps=skipped, in_a_row=in_a_row)
@@ -153,8 +152,6 @@ class StepStats:
         """The step-time window since the last log: one metrics record, and rank 0's line."""
         # The only host sync and the only collective of our own per step, on logging steps only.
         self.last_loss = engine.mean_loss(self.loss).item()
-        if not self.check_finite and engine.counts_skips_on_device:
-            self._report_skips(step, *engine.device_skip_counts())
         if self.check_finite and self.first_bad_step.item():
             raise NonFiniteLoss(
                 f"the loss became non-finite at step {self.first_bad_step.item()} "
@@ -180,8 +177,8 @@ class StepStats:
             step_time_s=step_time,
             mem_gib=mem,
             rank_images_per_s=self.rank_images / step_time,
-            skipped_steps=engine.skipped_steps,
-            loss_scale=engine.loss_scale,
+            skipped_steps=self.scaler.skipped if self.scaler else 0,
+            loss_scale=self.scaler.scale if self.scaler else None,
             **phases,
         )
         if self.is_main:

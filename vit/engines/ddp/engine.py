@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from vit.engines.base import Engine, EngineContext, save_atomic
+from vit.engines.base import Engine, EngineContext, ScalerStats, save_atomic
 from vit.engines.ddp.comm_hooks import CommHook
 from vit.loop.optim import (
     SkipAwareSchedule,
@@ -44,7 +44,7 @@ class DDPEngine(Engine):
         self.loss = Loss(ctx.smoothing)
         self.dtype = DTYPES.get(ctx.precision)
         fp16 = ctx.ds_config.get("fp16", {})
-        self.scaler = (
+        self.grad_scaler = (
             torch.amp.GradScaler(
                 self.device.type, init_scale=2.0 ** fp16.get("initial_scale_power", 16)
             )
@@ -53,33 +53,24 @@ class DDPEngine(Engine):
         )
         self.scheduler = (
             SkipAwareSchedule(self.optimizer, ctx.optim, ctx.total_steps)
-            if self.scaler
+            if self.grad_scaler
             else make_scheduler(self.optimizer, ctx.optim, ctx.total_steps)
         )
         self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
         self.grad_accum, self.loss_weight = ctx.batch.grad_accum, ctx.loss_weight
         # fp16 steps the GradScaler skipped on inf/nan gradients: so far, in a row now, the longest
         # run since the last read. Kept on the device and read on logging steps only (see
-        # device_skip_counts).
+        # scaler).
         self._skips = torch.zeros(3, dtype=torch.long, device=self.device)
         self.timer = PhaseTimer(self.device)
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
 
-    counts_skips_on_device = True
-
-    @property
-    def skipped_steps(self) -> int:
-        return int(self._skips[0])
-
-    def device_skip_counts(self) -> tuple[int, int, int]:
+    def scaler(self, logging):
+        if self.grad_scaler is None or not logging:  # a host sync: on logging steps only
+            return None
         skipped, in_a_row, longest = self._skips.tolist()
         self._skips[2] = self._skips[1]
-        return skipped, in_a_row, longest
-
-    @property
-    def loss_scale(self) -> float | None:
-        # a host sync: read on logging steps only
-        return self.scaler.get_scale() if self.scaler else None
+        return ScalerStats(skipped, in_a_row, longest, self.grad_scaler.get_scale())
 
     def train_step(self, batches):
         total, t = 0.0, self.timer
@@ -98,14 +89,14 @@ class DDPEngine(Engine):
                 loss = self.loss(logits, y) * self.loss_weight
                 t.lap("forward_s")
                 scaled = loss / self.grad_accum
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                (self.grad_scaler.scale(scaled) if self.grad_scaler else scaled).backward()
             t.lap("backward_s")  # the last micro-batch's includes the gradient all-reduce
             total = total + loss.detach()
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
+        if self.grad_scaler:
+            self.grad_scaler.unscale_(self.optimizer)
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        if self.scaler:
+        if self.grad_scaler:
             self._scaler_step()
         else:
             self.optimizer.step()
@@ -118,10 +109,10 @@ class DDPEngine(Engine):
         """The GradScaler skips the step on inf/nan gradients (the fused AdamW on the device,
         without a host sync) and then halves the scale; a scale that went down is a skipped step,
         compared on the device."""
-        scale = self.scaler._get_scale_async().clone()  # noqa: SLF001 (get_scale() would sync)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        skipped = self.scaler._get_scale_async() < scale  # noqa: SLF001
+        scale = self.grad_scaler._get_scale_async().clone()  # noqa: SLF001 (get_scale() would sync)
+        self.grad_scaler.step(self.optimizer)
+        self.grad_scaler.update()
+        skipped = self.grad_scaler._get_scale_async() < scale  # noqa: SLF001
         self.scheduler.step(~skipped)
         in_a_row = (self._skips[1] + 1) * skipped
         self._skips += torch.stack(
@@ -147,15 +138,15 @@ class DDPEngine(Engine):
             "adam": adam_state(self.optimizer, self.model.module),
             "schedule": schedule_position(self.scheduler),
             "skips": self._skips.clone(),
-            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
         }
 
     def take_over(self, state):
         put_adam_state(self.optimizer, self.model.module, state["adam"])
         move_schedule(self.scheduler, state["schedule"])
         self._skips.copy_(state["skips"])
-        if self.scaler:
-            self.scaler.load_state_dict(state["scaler"])
+        if self.grad_scaler:
+            self.grad_scaler.load_state_dict(state["scaler"])
 
     def close(self):
         # DDP's reducer and buckets go with the model
@@ -166,7 +157,7 @@ class DDPEngine(Engine):
             "model": self.model.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
             "comm_hook": self.comm_hook.key,
         }
 
@@ -189,8 +180,8 @@ class DDPEngine(Engine):
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler and state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
+        if self.grad_scaler and state["scaler"]:
+            self.grad_scaler.load_state_dict(state["scaler"])
         self.comm_hook.load(os.path.join(load_dir, tag), dist.get_rank(), state.get("comm_hook"))
         return state["client_state"]
 

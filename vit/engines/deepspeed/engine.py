@@ -7,7 +7,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from vit.engines.base import Engine
+from vit.engines.base import Engine, ScalerStats
 from vit.loop.optim import adam_state, move_schedule, put_adam_state, schedule_position
 
 
@@ -22,13 +22,19 @@ class DeepSpeedEngine(Engine):
     """A subclass sets ds_engine (the DeepSpeedEngine or PipelineEngine that deepspeed.initialize
     returned) and optimizer."""
 
-    @property
-    def skipped_steps(self) -> int:
-        return self.ds_engine.skipped_steps
+    _in_a_row, _skipped = 0, None
 
-    @property
-    def loss_scale(self) -> float | None:
-        return float(self.ds_engine.optimizer.loss_scale) if self.ds_engine.fp16_enabled() else None
+    def scaler(self, logging):
+        """DeepSpeed counts its skipped steps on the host (its step reads the overflow flag there):
+        its counts at every step (the first call takes what a resumed run had skipped before)."""
+        if not self.ds_engine.fp16_enabled():
+            return None
+        skipped = self.ds_engine.skipped_steps
+        if self._skipped is not None:
+            self._in_a_row = self._in_a_row + 1 if skipped > self._skipped else 0
+        self._skipped = skipped
+        scale = float(self.ds_engine.optimizer.loss_scale)
+        return ScalerStats(skipped, self._in_a_row, self._in_a_row, scale)
 
     def save(self, save_dir, tag, client_state):
         # No 'latest' from DeepSpeed: vit.loop.checkpoint points at a checkpoint once it is

@@ -77,11 +77,11 @@ class ZeroEngine(DeepSpeedEngine):
             list(self.live_module().parameters()), modifier_rank=modifier_rank
         )
 
-    def layer_state(self):
-        # ZeRO-3: gathered onto rank 0 layer by layer
-        if self.ds_engine.zero_optimization_partition_weights():
+    def layer_state(self, state=None):
+        # ZeRO-3: gathered onto rank 0 layer by layer (an EMA's state is whole on every rank)
+        if state is None and self.ds_engine.zero_optimization_partition_weights():
             return self.ds_engine._zero3_consolidated_16bit_state_dict()
-        return super().layer_state()
+        return super().layer_state(state)
 
 
 def build(ctx: EngineContext):
