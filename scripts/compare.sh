@@ -33,7 +33,7 @@ Environment (defaults in brackets):
   LOG_INTERVAL     steps between metric records [2]
   EVAL_INTERVAL    steps between evaluations [0: only at the end]
   MONITOR_INTERVAL seconds between monitor samples [0.5]
-  RUNS             runs to make, space-separated, from ddp zero0..zero3 pipeline async-pipeline
+  RUNS             runs to make, space-separated, from ddp zero0..zero3 pipeline async-pipeline diloco
                    [ddp zero0 zero1 zero2 zero3 pipeline]
   OUT              output folder, relative to the repository root [logs/compare-<date-time>]
   MPIRUN_ARGS      extra mpirun arguments, split on spaces (runs go through scripts/mpirun, which uses
@@ -105,7 +105,7 @@ gather() {
 }
 
 for name in $RUNS; do
-  engine_of "$name" || { echo "compare.sh: unknown run '$name' in RUNS (ddp, zero0..zero3, pipeline, async-pipeline)" >&2; exit 2; }
+  engine_of "$name" || { echo "compare.sh: unknown run '$name' in RUNS ($("$PYTHON" -c 'from bench.runs import RUNS; print(*RUNS, sep=", ")'))" >&2; exit 2; }
 done
 done_runs=() failed=()
 for name in $RUNS; do
