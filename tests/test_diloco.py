@@ -72,10 +72,13 @@ def emulate(s, workers: int, steps: int, sync_every: int, outer_lr: float, momen
     return losses
 
 
+PAPER = ["--outer-lr", 0.7, "--outer-momentum", 0.9]  # the paper's outer step: Nesterov's path
+
+
 def diloco_args(tmp_path, steps: int, sync_every: int, *extra) -> list:
     return [
         "--engine", "diloco", "--steps", steps, "--sync-every", sync_every, "--log-interval", 1,
-        "--no-save", "--log-dir", tmp_path, *extra,
+        "--no-save", "--log-dir", tmp_path, *PAPER, *extra,
     ]  # fmt: skip
 
 
@@ -130,7 +133,8 @@ def test_one_step_windows_with_a_plain_outer_step_train_as_ddp(tmp_path):
 @pytest.mark.timeout(420)
 def test_a_resume_between_syncs_repeats_the_losses(tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["--engine", "diloco", "--sync-every", 4, "--log-interval", 1, "--steps", 10]
+    # the paper's outer step, so that the outer optimizer's momentum must come back too
+    common = ["--engine", "diloco", "--sync-every", 4, "--log-interval", 1, "--steps", 10, *PAPER]
     r = launch([*common, "--save-interval", 6, "--log-dir", full], timeout=300)
     assert r.ok, r
     step6 = full / "checkpoints" / "step6"  # two steps after the sync of step 4

@@ -200,6 +200,20 @@ def test_ring_bandwidth_is_set_by_the_busiest_nic():
     )
 
 
+def test_diloco_pays_one_all_reduce_of_the_weights_every_sync_every_steps():
+    ranks = two_hosts()
+    c = Candidate("diloco", 0, 1, 4, 1)
+    # 2000 params x 4 B, ring of 2: 8000 B on each edge at 1e6 B/s = 8 ms a sync, amortised over H
+    for h in (1, 10, 50):
+        j = dataclasses.replace(job(), sync_every=h)
+        assert predict(c, ranks, net(1e6), j, ZERO_COST).link_s == pytest.approx(8e-3 / h)
+    int8 = dataclasses.replace(c, compression="outer-int8")
+    j = dataclasses.replace(job(), sync_every=10)
+    assert predict(int8, ranks, net(1e6), j, ZERO_COST).link_s == pytest.approx(
+        8e-3 / 10 * (1 + 4 / 256) / 4
+    )
+
+
 def test_powersgd_sends_low_rank_factors_of_the_matrices_it_compresses():
     layer = Layer(100 * 50 + 4 * 4 + 50, 0.0, 1, ((100, 50), (4, 4)))
     j = Job((layer,), 8, "fp32", powersgd_rank=4)

@@ -129,6 +129,7 @@ def choose_engine(plan: Plan, dev: torch.device) -> dict:
         s.parallel.engine,
         plan.slowdowns.get(plan.job.rank, 1.0),
         s.comm.powersgd_rank,
+        s.local.sync_every,
     )
 
 

@@ -8,6 +8,8 @@ searches over them (vit.planner). Pure: no torch, no files (docs/planner.md stat
 import math
 from dataclasses import dataclass, field
 
+from vit.core.settings import DEFAULT_SYNC_EVERY
+
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 TORCH_GRAD_BYTES = 4  # engines that autocast keep fp32 weights: fp32 gradients and activations
 # plans leave 10% of the free memory for the allocator's fragmentation and the unforeseen
@@ -56,13 +58,14 @@ class Layer:
 
 @dataclass(frozen=True)
 class Workload:
-    """What is trained: the layers, the global batch, the precision (fp32, fp16 or bf16) and
-    PowerSGD's rank."""
+    """What is trained: the layers, the global batch, the precision (fp32, fp16 or bf16),
+    PowerSGD's rank and DiLoCo's steps between syncs."""
 
     layers: tuple[Layer, ...]
     global_batch: int
     precision: str
     powersgd_rank: int = 4
+    sync_every: int = DEFAULT_SYNC_EVERY
 
     @property
     def params(self) -> int:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from vit.core.batch import Batch
 from vit.core.costs import Candidate, Workload
 from vit.core.errors import ConfigError, NothingToDo
+from vit.core.settings import DEFAULT_SYNC_EVERY
 from vit.engines.registry import spec
 from vit.engines.step_cost import SHARED
 from vit.planner.census import capabilities, gather
@@ -48,6 +49,7 @@ def choose(
     engine: str,
     slowdown: float = 1.0,
     powersgd_rank: int = 4,
+    sync_every: int = DEFAULT_SYNC_EVERY,
 ) -> dict:
     """Collective: measure `layers` (the model as the run builds it) on every rank at `batch`'s
     micro-batch in `precision`, rank every candidate (rank 0 decides for all) and return the record
@@ -84,7 +86,9 @@ def choose(
     )
     reports = gather(report)
     links = measure_links([r["host"] for r in reports], job.rank, dev)
-    work = dict(batch=batch, world_size=job.world_size, powersgd_rank=powersgd_rank)
+    work = dict(
+        batch=batch, world_size=job.world_size, powersgd_rank=powersgd_rank, sync_every=sync_every
+    )
     record = rank0_decides(lambda: decide(layers, sample, precision, reports, links, start, **work))
     text = record.pop("text")
     if job.is_main:
@@ -107,13 +111,14 @@ def decide(
     batch: Batch,
     world_size: int,
     powersgd_rank: int,
+    sync_every: int = DEFAULT_SYNC_EVERY,
 ) -> dict:
     """Rank 0: every candidate ranked, the first that fits and runs chosen; ConfigError when none
     does."""
     described, flops = describe_layers(layers, sample, precision)
     ranks, _ = ranks_from_census(reports, flops, batch.micro_batch)
     net = network(reports, links)
-    work = Workload(tuple(described), batch.global_size, precision, powersgd_rank)
+    work = Workload(tuple(described), batch.global_size, precision, powersgd_rank, sync_every)
     (calib, calib_from), rows = run_calibration(), []
     for p in rank_candidates(ranks, net, work, calib):
         cannot = cannot_run(p.candidate, world_size, precision)

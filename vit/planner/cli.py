@@ -14,7 +14,7 @@ from vit.core.costs import Calibration, Prediction, Workload
 from vit.core.errors import ConfigError
 from vit.core.hostfile import hostfile_slots
 from vit.core.paths import ROOT
-from vit.core.settings import positive_int
+from vit.core.settings import DEFAULT_SYNC_EVERY, positive_int
 from vit.planner.inputs import load_run, network, profile_model, ranks_from_census, read_json
 from vit.planner.predict import calibration_keys, label
 from vit.planner.search import rank_candidates
@@ -224,7 +224,13 @@ def inputs(args) -> tuple[list, object, Workload, Calibration, str]:
         args.latency_ms,
         args.same_host_gbit,
     )
-    work = Workload(tuple(layers), global_batch, precision, run_args.get("powersgd_rank", 4))
+    work = Workload(
+        tuple(layers),
+        global_batch,
+        precision,
+        run_args.get("powersgd_rank", 4),
+        run_args.get("sync_every", DEFAULT_SYNC_EVERY),
+    )
     return (
         ranks,
         net,

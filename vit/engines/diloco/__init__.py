@@ -7,7 +7,6 @@ weights every H steps, two more fp32 copies of the weights, and a step that lear
 DDP's (auto leaves it to the user)."""
 
 from vit.core.costs import ring_allreduce_s
-from vit.core.settings import DEFAULT_SYNC_EVERY
 from vit.engines.step_cost import DataParallelSpec, autocast_state
 
 WIRE_BYTES = {"none": 4.0, "outer-bf16": 2.0, "outer-int8": 1.0 + 4 / 256}  # per value, with scales
@@ -39,10 +38,10 @@ class DiLoCoSpec(DataParallelSpec):
         return terms
 
     def link_s(self, c, hosts, net, work, calib, backward_s):
-        """One all-reduce of the weights' difference every --sync-every steps (the default H here),
-        in the wire's bytes, amortised over the H steps."""
+        """One all-reduce of the weights' difference every --sync-every steps, in the wire's
+        bytes, amortised over the H steps."""
         nbytes = work.params * WIRE_BYTES[c.compression]
-        return ring_allreduce_s(nbytes, hosts, net, calib) / DEFAULT_SYNC_EVERY
+        return ring_allreduce_s(nbytes, hosts, net, calib) / work.sync_every
 
 
 SPEC = DiLoCoSpec(
