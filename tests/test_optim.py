@@ -76,6 +76,8 @@ def test_ddp_fp16_skips_an_overflowed_step_without_advancing_the_lr(tmp_path, fu
                 precision="fp16",
             )
         )
+        # the gradients are views of DDP's buckets: no second gradient-sized buffer, no copy a step
+        assert engine.model.gradient_as_bucket_view
         good = (torch.randn(4, 6), torch.randint(0, 3, (4,)))
         bad = (torch.full((4, 6), float("inf")), good[1])
         lrs = [float(engine.lr)]

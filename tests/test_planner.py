@@ -580,3 +580,17 @@ def test_a_calibration_per_engine_is_taken_and_an_infinite_or_folder_one_refused
         cli.calibration(str(cal))
     with pytest.raises(ConfigError, match="cannot be read as a file"):
         cli.calibration(str(tmp_path))
+
+
+def test_the_link_probe_never_sends_more_than_its_cap():
+    from vit.planner.links import PROBE_MAX_BYTES, grow
+
+    sent = []
+
+    def instant(n):  # a link faster than any probe: the message grows to the cap and stops
+        sent.append(n)
+        return 0.0
+
+    n, _ = grow(instant, tiny=0.0)
+    assert n == max(sent) == PROBE_MAX_BYTES  # 64 KiB x 8 x 8 x 8 = 32 MiB, then 64 MiB, not 256
+    assert sent[:4] == [64 * 2**10, 512 * 2**10, 4 * 2**20, 32 * 2**20]

@@ -93,6 +93,8 @@ def cached_batches(batches, order: TrainBatches, prefix, cache: FeatureCache, de
                 if idx[k] >= 0:
                     cache.put(idx[k], row.clone())
         x = torch.stack([computed[k] if k in computed else cache.get(i) for k, i in enumerate(idx)])
+        if device.type == "cuda":  # page-locked (torch's caching host allocator): the copy is async
+            x = x.pin_memory()
         x = x.to(device, non_blocking=True)
         yield x, y
 

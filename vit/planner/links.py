@@ -68,10 +68,16 @@ def probe(peer: int, dev: torch.device, sender: bool) -> tuple[float, float] | N
         return time.perf_counter() - begin
 
     tiny = min(round_trip(1) for _ in range(5))
-    n = 64 * 2**10
-    while (took := round_trip(n)) - tiny < PROBE_S and n < PROBE_MAX_BYTES:
-        n *= 8
-    took = min(took, round_trip(n))
+    n, took = grow(round_trip, tiny)
     ctl.fill_(0)
     dist.send(ctl, peer)
     return n / max(took - tiny, 1e-9), tiny / 2
+
+
+def grow(round_trip, tiny: float) -> tuple[int, float]:
+    """The message size (8x from 64 KiB, never above PROBE_MAX_BYTES) whose transfer first takes
+    PROBE_S beyond a byte's round trip `tiny`, and its faster of two round trips."""
+    n = 64 * 2**10
+    while (took := round_trip(n)) - tiny < PROBE_S and n < PROBE_MAX_BYTES:
+        n = min(n * 8, PROBE_MAX_BYTES)
+    return n, min(took, round_trip(n))

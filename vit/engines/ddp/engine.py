@@ -33,8 +33,11 @@ class DDPEngine(Engine):
     def __init__(self, ctx: EngineContext):
         self.device = ctx.device
         model = nn.Sequential(*ctx.layers).to(self.device)
+        # gradients as views of the all-reduce buckets: no second gradient-sized buffer, no copy
         self.model = DistributedDataParallel(
-            model, device_ids=[self.device] if self.device.type == "cuda" else None
+            model,
+            device_ids=[self.device] if self.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
         )
         # --comm-hook none registers nothing
         self.comm_hook = CommHook(self.model, ctx.comm, self.device)
