@@ -28,10 +28,9 @@ class DDPSpec(DataParallelSpec):
         return None
 
     def state_bytes(self, precision, ds_config, dp_size=1, stashed_copies=0, compression="none"):
+        # engine.py builds DDP with gradient_as_bucket_view: the gradients are its all-reduce
+        # buckets (torch/nn/parallel/distributed.py), no second copy
         terms = autocast_state(precision)
-        # torch/nn/parallel/distributed.py: gradient_as_bucket_view=False (our default) copies the
-        # gradients into allreduce buckets as big as the gradients
-        terms["DDP buckets"] = 4
         if compression == "powersgd":
             # torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py: error_dict holds, per
             # bucket, a tensor of the bucket's length in the gradients' dtype (fp32 here). Its P and
