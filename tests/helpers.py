@@ -65,7 +65,8 @@ def base_env(**extra) -> dict:
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_"))
-        and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+        and k != "MASTER_PORT"
     }
     env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.update(extra)

@@ -90,3 +90,20 @@ def test_gloo_and_nccl_use_the_interface_that_reaches_rank_0(monkeypatch):
     assert dist_env.pin_interface("127.0.0.1", env) is None and env == {}
     # routed: no interface on its subnet
     assert dist_env.pin_interface("172.16.0.9", env) is None and env == {}
+
+
+def test_a_port_in_use_is_one_line_naming_it():
+    """MASTER_PORT held by another program: a traceback of torch's EADDRINUSE before, one line
+    now (vit.train prints it after "entry_cn.sh: error: " and exits 2)."""
+    import socket
+
+    from vit.runtime.dist_env import Job, init_process_group
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        job = Job(0, 1, 0, 1, "single", master_addr="127.0.0.1", master_port=port)
+        with pytest.raises(ConfigError) as e:
+            init_process_group(job, 5, "cpu", "fp32", None)
+    assert f"port {port} (MASTER_PORT) is in use on " in str(e.value), str(e.value)

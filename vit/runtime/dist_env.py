@@ -238,9 +238,21 @@ def init_process_group(
 
     timeout = timedelta(seconds=timeout_s)
     pin_interface(job.master_addr)
-    store = dist.TCPStore(
-        job.master_addr, job.master_port, job.world_size, is_master=job.rank == 0, timeout=timeout
-    )
+    try:
+        store = dist.TCPStore(
+            job.master_addr,
+            job.master_port,
+            job.world_size,
+            is_master=job.rank == 0,
+            timeout=timeout,
+        )
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise ConfigError(
+            f"rank 0's port {job.master_port} (MASTER_PORT) is in use on {socket.gethostname()}: "
+            "another run or program holds it; choose a free one, or unset MASTER_PORT"
+        ) from None
     reports = gpu.exchange(
         store, job.world_size, gpu.local_report(wanted_device, job.rank, job.local_rank), timeout_s
     )
