@@ -222,7 +222,7 @@ def test_proportional_split_follows_speed_within_memory():
         )
 
 
-def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
+def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas(monkeypatch):
     from pathlib import Path
 
     from vit.planner import memory as footprint
@@ -243,6 +243,15 @@ def test_memory_plans_keep_headroom_for_nccl_zero_buckets_and_cublas():
         footprint.gpu_reserved_bytes(spec("zero"), {"zero_optimization": {"stage": 0}}, "fp16")
         == fixed
     )
+    # --freeze on a DeepSpeed engine: the freeze point's handover buffer, 3 fp32 rows of
+    # HANDOVER_CHUNK elements (192 MiB; the whole group at once was 12 bytes a parameter)
+    cuda = torch.device("cuda", 0)
+    args = ["--engine", "zero", "--ds-config", "deepspeed_configs/zero2.json"]
+    plain = plan_in_process(monkeypatch, args).reserved_bytes(cuda, "bf16")
+    frozen = plan_in_process(monkeypatch, [*args, "--freeze", "schedule"])
+    assert frozen.reserved_bytes(cuda, "bf16") - plain == 192 * 2**20
+    ddp = plan_in_process(monkeypatch, ["--engine", "ddp", "--freeze", "schedule"])
+    assert ddp.reserved_bytes(cuda, "bf16") == fixed  # DDP keeps its optimizer through a freeze
     # Two equally fast ranks with the same free memory; rank 1 keeps 0.3 GiB for NCCL, buckets and
     # cuBLAS.
     even = census_of(free_gib=(0.5, 0.5), block_ms=(10.0, 10.0))

@@ -139,11 +139,13 @@ class Plan:
         )
 
     def reserved_bytes(self, dev: torch.device, precision: str) -> float:
-        """What a GPU rank keeps free beside the plan's memory (0 on a CPU)."""
-        return (
-            gpu_reserved_bytes(self.engine, self.ds_config, precision)
-            if dev.type == "cuda"
-            else 0.0
+        """What a GPU rank keeps free beside the plan's memory (0 on a CPU), a freeze point's
+        handover included."""
+        if dev.type != "cuda":
+            return 0.0
+        freezing = self.settings.freeze.freeze != "none"
+        return gpu_reserved_bytes(self.engine, self.ds_config, precision) + (
+            self.engine.handover_bytes() if freezing else 0.0
         )
 
     def balanced_candidate(self) -> Candidate | None:

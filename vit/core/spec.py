@@ -157,6 +157,11 @@ class EngineSpec:
         """Bytes of the engine's own communication buffers on a GPU (ZeRO's buckets)."""
         return 0.0
 
+    def handover_bytes(self) -> float:
+        """--freeze: what a freeze point allocates on a GPU beside the live engine to move its state
+        to the rebuilt one."""
+        return 0.0
+
     def reserved_bytes(self, ds_config: dict, precision: str) -> float:
         """What a GPU rank keeps free beside a plan: NCCL's buffers, cuBLAS's workspaces and
         bucket_bytes."""

@@ -13,6 +13,10 @@ from vit.core.spec import FP16_FAST, EngineSpec
 
 ZERO_BUCKET_DEFAULT = 500_000_000  # DeepSpeed's reduce_bucket_size, in elements
 PREFETCH_DEFAULT = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size, in parameters
+# Elements --freeze's handover of a partitioned optimizer sums at once (engine.whole_adam_state):
+# 3 rows (weights, two moments) in fp32, 192 MiB on the device beside the live engine. The whole
+# group at once took 12 bytes a parameter (1 GB for ViT-B).
+HANDOVER_CHUNK = 1 << 24
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,6 +69,10 @@ class DeepSpeedSpec(EngineSpec):
 
     def compression_options(self, compression):
         return {}, ({"communication_data_type": "bf16"} if compression == "comm-bf16" else {})
+
+    def handover_bytes(self):
+        """--freeze: the device buffer of a freeze point's handover (engine.whole_adam_state)."""
+        return 3 * HANDOVER_CHUNK * 4
 
     def bucket_bytes(self, ds_config, precision):
         """ZeRO-1 and -2 (zero/stage_1_and_2.py): with contiguous_gradients, DeepSpeed's default,

@@ -7,6 +7,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
+import vit.engines.deepspeed as deepspeed_specs
 from vit.engines.base import Engine, ScalerStats
 from vit.loop.optim import adam_state, move_schedule, put_adam_state, schedule_position
 
@@ -164,21 +165,32 @@ def _fragments(flat: torch.Tensor, state: dict, params: list):
 @torch.no_grad()
 def whole_adam_state(zopt, group: int) -> dict:
     """Collective over the data-parallel ranks: each parameter of ZeRO group `group` with its whole
-    fp32 weights and Adam moments (flat), assembled from every rank's partition, on the host. Views
-    of one buffer, summed in one all-reduce and copied to the host at once (an all-reduce a tensor
-    took up to 0.3 s a rebuild for vit_digits on 2 CPU ranks)."""
+    fp32 weights and Adam moments (flat), assembled from every rank's partition, on the host. The
+    group goes through one device buffer of HANDOVER_CHUNK elements a row
+    (DeepSpeedSpec.handover_bytes), summed in one all-reduce a chunk (an all-reduce a tensor took up
+    to 0.3 s a rebuild for vit_digits on 2 CPU ranks)."""
     flats, groups, dp_groups = partitions(zopt)
     flat, params = flats[group], groups[group]
     keys = ("master", *ADAM_KEYS)
     offsets = dict(zip(params, itertools.accumulate((p.numel() for p in params), initial=0)))
-    buffer = torch.zeros(
-        len(keys), sum(p.numel() for p in params), dtype=flat.dtype, device=flat.device
-    )
-    for p, parts, (start, numel) in _fragments(flat, zopt.optimizer.state[flat], params):
-        for row, key in zip(buffer, keys):
-            row.narrow(0, offsets[p] + start, numel).copy_(parts[key])
-    dist.all_reduce(buffer, group=dp_groups[group])
-    host = buffer.cpu()
+    total = sum(p.numel() for p in params)
+    host = torch.empty(len(keys), total, dtype=flat.dtype)
+    mine = [
+        (offsets[p] + start, numel, parts)
+        for p, parts, (start, numel) in _fragments(flat, zopt.optimizer.state[flat], params)
+    ]
+    size = min(deepspeed_specs.HANDOVER_CHUNK, total)
+    buffer = torch.empty(len(keys) * size, dtype=flat.dtype, device=flat.device)
+    for lo in range(0, total, size):
+        hi = min(lo + size, total)
+        chunk = buffer[: len(keys) * (hi - lo)].view(len(keys), hi - lo).zero_()  # contiguous
+        for at, numel, parts in mine:  # this rank's fragments that fall into [lo, hi)
+            a, b = max(lo, at), min(hi, at + numel)
+            if a < b:
+                for row, key in zip(chunk, keys):
+                    row.narrow(0, a - lo, b - a).copy_(parts[key].narrow(0, a - at, b - a))
+        dist.all_reduce(chunk, group=dp_groups[group])
+        host[:, lo:hi].copy_(chunk)
     return {
         p: {k: row.narrow(0, offsets[p], p.numel()) for k, row in zip(keys, host)} for p in params
     }
