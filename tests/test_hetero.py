@@ -306,6 +306,40 @@ def test_layer_times_pool_identical_blocks_and_leave_the_layers_alone():
     )
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_layers_are_timed_as_the_engine_trains_them(autocast):
+    """An engine that autocasts (DDP, the async pipeline) trains fp32 weights under torch.autocast;
+    DeepSpeed's train weights cast to the half dtype. Timing the first as the second under-timed
+    them (issue 45, defect 8)."""
+    from vit.model.layers import build_layers
+    from vit.planner import census, profile
+
+    layers = build_layers("vit_digits", 10, 1, None, 0)
+    seen = set()
+    for layer in layers:  # kept by the copies time_layers makes
+        layer.register_forward_pre_hook(
+            lambda m, args: seen.add(
+                (next(m.parameters()).dtype, torch.is_autocast_enabled("cpu"), args[0].dtype)
+            )
+        )
+    cpu = torch.device("cpu")
+    profile.time_layers(
+        layers, torch.randn(1, 1, 8, 8), 4, "bf16", cpu, rounds=1, autocast=autocast
+    )
+    if autocast:  # fp32 weights, autocast on; the images fp32, the blocks' inputs as autocast left
+        assert {(w, on) for w, on, _ in seen} == {(torch.float32, True)}, seen
+        assert (torch.float32, True, torch.float32) in seen
+    else:
+        assert seen == {(torch.bfloat16, False, torch.bfloat16)}, seen
+    seen.clear()
+    census.measure_speed(cpu, "bf16", layers[1], (4, 17, 64), 1.0, autocast=autocast)
+    assert (
+        seen == {(torch.float32, True, torch.float32)}
+        if autocast
+        else seen == {(torch.bfloat16, False, torch.bfloat16)}
+    ), seen
+
+
 def test_uneven_micro_batches_make_up_the_global_batch():
     sizes, ga = [5, 2, 1], 2
     single = list(TrainBatches(100, 16, 1, 0, 1, seed=3, start_step=0, end_step=5))

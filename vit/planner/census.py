@@ -83,19 +83,24 @@ def measure_speed(
     block: nn.Module,
     block_input: tuple[int, ...],
     slowdown: float,
+    autocast: bool = False,
 ) -> dict:
     """A timed matmul and one timed forward and backward of a ViT block on an input of the run's
-    shape."""
+    shape; with `autocast`, the block in fp32 under torch.autocast in `precision`, as an engine that
+    autocasts trains it."""
     dtype = DTYPES[precision]
     clock = Clock(slowdown, dev)
     n = 4096 if dev.type == "cuda" else 512
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
     matmul_s = _timed(lambda: a @ b, clock)
-    block = block.to(dev, dtype)
-    x = torch.randn(*block_input, device=dev, dtype=dtype, requires_grad=True)
+    cast = torch.float32 if autocast else dtype
+    block = block.to(dev, cast)
+    x = torch.randn(*block_input, device=dev, dtype=cast, requires_grad=True)
 
     def step():
-        block(x).float().sum().backward()
+        with torch.autocast(dev.type, dtype, enabled=autocast and precision != "fp32"):
+            y = block(x)
+        y.float().sum().backward()
 
     block_s = _timed(step, clock)
     return {"matmul_tflops": 2 * n**3 / matmul_s / 1e12, "block_ms": 1e3 * block_s}

@@ -71,6 +71,7 @@ def time_layers(
     rounds: int = LAYER_ROUNDS,
     pick=min,
     warmup_s: float = WARMUP_S,
+    autocast: bool = False,
 ) -> list[list[float]]:
     """[forward ms, backward ms] of each layer at the run's micro-batch on this rank, slowed like
     the rank's layers: the fastest of `rounds` rounds that each time every layer once, after
@@ -80,12 +81,17 @@ def time_layers(
     embedding's reshapes) count, which FLOPs do not see. Runs a copy of the layers on `dev`. `pick`:
     how a layer's rounds (and a group's layers) become one time; statistics.median for the time
     while other ranks load the host as training does (--engine auto times every rank at once).
-    `warmup_s`: 0 for a rank timed moments before, whose times are kept only where faster."""
+    `warmup_s`: 0 for a rank timed moments before, whose times are kept only where faster.
+    `autocast`: the layers stay fp32 and run under torch.autocast in `precision`, as an engine that
+    autocasts trains them (EngineSpec.autocast: DDP, the async pipeline), not cast to it as
+    DeepSpeed's are."""
     dtype, clock = DTYPES[precision], Clock(slowdown, dev)
-    copies = [copy.deepcopy(layer).to(dev, dtype) for layer in layers]
+    cast = torch.float32 if autocast else dtype
+    copies = [copy.deepcopy(layer).to(dev, cast) for layer in layers]
     inputs, grads = [], []
-    x = sample.to(dev, dtype).expand(micro_batch, *sample.shape[1:]).contiguous()
-    with fork_rng(dev):
+    x = sample.to(dev, cast).expand(micro_batch, *sample.shape[1:]).contiguous()
+    autocasting = torch.autocast(dev.type, dtype, enabled=autocast and precision != "fp32")
+    with fork_rng(dev), autocasting:
         with torch.no_grad():
             for i, layer in enumerate(copies):
                 # the images need no gradient; a later stage's input does

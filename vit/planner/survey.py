@@ -163,7 +163,12 @@ def measure(
         if first:
             speed.update(
                 measure_speed(
-                    device, precision, copy.deepcopy(layers[1]), block_input, asked.slowdown
+                    device,
+                    precision,
+                    copy.deepcopy(layers[1]),
+                    block_input,
+                    asked.slowdown,
+                    autocast=asked.engine.autocast,
                 )
             )
         if (
@@ -177,6 +182,7 @@ def measure(
                 device,
                 asked.slowdown,
                 warmup_s=WARMUP_S * first,
+                autocast=asked.engine.autocast,
             )
             speed["layer_ms"] = [
                 [min(a, b) for a, b in zip(old, new)]
