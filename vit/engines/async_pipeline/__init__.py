@@ -26,9 +26,7 @@ class AsyncPipelineSpec(PipelinedSpec):
         terms = autocast_state(precision)
         if stashed_copies:  # engine.py _weights: p.detach().clone() (or msnag's prediction)
             terms["stashed weights"] = 4 * stashed_copies
-        if dp_size > 1:  # engine.py _update: torch.cat of every gradient
-            terms["allreduce flat gradients"] = 4
-        return terms
+        return terms  # with dp > 1 the gradients are views of the buffer all-reduced in place
 
 
 SPEC = AsyncPipelineSpec(

@@ -92,6 +92,12 @@ class AsyncPipelineEngine(StagedEngine):
             self.device
         )
         self.params = dict(self.module.named_parameters())
+        self.flat_grads = None
+        if self.dp_size > 1:  # the gradients are views of one buffer, all-reduced in place
+            params = list(self.params.values())
+            self.flat_grads = torch.zeros(sum(p.numel() for p in params), device=self.device)
+            for p, view in zip(params, self.flat_grads.split([p.numel() for p in params])):
+                p.grad = view.view_as(p)
         if ctx.compile:
             self.module.compile()  # in place: the names and functional_call's weights are unchanged
         self.first, self.last = self.stage == 0, self.stage == stages - 1
@@ -232,19 +238,19 @@ class AsyncPipelineEngine(StagedEngine):
 
     def _update(self) -> None:
         params = list(self.params.values())
-        if self.dp_size > 1:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=self.links.stage_group)
-            flat /= self.dp_size
-            for p, g in zip(params, flat.split([p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p))
+        if self.flat_grads is not None:
+            dist.all_reduce(self.flat_grads, group=self.links.stage_group)
+            self.flat_grads /= self.dp_size
             self.timer.lap("allreduce_s")
         # each stage its own norm: a norm over all stages would tie them back together
         if self.clip:
             nn.utils.clip_grad_norm_(params, self.clip)
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.flat_grads is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.flat_grads.zero_()
         self.version += 1
         self.cached = None
         self.timer.lap("optimizer_s")
