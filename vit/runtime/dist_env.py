@@ -16,6 +16,7 @@ from vit.core.errors import ConfigError
 from vit.core.spec import EngineSpec
 
 DEFAULT_PORT = 29500
+NCCL_GRACE_S = 30  # NCCL's collective timeout beyond --dist-timeout (init_process_group)
 
 # (launcher, rank, world size, local rank, local world size)
 SOURCES = [
@@ -274,6 +275,11 @@ def init_process_group(
         MASTER_PORT=str(job.master_port),
     )
     backend = "nccl" if job.device_type == "cuda" else "gloo"
+    # NCCL's own watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING) ends the process when a collective
+    # times out, and no thread of ours says which rank stopped: it waits NCCL_GRACE_S longer than
+    # vit.runtime.faults' watchdog, which names that rank (gloo's timeout raises in the main thread,
+    # which names it the same way).
+    grace = timedelta(seconds=NCCL_GRACE_S if backend == "nccl" else 0)
     # With device_id NCCL creates its communicators here, and a full GPU fails it (vit.train words
     # that error).
     dist.init_process_group(
@@ -281,7 +287,7 @@ def init_process_group(
         store=store,
         rank=job.rank,
         world_size=job.world_size,
-        timeout=timeout,
+        timeout=timeout + grace,
         device_id=device_id,
     )
     return backend
