@@ -6,7 +6,7 @@ import json
 import sys
 
 import pytest
-from helpers import launch, run_cmd
+from helpers import launch, plan_in_process, run_cmd, train_losses
 
 from vit.config.cli import parse
 from vit.config.compat import PROVISIONAL
@@ -14,6 +14,7 @@ from vit.core.costs import Network
 from vit.core.errors import ConfigError
 from vit.core.paths import ROOT
 from vit.engines.registry import spec
+from vit.loop.checkpoint import MANIFEST_KEYS
 from vit.planner import auto, links
 
 
@@ -45,7 +46,6 @@ def test_auto_refuses_what_it_does_not_plan_and_keeps_the_global_batch_options()
     for argv, message in [
         (["--micro-batch-size", "auto"], "chooses the micro-batch within the global batch"),
         (["--freeze", "schedule"], "does not plan freeze training yet"),
-        (["--resume"], "--resume continues the run's own layout; name the engine it trained with"),
     ]:
         with pytest.raises(ConfigError, match=message):
             parse(["--engine", "auto", *argv])
@@ -108,29 +108,38 @@ def test_links_measured_from_the_first_host_give_each_hosts_rate():
     assert one.host_bytes_s == {} and one.same_host_bytes_s == Network.same_host_bytes_s
 
 
-@pytest.mark.ranks
-@pytest.mark.timeout(300)
-def test_auto_on_two_ranks_runs_the_models_first_and_gives_a_slowed_rank_less_work(tmp_path):
-    log_dir = tmp_path / "logs"
-    r = launch(
-        [
-            "--engine",
-            "auto",
-            "--simulate-slowdown",
-            "1=3",
-            "--steps",
-            4,
-            "--eval-interval",
-            0,
-            "--no-save",
-            "--log-dir",
-            log_dir,
-            "--monitor-interval",
-            0,
-        ],
-        timeout=240,
+def test_auto_resume_refuses_a_checkpoint_of_a_named_engine(tmp_path, monkeypatch):
+    step = tmp_path / "run" / "checkpoints" / "step2"
+    step.mkdir(parents=True)
+    manifest = dict.fromkeys(MANIFEST_KEYS, 1) | {"files": {}, "engine": "zero", "step": 2}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError) as e:
+        plan_in_process(monkeypatch, ["--engine", "auto", "--resume", step])
+    assert str(e.value) == (
+        f"--engine auto --resume: checkpoint {step} is of a run that named its engine; resume it "
+        "with --engine zero"
     )
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(500)
+def test_auto_on_two_ranks_runs_the_models_first_and_gives_a_slowed_rank_less_work(tmp_path):
+    """... and `--engine auto --resume` (what scripts/retry.sh adds) goes on as it chose, measuring
+    nothing again, with the same losses as the run it resumes."""
+    log_dir = tmp_path / "logs"
+    common = ["--engine", "auto", "--simulate-slowdown", "1=3", "--steps", 4, "--eval-interval", 0]
+    common += ["--log-interval", 1, "--monitor-interval", 0]
+    r = launch([*common, "--save-interval", 2, "--log-dir", log_dir], timeout=240)
     assert r.ok, r
+    resumed = tmp_path / "resumed"
+    step2 = log_dir / "checkpoints" / "step2"
+    again = launch([*common, "--resume", step2, "--log-dir", resumed], timeout=240)
+    assert again.ok, again
+    assert "engine auto chose" not in again.outputs[0]
+    assert train_losses(resumed) == {s: v for s, v in train_losses(log_dir).items() if s > 2}
+    first = json.loads((log_dir / "config.json").read_text())["engine_auto"]
+    second = json.loads((resumed / "config.json").read_text())["engine_auto"]
+    assert second == {**first, "resumed_from": str(step2)}
     config = json.loads((log_dir / "config.json").read_text())
     record, summary = config["engine_auto"], json.loads((log_dir / "summary.json").read_text())
     rows, choice = record["candidates"], record["choice"]

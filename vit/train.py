@@ -234,7 +234,7 @@ def run(plan: Plan, start_time: float) -> int:
     stop.install()
     plugins.call("start", plan.job.rank, watchdog)
     try:
-        if plan.auto is not None:  # --engine auto
+        if plan.auto == {}:  # --engine auto, to choose (a resumed one has chosen)
             plan = with_auto_choice(plan, choose_engine(plan, device(plan.job)))
         if plan.settings.parallel.micro_batch_size == "auto":
             plan = with_micro_batch(plan, *fit_micro_batch(plan, device(plan.job)))

@@ -189,9 +189,3 @@ def check_auto(s) -> None:
         raise ConfigError(
             f"--engine {AUTO} does not plan freeze training yet; name an engine with --freeze"
         )
-    if s.checkpoint.resume:
-        raise ConfigError(
-            f"--resume continues the run's own layout; name the engine it trained "
-            f"with (its "
-            f"config.json's engine_auto says which --engine {AUTO} chose)"
-        )

@@ -93,7 +93,14 @@ class Plan:
     def checkpoint_meta(self) -> dict:
         """What each checkpoint's manifest records of the run, for a resume to compare with its
         own."""
-        return {**self.shape, "config_hash": self.settings_hash(), "total_steps": self.total_steps}
+        # --engine auto's choice, which `--engine auto --resume` takes again (resumed_auto_choice)
+        auto = {"engine_auto": self.auto} if self.auto else {}
+        return {
+            **self.shape,
+            "config_hash": self.settings_hash(),
+            "total_steps": self.total_steps,
+            **auto,
+        }
 
     @property
     def engine(self) -> EngineSpec:
@@ -165,6 +172,8 @@ class Plan:
 def make_plan(settings: Settings, job: Job) -> Plan:
     # planned as PROVISIONAL until vit.planner.auto chooses (train.run)
     if settings.parallel.engine == AUTO:
+        if settings.checkpoint.resume:
+            return resumed_auto_choice(settings, job)
         return replace(make_plan(settings.with_(engine=PROVISIONAL), job), auto={})
     dataset, note = dataset_for(settings.data)
     s = settings.with_(dataset=dataset)
@@ -363,12 +372,36 @@ def with_micro_batch(plan: Plan, micro_batch: int, split: list[int] | None, sear
 def with_auto_choice(plan: Plan, record: dict) -> Plan:
     """The run's plan with --engine auto's choice (vit.planner.auto.choose's record): its options as
     a command line would give them, checked like one."""
+    return planned_as_chosen(plan.settings, plan.job, record)
+
+
+def resumed_auto_choice(settings: Settings, job: Job) -> Plan:
+    """`--engine auto --resume`: the run planned as it chose (the record its newest readable
+    checkpoint's manifest keeps), measuring nothing again, then resumed like any run: on another
+    number of ranks its checkpoint is refused as a named engine's would be."""
+    ckpt, log_dir = settings.checkpoint, settings.log.log_dir
+    save_dir = ckpt.save_dir or (os.path.join(log_dir, "checkpoints") if log_dir else None)
+    where, tags = checkpoint.locate(save_dir if ckpt.resume == "auto" else ckpt.resume)
+    for tag in tags:
+        try:
+            manifest = checkpoint.read_manifest(where, tag)
+        except (OSError, ValueError):
+            continue
+        if "engine_auto" not in manifest:
+            raise ConfigError(
+                f"--engine {AUTO} --resume: checkpoint {where}/{tag} is of a run that named its "
+                f"engine; resume it with --engine {manifest.get('engine', '...')}"
+            )
+        record = {**manifest["engine_auto"], "resumed_from": f"{where}/{tag}"}
+        return planned_as_chosen(settings, job, record)
+    raise ConfigError(f"--resume {where}: no readable checkpoint manifest there")
+
+
+def planned_as_chosen(settings: Settings, job: Job, record: dict) -> Plan:
     c, engine = record["choice"], spec(record["choice"]["engine"])
     changes = dict(
         engine=c["engine"],
-        ds_config=str(
-            DS_CONFIGS / engine.config_for(c["zero_stage"], c["stages"], plan.job.world_size)
-        ),
+        ds_config=str(DS_CONFIGS / engine.config_for(c["zero_stage"], c["stages"], job.world_size)),
         micro_batch_size=c["micro_batch"],
         grad_accum=c["grad_accum"],
         batch_split="proportional" if c["split"] else "equal",
@@ -376,7 +409,7 @@ def with_auto_choice(plan: Plan, record: dict) -> Plan:
     if engine.pipeline:
         changes["pipeline_stages"] = c["stages"]
     options, json_keys = engine.compression_options(c["compression"])
-    new = make_plan(validate(plan.settings.with_(**changes, **options)), plan.job)
+    new = make_plan(validate(settings.with_(**changes, **options)), job)
     if json_keys:  # DeepSpeed's gradient reduction in bf16
         new = replace(new, ds_config={**new.ds_config, **json_keys})
     return replace(
