@@ -9,8 +9,9 @@ import pytest
 from helpers import launch, plan_in_process, run_cmd, train_losses
 
 from vit.config.cli import parse
-from vit.config.compat import PROVISIONAL
-from vit.core.costs import Network
+from vit.config.compat import PROVISIONAL, auto_allowed
+from vit.config.plan import with_auto_choice
+from vit.core.costs import Candidate, Network
 from vit.core.errors import ConfigError
 from vit.core.paths import ROOT
 from vit.engines.registry import spec
@@ -97,6 +98,32 @@ def test_a_tie_goes_to_the_plainest_and_a_clear_win_to_the_fastest():
     assert auto.pick(runs) is runs[2]  # within 2%: no compression, equal split, one stage
     runs = [cand(10.0, "bf16"), cand(10.5)]
     assert auto.pick(runs) is runs[0]  # 5% faster: the model's first
+
+
+def test_what_changes_learning_is_chosen_only_when_allowed(monkeypatch):
+    diloco, powersgd = Candidate("diloco", 0, 1, 32, 1), Candidate("ddp", 0, 1, 32, 1, "powersgd")
+    assert "DiLoCo changes what is learned" in auto.not_chosen(diloco)
+    assert "PowerSGD changes what is learned" in auto.not_chosen(powersgd)
+    assert auto.not_chosen(diloco, frozenset({"diloco"})) is None
+    assert "PowerSGD" in auto.not_chosen(powersgd, frozenset({"diloco"}))
+    assert auto.not_chosen(powersgd, frozenset({"diloco", "powersgd"})) is None
+    # the option is auto's: checked by name, refused with a named engine
+    s = parse(["--engine", "auto", "--auto-allow", "diloco,powersgd"])
+    assert s.parallel.engine == "auto" and auto_allowed(s) == {"diloco", "powersgd"}
+    with pytest.raises(ConfigError, match="^--auto-allow diloco,sgd: sgd is not one of diloco"):
+        parse(["--engine", "auto", "--auto-allow", "diloco,sgd"])
+    with pytest.raises(ConfigError, match="--auto-allow .*--engine auto"):
+        parse(["--engine", "ddp", "--auto-allow", "diloco"])
+    # chosen, diloco runs as `--engine diloco` would, with its wire
+    argv = ["--engine", "auto", "--auto-allow", "diloco"]
+    plan = plan_in_process(monkeypatch, argv, world_size=2)
+    choice = {"engine": "diloco", "zero_stage": 0, "stages": 1, "micro_batch": 32, "grad_accum": 1}
+    choice |= {"split": None, "parts": None, "compression": "outer-int8"}
+    chosen = with_auto_choice(plan, {"choice": choice})
+    assert (
+        chosen.settings.parallel.engine == "diloco" and chosen.settings.local.outer_wire == "int8"
+    )
+    assert chosen.shape["engine"] == "diloco" and chosen.settings.parallel.auto_allow == ""
 
 
 def test_links_measured_from_the_first_host_give_each_hosts_rate():

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from vit.config.cli import PROG, parse
+from vit.config.compat import auto_allowed
 from vit.config.plan import Plan, make_plan, with_auto_choice, with_micro_batch
 from vit.config.records import write_summary
 from vit.core.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
@@ -130,6 +131,7 @@ def choose_engine(plan: Plan, dev: torch.device) -> dict:
         plan.slowdowns.get(plan.job.rank, 1.0),
         s.comm.powersgd_rank,
         s.local.sync_every,
+        auto_allowed(s),
     )
 
 

@@ -118,7 +118,8 @@ def validate(s: Settings) -> Settings:
     par, opt = s.parallel, s.optim
     if par.engine == AUTO:  # checked as the engine it is planned as until vit.planner.auto chooses
         check_auto(s)
-        return validate(s.with_(engine=PROVISIONAL)).with_(engine=AUTO)
+        checked = validate(s.with_(engine=PROVISIONAL, auto_allow=""))
+        return checked.with_(engine=AUTO, auto_allow=par.auto_allow)
     if opt.min_lr > opt.lr:
         raise ConfigError(f"--min-lr {opt.min_lr:g} is above --lr {opt.lr:g}")
     if par.partition not in ("uniform", "parameters", "balanced") and not par.partition.startswith(

@@ -20,6 +20,7 @@ def _engines(has) -> str:
 # What an option with `needs` (vit.core.settings.option) has no effect without: (whether the
 # settings have it, how to say it).
 NEEDS = {
+    "auto": (lambda s: s.parallel.engine == AUTO, f"--engine {AUTO}"),
     "async": (
         lambda s: spec(s.parallel.engine).async_schedule,
         _engines(lambda e: e.async_schedule),
@@ -165,9 +166,24 @@ def check_auto_given(names: set[str]) -> None:
             )
 
 
+# what --auto-allow may name: a candidate's engine or compression that changes what is learned
+LEARNING_CHANGES = ("diloco", "powersgd")
+
+
+def auto_allowed(s) -> set[str]:
+    return {n.strip() for n in s.parallel.auto_allow.split(",") if n.strip()}
+
+
 def check_auto(s) -> None:
     """--engine auto against the options it decides itself (vit.config.cli.validate)."""
     from dataclasses import fields
+
+    unknown = sorted(auto_allowed(s) - set(LEARNING_CHANGES))
+    if unknown:
+        raise ConfigError(
+            f"--auto-allow {s.parallel.auto_allow}: {', '.join(unknown)} is not one of "
+            f"{', '.join(LEARNING_CHANGES)}"
+        )
 
     for group, name in AUTO_CHOOSES:
         default = next(f.default for f in fields(getattr(s, group)) if f.name == name)

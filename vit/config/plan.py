@@ -401,6 +401,7 @@ def planned_as_chosen(settings: Settings, job: Job, record: dict) -> Plan:
     c, engine = record["choice"], spec(record["choice"]["engine"])
     changes = dict(
         engine=c["engine"],
+        auto_allow="",  # an option of --engine auto's, which the chosen engine refuses
         ds_config=str(DS_CONFIGS / engine.config_for(c["zero_stage"], c["stages"], job.world_size)),
         micro_batch_size=c["micro_batch"],
         grad_accum=c["grad_accum"],

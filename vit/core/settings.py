@@ -107,6 +107,14 @@ class ParallelSettings:
     ds_config: str | None = option(
         None, "DeepSpeed JSON (batch, precision, ZeRO); default deepspeed_configs/"
     )
+    auto_allow: str = option(
+        "",
+        "engine auto: what it may choose though it changes what is learned, comma-separated: "
+        "diloco (local steps, an outer optimizer), powersgd (low-rank gradients); by default "
+        "auto ranks them and leaves them to you",
+        needs="auto",
+        metavar="NAMES",
+    )
     pipeline_stages: int = option(2, "pipeline engines: number of stages", "positive")
     partition: str = option(
         "parameters",

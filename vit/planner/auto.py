@@ -50,11 +50,13 @@ def choose(
     slowdown: float = 1.0,
     powersgd_rank: int = 4,
     sync_every: int = DEFAULT_SYNC_EVERY,
+    allowed: frozenset = frozenset(),
 ) -> dict:
     """Collective: measure `layers` (the model as the run builds it) on every rank at `batch`'s
     micro-batch in `precision`, rank every candidate (rank 0 decides for all) and return the record
     of the choice (its table, its measurements), which vit.config.plan.with_auto_choice turns into
-    the run's plan. `engine`: the one the run is planned as until it chooses."""
+    the run's plan. `engine`: the one the run is planned as until it chooses; `allowed`: what
+    --auto-allow lets it choose though it changes what is learned (not_chosen)."""
     start = time.perf_counter()
     micro = batch.micro_batch
     report = capabilities(dev, job.local_world_size, spec(engine))
@@ -87,7 +89,11 @@ def choose(
     reports = gather(report)
     links = measure_links([r["host"] for r in reports], job.rank, dev)
     work = dict(
-        batch=batch, world_size=job.world_size, powersgd_rank=powersgd_rank, sync_every=sync_every
+        batch=batch,
+        world_size=job.world_size,
+        powersgd_rank=powersgd_rank,
+        sync_every=sync_every,
+        allowed=allowed,
     )
     record = rank0_decides(lambda: decide(layers, sample, precision, reports, links, start, **work))
     text = record.pop("text")
@@ -112,6 +118,7 @@ def decide(
     world_size: int,
     powersgd_rank: int,
     sync_every: int = DEFAULT_SYNC_EVERY,
+    allowed: frozenset = frozenset(),
 ) -> dict:
     """Rank 0: every candidate ranked, the first that fits and runs chosen; ConfigError when none
     does."""
@@ -129,7 +136,7 @@ def decide(
                 "runs": cannot is None,
                 "not_chosen": "does not fit every rank"
                 if not p.fits
-                else cannot or not_chosen(p.candidate),
+                else cannot or not_chosen(p.candidate, allowed),
             }
         )
     runs = [r for r in rows if r["not_chosen"] is None]
@@ -188,6 +195,7 @@ def decide(
         "contention": [r["contention"] for r in reports],
         "calibration_from": calib_from,
         "planning_s": plan_s,
+        "allowed": sorted(allowed),
         "text": "\n".join(said),
     }
 
@@ -219,9 +227,12 @@ def forced(rows: list[dict], wanted: str) -> dict:
     )
 
 
-def not_chosen(c: Candidate) -> str | None:
+def not_chosen(c: Candidate, allowed: frozenset = frozenset()) -> str | None:
     """Why a candidate that fits and runs is not chosen however fast (None: it may be): one that
-    changes what is learned (EngineSpec.changes_learning) is the user's to choose."""
+    changes what is learned (EngineSpec.changes_learning) is the user's to choose, unless its
+    engine or compression is `allowed` (--auto-allow diloco, powersgd)."""
+    if c.engine in allowed or c.compression in allowed:
+        return None
     return spec(c.engine).changes_learning(c)
 
 

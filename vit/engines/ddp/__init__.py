@@ -23,7 +23,7 @@ class DDPSpec(DataParallelSpec):
         if c.compression == "powersgd":
             return (
                 "PowerSGD changes what is learned (low-rank gradients): --comm-hook powersgd is "
-                "yours to choose"
+                "yours to choose (or --auto-allow powersgd)"
             )
         return None
 

@@ -27,7 +27,7 @@ class DiLoCoSpec(DataParallelSpec):
     def changes_learning(self, c):
         return (
             "DiLoCo changes what is learned (local steps, an outer optimizer): --engine diloco is "
-            "yours to choose"
+            "yours to choose (or --auto-allow diloco)"
         )
 
     def state_bytes(self, precision, ds_config, dp_size=1, stashed_copies=0, compression="none"):
