@@ -384,11 +384,11 @@ def test_compare_script_help_and_bad_input():
     assert r.returncode == 2 and "unknown run 'zero9'" in r.stderr
 
 
-def plain_run(folder, attempts, summary, freeze=None):
+def plain_run(folder, attempts, summary, freeze=None, monitor_restarts=True):
     """A 2-rank run's logs: `attempts` [(first step, last step, seconds the run was down before)] of
     train records every 2 steps (an attempt may redo steps of the one before: a resume from an
     earlier checkpoint), evals with top-5 100% every 10, monitor samples whose step starts at 0 in
-    each attempt, and its summary."""
+    each attempt (else the train step's), and its summary."""
     folder.mkdir()
     for rank in (0, 1):
         metrics, monitor, t = [], [], 0.0
@@ -414,7 +414,7 @@ def plain_run(folder, attempts, summary, freeze=None):
                 monitor.append(
                     {
                         **base,
-                        "step": 2 * i,
+                        "step": 2 * i if monitor_restarts else s,
                         "cpu_percent": 90.0,
                         "rss_mib": 900.0 + rank,
                         "gpus": [{"index": rank, "util_pct": 80.0, "mem_used_mib": 4000.0}],
@@ -483,6 +483,12 @@ def test_charts_stay_readable_and_a_resumed_run_is_split_where_it_restarted(tmp_
     assert (
         np.isnan(x).sum() == 1 and x[np.flatnonzero(np.isnan(x))[0] + 1] - np.nanmax(x[:15]) > 300
     )
+    # Resumed from the step it stopped at, 300 s later: the monitor's step does not go back, the
+    # pause of 300 usual intervals splits it all the same (a line across the downtime before).
+    at_stop = plain_run(tmp_path / "at-stop", [(2, 30, 0), (32, 40, 300)], {}, None, False)
+    for line in charts.plot_resources([runlogs.Run(at_stop)], None).axes[-1].lines:
+        x = np.asarray(line.get_xdata(), dtype=float)
+        assert np.isnan(x).sum() == 1 and x[np.flatnonzero(np.isnan(x))[0] + 1] - x[14] > 300
 
     for chart in (charts.plot_resources, charts.plot_compare, charts.plot_loss):
         fig = chart(runs, None)

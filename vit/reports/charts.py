@@ -7,6 +7,7 @@ import base64
 import csv
 import html
 import io
+import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from vit.reports.runlogs import (  # noqa: E402
 
 MEASURES = COLUMNS[4:7]  # the numbers compare.png charts
 DPI = 80
+GAP = 5  # a rank's monitor samples this many usual intervals apart: the run was down between
 
 
 def empty(ax, message: str) -> None:
@@ -131,27 +133,33 @@ def plot_throughput(runs: list[Run], path: Path | None):
 def series(run: Run):
     """(label, seconds since the run's first sample, record or GPU entry) lines of the monitor
     files: one per host and GPU, CPU % one per host, RSS one per rank. A GPU or host seen by several
-    ranks is plotted once. Where a resumed run's next attempt starts (its step goes back), each line
-    gets a break, (nan, None)."""
+    ranks is plotted once. Where a resumed run's next attempt starts (its step goes back, or the
+    rank's samples pause for over GAP times their usual interval: a resume from the step it
+    stopped at), each line gets a break, (nan, None)."""
     first = min(
         (r["time"] for recs in run.monitor.values() for r in recs if "time" in r), default=0.0
     )
     gpus, cpus, rss = {}, {}, {}
     for rank, recs in run.monitor.items():
-        last_step = 0
+        times = [r["time"] for r in recs if "time" in r]
+        usual = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 2 else 0
+        last_step, last_t = 0, None
         for r in recs:
             if "time" not in r:
                 continue
             t, host = r["time"] - first, r.get("host", "?")
+            paused = last_t is not None and usual > 0 and t - last_t > GAP * usual
+            last_t = t
+            went_back = isinstance(r.get("step"), (int, float)) and r["step"] < last_step
             if isinstance(r.get("step"), (int, float)):
-                if r["step"] < last_step:  # a new attempt: no line across the time the run was down
-                    for pts in (
-                        *(p for k, p in gpus.values() if k == rank),
-                        *(p for k, p in cpus.values() if k == rank),
-                        rss.get(rank, []),
-                    ):
-                        pts.append((float("nan"), None))
                 last_step = r["step"]
+            if went_back or paused:  # a new attempt: no line across the time the run was down
+                for pts in (
+                    *(p for k, p in gpus.values() if k == rank),
+                    *(p for k, p in cpus.values() if k == rank),
+                    rss.get(rank, []),
+                ):
+                    pts.append((float("nan"), None))
             for g in r.get("gpus") or []:
                 key = (host, g.get("index"))
                 if gpus.setdefault(key, (rank, []))[0] == rank:
