@@ -32,8 +32,8 @@ from vit.telemetry.metrics import write_json
 
 TOP = 10  # rows printed
 # of every layer's forward and backward, the median kept: ranks timed at once are noisier than alone
+# the same rounds alone, one rank at a time: with 5 alone, background load read as sharing
 ROUNDS = 30
-ALONE_ROUNDS = 5  # the same, one rank at a time
 TIE = 0.02  # predictions this close are a tie (the model's error is larger)
 # a family (family()) to run instead of the choice: the model's validation, bench planner
 PICK = "VIT_ENGINE_AUTO_PICK"
@@ -66,27 +66,31 @@ def choose(
         layers, sample, micro, precision, dev, slowdown, rounds=ROUNDS, pick=statistics.median
     )
     report["layer_ms_micro_batch"] = micro
-    # and one rank at a time: where the two differ, ranks share processors (the engines' busy_slots)
-    alone = {}
+    # and one rank at a time where a machine holds several: where the two differ, its ranks share
+    # processors (the engines' busy_slots); a rank alone on its machine cannot share
+    machines = [r["machine"] for r in gather({"machine": report["machine"]})]
+    sharing = machines.count(report["machine"]) > 1
+    alone = {"layer_ms": report["layer_ms"]}
 
     def time_alone(first: bool) -> None:
-        alone["layer_ms"] = time_layers(
-            layers,
-            sample,
-            micro,
-            precision,
-            dev,
-            slowdown,
-            rounds=ALONE_ROUNDS,
-            pick=statistics.median,
-        )
+        if sharing:
+            alone["layer_ms"] = time_layers(
+                layers,
+                sample,
+                micro,
+                precision,
+                dev,
+                slowdown,
+                rounds=ROUNDS,
+                pick=statistics.median,
+            )
 
     dist.barrier()  # no rank's turn alone while another still times at once
     in_turns(job, 1, time_alone)
     report["contention"] = max(
         1.0, sum(map(sum, report["layer_ms"])) / sum(map(sum, alone["layer_ms"]))
     )
-    reports = gather(report)
+    reports = machine_contention(gather(report))
     links = measure_links([r["host"] for r in reports], job.rank, dev)
     work = dict(
         batch=batch,
@@ -198,6 +202,16 @@ def decide(
         "allowed": sorted(allowed),
         "text": "\n".join(said),
     }
+
+
+def machine_contention(reports: list[dict]) -> list[dict]:
+    """Every rank of a machine with its machine's median contention: ranks alike on one machine
+    share it alike, and one rank's burst of background load is not read as its own (two identical
+    ranks got a 43/21 batch split from 1.0 and 2.1)."""
+    by_machine = {}
+    for r in reports:
+        by_machine.setdefault(r["machine"], []).append(r["contention"])
+    return [{**r, "contention": statistics.median(by_machine[r["machine"]])} for r in reports]
 
 
 def pick(runs: list[dict]) -> dict:
