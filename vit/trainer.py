@@ -284,7 +284,9 @@ def build_trainer(plan: Plan, watchdog: Watchdog, charts) -> Trainer:
     ema = Ema(ema_layers, engine, s.recipe.model_ema_decay) if ema_layers else None
     start = resumed.step
     if plan.resume:
-        client_state = checkpoint.load(engine, plan.resume.save_dir, resumed.tag, ema)
+        client_state = checkpoint.load(
+            engine, plan.resume.save_dir, resumed.tag, ema, plan.resume.universal
+        )
         start = client_state["step"]
         if "freeze" in client_state:
             freezer.load_state_dict(client_state["freeze"])

@@ -25,6 +25,7 @@ from vit.data.datasets import DataSplit, dataset_for, load_dataset
 from vit.data.sampling import steps_per_epoch
 from vit.engines.registry import AUTO, spec
 from vit.loop import checkpoint
+from vit.loop.universal import LOAD_UNIVERSAL
 from vit.model import weights
 from vit.model.layers import build_layers, check_img_size, model_shape
 from vit.planner import balance
@@ -41,6 +42,8 @@ class Resume:
     tags: list[str]  # complete checkpoints to try, newest first
     # the run that wrote them: the newest readable manifest (saved_run)
     saved: dict = field(default_factory=dict)
+    # ZeRO state of another data-parallel size: loaded as DeepSpeed's universal checkpoint
+    universal: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,8 @@ class Plan:
             "lr": o.lr,
             "min_lr": o.min_lr,
             "weight_decay": o.weight_decay,
-            "deepspeed": self.ds_config,
+            # DeepSpeed's JSON, less the universal-checkpoint switch a resume may add
+            "deepspeed": {k: v for k, v in self.ds_config.items() if k != "checkpoint"},
         }
         # only then: AdamW checkpoints written before --opt existed keep their hash
         if o.opt != "adamw":
@@ -239,6 +243,11 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     }
     check_freeze(s, ds_config)
     resume = find_resume(s, save_dir, shape, batch) if ckpt.resume else None
+    if resume and resume.universal:  # DeepSpeed reads it at initialize
+        ds_config = {
+            **ds_config,
+            "checkpoint": {**ds_config.get("checkpoint", {}), LOAD_UNIVERSAL: True},
+        }
     if resume and s.train.steps is None and s.train.epochs is None:
         # the length's default would change the run's: keep its own (the LR schedule's)
         total_steps = resume.saved.get("total_steps", total_steps)
@@ -427,13 +436,13 @@ def find_resume(s: Settings, save_dir: str | None, shape: dict, batch: Batch) ->
     where, tags = checkpoint.locate(
         save_dir if s.checkpoint.resume == "auto" else s.checkpoint.resume
     )
-    saved = {}
+    saved, universal = {}, False
     for tag in tags:  # the newest readable manifest says how the run was laid out
         try:
             saved = saved_run(where, checkpoint.read_manifest(where, tag))
         except (OSError, ValueError):
             continue
-        checkpoint.check_shape(saved, shape, f"checkpoint {where}/{tag}")
+        universal = checkpoint.check_shape(saved, shape, f"checkpoint {where}/{tag}")
         check_global_batch(saved.get("global_batch"), batch, f"checkpoint {where}/{tag}")
         break
     step = checkpoint.step_of(tags[0])
@@ -450,7 +459,7 @@ def find_resume(s: Settings, save_dir: str | None, shape: dict, batch: Batch) ->
             "a path), or "
             "write elsewhere (--save-dir or another --log-dir)"
         )
-    return Resume(where, tags, saved)
+    return Resume(where, tags, saved, universal)
 
 
 def saved_run(where: str, manifest: dict) -> dict:
@@ -480,6 +489,12 @@ def resume_notes(plan: Plan) -> list[str]:
     if not saved:  # no readable manifest: choose_resume will say so
         return notes
     at = f"checkpoint {plan.resume.save_dir}/{checkpoint.tag_for(saved['step'])}"
+    if plan.resume.universal:
+        notes.append(
+            f"{at}: ZeRO-{saved['zero_stage']} state of {saved['data_parallel_size']} "
+            f"data-parallel ranks, loaded on {plan.batch.dp_size} through DeepSpeed's universal "
+            "checkpoint (ds_to_universal)"
+        )
     if saved.get("config_hash") != plan.settings_hash():
         notes.append(
             f"warning: {at} was written with other settings (model, data, optimizer or "

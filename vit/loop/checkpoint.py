@@ -24,6 +24,7 @@ import torch.distributed as dist
 from timm.models import split_model_name_tag
 
 from vit.core.errors import ConfigError
+from vit.loop.universal import converted
 from vit.runtime import plugins
 
 MANIFEST = "manifest.json"
@@ -96,8 +97,10 @@ def read_manifest(save_dir: str, tag: str) -> dict:
     return manifest
 
 
-def check_shape(saved: dict, current: dict, where: str) -> None:
-    """Refuse to resume under a layout the checkpoint cannot be loaded into, and say what would."""
+def check_shape(saved: dict, current: dict, where: str) -> bool:
+    """Refuse to resume under a layout the checkpoint cannot be loaded into, and say what would;
+    True where it loads through DeepSpeed's universal checkpoint (ZeRO state sharded over another
+    number of data-parallel ranks: vit.loop.universal)."""
     # the architecture: a pretrained tag (.augreg_in21k) makes no other shapes
     model = saved.get("model")
     if model and split_model_name_tag(model)[0] != split_model_name_tag(current["model"])[0]:
@@ -118,20 +121,20 @@ def check_shape(saved: dict, current: dict, where: str) -> None:
             f"{current['pipeline_stages']}; resume with --pipeline-stages "
             f"{saved['pipeline_stages']}"
         )
-    if saved["zero_stage"] > 0 and saved["data_parallel_size"] != current["data_parallel_size"]:
-        raise ConfigError(
-            f"{where} holds ZeRO-{saved['zero_stage']} state sharded over "
-            f"{saved['data_parallel_size']} "
-            f"data-parallel ranks, this run has {current['data_parallel_size']}; "
-            f"resume with the same "
-            f"number of ranks, or convert it with DeepSpeed's ds_to_universal.py"
-        )
     if saved["zero_stage"] != current["zero_stage"]:
         raise ConfigError(
             f"{where} was written with ZeRO stage {saved['zero_stage']}, this run "
             f"uses stage "
             f"{current['zero_stage']}; resume with the same DeepSpeed config"
         )
+    resharded = saved["data_parallel_size"] != current["data_parallel_size"]
+    if resharded and saved["zero_stage"] > 0 and current["pipeline_stages"] > 1:
+        raise ConfigError(
+            f"{where} holds ZeRO-{saved['zero_stage']} state of a pipeline sharded over "
+            f"{saved['data_parallel_size']} data-parallel ranks, this run has "
+            f"{current['data_parallel_size']}; resume with the same number of ranks"
+        )
+    return resharded and saved["zero_stage"] > 0
 
 
 def _sha256(path: Path) -> str:
@@ -276,9 +279,14 @@ def _free_name(folder: Path, suffix: str) -> Path:
     return candidate
 
 
-def load(engine, save_dir: str, tag: str, ema=None) -> dict:
-    """Load a checkpoint chosen by `choose`; restores this rank's random state and the EMA's."""
-    client_state = engine.load(save_dir, tag)
+def load(engine, save_dir: str, tag: str, ema=None, universal: bool = False) -> dict:
+    """Load a checkpoint chosen by `choose`; restores this rank's random state and the EMA's.
+    `universal`: its ZeRO state is of another data-parallel size (vit.loop.universal)."""
+    if universal:
+        with converted(save_dir, tag) as load_dir:
+            client_state = engine.load(load_dir, tag)
+    else:
+        client_state = engine.load(save_dir, tag)
     rng = Path(save_dir) / tag / f"rng_rank{dist.get_rank()}.pt"
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))

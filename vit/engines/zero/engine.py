@@ -2,6 +2,12 @@
 
 import deepspeed
 import torch.distributed as dist
+from deepspeed.checkpoint.constants import (
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+)
+from deepspeed.checkpoint.constants import (
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE as UNIVERSAL_VERSION,
+)
 from torch import nn
 
 from vit.engines.base import EngineContext
@@ -28,6 +34,9 @@ class ZeroEngine(DeepSpeedEngine):
             device=ctx.device,
         )
         sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
+        # what DeepSpeed's ds_to_universal needs in a checkpoint to convert it to another number of
+        # ranks (saved by save_checkpoint from this module attribute)
+        model.universal_checkpoint_info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_VERSION}
         self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=opt,
