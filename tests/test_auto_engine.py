@@ -207,6 +207,10 @@ def test_auto_on_two_ranks_runs_the_models_first_and_gives_a_slowed_rank_less_wo
     assert len(contention) == 2 and contention[0] == contention[1] >= 1.0
     census = json.loads((log_dir / "cluster.json").read_text())["census"]
     assert len({rank["machine"] for rank in census}) == 1 and census[0]["machine"]
+    # the offline planner on this run ranks with what auto measured (it disagreed 3.5x without)
+    planner = run_cmd([sys.executable, "-m", "vit.planner", str(log_dir), "--top", "3"], 120)
+    assert planner.returncode == 0, planner.stdout + planner.stderr
+    assert "; contention, links, fixed costs from the run's engine_auto" in planner.stdout
     # Rank 1 computes 3x slower: the choice gives it less than half of the work.
     flops, micro = record["layer_flops"], choice["micro_batch"]
     if choice["stages"] == 1:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vit.core.costs import Calibration, Prediction, Workload
+from vit.core.costs import Calibration, Network, Prediction, Workload
 from vit.core.errors import ConfigError
 from vit.core.hostfile import hostfile_slots
 from vit.core.paths import ROOT
@@ -216,14 +216,36 @@ def inputs(args) -> tuple[list, object, Workload, Calibration, str]:
             dataclasses.replace(x, act_bytes=float(m["act_bytes"]))
             for x, m in zip(layers, measured)
         ]
-    ranks, how = ranks_from_census(cluster["census"], flops, micro or 1)
-    net = network(
-        [r.host for r in ranks],
-        args.link_mbit,
-        args.link_file,
-        args.latency_ms,
-        args.same_host_gbit,
-    )
+    # An --engine auto run: what auto measured and ranked with (config.json's engine_auto), so that
+    # both rank with the same model on the same inputs, save its layer times, timed every rank at
+    # once, which the census (timed in turns) does not hold.
+    auto = (config or {}).get("engine_auto") or {}
+    census, taken = cluster["census"], []
+    if len(auto.get("contention", [])) == len(census):
+        census = [{**r, "contention": k} for r, k in zip(census, auto["contention"])]
+        taken.append("contention")
+    ranks, how = ranks_from_census(census, flops, micro or 1)
+    if "links_mbit" in auto and args.link_mbit is None and not args.link_file:
+        net = Network(
+            {h: m * 1e6 / 8 for h, m in auto["links_mbit"].items()},
+            auto.get("latency_ms", args.latency_ms) / 1e3,
+            same_host_bytes_s=args.same_host_gbit * 1e9 / 8,
+        )
+        taken.append("links")
+    else:
+        net = network(
+            [r.host for r in ranks],
+            args.link_mbit,
+            args.link_file,
+            args.latency_ms,
+            args.same_host_gbit,
+        )
+    calib = calibration(args.calibration)
+    if not args.calibration and "calibration" in auto:
+        calib = Calibration(**auto["calibration"])
+        taken.append("fixed costs")
+    if taken:
+        how += f"; {', '.join(taken)} from the run's engine_auto"
     work = Workload(
         tuple(layers),
         global_batch,
@@ -235,7 +257,7 @@ def inputs(args) -> tuple[list, object, Workload, Calibration, str]:
         ranks,
         net,
         work,
-        calibration(args.calibration),
+        calib,
         f"{model}, global batch {global_batch}, {precision}; "
         f"{len(ranks)} ranks on {len({r.host for r in ranks})} hosts; layer times {how}",
     )
