@@ -1,5 +1,6 @@
-"""python -m bench freeze: freeze training on 2 ranks, the pipeline engine with 2 stages:
-PipeTransformer's breakdown and the freeze rules against no freezing, on four cases.
+"""python -m bench freeze: freeze training on 2 ranks, the pipeline engine with 2 stages (or
+--engine-options): PipeTransformer's breakdown and the freeze rules against no freezing, on four
+cases.
 
 Cases (--cases), each a training run on the ten digits drawn as RGB images in an image folder (every
 training image; the 360 held-out ones for evaluation):
@@ -18,6 +19,7 @@ training image; the 360 held-out ones for evaluation):
   time are medians over --seeds."""
 
 import json
+import shlex
 import statistics
 import tempfile
 import time
@@ -27,6 +29,7 @@ from bench.common import device_name, failure_tail, load_avg, mpirun_train, publ
 from bench.finetune import write_parity_folder
 from vit.core.settings import positive_int
 
+PIPELINE = "--engine pipeline --pipeline-stages 2 --ds-config deepspeed_configs/pipeline.json"
 REPLAN_CACHE = ["--freeze-replan", "on", "--freeze-cache", "on"]
 CONFIGS = {  # name -> options on top of the case's run
     "baseline": [],
@@ -139,12 +142,7 @@ def run(a) -> int:
                 side,
                 *start,
                 *options,
-                "--engine",
-                "pipeline",
-                "--pipeline-stages",
-                2,
-                "--ds-config",
-                "deepspeed_configs/pipeline.json",
+                *shlex.split(a.engine_options),
                 "--no-save",
                 "--monitor-interval",
                 0,
@@ -176,6 +174,7 @@ def run(a) -> int:
         "seeds": seeds,
         "load_before": load,
         "load_after": load_avg(),
+        "engine_options": a.engine_options,
         "rows": rows,
     }
     publish(a.out, "freeze", result, table(result))
@@ -223,7 +222,8 @@ def measure(
 
 def table(result: dict) -> str:
     lines = [
-        f"{result['device']}, 2 ranks, pipeline 2 stages; seeds {result['seeds']}; load "
+        f"{result['device']}, 2 ranks, {result.get('engine_options', PIPELINE)}; seeds "
+        f"{result['seeds']}; load "
         f"{result['load_before']} "
         f"before, {result['load_after']} after",
         "",
@@ -269,6 +269,12 @@ def add_arguments(p) -> None:
         "--slow",
         default="1=2",
         help="also run every configuration with --simulate-slowdown SLOW ('' to skip)",
+    )
+    p.add_argument(
+        "--engine-options",
+        default=PIPELINE,
+        help="the engine of every run (the freeze configurations need one that freezes) "
+        "[%(default)s]",
     )
     p.add_argument("--timeout", type=positive_int, default=900, help="seconds per run")
     p.add_argument("--out", help="write freeze.md, freeze.json and the runs' logs here")

@@ -714,6 +714,7 @@ def test_freeze_table_compares_each_configuration_with_its_baseline_and_refuses_
         "seeds": [0, 1, 2],
         "load_before": 1.0,
         "load_after": 2.0,
+        "engine_options": "--engine diloco",
         "rows": [
             row("finetune", "baseline", [0.99, 0.98, 0.97], [30.0, 28.0, 29.0], [0, 0, 0]),
             row("finetune", "settled 0.7", [0.98, 0.97, 0.96], [20.0, 21.0, 22.0], [5, 5, 4]),
@@ -722,6 +723,7 @@ def test_freeze_table_compares_each_configuration_with_its_baseline_and_refuses_
         ],
     }
     lines = freeze_table(result).splitlines()
+    assert lines[0].startswith("a CPU, 2 ranks, --engine diloco; seeds [0, 1, 2]"), lines[0]
     # each configuration against its own case's baseline: 29/21 and 26/26, the medians' difference
     # in points
     assert (
@@ -742,6 +744,7 @@ def test_freeze_table_compares_each_configuration_with_its_baseline_and_refuses_
         "epochs": None,
         "timeout": 10,
         "out": None,
+        "engine_options": "--engine ddp",
     }
     for bad, message in [
         ({"configs": "baseline,settled 0.75"}, "baseline among them (unknown: settled 0.75)"),

@@ -5,6 +5,7 @@ syncs; the wire in fp32, bf16 and int8; bad input."""
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -15,19 +16,36 @@ from vit.config.cli import defaults, parse
 from vit.core.errors import ConfigError
 from vit.data.augment import train_batches
 from vit.data.datasets import load_dataset
+from vit.engines.diloco.engine import fragment_bounds
 from vit.engines.diloco.wire import BLOCK, compress, decompress
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.reference import train_step
 from vit.model.layers import build_layers, model_shape
+from vit.planner.batch_split import local_steps
 
 GLOBAL_BATCH, CLIP = 64, 1.0  # the default job's global batch; zero0.json's gradient clipping
 
 
-def emulate(s, workers: int, steps: int, sync_every: int, outer_lr: float, momentum: float) -> list:
-    """Per-step mean losses over the workers of DiLoCo on settings `s`: worker w trains its own copy
-    with its own optimizer and schedule on shard w of each global batch; after every sync_every-th
-    step and the last, the global weights take an SGD step (Nesterov `momentum`) on the mean of the
-    workers' global-minus-own weights, and every worker goes on from them."""
+def emulate(
+    s,
+    workers: int,
+    steps: int,
+    sync_every,
+    outer_lr: float,
+    momentum: float,
+    local: list[int] | None = None,
+    fragments: int = 1,
+) -> list:
+    """Per-step mean losses of DiLoCo on settings `s`, over the workers that trained in the step.
+
+    Worker w trains its own copy with its own optimizer and schedule on shard w of each global
+    batch, in the first local[w] steps of every window of H (sync_every: H, or step -> H) and only
+    draws its batch in the others. After every H-th step and the last, the global weights take an
+    SGD step (Nesterov `momentum`) on the workers' global-minus-own weights averaged with weights
+    local[w], and every worker goes on from them. With F `fragments` (each an equal share of the
+    parameters, in order), fragment f's difference is taken after step (f + 1) H / F of a window and
+    applied H / F steps later: the outer step, then each worker's fragment set to the new global
+    weights plus what the worker learned in between. At the last step every fragment syncs."""
     data = load_dataset("digits", None, model_shape(s.model.model).img_size, seed=s.train.seed)
     first = nn.Sequential(
         *build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
@@ -52,23 +70,51 @@ def emulate(s, workers: int, steps: int, sync_every: int, outer_lr: float, momen
         )
         for w in range(workers)
     ]
-    losses = []
+    window = sync_every if callable(sync_every) else lambda step: sync_every
+    params = [list(m.parameters()) for m in [global_model, *models]]
+    n = len(params[0])
+    ends = fragment_bounds([p.numel() for p in params[0]], fragments)
+    parts = [range(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+
+    def outer_step(indices, sent):
+        h = local or [1] * workers
+        with torch.no_grad():
+            for i in indices:
+                g = params[0][i]
+                own = [sent[w][i] if sent else params[1 + w][i] for w in range(workers)]
+                g.grad = sum(h[w] * (g - own[w]) for w in range(workers)) / sum(h)
+            outer.step()
+            for i in indices:
+                params[0][i].grad = None
+                for w in range(workers):
+                    p = params[1 + w][i]
+                    p.copy_(params[0][i] + (p - sent[w][i] if sent else 0))
+
+    losses, in_flight = [], None
     for step in range(1, steps + 1):
+        H = window(step)
         step_losses = []
-        for model, opt, sched, feed in zip(models, optims, scheds, feeds):
+        for w, (model, opt, sched, feed) in enumerate(zip(models, optims, scheds, feeds)):
             x, y = next(feed)
-            loss = train_step(model, opt, sched, x, y, CLIP, smoothing=s.recipe.smoothing)
-            step_losses.append(loss.item())
-        losses.append(sum(step_losses) / workers)
-        if step % sync_every == 0 or step == steps:
-            with torch.no_grad():
-                for g, *own in zip(global_model.parameters(), *(m.parameters() for m in models)):
-                    g.grad = sum(g - p for p in own) / workers
-                outer.step()
-                for model in models:
-                    for g, p in zip(global_model.parameters(), model.parameters()):
-                        g.grad = None
-                        p.copy_(g)
+            if local is None or (step - 1) % H < local[w]:
+                loss = train_step(model, opt, sched, x, y, CLIP, smoothing=s.recipe.smoothing)
+                step_losses.append(loss.item())
+        losses.append(sum(step_losses) / len(step_losses))
+        offset, every = step % H or H, H // fragments
+        if step == steps or (offset % every == 0 and fragments > 1):
+            if in_flight:
+                outer_step(*in_flight)
+                in_flight = None
+            if step < steps:
+                sent = {
+                    w: {i: params[1 + w][i].detach().clone() for i in range(n)}
+                    for w in range(workers)
+                }
+                in_flight = (parts[offset // every - 1], sent)
+            else:
+                outer_step(range(n), None)
+        elif step % H == 0:
+            outer_step(range(n), None)
     return losses
 
 
@@ -82,13 +128,16 @@ def diloco_args(tmp_path, steps: int, sync_every: int, *extra) -> list:
     ]  # fmt: skip
 
 
+EQUAL = ["--local-steps", "equal"]  # where auto could take the census's noise for a spread
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_workers_train_alone_between_syncs_as_the_emulator_does(tmp_path, ranks):
     steps, sync_every = 7, 3  # syncs after steps 3 and 6, and at the end
     micro = ["--micro-batch-size", GLOBAL_BATCH // ranks]  # the same global batch on 2 and 4 ranks
-    r = launch(diloco_args(tmp_path, steps, sync_every, *micro), nprocs=ranks, timeout=360)
+    r = launch(diloco_args(tmp_path, steps, sync_every, *micro, *EQUAL), nprocs=ranks, timeout=360)
     assert r.ok, r
     got = train_losses(tmp_path)
     want = emulate(defaults(), ranks, steps, sync_every, outer_lr=0.7, momentum=0.9)
@@ -117,7 +166,7 @@ def test_one_step_windows_with_a_plain_outer_step_train_as_ddp(tmp_path):
     common = ["--steps", 6, "--log-interval", 1, "--no-save", *sgd]  # DDP's clipping of the mean
     ddp = launch(["--engine", "ddp", *common, "--log-dir", tmp_path / "ddp"], timeout=300)
     assert ddp.ok, ddp
-    local = ["--sync-every", 1, "--outer-lr", 1, "--outer-momentum", 0]
+    local = ["--sync-every", 1, "--outer-lr", 1, "--outer-momentum", 0, *EQUAL]
     diloco = launch(
         ["--engine", "diloco", *common, *local, "--log-dir", tmp_path / "d"], timeout=300
     )
@@ -135,6 +184,7 @@ def test_a_resume_between_syncs_repeats_the_losses(tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     # the paper's outer step, so that the outer optimizer's momentum must come back too
     common = ["--engine", "diloco", "--sync-every", 4, "--log-interval", 1, "--steps", 10, *PAPER]
+    common += EQUAL
     r = launch([*common, "--save-interval", 6, "--log-dir", full], timeout=300)
     assert r.ok, r
     step6 = full / "checkpoints" / "step6"  # two steps after the sync of step 4
@@ -148,6 +198,15 @@ def test_a_resume_between_syncs_repeats_the_losses(tmp_path):
     assert sorted(got) == [7, 8, 9, 10]
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got, want)
+    # another --sync-every goes on from there, in windows of the new H: syncs after 9 and 10
+    other = tmp_path / "other"
+    r = launch([*common, "--resume", step6, "--sync-every", 3, "--log-dir", other], timeout=300)
+    assert r.ok, r
+    changed = emulate(defaults(), 2, 10, lambda step: 4 if step <= 6 else 3, 0.7, 0.9)
+    got = train_losses(other)
+    for step in got:
+        assert got[step] == pytest.approx(changed[step - 1], rel=1e-5), (step, got, changed)
+    assert got[10] != pytest.approx(want[10], rel=1e-6)
     # plot_logs.py marks the syncs on the loss chart: after steps 4 and 8, and the last
     from vit.reports.charts import plot_loss
     from vit.reports.runlogs import Run
@@ -161,10 +220,99 @@ def test_a_resume_between_syncs_repeats_the_losses(tmp_path):
 
 @pytest.mark.ranks
 @pytest.mark.timeout(420)
+def test_a_slower_worker_takes_fewer_steps_and_weighs_less(tmp_path):
+    """Rank 1 slowed x3: the census gives it fewer inner steps a window (--local-steps auto), it
+    only draws the batches of the others, and the average weighs it by the steps it trained."""
+    steps, sync_every = 9, 4
+    r = launch(diloco_args(tmp_path, steps, sync_every, "--simulate-slowdown", "1=3"), timeout=360)
+    assert r.ok, r
+    local = json.loads((tmp_path / "cluster.json").read_text())["local_steps"]
+    assert local[0] == sync_every and 1 <= local[1] < sync_every, local
+    assert f"inner steps in each window of {sync_every}, by rank: {local}" in r.outputs[0]
+    want = emulate(defaults(), 2, steps, sync_every, 0.7, 0.9, local=local)
+    got = train_losses(tmp_path)
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+    equal = emulate(defaults(), 2, steps, sync_every, 0.7, 0.9)
+    assert want[-1] != pytest.approx(equal[-1], rel=1e-5)  # the schedule changed what is learned
+    summary = json.loads((tmp_path / "summary.json").read_text())  # images trained, not drawn
+    trained = summary["images_per_s"] * summary["train_s_this_run"] / steps
+    assert trained == pytest.approx(GLOBAL_BATCH * sum(local) / (2 * sync_every), rel=1e-6)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(420)
+def test_streaming_fragments_as_the_emulator_and_a_resume_with_one_in_flight(tmp_path):
+    """--fragments 2, H = 4: the first half of the parameters go after steps 2, 6 (and are applied
+    after 4, 8), the second after 4 and 8 (applied after 6, and at the end with every fragment).
+    The checkpoint of step 5 holds the second fragment's mean, on the wire since step 4."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = ["--engine", "diloco", "--sync-every", 4, "--fragments", 2, "--log-interval", 1]
+    common += ["--steps", 10, *PAPER, *EQUAL]
+    r = launch([*common, "--save-interval", 5, "--log-dir", full], timeout=300)
+    assert r.ok, r
+    want = emulate(defaults(), 2, 10, 4, 0.7, 0.9, fragments=2)
+    got = train_losses(full)
+    assert sorted(got) == list(range(1, 11))
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+    whole = emulate(defaults(), 2, 10, 4, 0.7, 0.9)
+    assert want[6] != pytest.approx(whole[6], rel=1e-5)  # streaming is another schedule
+    r = launch([*common, "--resume", full / "checkpoints" / "step5", "--log-dir", resumed])
+    assert r.ok, r
+    again = train_losses(resumed)
+    assert sorted(again) == [6, 7, 8, 9, 10]
+    for step in again:
+        assert again[step] == pytest.approx(got[step], rel=1e-6), (step, again, got)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(420)
+def test_a_resume_on_fewer_ranks_goes_on_from_the_global_weights(tmp_path):
+    """A workstation down: the checkpoint of 2 ranks resumes on 1, from the global weights."""
+    first, alone = tmp_path / "two", tmp_path / "one"
+    common = ["--engine", "diloco", "--sync-every", 4, "--log-interval", 1, "--steps", 8, *EQUAL]
+    r = launch([*common, "--save-interval", 6, "--log-dir", first], timeout=300)
+    assert r.ok, r
+    step6 = first / "checkpoints" / "step6"
+    one = ["--micro-batch-size", GLOBAL_BATCH, "--resume", step6, "--log-dir", alone]
+    r = launch([*common, *one], nprocs=1, timeout=300)
+    assert r.ok, r
+    assert (
+        "--resume of --engine diloco saved by 2 ranks on 1: every worker goes on from"
+        in r.outputs[0]
+    )
+    got = train_losses(alone)
+    assert sorted(got) == [7, 8] and all(math.isfinite(v) for v in got.values())
+    # one worker from the global weights of step 4: with the outer step the mean, step 7's loss is
+    # that of the mean of the two workers' weights after step 4, not of rank 0's own after step 6
+    assert got[7] != pytest.approx(train_losses(first)[7], rel=1e-6)
+
+
+def test_fragments_are_contiguous_near_equal_and_cover_every_tensor():
+    sizes = [5, 100, 3, 100, 3, 100, 3, 7]
+    for f in range(1, len(sizes) + 1):
+        ends = fragment_bounds(sizes, f)
+        assert len(ends) == f and ends == sorted(set(ends)) and ends[-1] == len(sizes), (f, ends)
+    assert fragment_bounds(sizes, 3) == [3, 5, 8]  # 108, 103 and 110 elements
+    with pytest.raises(ConfigError, match="^--fragments 9 exceeds the model's 8 tensors$"):
+        fragment_bounds(sizes, 9)
+
+
+def test_local_steps_follow_speed_beyond_the_noise():
+    assert local_steps(50, [10.0, 20.0, 10.5], "auto") == [50, 25, 48]
+    assert local_steps(50, [10.0, 12.0], "auto") is None  # within the noise: equal
+    assert local_steps(50, [10.0, 12.0], "proportional") == [50, 42]
+    assert local_steps(50, [10.0, 20.0], "equal") is None
+    assert local_steps(4, [1.0, 100.0], "proportional") == [4, 1]  # at least one step
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("wire", ["bf16", "int8"])
 def test_a_smaller_wire_trains_near_fp32(tmp_path, wire):
     steps = 8
-    r = launch(diloco_args(tmp_path, steps, 2, "--outer-wire", wire), timeout=300)
+    r = launch(diloco_args(tmp_path, steps, 2, "--outer-wire", wire, *EQUAL), timeout=300)
     assert r.ok, r
     got = train_losses(tmp_path)
     exact = emulate(defaults(), 2, steps, 2, outer_lr=0.7, momentum=0.9)
@@ -199,6 +347,9 @@ def test_the_wire_rounds_as_it_says():
         (["--outer-wire", "int4"], "argument --outer-wire: invalid choice: 'int4'"),
         (["--worker-ranks", "abc"], "argument --worker-ranks: not a whole number: 'abc'"),
         (["--worker-ranks", "0"], "argument --worker-ranks: must be positive, got 0"),
+        (["--fragments", "3"], "--fragments 3 does not divide --sync-every 50"),
+        (["--fragments", "0"], "--fragments must be positive, got 0"),
+        (["--local-steps", "fast"], "argument --local-steps: invalid choice: 'fast'"),
         (["--precision", "fp16"], "--engine diloco trains in fp32 or bf16"),
         (["--comm-hook", "bf16"], "--comm-hook applies to --engine ddp"),
         (["--freeze", "settled"], "--freeze works with --engine"),

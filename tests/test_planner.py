@@ -212,6 +212,12 @@ def test_diloco_pays_one_all_reduce_of_the_weights_every_sync_every_steps():
     assert predict(int8, ranks, net(1e6), j, ZERO_COST).link_s == pytest.approx(
         8e-3 / 10 * (1 + 4 / 256) / 4
     )
+    # streaming, F = 2 of H = 10: 4 ms a fragment behind the 5 steps after it; the compute of
+    # those steps hides it all, or all but 4 ms - 5 x compute, paid once in 5 steps
+    whole = predict(c, ranks, net(1e6), j, ZERO_COST)
+    two = predict(c, ranks, net(1e6), dataclasses.replace(j, fragments=2), ZERO_COST)
+    assert two.link_s == pytest.approx(max(0.0, 4e-3 - 5 * whole.compute_s) / 5)
+    assert two.compute_s == whole.compute_s and two.link_s < whole.link_s
 
 
 def test_powersgd_sends_low_rank_factors_of_the_matrices_it_compresses():

@@ -132,6 +132,7 @@ def choose_engine(plan: Plan, dev: torch.device) -> dict:
         s.comm.powersgd_rank,
         s.local.sync_every,
         auto_allowed(s),
+        s.local.fragments,
     )
 
 

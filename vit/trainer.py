@@ -92,6 +92,7 @@ def engine_factory(
         partition=s.parallel.partition,
         parts=surveyed.parts,
         loss_weight=surveyed.loss_weight,
+        local_steps=surveyed.local_steps,
         smoothing=s.recipe.smoothing,
         asynchrony=s.asynchrony,
         compile=s.parallel.compile,
@@ -131,6 +132,8 @@ def survey_cluster(plan: Plan, dev: torch.device, layers: list, start_step: int)
         slowdown=plan.slowdowns.get(job.rank, 1.0),
         split=plan.micro_split,
         parts=plan.stage_parts,
+        local_steps=s.local.local_steps if plan.engine.local_steps else None,
+        sync_every=s.local.sync_every,
         state_bytes=plan.state_bytes_per_param,
         reserved_bytes=plan.reserved_bytes(dev, plan.likely_precision(dev)),
         probe_on_cpu=pipeline or plan.shape["zero_stage"] == 3,
@@ -355,11 +358,12 @@ def loop_parts(
         charts=charts,
     )
     my_micro = surveyed.split[engine.dp_rank] if surveyed.split else batch.micro_batch
+    share, mine = engine.trained_share()
     stats = StepStats(
         engine,
         metrics,
-        global_batch=batch.global_size,
-        rank_images=my_micro * batch.grad_accum,
+        global_batch=batch.global_size * share,
+        rank_images=my_micro * batch.grad_accum * mine,
         total_steps=plan.total_steps,
         log_interval=s.log.log_interval,
         precision=surveyed.precision,

@@ -57,8 +57,13 @@ def check_settings(s) -> None:
         raise ConfigError(
             f"--batch-split proportional applies to "
             f"{_engines(lambda e: not e.pipeline and not e.local_steps)} (a pipeline balances its "
-            "stages with --partition balanced; local steps in proportion to speed are not built "
-            "yet)"
+            "stages with --partition balanced; DiLoCo's inner steps in proportion to speed: "
+            "--local-steps)"
+        )
+    if engine.local_steps and s.local.sync_every % s.local.fragments:
+        raise ConfigError(
+            f"--fragments {s.local.fragments} does not divide --sync-every {s.local.sync_every} "
+            "(each fragment syncs once a window, H / F steps after the one before)"
         )
     if s.comm.comm_hook != "none" and not engine.comm_hooks:
         raise ConfigError(

@@ -59,13 +59,14 @@ class Layer:
 @dataclass(frozen=True)
 class Workload:
     """What is trained: the layers, the global batch, the precision (fp32, fp16 or bf16),
-    PowerSGD's rank and DiLoCo's steps between syncs."""
+    PowerSGD's rank, DiLoCo's steps between syncs and fragments."""
 
     layers: tuple[Layer, ...]
     global_batch: int
     precision: str
     powersgd_rank: int = 4
     sync_every: int = DEFAULT_SYNC_EVERY
+    fragments: int = 1
 
     @property
     def params(self) -> int:

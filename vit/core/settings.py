@@ -335,6 +335,23 @@ class LocalStepSettings:
         choices=("fp32", "bf16", "int8"),
         needs="diloco",
     )
+    local_steps: str = option(
+        "auto",
+        "inner steps of each worker between syncs: equal (H each), proportional (H x its "
+        "speed / the fastest's, from the census: a slower GPU takes fewer and waits less; the "
+        "average weighs each worker by the samples it trained on) or auto (proportional when "
+        "the census's speeds differ by more than the noise)",
+        choices=("auto", "proportional", "equal"),
+        needs="diloco",
+    )
+    fragments: int = option(
+        1,
+        "sync the model in F fragments (Streaming DiLoCo): fragment f's pseudo-gradient goes on "
+        "the wire at its own step of each window and is applied H / F steps later, while the "
+        "workers train on, so no step waits for the link; F divides H",
+        "positive",
+        needs="diloco",
+    )
     worker_ranks: str = option(
         "auto",
         "ranks per worker, which train as DDP among themselves: N, host (the ranks of a host), "

@@ -46,6 +46,7 @@ class EngineContext:
     parts: list[int] | None = None  # pipeline stage boundaries for --partition balanced
     # this rank's micro-batch x data-parallel size / the micro-step's samples
     loss_weight: float = 1.0
+    local_steps: list[int] | None = None  # every rank's inner steps in a window (--local-steps)
     smoothing: float = 0.0  # --smoothing, for hard labels (mixup's soft targets carry their own)
     # --engine async-pipeline's update interval, stashing, prediction
     asynchrony: AsyncSettings = AsyncSettings()
@@ -157,6 +158,11 @@ class Engine(ABC):
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean loss over the global batch (a collective; called on logging steps only)."""
         return mean_over_ranks(loss)
+
+    def trained_share(self) -> tuple[float, float]:
+        """The shares of the global batch and of this rank's batch that a step trains on (DiLoCo's
+        proportional local steps skip some on slower workers), for images/s."""
+        return 1.0, 1.0
 
     def train_mode(self, training: bool) -> None:
         """Switch the model between training and evaluation (dropout, drop-path)."""

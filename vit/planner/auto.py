@@ -51,6 +51,7 @@ def choose(
     powersgd_rank: int = 4,
     sync_every: int = DEFAULT_SYNC_EVERY,
     allowed: frozenset = frozenset(),
+    fragments: int = 1,
 ) -> dict:
     """Collective: measure `layers` (the model as the run builds it) on every rank at `batch`'s
     micro-batch in `precision`, rank every candidate (rank 0 decides for all) and return the record
@@ -97,6 +98,7 @@ def choose(
         world_size=job.world_size,
         powersgd_rank=powersgd_rank,
         sync_every=sync_every,
+        fragments=fragments,
         allowed=allowed,
     )
     record = rank0_decides(lambda: decide(layers, sample, precision, reports, links, start, **work))
@@ -123,13 +125,16 @@ def decide(
     powersgd_rank: int,
     sync_every: int = DEFAULT_SYNC_EVERY,
     allowed: frozenset = frozenset(),
+    fragments: int = 1,
 ) -> dict:
     """Rank 0: every candidate ranked, the first that fits and runs chosen; ConfigError when none
     does."""
     described, flops = describe_layers(layers, sample, precision)
     ranks, _ = ranks_from_census(reports, flops, batch.micro_batch)
     net = network(reports, links)
-    work = Workload(tuple(described), batch.global_size, precision, powersgd_rank, sync_every)
+    work = Workload(
+        tuple(described), batch.global_size, precision, powersgd_rank, sync_every, fragments
+    )
     (calib, calib_from), rows = run_calibration(), []
     for p in rank_candidates(ranks, net, work, calib):
         cannot = cannot_run(p.candidate, world_size, precision)

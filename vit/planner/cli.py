@@ -252,6 +252,7 @@ def inputs(args) -> tuple[list, object, Workload, Calibration, str]:
         precision,
         run_args.get("powersgd_rank", 4),
         run_args.get("sync_every", DEFAULT_SYNC_EVERY),
+        run_args.get("fragments", 1),
     )
     return (
         ranks,

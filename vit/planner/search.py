@@ -9,13 +9,9 @@ from collections.abc import Iterator
 from vit.core.costs import Calibration, Candidate, Network, Prediction, Rank, Workload
 from vit.core.spec import EngineSpec
 from vit.engines.registry import SPECS, spec
-from vit.planner.batch_split import proportional_split
+from vit.planner.batch_split import SAME_SPEED, proportional_split
 from vit.planner.predict import predict
 from vit.planner.stages import balanced_split
-
-# Ranks whose speeds are this close are one speed (proportional): 5 identical ranks sharing 2 cores,
-# timed at once (--engine auto), differed by up to 28%.
-SAME_SPEED = 0.3
 
 
 def divisors(k: int) -> list[int]:

@@ -20,7 +20,7 @@ from torch import nn
 from vit.core.costs import Candidate
 from vit.core.spec import EngineSpec
 from vit.planner.balance import plan_partition
-from vit.planner.batch_split import split_batches
+from vit.planner.batch_split import local_steps, split_batches
 from vit.planner.census import WARMUP_S, capabilities, census_table, gather, measure_speed
 from vit.planner.links import measure_links
 from vit.planner.loss_scale import tune
@@ -60,6 +60,8 @@ class Asked:
     profile_only: bool = (
         False  # profile the layers for a re-plan at a freeze point (times: time_each_rank)
     )
+    local_steps: str | None = None  # --local-steps (DiLoCo's engines), with --sync-every's H
+    sync_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class Survey:
         None  # every data-parallel rank's micro-batch (--batch-split proportional)
     )
     parts: list[int] | None = None  # pipeline stage boundaries (--partition balanced)
+    local_steps: list[int] | None = None  # every rank's inner steps in a window (--local-steps)
     record: dict = field(default_factory=dict)  # cluster.json
 
 
@@ -130,6 +133,27 @@ def survey(job: Job, device: torch.device, layers: list[nn.Module], asked: Asked
         say.append(
             f"batch split ({how}): micro-batches {split} (sum {sum(split)} = {asked.micro_batch} x "
             f"{len(split)} ranks)"
+        )
+    if asked.local_steps is not None:
+        speeds = [r["block_ms"] for r in reports]
+        steps = local_steps(asked.sync_every, speeds, asked.local_steps)
+        record["local_steps"] = steps or [asked.sync_every] * len(reports)
+        if steps:
+            decided["local_steps"] = steps
+        say.append(
+            f"local steps (--local-steps {asked.local_steps}): "
+            + (
+                f"inner steps in each window of {asked.sync_every}, by rank: {steps} (in "
+                "proportion to block speed; a worker takes its slowest rank's; the average weighs "
+                "each worker by the samples it trained on)"
+                if steps
+                else f"{asked.sync_every} for every worker"
+                + (
+                    " (the block speeds differ by less than the noise)"
+                    if asked.local_steps == "auto"
+                    else ""
+                )
+            )
         )
     if asked.probe_batches is not None and precision == "fp16":
         decided["scale_power"], record["loss_scale"], line = tune(

@@ -6,6 +6,8 @@ block) and what it declares (SPEC): a data-parallel step whose link is one all-r
 weights every H steps, two more fp32 copies of the weights, and a step that learns otherwise than
 DDP's (auto leaves it to the user)."""
 
+from dataclasses import replace
+
 from vit.core.costs import ring_allreduce_s
 from vit.engines.step_cost import DataParallelSpec, autocast_state
 
@@ -42,6 +44,17 @@ class DiLoCoSpec(DataParallelSpec):
         bytes, amortised over the H steps."""
         nbytes = work.params * WIRE_BYTES[c.compression]
         return ring_allreduce_s(nbytes, hosts, net, calib) / work.sync_every
+
+    def predict(self, c, ranks, net, work, calib):
+        """Streaming (--fragments F > 1): each fragment's all-reduce (1 / F of the bytes) runs
+        behind the H / F steps that follow it; what of it those steps' compute does not cover."""
+        p = super().predict(c, ranks, net, work, calib)
+        if work.fragments == 1:
+            return p
+        every = work.sync_every / work.fragments  # steps between fragments
+        nbytes = work.params * WIRE_BYTES[c.compression] / work.fragments
+        send = ring_allreduce_s(nbytes, [r.host for r in ranks], net, calib)
+        return replace(p, link_s=max(0.0, send - every * p.compute_s) / every)
 
 
 SPEC = DiLoCoSpec(

@@ -7,18 +7,30 @@ worker then takes. Each worker keeps its inner optimizer's state across syncs (D
 
 The global weights are what is evaluated, averaged by --model-ema and exported: live_module() is
 the global model. A checkpoint holds every rank's worker state (weights, inner optimizer and
-schedule), the global weights and the outer optimizer, so a resume between syncs goes on exactly."""
+schedule), the global weights and the outer optimizer, so a resume between syncs goes on exactly.
+
+--local-steps proportional (ctx.local_steps, from the census): a worker takes its first h of every H
+steps (h in proportion to its speed), draws and drops the batches of the others, and waits at the
+sync; the average weighs each worker's pseudo-gradient by h (the samples it trained on).
+
+--fragments F > 1 (Streaming DiLoCo): the parameters in F contiguous fragments of about equal size;
+fragment f goes on the wire after step (f + 1) H / F of each window, in a thread on a process group
+of its own, and is applied H / F steps later, when the next one goes: the outer step on the
+fragment, and the worker's fragment set to the new global weights plus what the worker learned
+since it went. At the last step every fragment syncs at once."""
 
 import contextlib
 import copy
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from vit.core.errors import ConfigError
 from vit.engines.base import Engine, EngineContext, save_atomic
 from vit.engines.diloco.wire import mean_over_ranks
 from vit.loop.optim import make_optimizer, make_scheduler
@@ -42,6 +54,22 @@ def worker_of(ranks_per_worker: str, device: torch.device) -> tuple[int, list[li
         n = int(ranks_per_worker)
         workers = [list(range(w, w + n)) for w in range(0, world, n)]
     return next(i for i, ranks in enumerate(workers) if rank in ranks), workers
+
+
+def fragment_bounds(sizes: list[int], fragments: int) -> list[int]:
+    """Where each of `fragments` contiguous groups of tensors (of `sizes` elements) ends: a group
+    closes where the running count is nearest to its share of the elements, each at least one
+    tensor."""
+    if fragments > len(sizes):
+        raise ConfigError(f"--fragments {fragments} exceeds the model's {len(sizes)} tensors")
+    total, ends, seen = sum(sizes), [], 0
+    for i, n in enumerate(sizes[:-1]):
+        seen += n
+        target = total * (len(ends) + 1) / fragments
+        must = len(sizes) - i - 1 == fragments - len(ends) - 1  # one tensor for each left
+        if len(ends) < fragments - 1 and (seen + sizes[i + 1] / 2 >= target or must):
+            ends.append(i + 1)
+    return [*ends, len(sizes)]
 
 
 class DiLoCoEngine(Engine):
@@ -68,24 +96,43 @@ class DiLoCoEngine(Engine):
             momentum=momentum,
             nesterov=momentum > 0,
         )
-        self.sync_every, self.wire, self.total_steps = (
-            local.sync_every,
-            local.outer_wire,
-            ctx.total_steps,
-        )
+        self.sync_every, self.wire = local.sync_every, local.outer_wire
+        self.total_steps = ctx.total_steps
         self.loss = Loss(ctx.smoothing)
         self.dtype = DTYPES.get(ctx.precision) if ctx.precision != "fp32" else None
         self.clip = ctx.ds_config.get("gradient_clipping", 0.0)
         self.grad_accum, self.loss_weight = ctx.batch.grad_accum, ctx.loss_weight
         self.timer = PhaseTimer(self.device)
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
-        self.step = 0  # inner steps taken
+        self.step = 0  # steps taken, those a worker waited through included
+        # --local-steps: each rank's worker's inner steps in a window (its slowest rank's)
+        each = ctx.local_steps or [self.sync_every] * self.dp_size
+        self.local_steps = [min(each[r] for r in ranks) for ranks in workers for _ in ranks]
+        self.window = self.local_steps  # the window in progress keeps the steps it began with
+        self.trained = True  # whether this rank trained in its last step
+        ends = fragment_bounds([p.numel() for p in model.parameters()], local.fragments)
+        self.fragments = [range(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+        self.in_flight = None  # (parameters, their mean pseudo-gradient when ready, weights sent)
+        if len(self.fragments) > 1:
+            self.outer_group = dist.new_group(list(range(self.dp_size)))
+            self.sender = ThreadPoolExecutor(max_workers=1)
+
+    def trained_share(self) -> tuple[float, float]:
+        """Of the global batch and of this rank's batch, the shares trained on, over a window."""
+        h, mine = self.window, self.window[self.dp_rank]
+        return sum(h) / (len(h) * self.sync_every), mine / self.sync_every
 
     def train_step(self, batches):
         total, t = 0.0, self.timer
         t.start()
+        if self.step % self.sync_every == 0:
+            self.window = self.local_steps
+        self.trained = self.step % self.sync_every < self.window[self.dp_rank]
         for j in range(self.grad_accum):
-            x, y = next(batches)
+            x, y = next(batches)  # drawn where the worker waits too: the data order stays
+            if not self.trained:
+                t.lap("data_s")
+                continue
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             t.lap("data_s")
             last = j == self.grad_accum - 1  # a worker's DDP all-reduces once, on the last
@@ -98,32 +145,89 @@ class DiLoCoEngine(Engine):
                 (loss / self.grad_accum).backward()
             t.lap("backward_s")
             total = total + loss.detach()
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        t.lap("optimizer_s")
+        if self.trained:
+            if self.clip:
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            t.lap("optimizer_s")
         self.step += 1
-        if self.step % self.sync_every == 0 or self.step == self.total_steps:
-            self.sync()
+        if self.step == self.total_steps:
+            self.finish_in_flight()
+            self.sync(range(self.fragments[-1].stop))  # every parameter
             t.lap("allreduce_s")
-        return total / self.grad_accum
+        elif (fragment := self.due(self.step)) is not None:
+            if len(self.fragments) == 1:
+                self.sync(self.fragments[0])
+            else:
+                self.finish_in_flight()
+                self.launch(fragment)
+            t.lap("allreduce_s")
+        return total / self.grad_accum if self.trained else torch.zeros((), device=self.device)
+
+    def due(self, step: int) -> int | None:
+        """The fragment that goes on the wire after `step`: fragment f at (f + 1) H / F in every
+        window."""
+        every = self.sync_every // len(self.fragments)
+        offset = step % self.sync_every or self.sync_every
+        return offset // every - 1 if offset % every == 0 else None
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over the ranks that trained in the last step (where some waited)."""
+        trained = float(self.trained)
+        both = torch.stack([loss.detach().float() * trained, loss.new_tensor(trained).float()])
+        dist.all_reduce(both)
+        return both[0] / both[1]
+
+    def pseudo_gradient(self, indices) -> torch.Tensor:
+        """This worker's global-minus-own weights of the parameters `indices`, flat, scaled so that
+        the mean over the ranks weighs each worker by the steps it trained."""
+        local, global_ = list(self.module.parameters()), list(self.global_model.parameters())
+        delta = torch.cat([(global_[i] - local[i].float()).flatten() for i in indices])
+        h = self.window
+        weight = h[self.dp_rank] * len(h) / sum(h)
+        return delta if weight == 1 else delta * weight
 
     @torch.no_grad()
-    def sync(self) -> None:
-        """The outer step: the pseudo-gradients averaged over the workers (every rank of a worker
-        holds the same, so the mean over the ranks weighs each worker by its ranks, as DDP weighs
-        them), the outer optimizer's step on the global weights, every worker from there."""
+    def sync(self, indices) -> None:
+        """The outer step on the parameters `indices`: the pseudo-gradients averaged over the
+        workers (every rank of a worker holds the same, so the mean over the ranks weighs each
+        worker by its ranks, as DDP weighs them), the outer optimizer's step on the global weights,
+        every worker from there."""
+        self.apply(indices, mean_over_ranks(self.pseudo_gradient(indices), self.wire), None)
+
+    @torch.no_grad()
+    def launch(self, fragment: int) -> None:
+        indices = self.fragments[fragment]
+        delta = self.pseudo_gradient(indices)
+        local = list(self.module.parameters())
+        sent = [local[i].detach().clone() for i in indices]
+        mean = self.sender.submit(mean_over_ranks, delta, self.wire, self.outer_group)
+        self.in_flight = (indices, mean.result, sent)
+
+    @torch.no_grad()
+    def finish_in_flight(self) -> None:
+        if self.in_flight is not None:
+            indices, mean, sent = self.in_flight
+            self.in_flight = None
+            self.apply(indices, mean(), sent)
+
+    def apply(self, indices, mean: torch.Tensor, sent: list | None) -> None:
+        """The outer step on `indices` from the mean pseudo-gradient; each worker's weights set to
+        the new global ones, plus what it learned since `sent` (its weights when they went)."""
         local, global_ = list(self.module.parameters()), list(self.global_model.parameters())
-        delta = torch.cat([(g - p.float()).flatten() for g, p in zip(global_, local)])
-        delta = mean_over_ranks(delta, self.wire)
-        for g, d in zip(global_, delta.split([g.numel() for g in global_])):
+        chosen = [global_[i] for i in indices]
+        for g, d in zip(chosen, mean.split([g.numel() for g in chosen])):
             g.grad = d.view_as(g)
         self.outer.step()
-        for g, p in zip(global_, local):
-            g.grad = None
-            p.copy_(g)
+        for k, i in enumerate(indices):
+            global_[i].grad = None
+            p = local[i]
+            if sent is None:
+                p.copy_(global_[i])
+            else:
+                p.copy_(global_[i] + (p - sent[k]))
 
     def eval_logits(self, x, y):
         with self.autocast():
@@ -137,6 +241,11 @@ class DiLoCoEngine(Engine):
         return self.global_model
 
     def _state(self) -> dict:
+        in_flight = None
+        if self.in_flight is not None:  # waited for, not applied: the resumed run applies it
+            indices, mean, sent = self.in_flight
+            in_flight = {"indices": indices, "mean": mean(), "sent": sent}
+            self.in_flight = (indices, lambda: in_flight["mean"], sent)
         return {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -144,6 +253,8 @@ class DiLoCoEngine(Engine):
             "global": self.global_model.state_dict(),
             "outer": self.outer.state_dict(),
             "step": self.step,
+            "window": self.window,
+            "in_flight": in_flight,
         }
 
     def save(self, save_dir, tag, client_state):
@@ -153,19 +264,45 @@ class DiLoCoEngine(Engine):
         dist.barrier()
 
     def load(self, load_dir, tag):
-        path = os.path.join(load_dir, tag, f"diloco_rank{dist.get_rank()}.pt")
+        """This rank's state; on another number of ranks than saved, the global weights and outer
+        optimizer (every rank's alike), the inner optimizer of rank (this one mod the saved count),
+        and every worker from the global weights: what the workers learned since the last sync is
+        dropped (rank 0 says so)."""
+        folder = os.path.join(load_dir, tag)
+        saved = len([f for f in os.listdir(folder) if f.startswith("diloco_rank")])
+        rank = dist.get_rank()
+        path = os.path.join(folder, f"diloco_rank{rank % max(1, saved)}.pt")
         if not os.path.isfile(path):
             raise RuntimeError(f"{path}: no diloco checkpoint of this rank")
         state = torch.load(path, map_location=self.device, weights_only=False)
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
         self.global_model.load_state_dict(state["global"])
         self.outer.load_state_dict(state["outer"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        if saved != self.dp_size:
+            self.module.load_state_dict(state["global"])
+            if rank == 0:
+                print(
+                    f"--resume of --engine diloco saved by {saved} ranks on {self.dp_size}: every "
+                    f"worker goes on from the global weights of the last sync before step "
+                    f"{self.step} (what the workers learned since is dropped), with the inner "
+                    f"optimizer of rank (its rank mod {saved})",
+                    flush=True,
+                )
+            return state["client_state"]
+        self.module.load_state_dict(state["model"])
+        self.window = state.get("window", self.local_steps)
+        if (in_flight := state.get("in_flight")) is not None:
+            mean = in_flight["mean"]
+            self.in_flight = (in_flight["indices"], lambda: mean, in_flight["sent"])
         return state["client_state"]
 
     def close(self):
+        if self.in_flight is not None:
+            self.in_flight[1]()  # no collective left running in the thread
+        if len(self.fragments) > 1:
+            self.sender.shutdown()
         self.model = self.module = self.global_model = self.optimizer = self.outer = None
 
 
