@@ -36,7 +36,9 @@ def emulate(
     local: list[int] | None = None,
     fragments: int = 1,
 ) -> list:
-    """Per-step mean losses of DiLoCo on settings `s`, over the workers that trained in the step.
+    """Per-step losses of DiLoCo on settings `s` as rank 0 logs them: where every worker meets in a
+    sync (every H-th step without fragments, and the last), the mean over the workers that trained
+    in the step; between syncs worker 0's last loss.
 
     Worker w trains its own copy with its own optimizer and schedule on shard w of each global
     batch, in the first local[w] steps of every window of H (sync_every: H, or step -> H) and only
@@ -90,7 +92,7 @@ def emulate(
                     p = params[1 + w][i]
                     p.copy_(params[0][i] + (p - sent[w][i] if sent else 0))
 
-    losses, in_flight = [], None
+    losses, in_flight, last = [], None, [None] * workers
     for step in range(1, steps + 1):
         H = window(step)
         step_losses = []
@@ -99,7 +101,9 @@ def emulate(
             if local is None or (step - 1) % H < local[w]:
                 loss = train_step(model, opt, sched, x, y, CLIP, smoothing=s.recipe.smoothing)
                 step_losses.append(loss.item())
-        losses.append(sum(step_losses) / len(step_losses))
+                last[w] = loss.item()
+        met = step == steps or (fragments == 1 and step % H == 0)
+        losses.append(sum(step_losses) / len(step_losses) if met else last[0])
         offset, every = step % H or H, H // fragments
         if step == steps or (offset % every == 0 and fragments > 1):
             if in_flight:

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vit.core.errors import ConfigError
 from vit.engines.base import Engine, EngineContext, save_atomic
+from vit.engines.base import mean_over_ranks as rank_mean
 from vit.engines.diloco.wire import mean_over_ranks
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.stats import PhaseTimer
@@ -83,6 +84,7 @@ class DiLoCoEngine(Engine):
         group = groups[self.worker]
         ids = [self.device] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, ids, process_group=group) if group else model
+        self.worker_group = group
         self.module = model
         if ctx.compile:
             self.model.compile()
@@ -110,6 +112,8 @@ class DiLoCoEngine(Engine):
         self.local_steps = [min(each[r] for r in ranks) for ranks in workers for _ in ranks]
         self.window = self.local_steps  # the window in progress keeps the steps it began with
         self.trained = True  # whether this rank trained in its last step
+        self.met = False  # whether every rank met in a sync at the end of the last step
+        self.last_loss = torch.zeros((), device=self.device)  # the worker's last trained loss
         ends = fragment_bounds([p.numel() for p in model.parameters()], local.fragments)
         self.fragments = [range(a, b) for a, b in zip([0, *ends[:-1]], ends)]
         self.in_flight = None  # (parameters, their mean pseudo-gradient when ready, weights sent)
@@ -153,6 +157,9 @@ class DiLoCoEngine(Engine):
             self.optimizer.zero_grad(set_to_none=True)
             t.lap("optimizer_s")
         self.step += 1
+        self.met = self.step == self.total_steps or (
+            len(self.fragments) == 1 and self.step % self.sync_every == 0
+        )
         if self.step == self.total_steps:
             self.finish_in_flight()
             self.sync(range(self.fragments[-1].stop))  # every parameter
@@ -164,7 +171,9 @@ class DiLoCoEngine(Engine):
                 self.finish_in_flight()
                 self.launch(fragment)
             t.lap("allreduce_s")
-        return total / self.grad_accum if self.trained else torch.zeros((), device=self.device)
+        if self.trained:
+            self.last_loss = total / self.grad_accum
+        return self.last_loss
 
     def due(self, step: int) -> int | None:
         """The fragment that goes on the wire after `step`: fragment f at (f + 1) H / F in every
@@ -174,7 +183,11 @@ class DiLoCoEngine(Engine):
         return offset // every - 1 if offset % every == 0 else None
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean over the ranks that trained in the last step (where some waited)."""
+        """Where every rank just met in a sync: the mean over the ranks that trained in the step.
+        Between syncs this worker's own last loss (the mean over its ranks): a collective of all
+        there would hold every worker to the slowest one's pace at each logging step."""
+        if not self.met:
+            return rank_mean(loss, self.worker_group) if self.worker_group else loss
         trained = float(self.trained)
         both = torch.stack([loss.detach().float() * trained, loss.new_tensor(trained).float()])
         dist.all_reduce(both)
