@@ -425,6 +425,33 @@ def test_resume_is_exact(tmp_path):
     assert {"cls_token", "patch_embed.proj.weight", "head.weight"} <= set(state)
 
 
+@pytest.mark.ranks
+@pytest.mark.timeout(420)
+def test_a_checkpoint_of_two_stages_resumes_on_one_rank(tmp_path):
+    """The weights and AdamW state by parameter name. A checkpoint drains the pipeline, so with one
+    every step and no per-stage clipping the 2-stage run takes the 1-stage run's steps: the resumed
+    run's next 10 losses are its."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    common = ["--engine", "async-pipeline", "--steps", 13, "--log-interval", 1, "--clip-grad", 0]
+    common += ["--eval-interval", 0, "--save-interval", 1, "--keep-checkpoints", 20]
+    r = launch([*common, "--pipeline-stages", 2, "--log-dir", two], timeout=300)
+    assert r.ok, r
+    step3 = two / "checkpoints" / "step3"
+    args = [*common, "--pipeline-stages", 1, "--resume", step3, "--log-dir", one]
+    r = launch(args, nprocs=1, timeout=300)
+    assert r.ok, r
+    said = "--resume: async-pipeline checkpoint of 2 stages on 1: weights and AdamW state"
+    assert said in r.outputs[0], r.outputs[0]
+    want, got = train_losses(two), train_losses(one)
+    assert sorted(got) == list(range(4, 14)), got
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), (step, got, want)
+    # one step on, AdamW's step count went on from 3
+    state = torch.load(one / "checkpoints" / "step4" / "async_stage0.pt", weights_only=False)
+    adam = state["optimizer"]["state"]
+    assert adam and all(float(st["step"]) == 4 for st in adam.values())
+
+
 def partial_batch_worker(out: str) -> None:
     """One rank of a 2-stage engine, built directly: two steps whose last micro-batch has 5 samples,
     then the logits of 7 images."""

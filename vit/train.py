@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 import psutil
@@ -33,6 +34,8 @@ from vit.runtime.dist_env import (
 from vit.runtime.faults import Watchdog, announce_failure
 from vit.telemetry.metrics import peak_mem_gib
 from vit.trainer import Trainer, build_trainer
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 def prepare_environment() -> None:
@@ -178,15 +181,25 @@ class StopOnSignal:
     Open MPI kills them on SIGINT and drops their output) end the run at once: one line on rank 0
     naming the step and the checkpoint --resume goes on from, exit 130. The other ranks wait a
     second first, so that rank 0's line is out before the launcher, seeing them end, stops
-    forwarding output. No collective: every rank is stopping."""
+    forwarding output. No collective: every rank is stopping.
 
-    def __init__(self, plan: Plan, watchdog: Watchdog):
-        self.plan, self.watchdog = plan, watchdog
+    A thread of its own takes the signals (the others block them): a Python handler runs only
+    between the main thread's bytecodes, and a main thread in a collective waiting for a rank that
+    was stopping said nothing before the launcher ended it."""
+
+    def __init__(self, plan: Plan):
+        self.plan, self.watchdog = plan, None  # the watchdog once the process group is up
         self.save_dir: str | None = None  # where the checkpoints are, once the trainer is built
 
     def install(self) -> None:
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        """Before the run's threads start (they inherit the blocked signals)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        threading.Thread(target=self.wait, name="stop-on-signal", daemon=True).start()
+        for signum in STOP_SIGNALS:  # a thread started before may still take one: the handler
             signal.signal(signum, self.stop)
+
+    def wait(self) -> None:
+        self.stop(signal.sigwait(STOP_SIGNALS), None)
 
     def stop(self, signum, frame) -> None:
         if not self.plan.job.is_main:
@@ -196,7 +209,7 @@ class StopOnSignal:
         os._exit(130)
 
     def where(self) -> str:
-        step, save_dir = self.watchdog.step, self.save_dir
+        step, save_dir = self.watchdog.step if self.watchdog else 0, self.save_dir
         if save_dir is None and not step:
             return "interrupted before training"
         tags = checkpoint.complete_tags(save_dir) if save_dir and os.path.isdir(save_dir) else []
@@ -210,6 +223,8 @@ class StopOnSignal:
 
 def run(plan: Plan, start_time: float) -> int:
     """Train; any failure on any rank ends every rank, non-zero, naming the rank that failed."""
+    stop = StopOnSignal(plan)
+    stop.install()
     try:  # every rank reaches the same verdict on the job's devices, so each stops alike
         init_process_group(
             plan.job,
@@ -233,8 +248,7 @@ def run(plan: Plan, start_time: float) -> int:
         return 1
     watchdog = Watchdog(plan.job.rank, plan.settings.cluster.dist_timeout)
     watchdog.start()
-    stop = StopOnSignal(plan, watchdog)
-    stop.install()
+    stop.watchdog = watchdog
     plugins.call("start", plan.job.rank, watchdog)
     try:
         if plan.auto == {}:  # --engine auto, to choose (a resumed one has chosen)

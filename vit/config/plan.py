@@ -442,7 +442,9 @@ def find_resume(s: Settings, save_dir: str | None, shape: dict, batch: Batch) ->
             saved = saved_run(where, checkpoint.read_manifest(where, tag))
         except (OSError, ValueError):
             continue
-        universal = checkpoint.check_shape(saved, shape, f"checkpoint {where}/{tag}")
+        universal = checkpoint.check_shape(
+            saved, shape, f"checkpoint {where}/{tag}", spec(s.parallel.engine)
+        )
         check_global_batch(saved.get("global_batch"), batch, f"checkpoint {where}/{tag}")
         break
     step = checkpoint.step_of(tags[0])

@@ -55,6 +55,8 @@ class EngineSpec:
     autocast: bool
     # workers take local steps between syncs: --sync-every and the --outer-* options apply
     local_steps: bool = False
+    # resumes a checkpoint of its own written with another number of pipeline stages
+    restages: bool = False
 
     # --- the options and precisions it takes
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from timm.models import split_model_name_tag
 
 from vit.core.errors import ConfigError
+from vit.core.spec import EngineSpec
 from vit.loop.universal import converted
 from vit.runtime import plugins
 
@@ -97,7 +98,7 @@ def read_manifest(save_dir: str, tag: str) -> dict:
     return manifest
 
 
-def check_shape(saved: dict, current: dict, where: str) -> bool:
+def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | None = None) -> bool:
     """Refuse to resume under a layout the checkpoint cannot be loaded into, and say what would;
     True where it loads through DeepSpeed's universal checkpoint (ZeRO state sharded over another
     number of data-parallel ranks: vit.loop.universal)."""
@@ -115,7 +116,9 @@ def check_shape(saved: dict, current: dict, where: str) -> bool:
             f"--engine "
             f"{current['engine']}; resume with --engine {saved['engine']}"
         )
-    if saved["pipeline_stages"] != current["pipeline_stages"]:  # 1 for an engine without stages
+    # 1 for an engine without stages; an engine that restages takes another number (not ZeRO's)
+    restages = engine is not None and engine.restages and saved["zero_stage"] == 0
+    if saved["pipeline_stages"] != current["pipeline_stages"] and not restages:
         raise ConfigError(
             f"{where} has {saved['pipeline_stages']} pipeline stages, this run "
             f"{current['pipeline_stages']}; resume with --pipeline-stages "

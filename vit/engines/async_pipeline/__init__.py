@@ -43,4 +43,5 @@ SPEC = AsyncPipelineSpec(
     default_ds_config="pipeline.json",
     comm_hooks=False,
     autocast=True,
+    restages=True,
 )

@@ -21,6 +21,7 @@ import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from vit.core.errors import ConfigError
 from vit.engines.async_pipeline import p2p
 from vit.engines.async_pipeline.msnag import predict
 from vit.engines.base import EngineContext, StagedEngine, save_atomic
-from vit.loop.optim import make_optimizer, make_scheduler
+from vit.loop.optim import make_optimizer, make_scheduler, move_schedule, put_adam_state
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
 from vit.runtime import plugins
@@ -83,6 +84,7 @@ class AsyncPipelineEngine(StagedEngine):
                 "--precision bf16 or fp32"
             )
         stages, self.device = ctx.pipeline_stages, ctx.device
+        self.stages = stages
         self.dp_size = dist.get_world_size() // stages
         self.links = p2p.Links(stages, self.dp_size, self.device)
         self.stage, self.dp_rank = self.links.stage, self.links.dp_rank
@@ -306,17 +308,26 @@ class AsyncPipelineEngine(StagedEngine):
             self.drain()
         if self.dp_rank == 0:  # the copies of a stage are identical
             path = self._path(save_dir, tag)
+            names = {id(p): n for n, p in self.module.named_parameters()}
             state = {
                 "module": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "client_state": client_state,
                 "counters": [self.steps, self.forwarded, self.backwarded, self.version],
+                # the optimizer state's parameter indices by name (layers keep their global index
+                # as their name): another number of stages regroups them (load)
+                "optimizer_names": [
+                    names[id(p)] for g in self.optimizer.param_groups for p in g["params"]
+                ],
             }
             save_atomic(state, path)
         dist.barrier()
 
     def load(self, load_dir, tag):
+        saved = sorted(Path(load_dir, tag).glob("async_stage*.pt"))
+        if len(saved) != self.stages:
+            return self.load_restaged(saved)
         path = self._path(load_dir, tag)
         if not os.path.isfile(path):
             raise RuntimeError(f"{path}: no async-pipeline checkpoint of stage {self.stage}")
@@ -327,6 +338,36 @@ class AsyncPipelineEngine(StagedEngine):
         self.steps, self.forwarded, self.backwarded, self.version = state["counters"]
         self.inflight, self.cached = {}, None
         return state["client_state"]
+
+    def load_restaged(self, saved: list) -> dict:
+        """A checkpoint of another number of stages: every stage's file read, this stage's
+        weights and AdamW state taken by parameter name, the schedule and counters of stage 0
+        (a checkpoint drains the pipeline, so every stage has taken the same steps)."""
+        weights, adam, first = {}, {}, None
+        for path in saved:
+            state = torch.load(path, map_location=self.device, weights_only=False)
+            if "optimizer_names" not in state:
+                raise ConfigError(
+                    f"{path} was written before async-pipeline checkpoints named their optimizer "
+                    f"state; resume it with --pipeline-stages {len(saved)}"
+                )
+            names = state["optimizer_names"]
+            weights.update(state["module"])
+            adam.update({names[i]: s for i, s in state["optimizer"]["state"].items()})
+            first = first or state
+        self.module.load_state_dict({k: weights[k] for k in self.module.state_dict()})
+        put_adam_state(self.optimizer, self.module, adam)
+        schedule = first["scheduler"]
+        move_schedule(self.scheduler, schedule.get("applied", schedule.get("last_epoch")))
+        self.steps, self.forwarded, self.backwarded, self.version = first["counters"]
+        self.inflight, self.cached = {}, None
+        if dist.get_rank() == 0:
+            print(
+                f"--resume: async-pipeline checkpoint of {len(saved)} stages on "
+                f"{self.stages}: weights and AdamW state taken by parameter name",
+                flush=True,
+            )
+        return first["client_state"]
 
 
 def build(ctx: EngineContext):
