@@ -6,6 +6,8 @@ with the whole global batch therefore sees the same samples in the same steps as
 run, and resuming at step k needs no sampler state.
 """
 
+import signal
+
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -121,7 +123,14 @@ def make_loader(ds: Dataset, batches, workers: int, pin_memory: bool) -> DataLoa
         num_workers=workers,
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
+        worker_init_fn=take_signals if workers else None,
     )
+
+
+def take_signals(worker_id: int) -> None:
+    """A loader worker takes the signals its rank blocks for the thread that stops it
+    (vit.train.StopOnSignal), so that terminate() ends it as before."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
 MAX_GPU_WORKERS = 4
