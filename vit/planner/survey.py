@@ -140,21 +140,16 @@ def survey(job: Job, device: torch.device, layers: list[nn.Module], asked: Asked
         record["local_steps"] = steps or [asked.sync_every] * len(reports)
         if steps:
             decided["local_steps"] = steps
-        say.append(
-            f"local steps (--local-steps {asked.local_steps}): "
-            + (
+            how = (
                 f"inner steps in each window of {asked.sync_every}, by rank: {steps} (in "
                 "proportion to block speed; a worker takes its slowest rank's; the average weighs "
                 "each worker by the samples it trained on)"
-                if steps
-                else f"{asked.sync_every} for every worker"
-                + (
-                    " (the block speeds differ by less than the noise)"
-                    if asked.local_steps == "auto"
-                    else ""
-                )
             )
-        )
+        else:
+            how = f"{asked.sync_every} for every worker"
+            if asked.local_steps == "auto":
+                how += " (the block speeds differ by less than the noise)"
+        say.append(f"local steps (--local-steps {asked.local_steps}): {how}")
     if asked.probe_batches is not None and precision == "fp16":
         decided["scale_power"], record["loss_scale"], line = tune(
             layers,
