@@ -591,8 +591,17 @@ def test_ctrl_c_is_one_line_naming_the_step_and_the_checkpoint(tmp_path, launche
     entry = [str(ROOT / "entry_cn.sh"), *map(str, args)]
     cmd = entry if launcher == "single" else [*MPIRUN, "-np", "2", *entry]
     out = open(tmp_path / "out.log", "w+")
+    # as a terminal starts its foreground job: Ctrl-C not ignored. CI started these tests with
+    # SIGINT ignored (as a script's background job is), and bash cannot trap a signal ignored on
+    # entry, so scripts/mpirun let the run go on to its end
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        cwd=ROOT,
+        env=base_env(),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         # any checkpoint from step 4 on: at 2 steps a save and 3 kept, step4 lives about 0.3 s
