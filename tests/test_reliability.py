@@ -332,12 +332,13 @@ def refusal(monkeypatch, args, world_size: int = 1) -> str:
     "args,world_size,message",
     [
         (
-            ["--engine", "ddp"],
+            ["--engine", "diloco"],
             1,
-            "was written by --engine zero, this run uses --engine ddp; resume with --engine zero",
+            "was written by --engine zero, this run uses --engine diloco; resume with --engine "
+            "zero",
         ),
     ],
-    ids=["other engine"],  # another world size: test_universal.py
+    ids=["other engine"],  # another world size, and ZeRO's under ddp: test_universal.py
 )
 def test_resume_under_incompatible_layout_is_refused(
     zero_run, monkeypatch, args, world_size, message
@@ -379,6 +380,17 @@ def test_resume_with_other_pipeline_stages_is_refused(tmp_path, monkeypatch):
         "holds ZeRO-1 state of a pipeline sharded over 1 data-parallel ranks, this run has 2; "
         "resume with the same number of ranks"
     ) in refusal(monkeypatch, ["--engine", "pipeline", "--resume", tmp_path], 4)
+    # ddp takes ZeRO's sharded state (test_universal.py), not ZeRO-0's
+    zero0 = {"engine": "zero", "pipeline_stages": 1, "zero_stage": 0, "world_size": 1}
+    (tag / "manifest.json").write_text(json.dumps({**manifest(tag), **zero0}))
+    assert (
+        "was written by --engine zero at ZeRO stage 0, which --engine ddp does not resume (it "
+        "takes the sharded state of stages 1 to 3); resume with --engine zero"
+    ) in refusal(monkeypatch, ["--engine", "ddp", "--resume", tmp_path])
+
+
+def manifest(tag) -> dict:
+    return json.loads((tag / "manifest.json").read_text())
 
 
 def ds_config(tmp_path, **cfg) -> str:

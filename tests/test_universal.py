@@ -1,8 +1,9 @@
-"""A ZeRO checkpoint resumed on another number of ranks (vit.loop.universal: DeepSpeed's universal
-checkpoint, converted by ds_to_universal at the resume): the same losses as the run that goes on
-on its own ranks, the global batch kept."""
+"""A ZeRO checkpoint resumed on another number of ranks, or under --engine ddp (vit.loop.universal:
+DeepSpeed's universal checkpoint, converted by ds_to_universal at the resume): the same losses as
+the run that goes on on its own ranks, the global batch kept."""
 
 import pytest
+import torch
 from helpers import MPIRUN, ROOT, base_env, launch, run_cmd, train_losses
 
 COMMON = ["--steps", 6, "--log-interval", 1, "--monitor-interval", 0, "--eval-interval", 0]
@@ -18,22 +19,63 @@ def test_a_zero_checkpoint_resumes_on_fewer_and_more_ranks(tmp_path, config):
     assert r.ok, r
     want = {s: v for s, v in train_losses(first).items() if s > 3}
     step3 = first / "checkpoints" / "step3"
-    # 1 rank: 32 x 2 x 1, the global batch of 32 x 1 x 2
+    # 1 rank: 32 x 2 x 1, the global batch of 32 x 1 x 2 kept without being asked
     one = tmp_path / "one"
-    r = launch([*COMMON, *ds, "--resume", step3, "--grad-accum", 2, "--log-dir", one], nprocs=1)
+    r = launch([*COMMON, *ds, "--resume", step3, "--log-dir", one], nprocs=1)
     assert r.ok, r
     said = f"ZeRO-{config[-1]} state of 2 data-parallel ranks, loaded on 1 through DeepSpeed's"
     assert said in r.outputs[0], r.outputs[0]
+    assert (
+        "global batch 64 kept on 1 data-parallel ranks: micro-batch 32 x grad accum 2"
+        in (r.outputs[0])
+    )
     got = train_losses(one)
     assert sorted(got) == [4, 5, 6] and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in got)
     assert not list(first.glob("checkpoints/.universal-*"))  # the converted copy is gone
     if config != "zero2":
         return
-    # 4 ranks under mpirun: 16 x 1 x 4
+    # 4 ranks under mpirun: 16 x 1 x 4, chosen by the resume
     four = tmp_path / "four"
-    args = [*COMMON, *ds, "--resume", step3, "--micro-batch-size", 16, "--log-dir", four]
+    args = [*COMMON, *ds, "--resume", step3, "--log-dir", four]
     cmd = [*MPIRUN, "-np", "4", str(ROOT / "entry_cn.sh"), *map(str, args)]
     r = run_cmd(cmd, env=base_env(), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "kept on 4 data-parallel ranks: micro-batch 16 x grad accum 1" in r.stdout + r.stderr
     got = train_losses(four)
     assert sorted(got) == [4, 5, 6] and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in got)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [2, 3])  # stage 3's universal checkpoint keeps AdamW's step apart
+def test_a_zero_checkpoint_resumes_under_ddp_with_its_adam_state(tmp_path, stage):
+    first, ddp = tmp_path / "first", tmp_path / "ddp"
+    ds = ["--ds-config", f"deepspeed_configs/zero{stage}.json", "--precision", "fp32"]
+    steps = ["--steps", 13, "--log-interval", 1, "--monitor-interval", 0, "--eval-interval", 0]
+    every = ["--save-interval", 1, "--keep-checkpoints", 20]
+    r = launch([*steps, *ds, *every, "--log-dir", first], timeout=240)
+    assert r.ok, r
+    want = {s: v for s, v in train_losses(first).items() if s > 3}
+    step3 = first / "checkpoints" / "step3"
+    args = [*steps, *every, "--engine", "ddp", "--resume", step3, "--log-dir", ddp]
+    r = launch(args, timeout=240)
+    assert r.ok, r
+    said = (
+        f"ZeRO-{stage} state of 2 data-parallel ranks of --engine zero, under --engine ddp, loaded"
+    )
+    assert said in r.outputs[0], r.outputs[0]
+    got = train_losses(ddp)
+    assert sorted(got) == list(range(4, 14)), got
+    for step in got:  # the first 10 steps after the resume
+        assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
+    # one step on, ddp's AdamW holds what the ZeRO run's holds: its weights after step 4 are the
+    # ZeRO run's (DeepSpeed's own zero_to_fp32 on its checkpoint of step 4), AdamW's step is 4
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    zero4 = get_fp32_state_dict_from_zero_checkpoint(str(first / "checkpoints"), "step4")
+    ddp4 = torch.load(ddp / "checkpoints" / "step4" / "ddp.pt", weights_only=False)
+    assert zero4.keys() <= ddp4["model"].keys()
+    for name, w in zero4.items():
+        assert torch.allclose(ddp4["model"][name], w, rtol=1e-5, atol=1e-7), name
+    adam = ddp4["optimizer"]["state"]
+    assert len(adam) == len(zero4) and all(float(st["step"]) == 4 for st in adam.values())

@@ -226,12 +226,15 @@ def make_plan(settings: Settings, job: Job) -> Plan:
             "use --freeze-cache "
             "auto or off"
         )
-    check_layout(s, job, preset.depth, batch)
-    notes += fill_notes(s, batch)
-    per_epoch, total_steps = run_length(s, data, batch)
     save_dir = ckpt.save_dir or (
         os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None
     )
+    if ckpt.resume and not (par.micro_batch_size or par.grad_accum):
+        s, ds_config, batch, kept = keep_global_batch(s, job, save_dir, ds_config, batch)
+        notes += kept
+    check_layout(s, job, preset.depth, batch)
+    notes += fill_notes(s, batch)
+    per_epoch, total_steps = run_length(s, data, batch)
     shape = {
         "model": s.model.model,
         "engine": par.engine,
@@ -492,10 +495,15 @@ def resume_notes(plan: Plan) -> list[str]:
         return notes
     at = f"checkpoint {plan.resume.save_dir}/{checkpoint.tag_for(saved['step'])}"
     if plan.resume.universal:
+        by = (
+            f" of --engine {saved['engine']}, under --engine {plan.settings.parallel.engine}"
+            if saved["engine"] != plan.settings.parallel.engine
+            else ""
+        )
         notes.append(
             f"{at}: ZeRO-{saved['zero_stage']} state of {saved['data_parallel_size']} "
-            f"data-parallel ranks, loaded on {plan.batch.dp_size} through DeepSpeed's universal "
-            "checkpoint (ds_to_universal)"
+            f"data-parallel ranks{by}, loaded on {plan.batch.dp_size} through DeepSpeed's "
+            "universal checkpoint (ds_to_universal)"
         )
     if saved.get("config_hash") != plan.settings_hash():
         notes.append(
@@ -556,6 +564,50 @@ def choose_resume(plan: Plan) -> str:
         f"step {total}; ask for more steps (--steps or --epochs)"
         + (", or add --export PATH to write its weights" if step == total else "")
     )
+
+
+def keep_global_batch(
+    s: Settings, job: Job, save_dir: str | None, ds_config: dict, batch: Batch
+) -> tuple[Settings, dict, Batch, list[str]]:
+    """--resume on another number of data-parallel ranks, no batch option given: the checkpoint's
+    global batch kept, with the largest micro-batch up to the JSON's that divides each rank's share,
+    and the line that says so. Unchanged where nothing needs it or nothing can (find_resume then
+    refuses, naming what would)."""
+    saved = saved_global_batch(s, save_dir)
+    if not saved or saved == batch.global_size or saved % batch.dp_size:
+        return s, ds_config, batch, []
+    share = saved // batch.dp_size
+    micro = next(m for m in range(min(batch.micro_batch, share), 0, -1) if share % m == 0)
+    s = s.with_(micro_batch_size=micro, grad_accum=share // micro)
+    ds_config, kept = resolve_ds_config(s, s.parallel, job.world_size)
+    return (
+        s,
+        ds_config,
+        kept,
+        [
+            f"--resume: the checkpoint's global batch {saved} kept on {kept.dp_size} data-parallel "
+            f"ranks: micro-batch {kept.micro_batch} x grad accum {kept.grad_accum} (the JSON's "
+            f"{batch.micro_batch} x {batch.grad_accum} would make {batch.global_size}); "
+            "--micro-batch-size or --grad-accum choose otherwise"
+        ],
+    )
+
+
+def saved_global_batch(s: Settings, save_dir: str | None) -> int | None:
+    """The global batch of the checkpoint --resume goes on from (its newest readable manifest), or
+    None where find_resume will say what is wrong."""
+    try:
+        where, tags = checkpoint.locate(
+            save_dir if s.checkpoint.resume == "auto" else s.checkpoint.resume
+        )
+    except ConfigError:
+        return None
+    for tag in tags:
+        try:
+            return saved_run(where, checkpoint.read_manifest(where, tag)).get("global_batch")
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def check_global_batch(saved: int | None, batch: Batch, where: str) -> None:

@@ -55,6 +55,9 @@ class EngineSpec:
     autocast: bool
     # workers take local steps between syncs: --sync-every and the --outer-* options apply
     local_steps: bool = False
+    # engines whose sharded ZeRO checkpoints (stage 1 to 3, no pipeline) it resumes, through
+    # DeepSpeed's universal checkpoint
+    resumes_zero_of: tuple[str, ...] = ()
     # resumes a checkpoint of its own written with another number of pipeline stages
     restages: bool = False
 

@@ -101,7 +101,8 @@ def read_manifest(save_dir: str, tag: str) -> dict:
 def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | None = None) -> bool:
     """Refuse to resume under a layout the checkpoint cannot be loaded into, and say what would;
     True where it loads through DeepSpeed's universal checkpoint (ZeRO state sharded over another
-    number of data-parallel ranks: vit.loop.universal)."""
+    number of data-parallel ranks, or resumed by an engine that takes ZeRO's:
+    vit.loop.universal)."""
     # the architecture: a pretrained tag (.augreg_in21k) makes no other shapes
     model = saved.get("model")
     if model and split_model_name_tag(model)[0] != split_model_name_tag(current["model"])[0]:
@@ -110,6 +111,15 @@ def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | Non
             f"{current['model']}; "
             f"resume with --model {model}"
         )
+    resumes_zero_of = engine.resumes_zero_of if engine else ()
+    if saved["engine"] in resumes_zero_of and saved["pipeline_stages"] == 1:
+        if saved["zero_stage"] == 0:
+            raise ConfigError(
+                f"{where} was written by --engine {saved['engine']} at ZeRO stage 0, which "
+                f"--engine {current['engine']} does not resume (it takes the sharded state of "
+                f"stages 1 to 3); resume with --engine {saved['engine']}"
+            )
+        return True
     if saved["engine"] != current["engine"]:
         raise ConfigError(
             f"{where} was written by --engine {saved['engine']}, this run uses "

@@ -79,4 +79,5 @@ SPEC = DDPSpec(
     default_ds_config="zero0.json",
     comm_hooks=True,
     autocast=True,
+    resumes_zero_of=("zero",),
 )

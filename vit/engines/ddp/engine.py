@@ -6,6 +6,7 @@ fp16 initial loss scale and gradient clipping, and ignores the ZeRO settings.
 
 import contextlib
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vit.engines.base import Engine, EngineContext, ScalerStats, save_atomic
+from vit.engines.ddp import from_zero
 from vit.engines.ddp.comm_hooks import CommHook
 from vit.loop.optim import (
     SkipAwareSchedule,
@@ -177,6 +179,9 @@ class DDPEngine(Engine):
 
     def load(self, load_dir, tag):
         path = os.path.join(load_dir, tag, "ddp.pt")
+        if from_zero.is_universal(Path(load_dir) / tag):  # --engine zero's, converted
+            module = self.model.module
+            return from_zero.load(Path(load_dir) / tag, module, self.optimizer, self.scheduler)
         if not os.path.isfile(path):
             raise RuntimeError(f"{path}: no ddp checkpoint (was it written by another engine?)")
         state = torch.load(path, map_location=self.device, weights_only=False)
