@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-Usage: scripts/retry.sh [-n RETRIES] -- COMMAND [ARGS...]
+Usage: scripts/retry.sh [-n RETRIES] [--hostfile FILE [--min-hosts N]] -- COMMAND [ARGS...]
 
 Runs COMMAND (a launch of entry_cn.sh, e.g. mpirun ... ./entry_cn.sh ...). If it fails, runs it again,
 up to RETRIES more times (default $RETRIES or 3), adding --resume once the run has a complete
@@ -13,6 +13,18 @@ checkpoint: <save-dir>/step<N>/manifest.json, where <save-dir> is --save-dir, el
 (<save-dir>/latest names the newest). Each relaunch names the checkpoint it resumes from, or says that
 it starts over because there is none yet. COMMAND must name the run's folder with --log-dir (or
 --save-dir) so that a relaunch finds its checkpoints. Exits with COMMAND's last status.
+
+--hostfile FILE: before each attempt, every host of FILE is asked over ssh (the options setup/ uses,
+5 s to answer); a host that does not answer is left out of this attempt, named in one line, and taken
+back at a later attempt once it answers again. In COMMAND's launcher part (the arguments before
+entry_cn.sh), FILE is replaced by a hostfile of the hosts that answer and the value of -np (or -n,
+--np) by their slots; entry_cn.sh, resumed on fewer ranks, keeps the global batch (the gradient
+accumulation follows) and says so. With fewer than --min-hosts answering (default 1), retry.sh stops,
+exit 1, naming them.
+
+Exit status 0 ends it once the run has finished: with --log-dir, once it holds summary.json (Open MPI's
+mpirun exits 0 when it loses a host's daemon and ends the job; --export runs write none and are not
+checked).
 
 Exit status 2 is not retried: it is entry_cn.sh's configuration or usage error (an "entry_cn.sh: error:"
 line, printed before anything is written), which a relaunch would only repeat; retry.sh then exits 2.
@@ -29,32 +41,44 @@ that rank's status (measured with Open MPI 5.0.11):
     with 2, as above;
   - a rank killed by a signal: 128 + the signal (137 for SIGKILL), retried.
 
-  scripts/retry.sh -n 3 -- mpirun -np 5 --hostfile setup/hosts.txt ./entry_cn.sh \
-      --log-dir logs/vit-b --save-interval 200
+  scripts/retry.sh -n 3 --hostfile setup/hosts.txt --min-hosts 3 -- \
+      scripts/mpirun -np 5 --hostfile setup/hosts.txt ./entry_cn.sh --log-dir logs/vit-b --save-interval 200
 USAGE
 }
 
 # shellcheck source=setup/common.sh
 . "$(dirname "$0")/../setup/common.sh"
 retries=${RETRIES:-3}
+hostfile=""
+min_hosts=1
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     -n) [ $# -ge 2 ] && [[ "$2" != -* ]] || usage_error "-n needs a number"; retries=$2; shift 2 ;;
+    --hostfile) [ $# -ge 2 ] && [[ "$2" != -* ]] || usage_error "--hostfile needs a file"; hostfile=$2; shift 2 ;;
+    --min-hosts) [ $# -ge 2 ] && [[ "$2" != -* ]] || usage_error "--min-hosts needs a number"; min_hosts=$2; shift 2 ;;
     --) shift; break ;;
     *) unknown_option "$1" "the command goes after --" ;;
   esac
 done
 case "$retries" in ''|*[!0-9]*) usage_error "-n must be a whole number, got '$retries'" ;; esac
+case "$min_hosts" in ''|*[!0-9]*|0) usage_error "--min-hosts must be a whole number from 1, got '$min_hosts'" ;; esac
 [ $# -gt 0 ] || usage_error "no command given"
+if [ -n "$hostfile" ]; then
+  [ -f "$hostfile" ] || usage_error "--hostfile $hostfile: no such file"
+  use_hostfile "$hostfile"
+  read_hosts
+  make_tmp
+fi
 
 save_dir=""
 log_dir=""
 has_resume=0
+exports=0
 prev=""
 for arg in "$@"; do
   case "$prev" in --save-dir) save_dir=$arg ;; --log-dir) log_dir=$arg ;; esac
-  case "$arg" in --save-dir=*) save_dir=${arg#*=} ;; --log-dir=*) log_dir=${arg#*=} ;; --resume*) has_resume=1 ;; esac
+  case "$arg" in --save-dir=*) save_dir=${arg#*=} ;; --log-dir=*) log_dir=${arg#*=} ;; --resume*) has_resume=1 ;; --export*) exports=1 ;; esac
   prev=$arg
 done
 [ -n "$save_dir" ] || { [ -n "$log_dir" ] && save_dir="$log_dir/checkpoints"; }
@@ -76,10 +100,51 @@ newest_checkpoint() {
   echo "$best"
 }
 
+# answering_hosts: $tmp/hosts.live, the lines of the hostfile's hosts that answer over ssh, and one
+# line on the hosts left out; exit 1 with fewer than --min-hosts.
+answering_hosts() {
+  local host up=0 out=()
+  on_all_hosts "$tmp" "true"
+  : >"$tmp/hosts.live"
+  for host in "${HOSTS[@]}"; do
+    if [ "$(cat "$tmp/$host.rc")" = 0 ]; then
+      awk -v h="$host" '{ sub(/#.*/, "") } NF && $1 == h' "$HOSTFILE" >>"$tmp/hosts.live"
+      up=$((up + 1))
+    else
+      out+=("$host ($(why_failed "$tmp" "$host"))")
+    fi
+  done
+  if [ "${#out[@]}" -gt 0 ]; then
+    echo "$PROG: left out of attempt $attempt, not answering: $(IFS=,; echo "${out[*]}" | sed 's/,/, /g')" >&2
+  fi
+  [ "$up" -ge "$min_hosts" ] || die "$up of ${#HOSTS[@]} hosts answer, fewer than --min-hosts $min_hosts: not relaunching"
+}
+
+# on_answering_hosts ARGS...: ARGS with, before entry_cn.sh, the hostfile replaced by the answering
+# hosts' and the rank count by their slots (in cmd).
+on_answering_hosts() {
+  local arg prev="" launcher=1
+  cmd=()
+  for arg in "$@"; do
+    case "$arg" in *entry_cn.sh) launcher=0 ;; esac
+    if [ "$launcher" = 1 ] && [ "$arg" = "$hostfile" ]; then
+      arg=$tmp/hosts.live
+    elif [ "$launcher" = 1 ] && [[ "$prev" =~ ^(-np|--np|-n)$ ]]; then
+      arg=$(sum_slots "$tmp/hosts.live")
+    fi
+    cmd+=("$arg")
+    prev=$arg
+  done
+}
+
 attempt=0
 while true; do
   attempt=$((attempt + 1))
   cmd=("$@")
+  if [ -n "$hostfile" ]; then
+    answering_hosts
+    on_answering_hosts "$@"
+  fi
   checkpoint=$(newest_checkpoint)
   if [ "$has_resume" = 0 ] && [ -n "$checkpoint" ]; then
     cmd+=(--resume)
@@ -87,20 +152,28 @@ while true; do
   echo "$PROG: attempt $attempt of $((retries + 1)): ${cmd[*]}" >&2
   status=0
   "${cmd[@]}" || status=$?
-  [ "$status" != 0 ] || exit 0
+  shown=$status
+  if [ "$status" = 0 ]; then
+    # Open MPI's mpirun exits 0 when it loses a host's daemon and ends the job (5.0.x, measured on
+    # the simulated hosts): a training run has finished only once it wrote summary.json
+    [ -z "$log_dir" ] || [ -f "$log_dir/summary.json" ] || [ "$exports" = 1 ] && exit 0
+    echo "$PROG: attempt $attempt exited with 0, but the run did not finish (no $log_dir/summary.json;" \
+      "mpirun exits 0 when it loses a host): taken as a failure" >&2
+    status=1 shown="0 (unfinished)"
+  fi
   if [ "$status" = 2 ]; then
     echo "$PROG: attempt $attempt exited with 2, a configuration or usage error (see above): not retrying," \
       "a relaunch would fail the same way" >&2
     exit 2
   fi
   if [ "$attempt" -gt "$retries" ]; then
-    echo "$PROG: giving up after $attempt attempts; the last exited with $status" >&2
+    echo "$PROG: giving up after $attempt attempts; the last exited with $shown" >&2
     exit "$status"
   fi
   checkpoint=$(newest_checkpoint)
   if [ -n "$checkpoint" ]; then
-    echo "$PROG: attempt $attempt exited with $status; relaunching from checkpoint $checkpoint" >&2
+    echo "$PROG: attempt $attempt exited with $shown; relaunching from checkpoint $checkpoint" >&2
   else
-    echo "$PROG: attempt $attempt exited with $status; starting over: no complete checkpoint in $save_dir yet" >&2
+    echo "$PROG: attempt $attempt exited with $shown; starting over: no complete checkpoint in $save_dir yet" >&2
   fi
 done

@@ -615,3 +615,90 @@ def transfer_mbit(cluster: Cluster, pairs: list[tuple[int, int]], nbytes: int) -
     assert all(got == nbytes for got, _, _ in results), results
     first, last = min(r[1] for r in results), max(r[2] for r in results)
     return sum(r[0] for r in results) * 8 / (last - first) / 1e6
+
+
+def ranks_of(log_dir) -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "vit.train" in (p.info["cmdline"] or []) and str(log_dir) in p.info["cmdline"]
+    ]
+
+
+def on_host(cluster: Cluster, p: psutil.Process, host: str) -> bool:
+    try:
+        return cluster.host_of(p.pid) == host
+    except OSError:  # gone
+        return False
+
+
+def newest_checkpoint(log_dir) -> int:
+    done = (log_dir / "checkpoints").glob("step[0-9]*/manifest.json")
+    return max((int(m.parent.name[4:]) for m in done), default=0)
+
+
+@pytest.mark.timeout(900)
+def test_retry_goes_on_without_a_host_that_is_down_and_takes_it_back(cluster, tmp_path):
+    """Three hosts; cn2 goes down mid-run (its rank and Open MPI's daemon killed, its sshd stopped:
+    a crashed workstation that refuses logins). retry.sh relaunches on cn0 and cn1, the global
+    batch kept; cn2 comes back, and the next relaunch (after a rank of the second attempt is
+    killed) runs on all three and finishes the run."""
+    log_dir, steps = tmp_path / "run", 400
+    three = tmp_path / "hosts3"
+    three.write_text("".join(cluster.hostfile.read_text().splitlines(keepends=True)[:3]))
+    retry = f"scripts/retry.sh -n 2 --hostfile {three} -- "
+    cmd = (
+        f"{MPIRUN.replace('exec ', 'exec ' + retry)} -np 3 --hostfile {three} ./entry_cn.sh "
+        f"{TRAIN} --steps {steps} --save-interval 4 --log-dir {log_dir}"
+    )
+    out = open(tmp_path / "out.log", "w+")
+    proc = subprocess.Popen(
+        [SIM, "exec", "0", "--", "bash", "-c", cmd],
+        cwd=ROOT,
+        env={**cluster.env, "IFACE": "eth0"},
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    times = {"start": time.monotonic()}
+    try:
+        wait_for(lambda: newest_checkpoint(log_dir) >= 8, 300, "a checkpoint from step 8 on")
+        first = ranks_of(log_dir)
+        down_at = newest_checkpoint(log_dir)
+        cluster.sim("stop-sshd", "2")
+        for p in psutil.process_iter(["name"]):  # cn2's rank and Open MPI's daemon
+            if p.info["name"] in ("prted", "python", "python3") and on_host(cluster, p, "cn2"):
+                p.kill()
+        times["down"] = time.monotonic()
+        wait_for(lambda: all(not alive(p) for p in first), 90, "the first attempt's ranks to end")
+        wait_for(
+            lambda: len(ranks_of(log_dir)) == 2 and newest_checkpoint(log_dir) >= down_at + 8,
+            300,
+            "the second attempt, on two hosts, 8 steps on",
+        )
+        times["on two"] = time.monotonic()
+        second = ranks_of(log_dir)
+        assert sorted(cluster.host_of(p.pid) for p in second) == ["cn0", "cn1"]
+        cluster.sim("start-sshd", "2")  # the workstation is back
+        next(p for p in second if cluster.host_of(p.pid) == "cn1").kill()
+        wait_for(lambda: len(ranks_of(log_dir)) == 3, 300, "the third attempt, on three hosts")
+        assert sorted(cluster.host_of(p.pid) for p in ranks_of(log_dir)) == HOSTS[:3]
+        assert proc.wait(timeout=400) == 0
+        times["end"] = time.monotonic()
+    finally:
+        cluster.sim("start-sshd", "2", check=False)
+        if proc.poll() is None:
+            stop_group(proc)
+    out.seek(0)
+    log = out.read()
+    assert re.search(r"left out of attempt 2, not answering: cn2 \(", log), log[-4000:]
+    assert "attempt 2 of 3: " in log and " -np 2 --hostfile " in log, log[-4000:]
+    assert "global batch 12 kept on 2 data-parallel ranks: micro-batch 3 x grad accum 2" in log
+    assert "left out of attempt 3" not in log and " -np 3 --hostfile " in log.split("attempt 3")[-1]
+    assert json.loads((log_dir / "summary.json").read_text())["steps"] == steps
+    assert last_step(log_dir, 2) == steps  # cn2's rank, back in the third attempt
+    print(
+        "retry without a host (s): "
+        + ", ".join(f"{k} {v - times['start']:.1f}" for k, v in times.items() if k != "start")
+    )

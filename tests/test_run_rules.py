@@ -221,7 +221,7 @@ def test_ddp_resume_on_fewer_ranks_keeps_the_global_batch_or_is_refused(tmp_path
         "was trained with global batch 64, this run's is 32 (global batch 32 = micro-batch 32 "
         "x grad accum 1 x "
         "data-parallel 1); pass --grad-accum 2 to keep it"
-    ) in refusal(monkeypatch, [*args, "--micro-batch-size", 32])
+    ) in refusal(monkeypatch, [*args, "--grad-accum", 1])
     assert not (tmp_path / "b").exists()
     # none given: the gradient accumulation follows, and a line says so
     r = one_process(args)
@@ -229,7 +229,7 @@ def test_ddp_resume_on_fewer_ranks_keeps_the_global_batch_or_is_refused(tmp_path
     assert "resumed from step4" in r.stdout
     assert (
         "--resume: the checkpoint's global batch 64 kept on 1 data-parallel ranks: "
-        "micro-batch 32 x grad accum 2 (the JSON's 32 x 1 would make 32)"
+        "micro-batch 32 x grad accum 2 (32 x 1 would make 32)"
     ) in r.stdout + r.stderr
 
 

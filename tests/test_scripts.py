@@ -121,8 +121,19 @@ def test_retry_starts_over_without_a_complete_checkpoint(tmp_path):
         (["-n", "2x", "--", "true"], "-n must be a whole number, got '2x'"),
         (["-x", "--", "true"], "unknown option '-x'; the command goes after --"),
         (["--"], "no command given"),
+        (["--hostfile", "/nonexistent", "--", "true"], "--hostfile /nonexistent: no such file"),
+        (["--min-hosts", "0", "--", "true"], "--min-hosts must be a whole number from 1, got '0'"),
     ],
-    ids=["-n alone", "-n then --", "-n word", "-n 2x", "unknown option", "no command"],
+    ids=[
+        "-n alone",
+        "-n then --",
+        "-n word",
+        "-n 2x",
+        "unknown option",
+        "no command",
+        "no hostfile",
+        "min-hosts 0",
+    ],
 )
 def test_retry_usage_errors_are_one_line(args, message):
     r = run_cmd([str(ROOT / "scripts" / "retry.sh"), *args], timeout=20)
@@ -141,6 +152,36 @@ def test_unknown_option_is_named_in_one_line(script):
         and lines[0].startswith(f"{os.path.basename(script)}: unknown ")
         and "'--foo'" in lines[0]
     ), r
+
+
+@pytest.mark.timeout(60)
+def test_retry_leaves_out_a_host_that_does_not_answer(tmp_path):
+    """The launcher's hostfile and rank count become those of the hosts that answer (here a name
+    that does not resolve does not); entry_cn.sh's own arguments stay. The command (a stand-in
+    that prints its arguments) exits 0 without summary.json, as mpirun does when it loses a host:
+    taken as a failure. On the simulated hosts: test_cluster.py."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\nnohost.invalid slots=1  # down\n")
+    show = ["python3", "-c", "import sys; print('ARGS', *sys.argv[1:])"]
+    after = ["./entry_cn.sh", "--hostfile", hosts, "--log-dir", tmp_path / "run"]
+    r, out = retry("-n", 1, "--hostfile", hosts, "--", *show, "-np", 3, "--hostfile", hosts, *after)
+    assert r.returncode == 1, out
+    said = [line for line in out.splitlines() if line.startswith("ARGS")]
+    live = said[0].split()[4]
+    assert (
+        said
+        == [
+            f"ARGS -np 2 --hostfile {live} ./entry_cn.sh --hostfile {hosts} "
+            f"--log-dir {tmp_path / 'run'}"
+        ]
+        * 2
+    ), out
+    assert "retry.sh: left out of attempt 1, not answering: nohost.invalid (ssh failed: " in out
+    assert "attempt 1 exited with 0, but the run did not finish (no " in out
+    assert "giving up after 2 attempts; the last exited with 0 (unfinished)" in out
+    r, out = retry("--hostfile", hosts, "--min-hosts", 2, "--", *show, "--log-dir", tmp_path)
+    assert r.returncode == 1 and "ARGS" not in out, out
+    assert "retry.sh: 1 of 2 hosts answer, fewer than --min-hosts 2: not relaunching" in out
 
 
 @pytest.mark.timeout(30)

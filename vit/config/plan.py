@@ -229,7 +229,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     save_dir = ckpt.save_dir or (
         os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None
     )
-    if ckpt.resume and not (par.micro_batch_size or par.grad_accum):
+    if ckpt.resume and not par.grad_accum and par.micro_batch_size != "auto":
         s, ds_config, batch, kept = keep_global_batch(s, job, save_dir, ds_config, batch)
         notes += kept
     check_layout(s, job, preset.depth, batch)
@@ -569,10 +569,11 @@ def choose_resume(plan: Plan) -> str:
 def keep_global_batch(
     s: Settings, job: Job, save_dir: str | None, ds_config: dict, batch: Batch
 ) -> tuple[Settings, dict, Batch, list[str]]:
-    """--resume on another number of data-parallel ranks, no batch option given: the checkpoint's
-    global batch kept, with the largest micro-batch up to the JSON's that divides each rank's share,
-    and the line that says so. Unchanged where nothing needs it or nothing can (find_resume then
-    refuses, naming what would)."""
+    """--resume on another number of data-parallel ranks without --grad-accum (scripts/retry.sh
+    relaunching on the hosts that answer): the checkpoint's global batch kept, with the largest
+    micro-batch up to the given one (or the JSON's) that divides each rank's share, and the line
+    that says so. Unchanged where nothing needs it or nothing can (find_resume then refuses, naming
+    what would)."""
     saved = saved_global_batch(s, save_dir)
     if not saved or saved == batch.global_size or saved % batch.dp_size:
         return s, ds_config, batch, []
@@ -586,9 +587,9 @@ def keep_global_batch(
         kept,
         [
             f"--resume: the checkpoint's global batch {saved} kept on {kept.dp_size} data-parallel "
-            f"ranks: micro-batch {kept.micro_batch} x grad accum {kept.grad_accum} (the JSON's "
-            f"{batch.micro_batch} x {batch.grad_accum} would make {batch.global_size}); "
-            "--micro-batch-size or --grad-accum choose otherwise"
+            f"ranks: micro-batch {kept.micro_batch} x grad accum {kept.grad_accum} "
+            f"({batch.micro_batch} x {batch.grad_accum} would make {batch.global_size}); "
+            "--grad-accum chooses otherwise"
         ],
     )
 
