@@ -500,9 +500,15 @@ def resume_notes(plan: Plan) -> list[str]:
             if saved["engine"] != plan.settings.parallel.engine
             else ""
         )
+        stages = (saved["pipeline_stages"], plan.shape["pipeline_stages"])
+        was, now = (
+            (f"{stages[0]} pipeline stages x ", f"{stages[1]} x ")
+            if len(set(stages)) > 1
+            else ("", "")
+        )
         notes.append(
-            f"{at}: ZeRO-{saved['zero_stage']} state of {saved['data_parallel_size']} "
-            f"data-parallel ranks{by}, loaded on {plan.batch.dp_size} through DeepSpeed's "
+            f"{at}: ZeRO-{saved['zero_stage']} state of {was}{saved['data_parallel_size']} "
+            f"data-parallel ranks{by}, loaded on {now}{plan.batch.dp_size} through DeepSpeed's "
             "universal checkpoint (ds_to_universal)"
         )
     if saved.get("config_hash") != plan.settings_hash():

@@ -60,6 +60,9 @@ class EngineSpec:
     resumes_zero_of: tuple[str, ...] = ()
     # resumes a checkpoint of its own written with another number of pipeline stages
     restages: bool = False
+    # ... and with other stages or data-parallel ranks where it holds ZeRO state (stage 1 and up),
+    # through DeepSpeed's universal checkpoint
+    restages_universal: bool = False
 
     # --- the options and precisions it takes
 

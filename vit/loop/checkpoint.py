@@ -101,7 +101,7 @@ def read_manifest(save_dir: str, tag: str) -> dict:
 def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | None = None) -> bool:
     """Refuse to resume under a layout the checkpoint cannot be loaded into, and say what would;
     True where it loads through DeepSpeed's universal checkpoint (ZeRO state sharded over another
-    number of data-parallel ranks, or resumed by an engine that takes ZeRO's:
+    number of data-parallel ranks or pipeline stages, or resumed by an engine that takes ZeRO's:
     vit.loop.universal)."""
     # the architecture: a pretrained tag (.augreg_in21k) makes no other shapes
     model = saved.get("model")
@@ -126,13 +126,18 @@ def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | Non
             f"--engine "
             f"{current['engine']}; resume with --engine {saved['engine']}"
         )
-    # 1 for an engine without stages; an engine that restages takes another number (not ZeRO's)
+    # 1 for an engine without stages; an engine that restages takes another number: by name
+    # (not ZeRO's), or through DeepSpeed's universal checkpoint (ZeRO's only)
     restages = engine is not None and engine.restages and saved["zero_stage"] == 0
-    if saved["pipeline_stages"] != current["pipeline_stages"] and not restages:
+    universal = engine is not None and engine.restages_universal and saved["zero_stage"] > 0
+    restaged = saved["pipeline_stages"] != current["pipeline_stages"]
+    if restaged and not (restages or universal):
         raise ConfigError(
             f"{where} has {saved['pipeline_stages']} pipeline stages, this run "
             f"{current['pipeline_stages']}; resume with --pipeline-stages "
-            f"{saved['pipeline_stages']}"
+            f"{saved['pipeline_stages']} on a multiple of {saved['pipeline_stages']} ranks (its "
+            f"ZeRO-{saved['zero_stage']} state loads only into its own stages; --export writes "
+            "its weights)"
         )
     if saved["zero_stage"] != current["zero_stage"]:
         raise ConfigError(
@@ -141,13 +146,7 @@ def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | Non
             f"{current['zero_stage']}; resume with the same DeepSpeed config"
         )
     resharded = saved["data_parallel_size"] != current["data_parallel_size"]
-    if resharded and saved["zero_stage"] > 0 and current["pipeline_stages"] > 1:
-        raise ConfigError(
-            f"{where} holds ZeRO-{saved['zero_stage']} state of a pipeline sharded over "
-            f"{saved['data_parallel_size']} data-parallel ranks, this run has "
-            f"{current['data_parallel_size']}; resume with the same number of ranks"
-        )
-    return resharded and saved["zero_stage"] > 0
+    return (resharded or restaged) and saved["zero_stage"] > 0
 
 
 def _sha256(path: Path) -> str:

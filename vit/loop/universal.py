@@ -1,9 +1,9 @@
-"""A ZeRO checkpoint resumed on another number of data-parallel ranks: DeepSpeed's universal
-checkpoint. The ZeRO engine saves what DeepSpeed's converter needs (engines/zero/engine.py); a
-resume that changes the data-parallel size has rank 0 convert the checkpoint with
-`python -m deepspeed.checkpoint.ds_to_universal` into a folder beside it, every rank's engine load
-it with the JSON's checkpoint.load_universal set (vit.config.plan), and rank 0 remove the
-folder."""
+"""A ZeRO checkpoint resumed on another layout: DeepSpeed's universal checkpoint. The ZeRO and
+pipeline engines save what DeepSpeed's converter needs (engines/zero/engine.py,
+engines/pipeline/engine.py); a resume that changes the data-parallel size (or, for the pipeline,
+the stages) has rank 0 convert the checkpoint with `python -m deepspeed.checkpoint.ds_to_universal`
+into a folder beside it (a pipeline's layer files linked in), every rank's engine load it with the
+JSON's checkpoint.load_universal set (vit.config.plan), and rank 0 remove the folder."""
 
 import shutil
 import subprocess
@@ -42,10 +42,14 @@ def convert(save_dir: str, tag: str, out: Path) -> None:
         lines = [line for line in (r.stderr or r.stdout).splitlines() if line.strip()]
         why = lines[-1] if lines else f"exit {r.returncode}"
         raise ConfigError(
-            f"checkpoint {save_dir}/{tag} holds ZeRO state of another number of data-parallel "
-            f"ranks and DeepSpeed's ds_to_universal could not convert it ({why}); resume it on "
-            "the ranks that wrote it"
+            f"checkpoint {save_dir}/{tag} holds ZeRO state of another layout (data-parallel "
+            f"ranks or pipeline stages) and DeepSpeed's ds_to_universal could not convert it "
+            f"({why}); resume it on the layout that wrote it"
         )
+    # a pipeline's weights load layer by layer (PipelineModule.load_state_dir), from the folder
+    # the universal checkpoint is read from
+    for layer in (Path(save_dir) / tag).glob("layer_*-model_states.pt"):
+        (out / tag / layer.name).symlink_to(layer.resolve())
 
 
 @contextmanager

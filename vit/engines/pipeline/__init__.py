@@ -1,6 +1,7 @@
 """DeepSpeed's PipelineModule and PipelineEngine (1F1B with a flush at every step) over the same
 layer list: the engine (engine.py) and what it declares (SPEC): ZeRO 0 or 1 from the JSON, a bubble
-of S - 1 slots a step, its stages' all-reduce priced like ZeRO's."""
+of S - 1 slots a step, its stages' all-reduce priced like ZeRO's; its ZeRO-1 checkpoints resume on
+other stages and ranks through DeepSpeed's universal checkpoint."""
 
 from vit.engines.deepspeed import DeepSpeedSpec
 from vit.engines.step_cost import PipelinedSpec
@@ -28,4 +29,5 @@ SPEC = PipelineSpec(
     default_ds_config="pipeline.json",
     comm_hooks=False,
     autocast=False,
+    restages_universal=True,
 )

@@ -3,6 +3,8 @@ parallelism across the copies of the pipeline when the world size is a multiple 
 
 import deepspeed
 import torch.distributed as dist
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_VERSION_KEY
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_VERSION_VALUE as UNIVERSAL_VERSION
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 
@@ -75,6 +77,8 @@ class PipelineEngine(StagedEngine, DeepSpeedEngine):
         )
         opt = make_optimizer(module, ctx.optim, num_layers=len(ctx.layers), device=ctx.device)
         sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
+        # what DeepSpeed's ds_to_universal needs to convert a checkpoint to other stages or ranks
+        module.universal_checkpoint_info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_VERSION}
         self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module,
             optimizer=opt,
