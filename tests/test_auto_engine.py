@@ -3,10 +3,11 @@ line, and a real run on 2 ranks that measures, ranks, chooses the model's first 
 (the simulated hosts' test, with links and a slowed rank, is in test_cluster.py)."""
 
 import json
+import subprocess
 import sys
 
 import pytest
-from helpers import launch, plan_in_process, run_cmd, train_losses
+from helpers import base_env, launch, plan_in_process, run_cmd, train_losses
 
 from vit.config.cli import parse
 from vit.config.compat import PROVISIONAL, auto_allowed
@@ -176,6 +177,18 @@ def test_auto_on_two_ranks_runs_the_models_first_and_gives_a_slowed_rank_less_wo
     first = json.loads((log_dir / "config.json").read_text())["engine_auto"]
     second = json.loads((resumed / "config.json").read_text())["engine_auto"]
     assert second == {**first, "resumed_from": str(step2)}
+    # on one rank (retry.sh after a host is gone): its choice, refitted, the global batch kept
+    one = tmp_path / "one"
+    common1 = [a for a in common if a not in ("--simulate-slowdown", "1=3")]
+    r1 = launch([*common1, "--resume", step2, "--log-dir", one], nprocs=1, timeout=240)
+    assert r1.ok, r1
+    assert (
+        "--engine auto --resume: chosen for 2 ranks, going on on 1 with its choice ("
+        in (r1.outputs[0])
+    )
+    assert "engine auto chose" not in r1.outputs[0]
+    got, want = train_losses(one), train_losses(log_dir)
+    assert sorted(got) == [3, 4] and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in got)
     config = json.loads((log_dir / "config.json").read_text())
     record, summary = config["engine_auto"], json.loads((log_dir / "summary.json").read_text())
     rows, choice = record["candidates"], record["choice"]
@@ -295,3 +308,64 @@ def test_the_planner_measures_every_slot_of_a_hostfile_and_trains_nothing(tmp_pa
     # 16 x 2 ranks
     assert choice["micro_batch"] * choice["grad_accum"] * 2 // choice["stages"] == 32
     assert not log_dir.exists()  # nothing trained, nothing written
+
+
+CONTENTION_RANK = """
+import json, sys
+from types import SimpleNamespace
+import torch.distributed as dist
+from vit.planner import auto
+rank, store, machine = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+together, alone = json.loads(sys.argv[4])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+shared, n = machine == "shared", {"calls": 0}
+def time_all():  # the layer times of each pair: at once, then alone (where the machine is shared)
+    i = n["calls"]
+    n["calls"] += 1
+    return [[together[i]]] if not shared else [[(together if i % 2 == 0 else alone)[i // 2]]]
+job = SimpleNamespace(rank=rank, world_size=2)
+reports = auto.measure_contention(job, {"machine": machine}, time_all)
+print(json.dumps({"calls": n["calls"], "contention": [r["contention"] for r in reports]}))
+"""
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "machine,together,calls,contention",
+    [
+        ("shared", [2.0, 3.0, 3.1], 6, 3.1),  # 2.0, then 3.0 (moved 50%), then 3.1: settled
+        ("shared", [2.0, 2.1, 9.0], 4, 2.1),  # 2.0, then 2.1: settled at once
+        ("own", [2.0, 3.0, 3.1], 1, 1.0),  # a rank alone on its machine cannot share
+    ],
+    ids=["settles in three", "settles in two", "one rank a machine"],
+)
+def test_contention_is_measured_again_until_it_settles(
+    tmp_path, machine, together, calls, contention
+):
+    """Two gloo ranks of auto.measure_contention, the layer times given (1.0 alone): another pair of
+    measurements (at once, then one rank at a time) while the contention moves by more than 10%."""
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CONTENTION_RANK,
+                str(r),
+                str(tmp_path / "store"),
+                machine if machine == "shared" else f"own{r}",
+                json.dumps([together, [1.0] * 3]),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=base_env(),
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=100) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    for out, _ in outs:
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got == {"calls": calls, "contention": [contention, contention]}, got

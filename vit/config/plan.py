@@ -405,31 +405,47 @@ def resumed_auto_choice(settings: Settings, job: Job) -> Plan:
                 f"engine; resume it with --engine {manifest.get('engine', '...')}"
             )
         record = {**manifest["engine_auto"], "resumed_from": f"{where}/{tag}"}
-        return planned_as_chosen(settings, job, record)
+        chosen_on = len(record.get("contention", [])) or job.world_size
+        return planned_as_chosen(settings, job, record, refit=chosen_on != job.world_size)
     raise ConfigError(f"--resume {where}: no readable checkpoint manifest there")
 
 
-def planned_as_chosen(settings: Settings, job: Job, record: dict) -> Plan:
+def planned_as_chosen(settings: Settings, job: Job, record: dict, refit: bool = False) -> Plan:
+    """The plan of --engine auto's choice (`record`). `refit`: a resume on another number of ranks
+    than it chose for: the same engine, ZeRO stage and compression, the stages that divide the
+    ranks there are (at most the chosen ones, their boundaries again), the checkpoint's global batch
+    kept with the chosen micro-batch as the largest, equal batches; a line says so."""
     c, engine = record["choice"], spec(record["choice"]["engine"])
+    stages = c["stages"]
+    if refit:
+        stages = max(k for k in range(1, stages + 1) if job.world_size % k == 0)
     changes = dict(
         engine=c["engine"],
         auto_allow="",  # an option of --engine auto's, which the chosen engine refuses
-        ds_config=str(DS_CONFIGS / engine.config_for(c["zero_stage"], c["stages"], job.world_size)),
+        ds_config=str(DS_CONFIGS / engine.config_for(c["zero_stage"], stages, job.world_size)),
         micro_batch_size=c["micro_batch"],
-        grad_accum=c["grad_accum"],
-        batch_split="proportional" if c["split"] else "equal",
+        grad_accum=None if refit else c["grad_accum"],
+        batch_split="proportional" if c["split"] and not refit else "equal",
     )
     if engine.pipeline:
-        changes["pipeline_stages"] = c["stages"]
+        changes["pipeline_stages"] = stages
     options, json_keys = engine.compression_options(c["compression"])
     new = make_plan(validate(settings.with_(**changes, **options)), job)
     if json_keys:  # DeepSpeed's gradient reduction in bf16
         new = replace(new, ds_config={**new.ds_config, **json_keys})
+    if refit:
+        refitted = (
+            f"--engine auto --resume: chosen for {len(record['contention'])} ranks, going on on "
+            f"{job.world_size} with its choice ({c['candidate']}"
+            + (f", {stages} stages" if stages != c["stages"] else "")
+            + "); start a new run to choose again"
+        )
+        new = replace(new, notes=[refitted, *new.notes])
     return replace(
         new,
         auto=record,
-        micro_split=list(c["split"]) if c["split"] else None,
-        stage_parts=list(c["parts"]) if c["parts"] else None,
+        micro_split=list(c["split"]) if c["split"] and not refit else None,
+        stage_parts=list(c["parts"]) if c["parts"] and stages == c["stages"] else None,
     )
 
 

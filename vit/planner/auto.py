@@ -9,6 +9,7 @@ import dataclasses
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ TOP = 10  # rows printed
 # of every layer's forward and backward, the median kept: ranks timed at once are noisier than alone
 # the same rounds alone, one rank at a time: with 5 alone, background load read as sharing
 ROUNDS = 30
+# the contention is measured again until it moves less than this from the pair before, PAIRS at most
+STABLE, PAIRS = 0.1, 3
 TIE = 0.02  # predictions this close are a tie (the model's error is larger)
 # a family (family()) to run instead of the choice: the model's validation, bench planner
 PICK = "VIT_ENGINE_AUTO_PICK"
@@ -60,38 +63,17 @@ def choose(
     --auto-allow lets it choose though it changes what is learned (not_chosen)."""
     start = time.perf_counter()
     micro = batch.micro_batch
-    report = capabilities(dev, job.local_world_size, spec(engine))
-    # every rank at once, as training runs: ranks sharing a host's cores slow each other there too
-    dist.barrier()
-    report["layer_ms"] = time_layers(
-        layers, sample, micro, precision, dev, slowdown, rounds=ROUNDS, pick=statistics.median
+    report = {
+        **capabilities(dev, job.local_world_size, spec(engine)),
+        "layer_ms_micro_batch": micro,
+    }
+    reports = measure_contention(
+        job,
+        report,
+        lambda: time_layers(
+            layers, sample, micro, precision, dev, slowdown, rounds=ROUNDS, pick=statistics.median
+        ),
     )
-    report["layer_ms_micro_batch"] = micro
-    # and one rank at a time where a machine holds several: where the two differ, its ranks share
-    # processors (the engines' busy_slots); a rank alone on its machine cannot share
-    machines = [r["machine"] for r in gather({"machine": report["machine"]})]
-    sharing = machines.count(report["machine"]) > 1
-    alone = {"layer_ms": report["layer_ms"]}
-
-    def time_alone(first: bool) -> None:
-        if sharing:
-            alone["layer_ms"] = time_layers(
-                layers,
-                sample,
-                micro,
-                precision,
-                dev,
-                slowdown,
-                rounds=ROUNDS,
-                pick=statistics.median,
-            )
-
-    dist.barrier()  # no rank's turn alone while another still times at once
-    in_turns(job, 1, time_alone)
-    report["contention"] = max(
-        1.0, sum(map(sum, report["layer_ms"])) / sum(map(sum, alone["layer_ms"]))
-    )
-    reports = machine_contention(gather(report))
     links = measure_links([r["host"] for r in reports], job.rank, dev)
     work = dict(
         batch=batch,
@@ -207,6 +189,39 @@ def decide(
         "allowed": sorted(allowed),
         "text": "\n".join(said),
     }
+
+
+def measure_contention(job: Job, report: dict, time_all: Callable[[], list]) -> list[dict]:
+    """Collective: every rank's report with its layer times (time_all()) measured with every rank at
+    once, as training runs, and its machine's contention: those times over the same rounds with one
+    rank at a time, where a machine holds several (a rank alone on its machine cannot share).
+    Repeated until every machine's contention moves less than STABLE from the pair before (at most
+    PAIRS pairs): background load in one pair was read as sharing (one rank alone: 2.1x)."""
+    machines = [r["machine"] for r in gather({"machine": report["machine"]})]
+    sharing = machines.count(report["machine"]) > 1
+    before = None
+    for _ in range(PAIRS):
+        dist.barrier()
+        report["layer_ms"] = time_all()
+        alone = {"layer_ms": report["layer_ms"]}
+
+        def time_alone(first: bool) -> None:
+            if sharing:
+                alone["layer_ms"] = time_all()
+
+        dist.barrier()  # no rank's turn alone while another still times at once
+        in_turns(job, 1, time_alone)
+        report["contention"] = max(
+            1.0, sum(map(sum, report["layer_ms"])) / sum(map(sum, alone["layer_ms"]))
+        )
+        reports = machine_contention(gather(report))
+        now = [r["contention"] for r in reports]
+        if len(set(machines)) == len(machines) or (
+            before and all(abs(a - b) <= STABLE * b for a, b in zip(now, before))
+        ):
+            break
+        before = now
+    return reports
 
 
 def machine_contention(reports: list[dict]) -> list[dict]:

@@ -35,9 +35,8 @@ class DeepSpeedSpec(EngineSpec):
     def config_for(self, zero_stage, stages, world_size):
         """Its default JSON where that runs at the stage (or a pipeline without data parallelism,
         where the stage changes nothing), else other_stage_config."""
-        if (
-            self.zero_stage_of(json.loads(_json(self.default_ds_config))) == zero_stage
-            or stages == world_size
+        if self.zero_stage_of(json.loads(_json(self.default_ds_config))) == zero_stage or (
+            self.pipeline and stages == world_size
         ):
             return self.default_ds_config
         return self.other_stage_config(zero_stage)
