@@ -34,6 +34,13 @@ def test_a_zero_checkpoint_resumes_on_fewer_and_more_ranks(tmp_path, config):
     got = train_losses(one)
     assert sorted(got) == [4, 5, 6] and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in got)
     assert not list(first.glob("checkpoints/.universal-*"))  # the converted copy is gone
+    # 3 steps on, every parameter's weights and AdamW moments are the uninterrupted run's (ZeRO-3:
+    # 2.9% off before vit.engines.zero.engine mended DeepSpeed's universal load)
+    want6 = universal_state(tmp_path, first / "checkpoints" / "step6", "want")
+    got6 = universal_state(tmp_path, one / "checkpoints" / "step6", "one")
+    assert got6.keys() == want6.keys()
+    for key, value in want6.items():
+        assert torch.allclose(got6[key], value, rtol=1e-5, atol=1e-7), key
     if config != "zero2":
         return
     # 4 ranks under mpirun: 16 x 1 x 4, chosen by the resume
@@ -101,12 +108,13 @@ def universal_state(tmp_path, checkpoint, name) -> dict:
         timeout=120,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    return {
-        f"{p.name}/{k}": torch.load(p / f"{k}.pt", weights_only=False)["param"]
+    loaded = {
+        f"{p.name}/{k}": torch.load(p / f"{k}.pt", weights_only=False)
         for p in (out / "zero").iterdir()
         if p.is_dir()
         for k in ("fp32", "exp_avg", "exp_avg_sq")
     }
+    return {k: v["param"] if isinstance(v, dict) else v for k, v in loaded.items()}  # ZeRO-3: bare
 
 
 @pytest.mark.ranks
