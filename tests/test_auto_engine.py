@@ -177,18 +177,8 @@ def test_auto_on_two_ranks_runs_the_models_first_and_gives_a_slowed_rank_less_wo
     first = json.loads((log_dir / "config.json").read_text())["engine_auto"]
     second = json.loads((resumed / "config.json").read_text())["engine_auto"]
     assert second == {**first, "resumed_from": str(step2)}
-    # on one rank (retry.sh after a host is gone): its choice, refitted, the global batch kept
-    one = tmp_path / "one"
-    common1 = [a for a in common if a not in ("--simulate-slowdown", "1=3")]
-    r1 = launch([*common1, "--resume", step2, "--log-dir", one], nprocs=1, timeout=240)
-    assert r1.ok, r1
-    assert (
-        "--engine auto --resume: chosen for 2 ranks, going on on 1 with its choice ("
-        in (r1.outputs[0])
-    )
-    assert "engine auto chose" not in r1.outputs[0]
-    got, want = train_losses(one), train_losses(log_dir)
-    assert sorted(got) == [3, 4] and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in got)
+    # on one rank (retry.sh after a host is gone): chosen again among what takes the checkpoint
+    chosen_again_on_one_rank(tmp_path, common, log_dir)
     config = json.loads((log_dir / "config.json").read_text())
     record, summary = config["engine_auto"], json.loads((log_dir / "summary.json").read_text())
     rows, choice = record["candidates"], record["choice"]
@@ -232,6 +222,27 @@ def test_auto_on_two_ranks_runs_the_models_first_and_gives_a_slowed_rank_less_wo
         parts = choice["parts"]
         work = [micro * sum(flops[parts[k] : parts[k + 1]]) for k in range(2)]
     assert work[1] < work[0], (choice["candidate"], work)
+
+
+def chosen_again_on_one_rank(tmp_path, common: list, log_dir) -> None:
+    """`--engine auto --resume` of a 2-rank run's checkpoint on 1 rank: auto chooses again among
+    the candidates that can take it, the global batch kept, the losses the 2-rank run's."""
+    one, step2 = tmp_path / "one", log_dir / "checkpoints" / "step2"
+    common = [a for a in common if a not in ("--simulate-slowdown", "1=3")]
+    r1 = launch([*common, "--resume", step2, "--log-dir", one], nprocs=1, timeout=240)
+    assert r1.ok, r1
+    assert (
+        f"--engine auto --resume: chosen for 2 ranks, 1 here: choosing again among the engines "
+        f"that can take {step2}"
+    ) in r1.outputs[0]
+    assert "engine auto chose #" in r1.outputs[0]
+    again1 = json.loads((one / "config.json").read_text())["engine_auto"]
+    assert again1["resumed_from"] == str(step2) and len(again1["contention"]) == 1
+    refused = [c for c in again1["candidates"] if "cannot resume the --engine zero" in str(c)]
+    assert refused and all(c["engine"] != "zero" or c["zero_stage"] != 0 for c in refused)
+    assert again1["choice"] not in refused and again1["choice"]["engine"] == "zero"
+    got, want = train_losses(one), train_losses(log_dir)
+    assert sorted(got) == [3, 4] and all(got[s] == pytest.approx(want[s], rel=1e-4) for s in got)
 
 
 def test_the_planner_from_a_hostfile_refuses_bad_input_in_one_line(tmp_path, capsys):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from vit.config.cli import PROG, parse
 from vit.config.compat import auto_allowed
-from vit.config.plan import Plan, make_plan, with_auto_choice, with_micro_batch
+from vit.config.plan import Plan, cannot_take, make_plan, with_auto_choice, with_micro_batch
 from vit.config.records import write_summary
 from vit.core.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.loop import checkpoint
@@ -136,6 +136,7 @@ def choose_engine(plan: Plan, dev: torch.device) -> dict:
         s.local.sync_every,
         auto_allowed(s),
         s.local.fragments,
+        cannot_take(plan) if plan.resume else None,  # a resume on a changed cluster
     )
 
 

@@ -5,6 +5,7 @@ it resumes from. Any mistake found here is one line and exit 2, with nothing wri
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -381,10 +382,40 @@ def with_micro_batch(plan: Plan, micro_batch: int, split: list[int] | None, sear
     )
 
 
+AGAIN = "--engine auto --resume:"  # the line of a choice made again on a changed cluster
+
+
+def cannot_take(plan: Plan) -> Callable[[Candidate], str | None]:
+    """For --engine auto choosing again on a resume: why a candidate cannot load the checkpoint
+    (checkpoint.check_shape's refusal of its layout), None where it can."""
+    saved, where = plan.resume.saved, f"checkpoint {plan.resume.save_dir}/{plan.resume.tags[0]}"
+
+    def why(c: Candidate) -> str | None:
+        shape = {
+            **plan.shape,
+            "engine": c.engine,
+            "pipeline_stages": c.stages,
+            "zero_stage": c.zero_stage,
+            "data_parallel_size": plan.job.world_size // c.stages,
+        }
+        try:
+            checkpoint.check_shape(saved, shape, where, spec(c.engine))
+        except ConfigError:
+            return f"cannot resume the --engine {saved['engine']} checkpoint"
+        return None
+
+    return why
+
+
 def with_auto_choice(plan: Plan, record: dict) -> Plan:
     """The run's plan with --engine auto's choice (vit.planner.auto.choose's record): its options as
     a command line would give them, checked like one."""
-    return planned_as_chosen(plan.settings, plan.job, record)
+    if not plan.resume:
+        return planned_as_chosen(plan.settings, plan.job, record)
+    # chosen again for a resume on a changed cluster: said so (resumed_auto_choice) and recorded
+    record = {**record, "resumed_from": f"{plan.resume.save_dir}/{plan.resume.tags[0]}"}
+    new = planned_as_chosen(plan.settings, plan.job, record)
+    return replace(new, notes=[n for n in plan.notes if n.startswith(AGAIN)] + new.notes)
 
 
 def resumed_auto_choice(settings: Settings, job: Job) -> Plan:
@@ -406,15 +437,24 @@ def resumed_auto_choice(settings: Settings, job: Job) -> Plan:
             )
         record = {**manifest["engine_auto"], "resumed_from": f"{where}/{tag}"}
         chosen_on = len(record.get("contention", [])) or job.world_size
-        return planned_as_chosen(settings, job, record, refit=chosen_on != job.world_size)
+        if chosen_on == job.world_size:
+            return planned_as_chosen(settings, job, record)
+        # another cluster: planned as the old choice refitted until auto chooses again (train.run)
+        # among the candidates that can take the checkpoint (cannot_take)
+        refitted = planned_as_chosen(settings, job, record, refit=True)
+        said = (
+            f"{AGAIN} chosen for {chosen_on} ranks, {job.world_size} here: choosing again among "
+            f"the engines that can take {where}/{tag}"
+        )
+        return replace(refitted, auto={}, notes=[said, *refitted.notes])
     raise ConfigError(f"--resume {where}: no readable checkpoint manifest there")
 
 
 def planned_as_chosen(settings: Settings, job: Job, record: dict, refit: bool = False) -> Plan:
-    """The plan of --engine auto's choice (`record`). `refit`: a resume on another number of ranks
-    than it chose for: the same engine, ZeRO stage and compression, the stages that divide the
-    ranks there are (at most the chosen ones, their boundaries again), the checkpoint's global batch
-    kept with the chosen micro-batch as the largest, equal batches; a line says so."""
+    """The plan of --engine auto's choice (`record`). `refit`: for a resume on another number of
+    ranks than it chose for, until auto chooses again: the same engine, ZeRO stage and compression,
+    the stages that divide the ranks there are (at most the chosen ones, their boundaries again),
+    the checkpoint's global batch kept with the chosen micro-batch as the largest, equal batches."""
     c, engine = record["choice"], spec(record["choice"]["engine"])
     stages = c["stages"]
     if refit:
@@ -433,14 +473,6 @@ def planned_as_chosen(settings: Settings, job: Job, record: dict, refit: bool = 
     new = make_plan(validate(settings.with_(**changes, **options)), job)
     if json_keys:  # DeepSpeed's gradient reduction in bf16
         new = replace(new, ds_config={**new.ds_config, **json_keys})
-    if refit:
-        refitted = (
-            f"--engine auto --resume: chosen for {len(record['contention'])} ranks, going on on "
-            f"{job.world_size} with its choice ({c['candidate']}"
-            + (f", {stages} stages" if stages != c["stages"] else "")
-            + "); start a new run to choose again"
-        )
-        new = replace(new, notes=[refitted, *new.notes])
     return replace(
         new,
         auto=record,

@@ -55,12 +55,14 @@ def choose(
     sync_every: int = DEFAULT_SYNC_EVERY,
     allowed: frozenset = frozenset(),
     fragments: int = 1,
+    cannot_take: Callable[[Candidate], str | None] | None = None,
 ) -> dict:
     """Collective: measure `layers` (the model as the run builds it) on every rank at `batch`'s
     micro-batch in `precision`, rank every candidate (rank 0 decides for all) and return the record
     of the choice (its table, its measurements), which vit.config.plan.with_auto_choice turns into
     the run's plan. `engine`: the one the run is planned as until it chooses; `allowed`: what
-    --auto-allow lets it choose though it changes what is learned (not_chosen)."""
+    --auto-allow lets it choose though it changes what is learned (not_chosen); `cannot_take`:
+    why a candidate cannot load the checkpoint a resume on a changed cluster goes on from."""
     start = time.perf_counter()
     micro = batch.micro_batch
     report = {
@@ -82,6 +84,7 @@ def choose(
         sync_every=sync_every,
         fragments=fragments,
         allowed=allowed,
+        cannot_take=cannot_take,
     )
     record = rank0_decides(lambda: decide(layers, sample, precision, reports, links, start, **work))
     text = record.pop("text")
@@ -108,6 +111,7 @@ def decide(
     sync_every: int = DEFAULT_SYNC_EVERY,
     allowed: frozenset = frozenset(),
     fragments: int = 1,
+    cannot_take: Callable[[Candidate], str | None] | None = None,
 ) -> dict:
     """Rank 0: every candidate ranked, the first that fits and runs chosen; ConfigError when none
     does."""
@@ -119,7 +123,9 @@ def decide(
     )
     (calib, calib_from), rows = run_calibration(), []
     for p in rank_candidates(ranks, net, work, calib):
-        cannot = cannot_run(p.candidate, world_size, precision)
+        cannot = cannot_run(p.candidate, world_size, precision) or (
+            cannot_take(p.candidate) if cannot_take else None
+        )
         rows.append(
             {
                 **row(p, work.global_batch),
