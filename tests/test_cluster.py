@@ -503,15 +503,7 @@ def test_killed_rank_on_one_host_ends_every_rank_and_retry_finishes_the_run(clus
         f"--log-dir {log_dir}"
     )
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(
-            [SIM, "exec", "0", "--", "bash", "-c", cmd],
-            cwd=ROOT,
-            env={**cluster.env, "IFACE": "eth0"},
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = start_on_cn0(cluster, cmd, out)
         try:
             wait_for(
                 lambda: (
@@ -553,6 +545,19 @@ def test_killed_rank_on_one_host_ends_every_rank_and_retry_finishes_the_run(clus
     assert "attempt 2 of 2" in log and "--resume" in log and "resumed from step" in log, log[-4000:]
     assert json.loads((log_dir / "summary.json").read_text())["steps"] == steps
     assert last_step(log_dir, victim_host) == steps
+
+
+def start_on_cn0(cluster: Cluster, cmd: str, out) -> subprocess.Popen:
+    """A bash command line run as cn0 in the background, in a session of its own, into `out`."""
+    return subprocess.Popen(
+        [SIM, "exec", "0", "--", "bash", "-c", cmd],
+        cwd=ROOT,
+        env={**cluster.env, "IFACE": "eth0"},
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def alive(p: psutil.Process) -> bool:
@@ -652,15 +657,7 @@ def test_retry_goes_on_without_a_host_that_is_down_and_takes_it_back(cluster, tm
         f"{TRAIN} --steps {steps} --save-interval 4 --log-dir {log_dir}"
     )
     out = open(tmp_path / "out.log", "w+")
-    proc = subprocess.Popen(
-        [SIM, "exec", "0", "--", "bash", "-c", cmd],
-        cwd=ROOT,
-        env={**cluster.env, "IFACE": "eth0"},
-        stdin=subprocess.DEVNULL,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = start_on_cn0(cluster, cmd, out)
     times = {"start": time.monotonic()}
     try:
         wait_for(lambda: newest_checkpoint(log_dir) >= 8, 300, "a checkpoint from step 8 on")

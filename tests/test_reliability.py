@@ -387,6 +387,11 @@ def test_resume_with_other_pipeline_stages_is_refused(tmp_path, monkeypatch):
     ) in refusal(monkeypatch, ["--engine", "ddp", "--resume", tmp_path])
 
 
+def as_a_terminal_starts_it() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def manifest(tag) -> dict:
     return json.loads((tag / "manifest.json").read_text())
 
@@ -601,9 +606,9 @@ def test_ctrl_c_is_one_line_naming_the_step_and_the_checkpoint(tmp_path, launche
     entry = [str(ROOT / "entry_cn.sh"), *map(str, args)]
     cmd = entry if launcher == "single" else [*MPIRUN, "-np", "2", *entry]
     out = open(tmp_path / "out.log", "w+")
-    # as a terminal starts its foreground job: Ctrl-C not ignored. CI started these tests with
-    # SIGINT ignored (as a script's background job is), and bash cannot trap a signal ignored on
-    # entry, so scripts/mpirun let the run go on to its end
+    # as a terminal starts its foreground job: Ctrl-C neither ignored nor blocked. CI starts these
+    # tests with SIGINT ignored (as a script's background job is), and bash cannot trap a signal
+    # ignored on entry, so scripts/mpirun let the run go on to its end
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -611,7 +616,7 @@ def test_ctrl_c_is_one_line_naming_the_step_and_the_checkpoint(tmp_path, launche
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=as_a_terminal_starts_it,
     )
     try:
         # any checkpoint from step 4 on: at 2 steps a save and 3 kept, step4 lives about 0.3 s
@@ -638,3 +643,21 @@ def test_ctrl_c_is_one_line_naming_the_step_and_the_checkpoint(tmp_path, launche
         returncode,
         log[-2000:],
     )
+
+
+def test_stopping_on_a_signal_leaves_the_process_as_it_found_it():
+    """vit.train.run called in-process (tests do) once left SIGINT, SIGTERM and SIGUSR1 blocked in
+    the caller for good, and so in every process it started after: a later test's bash wrapper
+    could not trap Ctrl-C (CI failed on it)."""
+    from vit.train import STOP_SIGNALS, StopOnSignal
+
+    handlers = [signal.getsignal(s) for s in STOP_SIGNALS]
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    stop = StopOnSignal(None)
+    stop.install()
+    assert stop.thread.is_alive()
+    stop.uninstall()
+    assert not stop.thread.is_alive()
+    assert [signal.getsignal(s) for s in STOP_SIGNALS] == handlers
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
+    assert signal.set_wakeup_fd(-1) == -1  # none was set before

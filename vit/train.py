@@ -180,31 +180,49 @@ def out_of_memory(plan: Plan, dev: torch.device, step: int, error: Exception) ->
 class StopOnSignal:
     """Ctrl-C (SIGINT), SIGTERM, and SIGUSR1 (what scripts/mpirun sends the ranks for a Ctrl-C:
     Open MPI kills them on SIGINT and drops their output) end the run at once: one line on rank 0
-    naming the step and the checkpoint --resume goes on from, exit 130. The other ranks wait a
-    second first, so that rank 0's line is out before the launcher, seeing them end, stops
+    naming the step and the checkpoint --resume goes on from, exit 130. The other ranks wait two
+    seconds first, so that rank 0's line is out before the launcher, seeing them end, stops
     forwarding output. No collective: every rank is stopping.
 
-    A thread of its own takes the signals (the others block them): a Python handler runs only
-    between the main thread's bytecodes, and a main thread in a collective waiting for a rank that
-    was stopping said nothing before the launcher ended it."""
+    A thread of its own stops the run: Python's C-level handler, in whichever thread the kernel
+    picks, writes the signal's number to a pipe (signal.set_wakeup_fd) that the thread reads. A
+    Python handler runs only between the main thread's bytecodes, and a main thread in a collective
+    waiting for a rank that was stopping said nothing before the launcher ended it (seen in CI:
+    rank 1's exit 130 came first)."""
 
     def __init__(self, plan: Plan):
         self.plan, self.watchdog = plan, None  # the watchdog once the process group is up
         self.save_dir: str | None = None  # where the checkpoints are, once the trainer is built
 
     def install(self) -> None:
-        """Before the run's threads start (they inherit the blocked signals)."""
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        threading.Thread(target=self.wait, name="stop-on-signal", daemon=True).start()
-        for signum in STOP_SIGNALS:  # a thread started before may still take one: the handler
-            signal.signal(signum, self.stop)
+        self.handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, lambda signum, frame: None)  # the pipe says it
+        self.read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self.wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self.write_fd = write_fd
+        self.thread = threading.Thread(target=self.wait, name="stop-on-signal", daemon=True)
+        self.thread.start()
+
+    def uninstall(self) -> None:
+        """The process's signals as they were before install(): run() has ended, and a process
+        that goes on (a test that calls it) would otherwise keep them."""
+        signal.set_wakeup_fd(self.wakeup)
+        for signum, handler in self.handlers.items():
+            signal.signal(signum, handler)
+        os.close(self.write_fd)  # the thread reads the end of the pipe and returns
+        self.thread.join(timeout=5)
 
     def wait(self) -> None:
-        self.stop(signal.sigwait(STOP_SIGNALS), None)
+        while got := os.read(self.read_fd, 1):  # empty: uninstall() closed the pipe
+            if got[0] in STOP_SIGNALS:  # another Python handler's signal is written there too
+                self.stop(got[0], None)
+        os.close(self.read_fd)
 
     def stop(self, signum, frame) -> None:
         if not self.plan.job.is_main:
-            time.sleep(1.0)
+            time.sleep(2.0)
             os._exit(130)
         print(f"{PROG}: {self.where()}", file=sys.stderr, flush=True)
         os._exit(130)
@@ -226,6 +244,13 @@ def run(plan: Plan, start_time: float) -> int:
     """Train; any failure on any rank ends every rank, non-zero, naming the rank that failed."""
     stop = StopOnSignal(plan)
     stop.install()
+    try:
+        return run_until_stopped(plan, start_time, stop)
+    finally:
+        stop.uninstall()
+
+
+def run_until_stopped(plan: Plan, start_time: float, stop: StopOnSignal) -> int:
     try:  # every rank reaches the same verdict on the job's devices, so each stops alike
         init_process_group(
             plan.job,

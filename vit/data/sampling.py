@@ -128,9 +128,13 @@ def make_loader(ds: Dataset, batches, workers: int, pin_memory: bool) -> DataLoa
 
 
 def take_signals(worker_id: int) -> None:
-    """A loader worker takes the signals its rank blocks for the thread that stops it
-    (vit.train.StopOnSignal), so that terminate() ends it as before."""
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    """A loader worker leaves Ctrl-C to its rank and gives up the rank's way of stopping
+    (vit.train.StopOnSignal: a pipe it shares after the fork), so that terminate() ends the worker
+    as before instead of stopping its rank."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 MAX_GPU_WORKERS = 4
