@@ -4,7 +4,6 @@ exp_avg and exp_avg_sq, and its step for stages 1 and 2; stage 3 keeps the step 
 zero/optimizer_state.pt), from which the weights and torch's AdamW state are set by name; the LR
 schedule's position and the client state come from DeepSpeed's model-states file."""
 
-import functools
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ def load(folder: Path, module, optimizer, scheduler) -> dict:
     """The universal checkpoint in `folder` into `module`, `optimizer` (torch's AdamW, the same
     parameter groups as the ZeRO run's: vit.loop.optim.make_optimizer) and `scheduler`; the client
     state the ZeRO run saved."""
-    adam = {}
+    adam, step3 = {}, []  # stage 3's one step, read once
     with torch.no_grad():
         for name, p in module.named_parameters():
             part = folder / "zero" / name
@@ -36,11 +35,11 @@ def load(folder: Path, module, optimizer, scheduler) -> dict:
                 raise RuntimeError(f"{folder}: no weights of parameter {name} in its zero/ folder")
             p.copy_(read(part / "fp32.pt").view_as(p))
             if (part / "exp_avg.pt").is_file():
-                step = (
-                    torch.load(part / "step.pt", weights_only=False)
-                    if (part / "step.pt").is_file()
-                    else stage3_step(folder)
-                )
+                if (part / "step.pt").is_file():
+                    step = torch.load(part / "step.pt", weights_only=False)
+                else:
+                    step3 = step3 or [stage3_step(folder)]
+                    step = step3[0]
                 adam[name] = {
                     "step": torch.tensor(float(step), dtype=torch.float32),
                     **{k: read(part / f"{k}.pt").view_as(p) for k in ("exp_avg", "exp_avg_sq")},
@@ -54,7 +53,6 @@ def load(folder: Path, module, optimizer, scheduler) -> dict:
     return {k: v for k, v in states.items() if k not in DEEPSPEED_KEYS}
 
 
-@functools.cache
 def stage3_step(folder: Path):
     saved = torch.load(folder / "zero" / "optimizer_state.pt", weights_only=False)
     return next(iter(saved["optimizer_state_dict"]["state"].values()))["step"]
