@@ -20,7 +20,7 @@ from vit.engines.diloco.engine import fragment_bounds
 from vit.engines.diloco.wire import BLOCK, compress, decompress
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.reference import train_step
-from vit.model.layers import build_layers, model_shape
+from vit.model.layers import build_layers, loss_fn, model_shape
 from vit.planner.batch_split import local_steps
 
 GLOBAL_BATCH, CLIP = 64, 1.0  # the default job's global batch; zero0.json's gradient clipping
@@ -35,6 +35,7 @@ def emulate(
     momentum: float,
     local: list[int] | None = None,
     fragments: int = 1,
+    start: int = 0,
 ) -> list:
     """Per-step losses of DiLoCo on settings `s` as rank 0 logs them: where every worker meets in a
     sync (every H-th step without fragments, and the last), the mean over the workers that trained
@@ -47,7 +48,9 @@ def emulate(
     local[w], and every worker goes on from them. With F `fragments` (each an equal share of the
     parameters, in order), fragment f's difference is taken after step (f + 1) H / F of a window and
     applied H / F steps later: the outer step, then each worker's fragment set to the new global
-    weights plus what the worker learned in between. At the last step every fragment syncs."""
+    weights plus what the worker learned in between. At the last step every fragment syncs. The
+    first `start` steps are DDP's: every worker steps on the gradient averaged over the workers,
+    and the windows count from there."""
     data = load_dataset("digits", None, model_shape(s.model.model).img_size, seed=s.train.seed)
     first = nn.Sequential(
         *build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
@@ -58,16 +61,11 @@ def emulate(
     outer = torch.optim.SGD(
         global_model.parameters(), lr=outer_lr, momentum=momentum, nesterov=momentum > 0
     )
-    shard = dict(grad_accum=1, dp_size=workers, start_step=0, end_step=steps)
+    shard = dict(micro_batch=GLOBAL_BATCH // workers, dp_size=workers, grad_accum=1)
     feeds = [
         iter(
             train_batches(
-                data,
-                s.recipe,
-                s.train.seed,
-                micro_batch=GLOBAL_BATCH // workers,
-                dp_rank=w,
-                **shard,
+                data, s.recipe, s.train.seed, dp_rank=w, start_step=0, end_step=steps, **shard
             )
         )
         for w in range(workers)
@@ -79,32 +77,25 @@ def emulate(
     parts = [range(a, b) for a, b in zip([0, *ends[:-1]], ends)]
 
     def outer_step(indices, sent):
-        h = local or [1] * workers
-        with torch.no_grad():
-            for i in indices:
-                g = params[0][i]
-                own = [sent[w][i] if sent else params[1 + w][i] for w in range(workers)]
-                g.grad = sum(h[w] * (g - own[w]) for w in range(workers)) / sum(h)
-            outer.step()
-            for i in indices:
-                params[0][i].grad = None
-                for w in range(workers):
-                    p = params[1 + w][i]
-                    p.copy_(params[0][i] + (p - sent[w][i] if sent else 0))
+        apply_outer(params, outer, local or [1] * workers, indices, sent)
 
     losses, in_flight, last = [], None, [None] * workers
-    for step in range(1, steps + 1):
+    for _ in range(start):
+        batches = [next(feed) for feed in feeds]
+        losses.append(ddp_step(models, optims, scheds, batches, s.recipe.smoothing))
+    global_model.load_state_dict(models[0].state_dict())
+    for step in range(start + 1, steps + 1):
         H = window(step)
         step_losses = []
         for w, (model, opt, sched, feed) in enumerate(zip(models, optims, scheds, feeds)):
             x, y = next(feed)
-            if local is None or (step - 1) % H < local[w]:
+            if local is None or (step - start - 1) % H < local[w]:
                 loss = train_step(model, opt, sched, x, y, CLIP, smoothing=s.recipe.smoothing)
                 step_losses.append(loss.item())
                 last[w] = loss.item()
-        met = step == steps or (fragments == 1 and step % H == 0)
+        met = step == steps or (fragments == 1 and (step - start) % H == 0)
         losses.append(sum(step_losses) / len(step_losses) if met else last[0])
-        offset, every = step % H or H, H // fragments
+        offset, every = (step - start) % H or H, H // fragments
         if step == steps or (offset % every == 0 and fragments > 1):
             if in_flight:
                 outer_step(*in_flight)
@@ -117,9 +108,47 @@ def emulate(
                 in_flight = (parts[offset // every - 1], sent)
             else:
                 outer_step(range(n), None)
-        elif step % H == 0:
+        elif (step - start) % H == 0:
             outer_step(range(n), None)
     return losses
+
+
+@torch.no_grad()
+def apply_outer(params, outer, h: list[int], indices, sent) -> None:
+    """The outer step on the parameters `indices` (params: the global model's, then each worker's)
+    from the workers' differences weighted by h, then each worker from the new global weights
+    (plus what it learned since `sent`, its weights when they went, if given)."""
+    workers = len(h)
+    for i in indices:
+        g = params[0][i]
+        own = [sent[w][i] if sent else params[1 + w][i] for w in range(workers)]
+        g.grad = sum(h[w] * (g - own[w]) for w in range(workers)) / sum(h)
+    outer.step()
+    for i in indices:
+        params[0][i].grad = None
+        for w in range(workers):
+            p = params[1 + w][i]
+            p.copy_(params[0][i] + (p - sent[w][i] if sent else 0))
+
+
+def ddp_step(models, optims, scheds, batches, smoothing: float) -> float:
+    """DDP's step on every worker's copy: each one's gradient on its batch, their mean set on
+    every copy, clipped, the step; the mean loss."""
+    losses = []
+    for model, (x, y) in zip(models, batches):
+        loss = loss_fn(model(x), y, smoothing)
+        loss.backward()
+        losses.append(loss.item())
+    for group in zip(*(m.parameters() for m in models)):
+        mean = sum(p.grad for p in group) / len(models)
+        for p in group:
+            p.grad = mean.clone()
+    for model, opt, sched in zip(models, optims, scheds):
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    return sum(losses) / len(models)
 
 
 PAPER = ["--outer-lr", 0.7, "--outer-momentum", 0.9]  # the paper's outer step: Nesterov's path
@@ -180,6 +209,41 @@ def test_one_step_windows_with_a_plain_outer_step_train_as_ddp(tmp_path):
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
     assert want[6] < want[1]
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(420)
+def test_steps_before_the_local_start_are_ddp_and_the_windows_count_from_there(tmp_path):
+    """--local-start-step 3, H = 3, 8 steps: DDP's steps 1 to 3 (AdamW on the averaged gradient,
+    clipped), syncs after 6 and 8, as the emulator; all 8 as DDP are `--engine ddp`'s losses; a
+    resume inside the DDP steps repeats the losses."""
+    steps, common = 8, ["--log-interval", 1, "--steps", 8]
+    local = ["--engine", "diloco", "--sync-every", 3, *PAPER, *EQUAL, *common]
+    save = ["--save-interval", 2, "--keep-checkpoints", 4]
+    r = launch([*local, "--local-start-step", 3, *save, "--log-dir", tmp_path / "d"])
+    assert r.ok, r
+    want = emulate(defaults(), 2, steps, 3, 0.7, 0.9, start=3)
+    got = train_losses(tmp_path / "d")
+    assert sorted(got) == list(range(1, steps + 1))
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+    assert want[-1] != pytest.approx(emulate(defaults(), 2, steps, 3, 0.7, 0.9)[-1], rel=1e-5)
+    from vit.reports.runlogs import Run
+
+    assert Run(tmp_path / "d").sync_steps() == [6, 8]  # plot_logs.py's marks
+    again = tmp_path / "again"
+    step2 = tmp_path / "d" / "checkpoints" / "step2"
+    r = launch([*local, "--local-start-step", 3, "--resume", step2, "--log-dir", again])
+    assert r.ok, r
+    for step, loss in train_losses(again).items():
+        assert loss == pytest.approx(got[step], rel=1e-6), (step, loss, got)
+    ddp = launch(["--engine", "ddp", *common, "--no-save", "--log-dir", tmp_path / "ddp"])
+    assert ddp.ok, ddp
+    whole = launch([*local, "--local-start-step", steps, "--no-save", "--log-dir", tmp_path / "w"])
+    assert whole.ok, whole
+    want, got = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "w")
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
 
 
 @pytest.mark.ranks
@@ -353,6 +417,7 @@ def test_the_wire_rounds_as_it_says():
         (["--worker-ranks", "0"], "argument --worker-ranks: must be positive, got 0"),
         (["--fragments", "3"], "--fragments 3 does not divide --sync-every 50"),
         (["--fragments", "0"], "--fragments must be positive, got 0"),
+        (["--local-start-step", "-1"], "--local-start-step must not be negative, got -1"),
         (["--local-steps", "fast"], "argument --local-steps: invalid choice: 'fast'"),
         (["--precision", "fp16"], "--engine diloco trains in fp32 or bf16"),
         (["--comm-hook", "bf16"], "--comm-hook applies to --engine ddp"),

@@ -312,6 +312,13 @@ class LocalStepSettings:
         "positive",
         needs="diloco",
     )
+    local_start_step: int = option(
+        0,
+        "steps trained as DDP (gradients averaged every step) before the local steps begin "
+        "(post-local SGD's warm-up, torch's start_localSGD_iter; the syncs count from there)",
+        "non_negative",
+        needs="diloco",
+    )
     # 1.0 and 0 (the workers' mean, as local SGD takes it), not the paper's 0.7 and Nesterov 0.9:
     # measured on the default job (docs/benchmarks.md), the paper's lost 8 points at H = 50
     outer_lr: float = option(

@@ -4,6 +4,8 @@ communication between workers; every --sync-every steps, and at the run's last s
 pseudo-gradient (global weights minus the worker's) is averaged over the workers (wire.py) and the
 outer optimizer (SGD, --outer-lr, Nesterov --outer-momentum) moves the global weights, which every
 worker then takes. Each worker keeps its inner optimizer's state across syncs (DiLoCo's).
+--local-start-step N: the first N steps are DDP's (every rank's gradients averaged over all ranks,
+so every worker takes the same step: post-local SGD's warm-up), and the windows count from there.
 
 The global weights are what is evaluated, averaged by --model-ema and exported: live_module() is
 the global model. A checkpoint holds every rank's worker state (weights, inner optimizer and
@@ -99,6 +101,7 @@ class DiLoCoEngine(Engine):
             nesterov=momentum > 0,
         )
         self.sync_every, self.wire = local.sync_every, local.outer_wire
+        self.start = local.local_start_step  # steps trained as DDP before the local ones
         self.total_steps = ctx.total_steps
         self.loss = Loss(ctx.smoothing)
         self.dtype = DTYPES.get(ctx.precision) if ctx.precision != "fp32" else None
@@ -129,9 +132,11 @@ class DiLoCoEngine(Engine):
     def train_step(self, batches):
         total, t = 0.0, self.timer
         t.start()
-        if self.step % self.sync_every == 0:
+        as_ddp = self.step < self.start
+        into = self.step - self.start  # steps into the local phase
+        if into >= 0 and into % self.sync_every == 0:
             self.window = self.local_steps
-        self.trained = self.step % self.sync_every < self.window[self.dp_rank]
+        self.trained = as_ddp or into % self.sync_every < self.window[self.dp_rank]
         for j in range(self.grad_accum):
             x, y = next(batches)  # drawn where the worker waits too: the data order stays
             if not self.trained:
@@ -149,6 +154,8 @@ class DiLoCoEngine(Engine):
                 (loss / self.grad_accum).backward()
             t.lap("backward_s")
             total = total + loss.detach()
+        if as_ddp:
+            self.average_gradients()
         if self.trained:
             if self.clip:
                 torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
@@ -157,10 +164,15 @@ class DiLoCoEngine(Engine):
             self.optimizer.zero_grad(set_to_none=True)
             t.lap("optimizer_s")
         self.step += 1
-        self.met = self.step == self.total_steps or (
-            len(self.fragments) == 1 and self.step % self.sync_every == 0
+        into = self.step - self.start
+        self.met = (
+            into <= 0
+            or self.step == self.total_steps
+            or (len(self.fragments) == 1 and into % self.sync_every == 0)
         )
-        if self.step == self.total_steps:
+        if into <= 0:
+            self.follow()
+        elif self.step == self.total_steps:
             self.finish_in_flight()
             self.sync(range(self.fragments[-1].stop))  # every parameter
             t.lap("allreduce_s")
@@ -179,8 +191,26 @@ class DiLoCoEngine(Engine):
         """The fragment that goes on the wire after `step`: fragment f at (f + 1) H / F in every
         window."""
         every = self.sync_every // len(self.fragments)
-        offset = step % self.sync_every or self.sync_every
+        if step <= self.start:
+            return None
+        offset = (step - self.start) % self.sync_every or self.sync_every
         return offset // every - 1 if offset % every == 0 else None
+
+    @torch.no_grad()
+    def average_gradients(self) -> None:
+        """Before --local-start-step: every rank's gradients averaged over all ranks (DDP's)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.dp_size
+        for g, mean in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(mean.view_as(g))
+
+    @torch.no_grad()
+    def follow(self) -> None:
+        """Before --local-start-step the global weights are every worker's (all alike)."""
+        for g, p in zip(self.global_model.parameters(), self.module.parameters()):
+            g.copy_(p)
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Where every rank just met in a sync: the mean over the ranks that trained in the step.
