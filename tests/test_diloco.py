@@ -6,6 +6,7 @@ syncs; the wire in fp32, bf16 and int8; bad input."""
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def emulate(
     sync_every,
     outer_lr: float,
     momentum: float,
-    local: list[int] | None = None,
+    local=None,
     fragments: int = 1,
     start: int = 0,
 ) -> list:
@@ -42,10 +43,11 @@ def emulate(
     in the step; between syncs worker 0's last loss.
 
     Worker w trains its own copy with its own optimizer and schedule on shard w of each global
-    batch, in the first local[w] steps of every window of H (sync_every: H, or step -> H) and only
+    batch, in the first h[w] steps of every window of H (sync_every: H, or step -> H; `local`: h, or
+    step -> the h of the window that holds the step, or None for h = H) and only
     draws its batch in the others. After every H-th step and the last, the global weights take an
     SGD step (Nesterov `momentum`) on the workers' global-minus-own weights averaged with weights
-    local[w], and every worker goes on from them. With F `fragments` (each an equal share of the
+    h[w], and every worker goes on from them. With F `fragments` (each an equal share of the
     parameters, in order), fragment f's difference is taken after step (f + 1) H / F of a window and
     applied H / F steps later: the outer step, then each worker's fragment set to the new global
     weights plus what the worker learned in between. At the last step every fragment syncs. The
@@ -76,8 +78,10 @@ def emulate(
     ends = fragment_bounds([p.numel() for p in params[0]], fragments)
     parts = [range(a, b) for a, b in zip([0, *ends[:-1]], ends)]
 
+    local_at = local if callable(local) else lambda step: local or [H] * workers
+
     def outer_step(indices, sent):
-        apply_outer(params, outer, local or [1] * workers, indices, sent)
+        apply_outer(params, outer, local_at(step), indices, sent)
 
     losses, in_flight, last = [], None, [None] * workers
     for _ in range(start):
@@ -89,7 +93,7 @@ def emulate(
         step_losses = []
         for w, (model, opt, sched, feed) in enumerate(zip(models, optims, scheds, feeds)):
             x, y = next(feed)
-            if local is None or (step - start - 1) % H < local[w]:
+            if (step - start - 1) % H < local_at(step)[w]:
                 loss = train_step(model, opt, sched, x, y, CLIP, smoothing=s.recipe.smoothing)
                 step_losses.append(loss.item())
                 last[w] = loss.item()
@@ -290,22 +294,75 @@ def test_a_resume_between_syncs_repeats_the_losses(tmp_path):
 @pytest.mark.timeout(420)
 def test_a_slower_worker_takes_fewer_steps_and_weighs_less(tmp_path):
     """Rank 1 slowed x3: the census gives it fewer inner steps a window (--local-steps auto), it
-    only draws the batches of the others, and the average weighs it by the steps it trained."""
-    steps, sync_every = 9, 4
+    only draws the batches of the others, and the average weighs it by the steps it trained; each
+    sync sets the next windows' steps from the ranks' times in the last one (a line says when they
+    change), as the emulator is told."""
+    steps, sync_every = 13, 4
     r = launch(diloco_args(tmp_path, steps, sync_every, "--simulate-slowdown", "1=3"), timeout=360)
     assert r.ok, r
     local = json.loads((tmp_path / "cluster.json").read_text())["local_steps"]
     assert local[0] == sync_every and 1 <= local[1] < sync_every, local
     assert f"inner steps in each window of {sync_every}, by rank: {local}" in r.outputs[0]
-    want = emulate(defaults(), 2, steps, sync_every, 0.7, 0.9, local=local)
+    changed = steps_changed(r.outputs[0], sync_every)
+    assert set(changed) <= {4, 8, 12}, changed
+
+    def local_at(step):  # the steps of the window that holds `step`
+        began = sync_every * ((step - 1) // sync_every)
+        return next((changed[at] for at in sorted(changed, reverse=True) if at <= began), local)
+
+    assert all(local_at(step)[1] < sync_every for step in range(1, steps + 1)), changed
+    want = emulate(defaults(), 2, steps, sync_every, 0.7, 0.9, local=local_at)
     got = train_losses(tmp_path)
     for step, loss in got.items():
         assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
     equal = emulate(defaults(), 2, steps, sync_every, 0.7, 0.9)
     assert want[-1] != pytest.approx(equal[-1], rel=1e-5)  # the schedule changed what is learned
     summary = json.loads((tmp_path / "summary.json").read_text())  # images trained, not drawn
-    trained = summary["images_per_s"] * summary["train_s_this_run"] / steps
-    assert trained == pytest.approx(GLOBAL_BATCH * sum(local) / (2 * sync_every), rel=1e-6)
+    trained = summary["images_per_s"] * summary["train_s_this_run"]
+    shares = [sum(local_at(step)) / (2 * sync_every) for step in range(1, steps + 1)]
+    assert trained == pytest.approx(GLOBAL_BATCH * sum(shares), rel=1e-6)
+
+
+def steps_changed(output: str, sync_every: int) -> dict[int, list[int]]:
+    """The lines of rank 0 that say a sync set new local steps: {step: steps by rank}."""
+    line = (
+        rf"step (\d+): inner steps in each window of {sync_every}, by rank: (\[[\d, ]+\]) "
+        r"\(from each worker's time per step in the last window\)"
+    )
+    return {int(m[1]): json.loads(m[2]) for m in re.finditer(line, output)}
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(420)
+def test_a_sync_measures_the_next_windows_and_a_resume_keeps_the_checkpoints(tmp_path):
+    """Rank 1 slowed x3, saved at step 6, resumed with rank 0 slowed x3 instead: the resumed run
+    goes on with the checkpoint's local steps (not its own census's) through the window it did not
+    time whole (to step 8) and the next; the sync after step 12 gives rank 0 the fewer steps. The
+    losses are the emulator's on that schedule."""
+    first, second, H = tmp_path / "first", tmp_path / "second", 4
+    common = ["--engine", "diloco", "--sync-every", H, "--log-interval", 1, "--steps", 16, *PAPER]
+    slow1 = ["--simulate-slowdown", "1=3", "--save-interval", 6, "--log-dir", first]
+    r = launch([*common, *slow1], timeout=300)
+    assert r.ok, r
+    census = json.loads((first / "cluster.json").read_text())["local_steps"]
+    before = steps_changed(r.outputs[0], H)
+    step6 = first / "checkpoints" / "step6"
+    slow0 = ["--simulate-slowdown", "0=3", "--resume", step6, "--log-dir", second]
+    r = launch([*common, *slow0], timeout=300)
+    assert r.ok, r
+    after = steps_changed(r.outputs[0], H)
+    kept = before.get(4, census)  # the window of step 6's
+    assert kept[1] < H and set(after) == {12} and after[12][0] < H, (census, before, after)
+    assert f"by rank: {kept} (the checkpoint's, until a sync measures them again)" in r.outputs[0]
+
+    def local_at(step):
+        return census if step <= 4 else kept if step <= 12 else after[12]
+
+    want = emulate(defaults(), 2, 16, H, 0.7, 0.9, local=local_at)
+    got = train_losses(second)
+    assert sorted(got) == list(range(7, 17))
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
 
 
 @pytest.mark.ranks

@@ -358,12 +358,11 @@ def loop_parts(
         charts=charts,
     )
     my_micro = surveyed.split[engine.dp_rank] if surveyed.split else batch.micro_batch
-    share, mine = engine.trained_share()
     stats = StepStats(
         engine,
         metrics,
-        global_batch=batch.global_size * share,
-        rank_images=my_micro * batch.grad_accum * mine,
+        global_batch=batch.global_size,
+        rank_images=my_micro * batch.grad_accum,
         total_steps=plan.total_steps,
         log_interval=s.log.log_interval,
         precision=surveyed.precision,

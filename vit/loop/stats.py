@@ -92,8 +92,9 @@ class StepStats:
         """earlier: the training time and segments recorded in the checkpoint a resumed run starts
         from."""
         self.device, self.metrics, self.is_main = engine.device, metrics, is_main
-        # images per step: the job's, this rank's
+        # images per step: the job's, this rank's, times the engine's trained_share() at each step
         self.global_batch, self.rank_images = global_batch, rank_images
+        self.images = 0.0  # trained in this run
         self.total_steps, self.log_interval, self.max_skipped = (
             total_steps,
             log_interval,
@@ -112,11 +113,16 @@ class StepStats:
         self.train_s = 0.0  # wall time of the steps alone
         self.earlier, self.paused_at = {"train_s": 0.0, "segments": 0, **(earlier or {})}, None
         self.window_steps, self.window_start, self.window_excluded = 0, time.perf_counter(), 0.0
+        self.window_images = (0.0, 0.0)  # the job's, this rank's, since the last log
 
     def record(self, engine, step: int, loss: torch.Tensor, lr: float) -> None:
         self.loss, self.lr = loss, lr
         self.window_steps += 1
         self.steps_done += 1
+        share, mine = engine.trained_share()
+        job, rank = self.window_images
+        self.window_images = (job + self.global_batch * share, rank + self.rank_images * mine)
+        self.images += self.global_batch * share
         if self.check_finite:
             bad = (self.first_bad_step == 0) & ~torch.isfinite(loss.to(self.first_bad_step.device))
             self.first_bad_step.masked_fill_(bad, step)
@@ -162,7 +168,7 @@ class StepStats:
         window_s = time.perf_counter() - self.window_start - self.window_excluded
         self.train_s += window_s
         step_time = window_s / self.window_steps
-        images_per_s, mem = self.global_batch / step_time, peak_mem_gib(self.device)
+        images_per_s, mem = self.window_images[0] / window_s, peak_mem_gib(self.device)
         phases = engine.breakdown(self.window_steps)
         for phase, seconds in phases.items():
             self.phase_totals[phase] = (
@@ -176,7 +182,7 @@ class StepStats:
             images_per_s=images_per_s,
             step_time_s=step_time,
             mem_gib=mem,
-            rank_images_per_s=self.rank_images / step_time,
+            rank_images_per_s=self.window_images[1] / window_s,
             skipped_steps=self.scaler.skipped if self.scaler else 0,
             loss_scale=self.scaler.scale if self.scaler else None,
             **phases,
@@ -189,6 +195,7 @@ class StepStats:
             )
             print(line, flush=True)
         self.window_steps, self.window_start, self.window_excluded = 0, time.perf_counter(), 0.0
+        self.window_images = (0.0, 0.0)  # the job's, this rank's, since the last log
 
     @contextlib.contextmanager
     def paused(self):
@@ -226,8 +233,6 @@ class StepStats:
             "train_s_this_run": self.train_s,
             "segments": run["segments"],
             "final_loss": self.last_loss,
-            "images_per_s": steps * self.global_batch / self.train_s
-            if steps and self.train_s
-            else None,
+            "images_per_s": self.images / self.train_s if steps and self.train_s else None,
             "breakdown": {k: v / max(1, steps) for k, v in self.phase_totals.items()},
         }

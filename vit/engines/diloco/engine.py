@@ -13,7 +13,10 @@ schedule), the global weights and the outer optimizer, so a resume between syncs
 
 --local-steps proportional (ctx.local_steps, from the census): a worker takes its first h of every H
 steps (h in proportion to its speed), draws and drops the batches of the others, and waits at the
-sync; the average weighs each worker's pseudo-gradient by h (the samples it trained on).
+sync; the average weighs each worker's pseudo-gradient by h (the samples it trained on). Without
+fragments, every sync sets the next window's h from each worker's seconds per step in the window
+that ends (Async Local-SGD's dynamic local updates): the census's one timing is noisy where ranks
+share cores, and a GPU's speed can change during a run.
 
 --fragments F > 1 (Streaming DiLoCo): the parameters in F contiguous fragments of about equal size;
 fragment f goes on the wire after step (f + 1) H / F of each window, in a thread on a process group
@@ -25,6 +28,7 @@ import contextlib
 import copy
 import os
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -39,6 +43,7 @@ from vit.engines.diloco.wire import mean_over_ranks
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
+from vit.planner.batch_split import local_steps as steps_by_speed
 from vit.runtime.precision import DTYPES
 
 
@@ -111,9 +116,13 @@ class DiLoCoEngine(Engine):
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.step = 0  # steps taken, those a worker waited through included
         # --local-steps: each rank's worker's inner steps in a window (its slowest rank's)
-        each = ctx.local_steps or [self.sync_every] * self.dp_size
-        self.local_steps = [min(each[r] for r in ranks) for ranks in workers for _ in ranks]
+        self.workers = workers
+        self.local_steps = self.by_worker(ctx.local_steps or [self.sync_every] * self.dp_size)
         self.window = self.local_steps  # the window in progress keeps the steps it began with
+        # each sync measures the window for the next one's local steps (not while fragments fly)
+        self.mode = local.local_steps if local.fragments == 1 else "equal"
+        self.window_t0 = None  # when this rank's window began, if it began in this run
+        self.busy_s = None  # from then to the end of its last trained step in the window
         self.trained = True  # whether this rank trained in its last step
         self.met = False  # whether every rank met in a sync at the end of the last step
         self.last_loss = torch.zeros((), device=self.device)  # the worker's last trained loss
@@ -125,7 +134,10 @@ class DiLoCoEngine(Engine):
             self.sender = ThreadPoolExecutor(max_workers=1)
 
     def trained_share(self) -> tuple[float, float]:
-        """Of the global batch and of this rank's batch, the shares trained on, over a window."""
+        """Of the global batch and of this rank's batch, the shares trained on, over the window of
+        the step just taken (all of both in a DDP step)."""
+        if self.step <= self.start:
+            return 1.0, 1.0
         h, mine = self.window, self.window[self.dp_rank]
         return sum(h) / (len(h) * self.sync_every), mine / self.sync_every
 
@@ -136,6 +148,7 @@ class DiLoCoEngine(Engine):
         into = self.step - self.start  # steps into the local phase
         if into >= 0 and into % self.sync_every == 0:
             self.window = self.local_steps
+            self.window_t0, self.busy_s = time.perf_counter(), None
         self.trained = as_ddp or into % self.sync_every < self.window[self.dp_rank]
         for j in range(self.grad_accum):
             x, y = next(batches)  # drawn where the worker waits too: the data order stays
@@ -163,7 +176,20 @@ class DiLoCoEngine(Engine):
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             t.lap("optimizer_s")
+        last_trained = into % self.sync_every == self.window[self.dp_rank] - 1
+        if self.trained and self.window_t0 is not None and last_trained:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the window's kernels, before the clock
+            self.busy_s = time.perf_counter() - self.window_t0
         self.step += 1
+        self.communicate()
+        if self.trained:
+            self.last_loss = total / self.grad_accum
+        return self.last_loss
+
+    def communicate(self) -> None:
+        """After a step: the DDP steps' global weights, the last step's sync of every parameter,
+        a window's sync, or a fragment's turn on the wire."""
         into = self.step - self.start
         self.met = (
             into <= 0
@@ -175,17 +201,39 @@ class DiLoCoEngine(Engine):
         elif self.step == self.total_steps:
             self.finish_in_flight()
             self.sync(range(self.fragments[-1].stop))  # every parameter
-            t.lap("allreduce_s")
+            self.timer.lap("allreduce_s")
         elif (fragment := self.due(self.step)) is not None:
             if len(self.fragments) == 1:
+                self.measure_window()
                 self.sync(self.fragments[0])
             else:
                 self.finish_in_flight()
                 self.launch(fragment)
-            t.lap("allreduce_s")
-        if self.trained:
-            self.last_loss = total / self.grad_accum
-        return self.last_loss
+            self.timer.lap("allreduce_s")
+
+    def by_worker(self, each: list[int]) -> list[int]:
+        """Every rank's local steps: its worker's slowest rank's (the fewest) of `each`."""
+        fewest = {r: min(each[q] for q in ranks) for ranks in self.workers for r in ranks}
+        return [fewest[r] for r in range(self.dp_size)]
+
+    def measure_window(self) -> None:
+        """Collective, at a sync of every rank: the next windows' local steps from each rank's
+        seconds per trained step in the window that ends (--local-steps' rule, as from the
+        census); rank 0 prints them when they change."""
+        if self.mode == "equal" or self.window_t0 is None:  # alike on every rank
+            return
+        mine = self.busy_s / self.window[self.dp_rank]
+        times = [torch.zeros(1, dtype=torch.float64) for _ in range(self.dp_size)]
+        dist.all_gather(times, torch.tensor([mine], dtype=torch.float64))
+        each = steps_by_speed(self.sync_every, [t.item() for t in times], self.mode)
+        steps = self.by_worker(each or [self.sync_every] * self.dp_size)
+        if steps != self.local_steps and self.dp_rank == 0:
+            print(
+                f"step {self.step}: inner steps in each window of {self.sync_every}, by rank: "
+                f"{steps} (from each worker's time per step in the last window)",
+                flush=True,
+            )
+        self.local_steps = steps
 
     def due(self, step: int) -> int | None:
         """The fragment that goes on the wire after `step`: fragment f at (f + 1) H / F in every
@@ -297,6 +345,7 @@ class DiLoCoEngine(Engine):
             "outer": self.outer.state_dict(),
             "step": self.step,
             "window": self.window,
+            "local_steps": self.local_steps,
             "in_flight": in_flight,
         }
 
@@ -336,6 +385,14 @@ class DiLoCoEngine(Engine):
             return state["client_state"]
         self.module.load_state_dict(state["model"])
         self.window = state.get("window", self.local_steps)
+        saved_steps = state.get("local_steps", self.local_steps)
+        if saved_steps != self.local_steps and rank == 0:
+            print(
+                f"--resume: inner steps in each window of {self.sync_every}, by rank: "
+                f"{saved_steps} (the checkpoint's, until a sync measures them again)",
+                flush=True,
+            )
+        self.local_steps = saved_steps
         if (in_flight := state.get("in_flight")) is not None:
             mean = in_flight["mean"]
             self.in_flight = (in_flight["indices"], lambda: mean, in_flight["sent"])
