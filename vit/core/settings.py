@@ -345,9 +345,9 @@ class LocalStepSettings:
     local_steps: str = option(
         "auto",
         "inner steps of each worker between syncs: equal (H each), proportional (H x its "
-        "speed / the fastest's, from the census: a slower GPU takes fewer and waits less; the "
-        "average weighs each worker by the samples it trained on) or auto (proportional when "
-        "the census's speeds differ by more than the noise)",
+        "speed / the fastest's, from the census, then from each window's measured times: a "
+        "slower GPU takes fewer and waits less; the average weighs each worker by the samples "
+        "it trained on) or auto (proportional when the speeds differ by more than the noise)",
         choices=("auto", "proportional", "equal"),
         needs="diloco",
     )
