@@ -15,6 +15,7 @@ from torch import nn
 
 from vit.config.cli import defaults, parse
 from vit.core.errors import ConfigError
+from vit.core.speeds import local_steps
 from vit.data.augment import train_batches
 from vit.data.datasets import load_dataset
 from vit.engines.diloco.engine import fragment_bounds
@@ -22,7 +23,6 @@ from vit.engines.diloco.wire import BLOCK, compress, decompress
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.reference import train_step
 from vit.model.layers import build_layers, loss_fn, model_shape
-from vit.planner.batch_split import local_steps
 
 GLOBAL_BATCH, CLIP = 64, 1.0  # the default job's global batch; zero0.json's gradient clipping
 

@@ -7,10 +7,6 @@ from vit.core.errors import ConfigError
 from vit.planner.memory import plan_bytes
 from vit.runtime.precision import who
 
-# Ranks whose speeds are this close are one speed (proportional): 5 identical ranks sharing 2 cores,
-# timed at once (--engine auto), differed by up to 28%.
-SAME_SPEED = 0.3
-
 
 def proportional_split(total: int, speed: list[float], cap: list[int]) -> list[int]:
     """`total` samples over the ranks in proportion to speed, each at least 1 and at most its cap.
@@ -59,13 +55,3 @@ def split_batches(
             f"{max(0, caps[worst])}); lower --micro-batch-size"
         )
     return proportional_split(total, [1 / r["block_ms"] for r in reports], caps)
-
-
-def local_steps(sync_every: int, block_ms: list[float], mode: str) -> list[int] | None:
-    """--local-steps: each rank's inner steps between syncs, H x its speed / the fastest's (at
-    least 1), from the census's block times; None for equal steps (mode equal, or auto with speeds
-    within SAME_SPEED of each other)."""
-    fastest, slowest = min(block_ms), max(block_ms)
-    if mode == "equal" or (mode == "auto" and slowest < (1 + SAME_SPEED) * fastest):
-        return None
-    return [max(1, round(sync_every * fastest / ms)) for ms in block_ms]

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 
 from vit.core.costs import Calibration, Candidate, Network, Prediction, Rank, Workload
 from vit.core.spec import EngineSpec
+from vit.core.speeds import SAME_SPEED
 from vit.engines.registry import SPECS, spec
-from vit.planner.batch_split import SAME_SPEED, proportional_split
+from vit.planner.batch_split import proportional_split
 from vit.planner.predict import predict
 from vit.planner.stages import balanced_split
 

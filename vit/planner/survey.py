@@ -19,8 +19,9 @@ from torch import nn
 
 from vit.core.costs import Candidate
 from vit.core.spec import EngineSpec
+from vit.core.speeds import local_steps
 from vit.planner.balance import plan_partition
-from vit.planner.batch_split import local_steps, split_batches
+from vit.planner.batch_split import split_batches
 from vit.planner.census import WARMUP_S, capabilities, census_table, gather, measure_speed
 from vit.planner.links import measure_links
 from vit.planner.loss_scale import tune

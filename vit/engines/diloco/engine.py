@@ -37,13 +37,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vit.core.errors import ConfigError
+from vit.core.speeds import local_steps as steps_by_speed
 from vit.engines.base import Engine, EngineContext, save_atomic
 from vit.engines.base import mean_over_ranks as rank_mean
 from vit.engines.diloco.wire import mean_over_ranks
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
-from vit.planner.batch_split import local_steps as steps_by_speed
 from vit.runtime.precision import DTYPES
 
 
