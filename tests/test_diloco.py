@@ -241,6 +241,15 @@ def test_steps_before_the_local_start_are_ddp_and_the_windows_count_from_there(t
     assert r.ok, r
     for step, loss in train_losses(again).items():
         assert loss == pytest.approx(got[step], rel=1e-6), (step, loss, got)
+    # workers that trained alone since step 3 cannot go back to DDP's steps
+    step6 = tmp_path / "d" / "checkpoints" / "step6"
+    back = launch([*local, "--local-start-step", 7, "--resume", step6, "--log-dir", tmp_path / "b"])
+    assert not back.ok
+    assert (
+        "--local-start-step 7: the checkpoint of step 6 is past its DDP steps (--local-start-step "
+        "3), and workers that trained alone cannot go back to DDP; give at most 6"
+    ) in back.outputs[0]
+    assert not list((tmp_path / "b").glob("metrics_rank*.jsonl"))
     ddp = launch(["--engine", "ddp", *common, "--no-save", "--log-dir", tmp_path / "ddp"])
     assert ddp.ok, ddp
     whole = launch([*local, "--local-start-step", steps, "--no-save", "--log-dir", tmp_path / "w"])

@@ -157,8 +157,10 @@ class DiLoCoEngine(Engine):
                 continue
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             t.lap("data_s")
-            last = j == self.grad_accum - 1  # a worker's DDP all-reduces once, on the last
-            no_sync = self.model.no_sync() if not last and self.model is not self.module else None
+            # a worker's DDP all-reduces once, on the last; not at all in a DDP step, whose
+            # all-reduce over every rank (average_gradients) covers the worker's ranks too
+            local = j < self.grad_accum - 1 or as_ddp
+            no_sync = self.model.no_sync() if local and self.model is not self.module else None
             with no_sync or contextlib.nullcontext():
                 with self.autocast():
                     logits = self.model(x)
@@ -346,6 +348,7 @@ class DiLoCoEngine(Engine):
             "step": self.step,
             "window": self.window,
             "local_steps": self.local_steps,
+            "local_start_step": self.start,
             "in_flight": in_flight,
         }
 
@@ -372,6 +375,12 @@ class DiLoCoEngine(Engine):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        if self.step < self.start and self.step > state.get("local_start_step", 0):
+            raise ConfigError(
+                f"--local-start-step {self.start}: the checkpoint of step {self.step} is past its "
+                f"DDP steps (--local-start-step {state.get('local_start_step', 0)}), and workers "
+                f"that trained alone cannot go back to DDP; give at most {self.step}"
+            )
         if saved != self.dp_size:
             self.module.load_state_dict(state["global"])
             if rank == 0:
