@@ -90,7 +90,12 @@ class DiLoCoEngine(Engine):
         groups = [dist.new_group(ranks) if len(ranks) > 1 else None for ranks in workers]
         group = groups[self.worker]
         ids = [self.device] if self.device.type == "cuda" else None
-        self.model = DistributedDataParallel(model, ids, process_group=group) if group else model
+        # gradients as views of the all-reduce buckets (ddp's): no second gradient-sized buffer
+        self.model = (
+            DistributedDataParallel(model, ids, process_group=group, gradient_as_bucket_view=True)
+            if group
+            else model
+        )
         self.worker_group = group
         self.module = model
         if ctx.compile:
@@ -132,6 +137,8 @@ class DiLoCoEngine(Engine):
         if len(self.fragments) > 1:
             self.outer_group = dist.new_group(list(range(self.dp_size)))
             self.sender = ThreadPoolExecutor(max_workers=1)
+            # on GPUs the sender's collectives wait on a stream of their own, not on training's
+            self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def trained_share(self) -> tuple[float, float]:
         """Of the global batch and of this rank's batch, the shares trained on, over the window of
@@ -179,7 +186,9 @@ class DiLoCoEngine(Engine):
             self.optimizer.zero_grad(set_to_none=True)
             t.lap("optimizer_s")
         last_trained = into % self.sync_every == self.window[self.dp_rank] - 1
-        if self.trained and self.window_t0 is not None and last_trained:
+        # timed only where a sync reads it: the device-wide wait would wait for a fragment in flight
+        measured = self.mode != "equal" and self.window_t0 is not None
+        if self.trained and measured and last_trained:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the window's kernels, before the clock
             self.busy_s = time.perf_counter() - self.window_t0
@@ -224,10 +233,12 @@ class DiLoCoEngine(Engine):
         census); rank 0 prints them when they change."""
         if self.mode == "equal" or self.window_t0 is None:  # alike on every rank
             return
-        mine = self.busy_s / self.window[self.dp_rank]
-        times = [torch.zeros(1, dtype=torch.float64) for _ in range(self.dp_size)]
-        dist.all_gather(times, torch.tensor([mine], dtype=torch.float64))
-        each = steps_by_speed(self.sync_every, [t.item() for t in times], self.mode)
+        per_step = self.busy_s / self.window[self.dp_rank]
+        # on the engine's device: NCCL, the only backend on GPUs, takes no host tensors
+        mine = torch.tensor([per_step], dtype=torch.float64, device=self.device)
+        times = [torch.zeros_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(times, mine)
+        each = steps_by_speed(self.sync_every, torch.cat(times).tolist(), self.mode)
         steps = self.by_worker(each or [self.sync_every] * self.dp_size)
         if steps != self.local_steps and self.dp_rank == 0:
             print(
@@ -296,8 +307,39 @@ class DiLoCoEngine(Engine):
         delta = self.pseudo_gradient(indices)
         local = list(self.module.parameters())
         sent = [local[i].detach().clone() for i in indices]
-        mean = self.sender.submit(mean_over_ranks, delta, self.wire, self.outer_group)
-        self.in_flight = (indices, mean.result, sent)
+        if self.side is None:
+            mean = self.sender.submit(mean_over_ranks, delta, self.wire, self.outer_group).result
+        else:
+            mean = self.send_on_side(delta)
+        self.in_flight = (indices, mean, sent)
+
+    def send_on_side(self, delta: torch.Tensor):
+        """On GPUs: the sender thread averages `delta` on the side stream, after the training
+        stream has made it; the returned function gives the mean, the training stream waiting for
+        it there and not before. A blocking collective holds its caller's current stream: on
+        training's, the fragment would not overlap the steps."""
+        made = torch.cuda.Event()
+        made.record(torch.cuda.current_stream(self.device))  # the training stream's
+
+        def send():
+            with torch.cuda.stream(self.side):
+                self.side.wait_event(made)
+                delta.record_stream(self.side)  # made on training's stream, freed after this use
+                out = mean_over_ranks(delta, self.wire, self.outer_group)
+                done = torch.cuda.Event()
+                done.record(self.side)
+            return out, done
+
+        future = self.sender.submit(send)
+
+        def mean() -> torch.Tensor:
+            out, done = future.result()
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(done)
+            out.record_stream(stream)  # made on the side stream, used and freed on this one
+            return out
+
+        return mean
 
     @torch.no_grad()
     def finish_in_flight(self) -> None:
