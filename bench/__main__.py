@@ -8,6 +8,7 @@ import bench
 from bench import (
     allreduce,
     async_pipeline,
+    compare,
     finetune,
     freeze,
     gpu,
@@ -28,6 +29,7 @@ MODULES = (
     hetero,
     monitor,
     recipe,
+    compare,
     finetune,
     freeze,
     async_pipeline,

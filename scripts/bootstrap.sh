@@ -7,7 +7,7 @@ set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-Usage: scripts/bootstrap.sh [--help] [--print-torch]
+Usage: scripts/bootstrap.sh [--help] [--print-torch] [--fonts]
 
 Creates .venv (python from $PYTHON, default python3) if it is missing and installs the pinned
 packages of requirement.txt, with torch and torchvision in the build this host can run, and then
@@ -23,7 +23,12 @@ The builds, their minimum drivers and GPUs are the table BUILDS in this script (
 Does nothing when .venv already matches requirement.txt and the chosen build and has this checkout
 installed; a different choice replaces torch and torchvision.
 
+Then the fonts of the glyphs task (--dataset glyphs: the Debian packages in vit/data/glyph_fonts.txt,
+about 150 MB) with apt-get, when any is missing and this runs as root (or with sudo without a password);
+otherwise one line says how, and everything else works without them.
+
   --print-torch  print the choice and why (torch build, CPU Adam), and install nothing (no .venv is made)
+  --fonts        install only the glyphs task's fonts (as root or through sudo), nothing else
 
 Environment: TORCH_CUDA (cu126, cu130, cu132, cpu, ...: this build instead of the choice; cpu is
 the smaller CPU-only build), PYTHON (interpreter for a new venv), VENV (folder, default .venv).
@@ -44,13 +49,44 @@ build_cpu_comm_op() {
     >/dev/null 2>&1 || echo "$PROG: the op did not build now; the first run builds it"
 }
 
+# install_fonts [required]: the glyphs task's font packages (vit/data/glyph_fonts.txt), when some are
+# missing: with apt-get as root, or through sudo without a password; otherwise one line (an error when
+# required, with --fonts).
+install_fonts() {
+  local pkgs missing sudo=()
+  command -v dpkg-query >/dev/null 2>&1 || {
+    echo "$PROG: no dpkg here: the glyphs task needs the fonts of vit/data/glyph_fonts.txt (or VIT_GLYPH_FONTS)"
+    return 0
+  }
+  mapfile -t pkgs < <(sed 's/#.*//' vit/data/glyph_fonts.txt | awk 'NF { print $1 }')
+  mapfile -t missing < <(for p in "${pkgs[@]}"; do
+    dpkg-query -W -f '${db:Status-Abbrev}' "$p" 2>/dev/null | grep -q '^ii' || echo "$p"; done)
+  [ "${#missing[@]}" -gt 0 ] || return 0
+  if [ "$(id -u)" != 0 ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+      sudo=(sudo -n)
+    else
+      local msg="${#missing[@]} font packages of the glyphs task are missing: run sudo scripts/bootstrap.sh --fonts"
+      [ -n "${1:-}" ] && fail "$msg"
+      echo "$PROG: $msg (only --dataset glyphs needs them)"
+      return 0
+    fi
+  fi
+  echo "$PROG: installing the glyphs task's fonts (${#missing[@]} Debian packages, apt-get)"
+  "${sudo[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+    || fail "apt-get could not install the glyphs task's fonts: ${missing[*]}"
+}
+
 # shellcheck source=setup/common.sh
 . "$(dirname "$0")/../setup/common.sh"
 print_only=0
+fonts_only=0
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --print-torch) print_only=1; shift ;;
+    --fonts) fonts_only=1; shift ;;
     *) unknown_option "$1" ;;
   esac
 done
@@ -82,6 +118,12 @@ fail() { echo "$PROG: $*" >&2; exit 2; }
 pin() { grep -E "^$1==" requirement.txt; }
 row() { awk -v b="$1" '$1 == b' <<<"$BUILDS"; }
 version_ge() { [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n 1)" = "$2" ]; }
+
+if [ "$fonts_only" = 1 ]; then
+  install_fonts required
+  echo "$PROG: the glyphs task's fonts are installed"
+  exit 0
+fi
 
 # choose_torch: sets build, where (pypi or an index URL) and reason.
 choose_torch() {
@@ -211,6 +253,7 @@ installed=${installed#torch=}
 want_adam=cpu_adam=${adam_home:--}
 if [ "${have_hash:-}" = "$want_hash" ] && [ "$installed" = "$build" ] && [ "${have_adam:-cpu_adam=-}" = "$want_adam" ]; then
   install_project  # a .venv made before pyproject.toml has the packages but not the project
+  install_fonts
   exit 0
 fi
 echo "$PROG: torch $build: $reason"
@@ -234,5 +277,6 @@ if [ -n "$adam_home" ]; then
 fi
 install_project
 build_cpu_comm_op
+install_fonts
 echo "$want_hash torch=$build $want_adam" > "$stamp"
 echo "$PROG: $VENV is ready ($("$VENV/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null))"

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from vit.core.onebit import check_opt_name
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
-DATASETS = ("digits", "cifar10", "cifar100", "imagefolder", "synthetic")
+DATASETS = ("digits", "glyphs", "glyphs-small", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
 DEFAULT_SYNC_EVERY = 50  # --sync-every
 # fp16's initial loss scale 2^12 (DeepSpeed's 2^16 overflowed on every step in

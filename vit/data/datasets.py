@@ -1,6 +1,7 @@
-"""The data sets: digits (embedded), CIFAR's pickle batches, image folders and synthetic images,
-each as a DataSplit (training and held-out sets, classes, shape, normalisation); which one
---data-path holds. The order they are read in is vit.data.sampling's."""
+"""The data sets: digits (embedded), glyphs (drawn from fonts: vit.data.glyphs), CIFAR's pickle
+batches, image folders and synthetic images, each as a DataSplit (training and held-out sets,
+classes, shape, normalisation); which one --data-path holds. The order they are read in is
+vit.data.sampling's."""
 
 import os
 import pickle
@@ -16,7 +17,7 @@ from vit.core.errors import ConfigError
 from vit.core.settings import DATASETS, DataSettings
 from vit.data.imagefolder import load_imagefolder
 
-READS_DATA_PATH = ("cifar10", "cifar100", "imagefolder")
+READS_DATA_PATH = ("cifar10", "cifar100", "imagefolder", "glyphs", "glyphs-small")
 
 
 @dataclass
@@ -168,6 +169,30 @@ def load_cifar(name: str, data_path: str, download: bool, norm: tuple | None = N
     )
 
 
+def load_glyphs(name: str, data_path: str | None, norm: tuple | None = None) -> DataSplit:
+    """The glyphs task (vit.data.glyphs), generated into --data-path (default data/glyphs) on first
+    use; glyphs-small is its quick version (720 training and 360 held-out images)."""
+    from vit.data import glyphs
+
+    size = "small" if name == "glyphs-small" else "full"
+    data = glyphs.load(data_path or os.path.join("data", "glyphs"), size)
+    x_tr = data["x_train"]
+    mean, std = norm or (
+        tuple(float(v) for v in x_tr.mean(axis=(0, 2, 3)) / 255),
+        tuple(float(v) for v in x_tr.std(axis=(0, 2, 3)) / 255),
+    )
+    return DataSplit(
+        _UInt8Images(x_tr, data["y_train"], mean, std),
+        _UInt8Images(data["x_test"], data["y_test"], mean, std),
+        num_classes=len(glyphs.CLASSES),
+        in_chans=3,
+        img_size=glyphs.SIZE,
+        mean=mean,
+        std=std,
+        raw_train=PILImages(x_tr, data["y_train"]),
+    )
+
+
 class _Synthetic(Dataset):
     """Random images for speed runs: a small seeded pool, repeated; label = index mod classes."""
 
@@ -240,6 +265,8 @@ def load_dataset(
         return load_digits()
     if name in CIFAR:
         return load_cifar(name, data_path or os.path.join("data", name), download, norm)
+    if name.startswith("glyphs"):
+        return load_glyphs(name, data_path, norm)
     if name == "imagefolder":
         if not data_path:
             raise ConfigError("imagefolder needs --data-path DATA (with DATA/train and DATA/val)")

@@ -35,6 +35,8 @@ class Preset:
 PRESETS = {
     # 8x8 handwritten digits, the embedded default.
     "vit_digits": Preset(img_size=8, patch_size=2, embed_dim=64, depth=4, num_heads=4),
+    # the glyphs task (vit.data.glyphs: 32x32, 36 classes), sized for minutes on 2 CPU cores
+    "vit_glyphs": Preset(img_size=32, patch_size=8, embed_dim=96, depth=6, num_heads=3),
     # CIFAR-sized (32x32, patch 4).
     "vit_tiny_cifar": Preset(32, 4, 192, 12, 3),
     "vit_small_cifar": Preset(32, 4, 384, 12, 6),
