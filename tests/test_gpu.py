@@ -303,12 +303,16 @@ def test_the_async_pipeline_settles_on_bf16_else_fp32():
     for requested in (None, "auto"):
         precision, why = choose(requested, spec("async-pipeline"), [ampere, turing])
         assert precision == "fp32" and why.endswith("no bf16 on rank 1 (h, GPU)"), why
-    with pytest.raises(
-        ConfigError,
-        match=r"^--engine async-pipeline trains in fp32 or bf16 .*pass "
-        r"--precision bf16",
-    ):
-        check_precision("fp16", "async-pipeline")
+    for engine in ("async-pipeline", "diloco"):
+        with pytest.raises(ConfigError) as e:
+            check_precision("fp16", engine)
+        assert str(e.value) == (
+            f"--engine {engine} trains in fp32 or bf16 (it has no fp16 loss scaler); pass "
+            "--precision bf16 or fp32 (or a --ds-config without fp16); cards without bf16 (before "
+            "Ampere: RTX 20, GTX 10) train it in fp32, or in fp16 under --engine ddp or zero"
+        )
+        precision, why = choose(None, spec(engine), [rep("7.5", True, False)])
+        assert precision == "fp32", why
     with pytest.raises(ConfigError, match=r"^--engine async-pipeline trains in fp32 or bf16"):
         make_plan(
             parse(
