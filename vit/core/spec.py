@@ -84,8 +84,8 @@ class EngineSpec:
             raise ConfigError(
                 f"--engine {self.name} trains in fp32 or bf16 (it has no fp16 loss scaler); pass "
                 "--precision bf16 or fp32 (or a --ds-config without fp16); cards without bf16 "
-                "(before Ampere: RTX 20, GTX 10) train it in fp32, or in fp16 under --engine ddp or "
-                "zero"
+                "(before Ampere: RTX 20, GTX 10) train it in fp32, or in fp16 under --engine ddp "
+                "or zero"
             )
 
     def fp16_on_gpu(self, deepspeed_allows: bool) -> bool:
