@@ -7,6 +7,7 @@ docs/benchmarks.md, not in tests."""
 import json
 import re
 import shlex
+import statistics
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -764,3 +765,48 @@ def test_freeze_table_compares_each_configuration_with_its_baseline_and_refuses_
             and message in str(e.value)
             and "\n" not in str(e.value)
         )
+
+
+def test_compare_pairs_seeds_gives_the_mean_difference_with_its_error_and_reuses_runs(
+    tmp_path, monkeypatch, capsys
+):
+    from bench import compare
+    from bench.__main__ import main
+
+    top1 = {"ddp": [0.90, 0.92, 0.91], "diloco": [0.89, 0.90, 0.905]}
+    loss = {"ddp": [0.40, 0.38, 0.39], "diloco": [0.42, 0.41, 0.40]}
+
+    def summary(log_dir: Path, options: list[str]) -> None:
+        engine, seed = option(options, "--engine"), int(option(options, "--seed"))
+        s = {"top1": top1[engine][seed], "eval_loss": loss[engine][seed], "wall_s": 100.0 + seed}
+        (log_dir / "summary.json").write_text(json.dumps(s))
+
+    runs = FakeRuns(summary)
+    monkeypatch.setattr(compare, "mpirun_train", runs)
+    argv = ["compare", "--base", "--steps 6", "--b", "--engine diloco", "--seeds", "0,1,2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    # seed by seed, A then B, each the base, its options, the seed, one run of 2 ranks
+    assert [(o[:4], option(o, "--seed"), ranks) for o, ranks, _ in runs.launched] == [
+        (["--steps", "6", "--engine", e], str(s), 2) for s in range(3) for e in ("ddp", "diloco")
+    ]
+    result = json.loads((tmp_path / "compare.json").read_text())
+    diffs = [-0.01, -0.02, -0.005]
+    se = statistics.stdev(diffs) / 3**0.5
+    assert result["top1"]["diffs"] == pytest.approx(diffs)
+    assert result["top1"]["mean"] == pytest.approx(sum(diffs) / 3)
+    assert result["top1"]["se"] == pytest.approx(se)
+    assert result["top1"]["ci95"] == pytest.approx(se * 4.30)  # Student's t, 2 degrees of freedom
+    assert result["loss"]["mean"] == pytest.approx((0.02 + 0.03 + 0.01) / 3)
+    table = (tmp_path / "compare.md").read_text()
+    assert table in capsys.readouterr().out
+    assert "| 1 | 92.00 | 90.00 | -2.00 | 0.3800 | 0.4100 | +0.0300 | 101 | 101 |" in table
+    assert f"top-1, B - A: -1.17 +- {100 * se:.2f} points (standard error; 95% interval" in table
+    # again with another B: A's runs are read, not run again
+    top1["zero"], loss["zero"] = top1["ddp"], loss["ddp"]
+    runs.launched.clear()
+    assert main(["compare", "--base", "--steps 6", "--b", "--engine zero", "--seeds", "0,1,2",
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    assert [option(o, "--engine") for o, _, _ in runs.launched] == ["zero"] * 3
+    assert "top-1, B - A: +0.00 +- 0.00 points" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="at least two seeds"):
+        main([*argv[:-1], "0"])
