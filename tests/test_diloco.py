@@ -37,22 +37,25 @@ def emulate(
     local=None,
     fragments: int = 1,
     start: int = 0,
+    refragment: tuple[int, int] | None = None,
 ) -> list:
     """Per-step losses of DiLoCo on settings `s` as rank 0 logs them: where every worker meets in a
-    sync (every H-th step without fragments, and the last), the mean over the workers that trained
-    in the step; between syncs worker 0's last loss.
+    sync (every H-th step without fragments, and the last), the mean over the workers that
+    trained in the step; between syncs worker 0's last loss.
 
-    Worker w trains its own copy with its own optimizer and schedule on shard w of each global
-    batch, in the first h[w] steps of every window of H (sync_every: H, or step -> H; `local`: h, or
-    step -> the h of the window that holds the step, or None for h = H) and only
-    draws its batch in the others. After every H-th step and the last, the global weights take an
-    SGD step (Nesterov `momentum`) on the workers' global-minus-own weights averaged with weights
-    h[w], and every worker goes on from them. With F `fragments` (each an equal share of the
-    parameters, in order), fragment f's difference is taken after step (f + 1) H / F of a window and
-    applied H / F steps later: the outer step, then each worker's fragment set to the new global
-    weights plus what the worker learned in between. At the last step every fragment syncs. The
-    first `start` steps are DDP's: every worker steps on the gradient averaged over the workers,
-    and the windows count from there."""
+    Worker w trains its own copy with its own optimizer and schedule (which steps with the run,
+    trained or not) on shard w of each global batch, in the first h[w] steps of every window of
+    H (sync_every: H, or step -> H; `local`: h, or step -> the h of the window that holds the
+    step, or None for h = H) and only draws its batch in the others. After every H-th step and
+    the last, the global weights take an SGD step (Nesterov `momentum`) on the workers'
+    global-minus-own weights averaged with weights h[w], and every worker goes on from them. With F
+    `fragments` (each an equal share of the parameters, in order), fragment f's difference is
+    taken after step (f + 1) H / F of a window and applied H / F steps later: the outer step,
+    then each worker's fragment set to the new global weights plus what the worker learned in
+    between. At the last step every fragment syncs. The first `start` steps are DDP's: every
+    worker steps on the gradient averaged over the workers, and the windows count from there.
+    refragment (s, F'): a resume after step s with F' fragments, which applies a fragment in
+    flight there when F' is 1."""
     data = load_dataset("digits", None, model_shape(s.model.model).img_size, seed=s.train.seed)
     first = nn.Sequential(
         *build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
@@ -89,6 +92,11 @@ def emulate(
         losses.append(ddp_step(models, optims, scheds, batches, s.recipe.smoothing))
     global_model.load_state_dict(models[0].state_dict())
     for step in range(start + 1, steps + 1):
+        if refragment and step == refragment[0] + 1:
+            fragments = refragment[1]
+            if in_flight and fragments == 1:
+                outer_step(*in_flight)
+                in_flight = None
         H = window(step)
         step_losses = []
         for w, (model, opt, sched, feed) in enumerate(zip(models, optims, scheds, feeds)):
@@ -97,6 +105,8 @@ def emulate(
                 loss = train_step(model, opt, sched, x, y, CLIP, smoothing=s.recipe.smoothing)
                 step_losses.append(loss.item())
                 last[w] = loss.item()
+            else:
+                sched.step()  # the run's schedule, trained or not
         met = step == steps or (fragments == 1 and (step - start) % H == 0)
         losses.append(sum(step_losses) / len(step_losses) if met else last[0])
         offset, every = (step - start) % H or H, H // fragments
@@ -398,6 +408,50 @@ def test_streaming_fragments_as_the_emulator_and_a_resume_with_one_in_flight(tmp
     assert sorted(again) == [6, 7, 8, 9, 10]
     for step in again:
         assert again[step] == pytest.approx(got[step], rel=1e-6), (step, again, got)
+    # resumed with --fragments 1: the fragment in flight is applied at once (before, it waited for
+    # the last step and counted the workers' steps since the checkpoint twice)
+    whole_now = tmp_path / "whole"
+    r = launch(
+        [
+            *common,
+            "--fragments",
+            1,
+            "--resume",
+            full / "checkpoints" / "step5",
+            "--log-dir",
+            whole_now,
+        ]
+    )
+    assert r.ok, r
+    want = emulate(defaults(), 2, 10, 4, 0.7, 0.9, fragments=2, refragment=(5, 1))
+    got = train_losses(whole_now)
+    assert sorted(got) == [6, 7, 8, 9, 10]
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(420)
+def test_a_resume_with_another_sync_every_trains_every_step_of_the_new_windows(tmp_path):
+    """Saved at step 5 with H = 2, resumed with H = 4: the checkpoint's 2 inner steps per window
+    do not carry over to windows of 4 (before, each worker trained 2 of every 4 steps); the
+    losses are the emulator's with H = 2 to step 5 and 4 after."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--engine", "diloco", "--log-interval", 1, "--steps", 10, *PAPER, *EQUAL]
+    r = launch([*common, "--sync-every", 2, "--save-interval", 5, "--log-dir", first], timeout=300)
+    assert r.ok, r
+    step5 = first / "checkpoints" / "step5"
+    r = launch([*common, "--sync-every", 4, "--resume", step5, "--log-dir", second], timeout=300)
+    assert r.ok, r
+    assert (
+        "--resume with --sync-every 4 (the checkpoint's: 2): inner steps by rank [4, 4]"
+        in (r.outputs[0])
+    )
+    want = emulate(defaults(), 2, 10, lambda step: 2 if step <= 5 else 4, 0.7, 0.9)
+    got = train_losses(second)
+    assert sorted(got) == list(range(6, 11))
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
 
 
 @pytest.mark.ranks

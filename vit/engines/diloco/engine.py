@@ -182,9 +182,11 @@ class DiLoCoEngine(Engine):
             if self.clip:
                 torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
             self.optimizer.step()
-            self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             t.lap("optimizer_s")
+        # every step, trained or not: a worker with fewer local steps follows the run's schedule
+        # (else, at 23 of 50 steps, it would end the run near 0.6 of the peak LR)
+        self.scheduler.step()
         last_trained = into % self.sync_every == self.window[self.dp_rank] - 1
         # timed only where a sync reads it: the device-wide wait would wait for a fragment in flight
         measured = self.mode != "equal" and self.window_t0 is not None
@@ -388,6 +390,7 @@ class DiLoCoEngine(Engine):
             "global": self.global_model.state_dict(),
             "outer": self.outer.state_dict(),
             "step": self.step,
+            "sync_every": self.sync_every,
             "window": self.window,
             "local_steps": self.local_steps,
             "local_start_step": self.start,
@@ -435,18 +438,36 @@ class DiLoCoEngine(Engine):
                 )
             return state["client_state"]
         self.module.load_state_dict(state["model"])
-        self.window = state.get("window", self.local_steps)
         saved_steps = state.get("local_steps", self.local_steps)
-        if saved_steps != self.local_steps and rank == 0:
-            print(
-                f"--resume: inner steps in each window of {self.sync_every}, by rank: "
-                f"{saved_steps} (the checkpoint's, until a sync measures them again)",
-                flush=True,
-            )
-        self.local_steps = saved_steps
+        # the fastest worker trains every step of a window: H where the checkpoint predates the key
+        saved_every = state.get("sync_every", max(saved_steps))
+        if saved_every != self.sync_every:
+            # the checkpoint's steps count windows of another length (a window of H could train
+            # none of its steps): this run's own until the next sync measures them
+            self.window = self.local_steps
+            if rank == 0:
+                print(
+                    f"--resume with --sync-every {self.sync_every} (the checkpoint's: "
+                    f"{saved_every}): inner steps by rank {self.local_steps} until a sync "
+                    f"measures them",
+                    flush=True,
+                )
+        else:
+            self.window = state.get("window", self.local_steps)
+            if saved_steps != self.local_steps and rank == 0:
+                print(
+                    f"--resume: inner steps in each window of {self.sync_every}, by rank: "
+                    f"{saved_steps} (the checkpoint's, until a sync measures them again)",
+                    flush=True,
+                )
+            self.local_steps = saved_steps
         if (in_flight := state.get("in_flight")) is not None:
             mean = in_flight["mean"]
             self.in_flight = (in_flight["indices"], lambda: mean, in_flight["sent"])
+            if len(self.fragments) == 1:
+                # no fragment turn comes to apply it (--fragments 1 now): the outer step on it
+                # now, each worker keeping what it learned since it went
+                self.finish_in_flight()
         return state["client_state"]
 
     def close(self):
