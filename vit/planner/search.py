@@ -102,7 +102,9 @@ def families(ranks: list[Rank], work: Workload) -> Iterator[tuple[EngineSpec, in
                 for comp in engine.compressions(work.precision):
                     if dp == 1 and comp not in ("none", "wire-bf16"):
                         continue  # nothing to all-reduce
-                    for split in (False, True) if stages == 1 and n > 1 else (False,):
+                    # DiLoCo refuses --batch-split proportional: its inner steps follow speed
+                    splits = stages == 1 and n > 1 and not engine.local_steps
+                    for split in (False, True) if splits else (False,):
                         yield engine, stages, zero, comp, split
 
 
