@@ -3,10 +3,12 @@ PowerSGD's state in its checkpoint (torch's PowerSGDState.__getstate__/__setstat
 warm-start P and Q, its step counter)."""
 
 import logging
+import math
 import os
 import sys
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -14,6 +16,23 @@ from vit.core.settings import CommSettings
 from vit.engines.base import save_atomic
 
 HALF_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def bucket_options(model, comm: CommSettings) -> dict:
+    """DDP's bucket size for this hook: PowerSGD on gloo puts the whole model in one bucket.
+
+    torch's powerSGD_hook issues a bucket's P and Q all-reduces from callbacks of its first
+    all-reduce. On gloo those run on gloo's thread when that all-reduce completes, while the
+    backward pass issues the next bucket's all-reduce from the main thread: the two ranks can issue
+    them in different orders, and gloo pairs collectives by order (a size mismatch that aborts, or a
+    hang). NCCL completes a collective's future when it is enqueued, so its callbacks run at once on
+    the issuing thread, in the same order on every rank. One bucket (DDP's first is 1 MiB by
+    default, 262k fp32 parameters) leaves nothing to race; its all-reduce no longer overlaps
+    the backward pass."""
+    if comm.comm_hook != "powersgd" or dist.get_backend() != "gloo":
+        return {}
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return {"bucket_cap_mb": max(1, math.ceil(grad_bytes / 2**20))}
 
 
 class CommHook:

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vit.engines.base import Engine, EngineContext, ScalerStats, save_atomic
 from vit.engines.ddp import from_zero
-from vit.engines.ddp.comm_hooks import CommHook
+from vit.engines.ddp.comm_hooks import CommHook, bucket_options
 from vit.loop.optim import (
     SkipAwareSchedule,
     adam_state,
@@ -40,6 +40,7 @@ class DDPEngine(Engine):
             model,
             device_ids=[self.device] if self.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
+            **bucket_options(model, ctx.comm),  # PowerSGD on gloo: one bucket (see there)
         )
         # --comm-hook none registers nothing
         self.comm_hook = CommHook(self.model, ctx.comm, self.device)
