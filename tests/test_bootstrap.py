@@ -349,3 +349,34 @@ def test_entry_cn_refuses_another_checkouts_vit(tmp_path):
         f"(or pip install -e "
         f"{ROOT})\n"
     ), r
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="installs as root (else through sudo)")
+def test_fonts_installs_only_the_missing_packages_and_a_failure_is_one_line(tmp_path):
+    """--fonts with dpkg-query and apt-get faked (the system's package manager is the outer
+    boundary): only the packages dpkg does not list as installed go to apt-get; when apt-get fails,
+    one line and exit 2."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "dpkg-query").write_text(  # fonts-lato is missing, every other package installed
+        '#!/bin/sh\nfor p; do :; done\n[ "$p" = fonts-lato ] && exit 1\nprintf "ii "\n'
+    )
+    (fake / "apt-get").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/apt.log\nexit $APT_RC\n')
+    for tool in fake.iterdir():
+        tool.chmod(0o755)
+    env = dict(base_env(), PATH=f"{fake}:{os.environ['PATH']}")
+    r = run_cmd([BOOTSTRAP, "--fonts"], timeout=30, env=dict(env, APT_RC="0"))
+    assert r.returncode == 0 and r.stdout == (
+        "bootstrap.sh: installing the glyphs task's fonts (1 Debian packages, apt-get)\n"
+        "bootstrap.sh: the glyphs task's fonts are installed\n"
+    ), r
+    assert (tmp_path / "apt.log").read_text().splitlines() == [
+        "update -qq",
+        "install -y -qq --no-install-recommends fonts-lato",
+    ]
+    r = run_cmd([BOOTSTRAP, "--fonts"], timeout=30, env=dict(env, APT_RC="100"))
+    assert r.returncode == 2 and r.stderr == (
+        "bootstrap.sh: apt-get could not install the glyphs task's fonts (fonts-lato ...)\n"
+    ), r
