@@ -78,6 +78,17 @@ def test_no_fonts_one_line_and_nothing_written(monkeypatch, tmp_path):
     assert "\n" not in str(e.value) and not (tmp_path / "data").exists()
 
 
+def test_a_file_as_the_data_folder_is_one_line(mpl_fonts, tmp_path):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("kept")
+    with pytest.raises(ConfigError) as e:
+        glyphs.load(str(taken), "small")
+    assert str(e.value) == (
+        f"glyphs: --data-path {taken} is a file; give the folder to cache the task in"
+    )
+    assert taken.read_text() == "kept"
+
+
 def test_one_family_is_not_a_task(monkeypatch, tmp_path):
     fonts = tmp_path / "fonts"
     fonts.mkdir()

@@ -315,6 +315,10 @@ def load(root: str, size: str = "full", say=print) -> dict:
     Ranks of one host wait for the one that generates (a lock beside the cache)."""
     files = font_files()
     folder = Path(root)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(
+            f"glyphs: --data-path {root} is a file; give the folder to cache the task in"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / cache_name(files, size)
     with open(folder / ".glyphs.lock", "w") as lock:
