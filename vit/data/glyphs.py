@@ -271,6 +271,14 @@ def generate(fonts: list[Font], per_class: int, split: int) -> tuple[np.ndarray,
     return images, labels
 
 
+def _sha256(data: dict) -> str:
+    """Of the images and labels, what the cache's metadata records and every read checks."""
+    digest = hashlib.sha256()
+    for k in ("x_train", "y_train", "x_test", "y_test"):
+        digest.update(np.ascontiguousarray(data[k]).tobytes())
+    return digest.hexdigest()
+
+
 def _read(path: Path) -> dict:
     try:
         with np.load(path) as z:
@@ -278,10 +286,7 @@ def _read(path: Path) -> dict:
         meta = json.loads(str(data.pop("meta")))
         if meta.get("version") != VERSION:
             raise ValueError(f"generator version {meta.get('version')}")
-        digest = hashlib.sha256()
-        for k in ("x_train", "y_train", "x_test", "y_test"):
-            digest.update(np.ascontiguousarray(data[k]).tobytes())
-        if digest.hexdigest() != meta["sha256"]:
+        if _sha256(data) != meta["sha256"]:
             raise ValueError("its images do not match their sha256")
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
         raise ConfigError(
@@ -292,10 +297,7 @@ def _read(path: Path) -> dict:
 
 def _write(path: Path, data: dict, meta: dict) -> None:
     """The whole file or nothing: written beside the cache, then renamed over it."""
-    digest = hashlib.sha256()
-    for k in ("x_train", "y_train", "x_test", "y_test"):
-        digest.update(np.ascontiguousarray(data[k]).tobytes())
-    meta = {**meta, "sha256": digest.hexdigest()}
+    meta = {**meta, "sha256": _sha256(data)}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".glyphs-", suffix=".npz.tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
