@@ -12,7 +12,8 @@ OUT/<name>/output.log), then `python plot_logs.py OUT/<name>... --out OUT/plots`
 comparison.md/.csv, report.html). Every run gets the same model, data set, steps and seed, and the
 JSONs of deepspeed_configs/ give them the same global batch, 32 x NP: ddp and zero* 32 images x 1
 micro-batch per rank, the pipeline 16 x 4 micro-batches per 2-stage copy. A run that fails is reported
-and left out; the script then exits 1 at the end. With a hostfile, each run's JSON lines are fetched
+and left out; the script then exits 1 at the end. Ctrl-C stops the run in progress and starts no
+other (exit 130). With a hostfile, each run's JSON lines are fetched
 from every host with scp (same checkout path on every host) unless OUT is a folder they all share.
 
 Run names: ddp, zero0, zero1, zero2, zero3 (--engine zero --ds-config deepspeed_configs/zeroN.json),
@@ -108,14 +109,23 @@ for name in $RUNS; do
   engine_of "$name" || { echo "compare.sh: unknown run '$name' in RUNS ($("$PYTHON" -c 'from bench.runs import RUNS; print(*RUNS, sep=", ")'))" >&2; exit 2; }
 done
 done_runs=() failed=()
+stopped=""  # Ctrl-C or SIGTERM: the run in progress stops, the others are not started
+trap 'stopped=130' INT
+trap 'stopped=143' TERM
 for name in $RUNS; do
   engine_of "$name"
   mkdir -p "$OUT/$name"
   echo "compare.sh: $name: scripts/mpirun -np $NP ${mpi_args[*]} ./entry_cn.sh ${engine[*]} ..."
   train=(--model "$MODEL" --dataset "$DATASET" --steps "$STEPS" --log-interval "$LOG_INTERVAL"
          --eval-interval "$EVAL_INTERVAL" --monitor-interval "$MONITOR_INTERVAL" --no-save --log-dir "$OUT/$name")
-  if scripts/mpirun -np "$NP" "${mpi_args[@]}" ./entry_cn.sh "${engine[@]}" "${train[@]}" "$@" \
-      </dev/null >"$OUT/$name/output.log" 2>&1; then
+  status=0
+  scripts/mpirun -np "$NP" "${mpi_args[@]}" ./entry_cn.sh "${engine[@]}" "${train[@]}" "$@" \
+    </dev/null >"$OUT/$name/output.log" 2>&1 || status=$?
+  if [ -n "$stopped" ] || [ "$status" = 130 ]; then
+    echo "compare.sh: interrupted during $name: the runs after it not started" >&2
+    exit "${stopped:-130}"
+  fi
+  if [ "$status" = 0 ]; then
     tail -n 1 "$OUT/$name/output.log"
     [ -z "$HOSTFILE" ] || gather "$OUT/$name"
     done_runs+=("$OUT/$name")

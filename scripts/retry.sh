@@ -26,6 +26,10 @@ Exit status 0 ends it once the run has finished: with --log-dir, once it holds s
 mpirun exits 0 when it loses a host's daemon and ends the job; --export runs write none and are not
 checked).
 
+Ctrl-C (SIGINT) or SIGTERM while COMMAND runs ends retry.sh once COMMAND has stopped: one line, no
+relaunch, exit 130 (143 for SIGTERM). A COMMAND that exits 130 (mpirun after Ctrl-C) is not relaunched
+either.
+
 Exit status 2 is not retried: it is entry_cn.sh's configuration or usage error (an "entry_cn.sh: error:"
 line, printed before anything is written), which a relaunch would only repeat; retry.sh then exits 2.
 
@@ -137,6 +141,10 @@ on_answering_hosts() {
   done
 }
 
+# a signal to stop is the user's: bash runs these once the command in the foreground has stopped
+stopped=""
+trap 'stopped=130' INT
+trap 'stopped=143' TERM
 attempt=0
 while true; do
   attempt=$((attempt + 1))
@@ -153,6 +161,10 @@ while true; do
   status=0
   "${cmd[@]}" || status=$?
   shown=$status
+  if [ -n "$stopped" ] || [ "$status" = 130 ]; then
+    echo "$PROG: attempt $attempt was interrupted (exit $status): not relaunching" >&2
+    exit "${stopped:-130}"
+  fi
   if [ "$status" = 0 ]; then
     # Open MPI's mpirun exits 0 when it loses a host's daemon and ends the job (5.0.x, measured on
     # the simulated hosts): a training run has finished only once it wrote summary.json

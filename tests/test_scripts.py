@@ -4,9 +4,12 @@ and its one line for an unknown option."""
 
 import os
 import re
+import signal
+import subprocess
+import time
 
 import pytest
-from helpers import MPIRUN, ROOT, base_env, plugin_env, run_cmd
+from helpers import MPIRUN, ROOT, STARTED, base_env, plugin_env, run_cmd, stop_group
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
@@ -263,3 +266,58 @@ def test_every_markdown_link_resolves():
             ):
                 broken.append(f"{md.relative_to(ROOT)}: {target}")
     assert not broken
+
+
+
+def interrupt_when(cmd, started, env=None, timeout=180) -> subprocess.CompletedProcess:
+    """Start `cmd` in its own process group; once `started()` holds, press Ctrl-C as a terminal
+    does (SIGINT to the whole group) and wait for it to end."""
+    p = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=ROOT,
+        env=env or base_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    STARTED.append(p)
+    deadline = time.monotonic() + timeout
+    while not started():
+        assert p.poll() is None and time.monotonic() < deadline, (cmd, p.poll(), "not started")
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGINT)
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        stop_group(p)
+        pytest.fail(f"{cmd} went on for 60 s after Ctrl-C")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_under_retry_is_not_relaunched(tmp_path):
+    """Ctrl-C stops the command and retry.sh with it: one line, exit 130, no second attempt (it was
+    taken for a failure and relaunched)."""
+    mark = tmp_path / "training"
+    # as mpirun does: it catches SIGINT, stops the ranks and exits 130
+    script = f"trap 'kill $!; exit 130' INT; touch {mark}; sleep 60 & wait"
+    cmd = ["bash", "-c", script, "run", "--log-dir", tmp_path]
+    r = interrupt_when([ROOT / "scripts" / "retry.sh", "-n", 3, "--", *cmd], mark.exists)
+    assert r.returncode == 130, r
+    assert r.stderr.endswith("retry.sh: attempt 1 was interrupted (exit 130): not relaunching\n"), r
+    assert "attempt 2" not in r.stderr
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_under_compare_starts_no_other_run(tmp_path):
+    """Ctrl-C during compare.sh's first run (a real mpirun of entry_cn.sh, past its first step)
+    ends compare.sh with 130 and one line; the second run does not start."""
+    log = tmp_path / "ddp" / "output.log"
+    env = base_env(RUNS="ddp zero2", STEPS="100000", LOG_INTERVAL="1", OUT=str(tmp_path))
+    r = interrupt_when(
+        [ROOT / "scripts" / "compare.sh"], lambda: log.exists() and "/100000 | loss" in log.read_text(), env
+    )
+    assert r.returncode == 130, (r, log.read_text()[-3000:])
+    assert r.stderr.endswith("compare.sh: interrupted during ddp: the runs after it not started\n"), r
+    assert not (tmp_path / "zero2").exists()

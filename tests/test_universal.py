@@ -90,7 +90,13 @@ def test_a_zero_checkpoint_resumes_under_ddp_with_its_adam_state(tmp_path, stage
     ddp4 = torch.load(ddp / "checkpoints" / "step4" / "ddp.pt", weights_only=False)
     assert zero4.keys() <= ddp4["model"].keys()
     for name, w in zero4.items():
-        assert torch.allclose(ddp4["model"][name], w, rtol=1e-5, atol=1e-7), name
+        got = ddp4["model"][name]
+        if name.endswith("attn.qkv.bias"):
+            # the key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by
+            # a row), so AdamW's update of it is the sign of rounding noise: compare q and v only
+            q, _, v = got.chunk(3)
+            got, w = torch.cat([q, v]), torch.cat([w.chunk(3)[0], w.chunk(3)[2]])
+        assert torch.allclose(got, w, rtol=1e-5, atol=1e-7), name
     adam = ddp4["optimizer"]["state"]
     assert len(adam) == len(zero4) and all(float(st["step"]) == 4 for st in adam.values())
 
