@@ -315,9 +315,11 @@ def test_ctrl_c_under_compare_starts_no_other_run(tmp_path):
     ends compare.sh with 130 and one line; the second run does not start."""
     log = tmp_path / "ddp" / "output.log"
     env = base_env(RUNS="ddp zero2", STEPS="100000", LOG_INTERVAL="1", OUT=str(tmp_path))
-    r = interrupt_when(
-        [ROOT / "scripts" / "compare.sh"], lambda: log.exists() and "/100000 | loss" in log.read_text(), env
-    )
+    def training():
+        return log.exists() and "/100000 | loss" in log.read_text()
+
+    r = interrupt_when([ROOT / "scripts" / "compare.sh"], training, env)
     assert r.returncode == 130, (r, log.read_text()[-3000:])
-    assert r.stderr.endswith("compare.sh: interrupted during ddp: the runs after it not started\n"), r
+    said = "compare.sh: interrupted during ddp: the runs after it not started\n"
+    assert r.stderr.endswith(said), r
     assert not (tmp_path / "zero2").exists()
