@@ -268,7 +268,6 @@ def test_every_markdown_link_resolves():
     assert not broken
 
 
-
 def interrupt_when(cmd, started, env=None, timeout=180) -> subprocess.CompletedProcess:
     """Start `cmd` in its own process group; once `started()` holds, press Ctrl-C as a terminal
     does (SIGINT to the whole group) and wait for it to end."""
@@ -315,6 +314,7 @@ def test_ctrl_c_under_compare_starts_no_other_run(tmp_path):
     ends compare.sh with 130 and one line; the second run does not start."""
     log = tmp_path / "ddp" / "output.log"
     env = base_env(RUNS="ddp zero2", STEPS="100000", LOG_INTERVAL="1", OUT=str(tmp_path))
+
     def training():
         return log.exists() and "/100000 | loss" in log.read_text()
 
