@@ -7,10 +7,12 @@ import copy
 import json
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import launch, plan_in_process, train_losses
+from helpers import ROOT, base_env, launch, plan_in_process, train_losses
 from torch import nn
 
 from vit.config.cli import defaults, parse
@@ -514,13 +516,13 @@ def test_the_wire_rounds_as_it_says():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4 * BLOCK, generator=g) * torch.linspace(1e-3, 10, 4 * BLOCK)
     for wire, bound in (("bf16", 2**-8), ("int8", 1 / 127)):
-        payload, scales = compress(x, wire)
+        payload, scales = compress(x.clone(), wire)
         back = decompress(payload, scales)
         per_block = x.view(-1, BLOCK).abs().amax(dim=1).repeat_interleave(BLOCK)
         limit = bound * (x.abs() if wire == "bf16" else per_block / 2 * 1.0001)
         assert (back - x).abs().le(limit).all(), wire
     assert (
-        compress(x, "int8")[0].dtype == torch.int8
+        compress(x.clone(), "int8")[0].dtype == torch.int8
         and compress(x, "bf16")[0].dtype == torch.bfloat16
     )
 
@@ -563,3 +565,62 @@ def test_workers_must_share_the_ranks_evenly(monkeypatch):
 def test_its_options_have_no_effect_on_another_engine():
     with pytest.raises(ConfigError, match="^--sync-every has no effect without --engine diloco$"):
         parse(["--engine", "ddp", "--sync-every", "10"])
+
+
+WIRE_RANK = """
+import json, sys
+import torch, torch.distributed as dist
+from vit.engines.diloco.wire import mean_over_ranks, padded_length
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+length = padded_length(100_000, "int8", 2)
+report = {}
+for wire in ("fp32", "bf16", "int8"):
+    flat = torch.randn(length, generator=torch.Generator().manual_seed(rank))
+    want = sum(torch.randn(length, generator=torch.Generator().manual_seed(r)) for r in (0, 1)) / 2
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        out = mean_over_ranks(flat, wire)
+    made = sum(max(0, e.self_cpu_memory_usage) for e in prof.events())
+    error = float((out - want).abs().max() / want.abs().max())
+    report[wire] = {"in_place": out is flat, "made": made / (4 * length), "error": error}
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_the_wire_averages_in_place(tmp_path):
+    """Two gloo ranks: each wire writes the mean over its input; fp32 allocates nothing beyond it
+    (it cloned the pseudo-gradient and divided into another copy: 8 bytes a value), bf16 and int8
+    round as their dtypes do."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WIRE_RANK, str(r), str(tmp_path / "store")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=base_env(),
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=100) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    report = json.loads(outs[0][0].splitlines()[-1])
+    assert all(r["in_place"] for r in report.values()), report
+    assert report["fp32"]["made"] < 1e-3 and report["fp32"]["error"] < 1e-6, report
+    assert report["bf16"]["error"] < 2**-7 and report["int8"]["error"] < 1 / 127, report
+
+
+def test_the_memory_model_counts_the_wires_buffers():
+    """What the sync holds beyond the weights, by wire: the flat pseudo-gradient, and for bf16 and
+    int8 the compressed tensor sent and received (gloo's all_to_all holds one share more)."""
+    from vit.engines.diloco import SPEC
+
+    fp32 = SPEC.state_bytes("fp32", {}, dp_size=2)
+    int8 = SPEC.state_bytes("fp32", {}, dp_size=2, compression="outer-int8")
+    bf16 = SPEC.state_bytes("fp32", {}, dp_size=4, compression="outer-bf16")
+    assert fp32["pseudo-gradient"] == 4 and not any("wire" in k for k in fp32)
+    assert int8["int8 wire buffers"] == pytest.approx(max(2.5 * (1 + 4 / BLOCK), 1 + 4 / BLOCK + 2))
+    assert bf16["bf16 wire buffers"] == pytest.approx(2 * 2 + 2 / 4)

@@ -11,7 +11,22 @@ from dataclasses import replace
 from vit.core.costs import ring_allreduce_s
 from vit.engines.step_cost import DataParallelSpec, autocast_state
 
-WIRE_BYTES = {"none": 4.0, "outer-bf16": 2.0, "outer-int8": 1.0 + 4 / 256}  # per value, with scales
+BLOCK = 256  # int8 on the wire: values per fp32 scale (wire.py)
+WIRE_BYTES = {
+    "none": 4.0,
+    "outer-bf16": 2.0,
+    "outer-int8": 1.0 + 4 / BLOCK,
+}  # per value, with scales
+
+
+def buffer_bytes(wire: str, n: int) -> float:
+    """The sync's buffers beyond the flat pseudo-gradient, in bytes a value, on n ranks: the
+    compressed tensor sent and received and one share more (gloo's all_to_all holds one), or the
+    received one and this rank's fp32 share (test_diloco measures them)."""
+    if wire == "fp32" or n == 1:
+        return 0.0
+    value = 2 if wire == "bf16" else 1 + 4 / BLOCK
+    return max(2 * value + value / n, value + 4 / n)
 
 
 class DiLoCoSpec(DataParallelSpec):
@@ -36,7 +51,10 @@ class DiLoCoSpec(DataParallelSpec):
         terms = autocast_state(precision)
         terms["global weights"] = 4  # engine.py: the global model, which the outer optimizer moves
         terms["outer momentum"] = 4  # torch.optim.SGD's momentum_buffer
-        terms["pseudo-gradient"] = 4  # engine.py sync: the flat difference, all-reduced in place
+        terms["pseudo-gradient"] = 4  # engine.py sync: the flat difference, averaged in place
+        wire = compression.removeprefix("outer-") if compression != "none" else "fp32"
+        if buffer_bytes(wire, dp_size):  # bf16, int8: the compressed tensor sent and received
+            terms[f"{wire} wire buffers"] = buffer_bytes(wire, dp_size)
         return terms
 
     def link_s(self, c, hosts, net, work, calib, backward_s):

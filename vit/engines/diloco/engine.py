@@ -40,7 +40,7 @@ from vit.core.errors import ConfigError
 from vit.core.speeds import local_steps as steps_by_speed
 from vit.engines.base import Engine, EngineContext, save_atomic
 from vit.engines.base import mean_over_ranks as rank_mean
-from vit.engines.diloco.wire import mean_over_ranks
+from vit.engines.diloco.wire import mean_over_ranks, padded_length
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
@@ -290,10 +290,15 @@ class DiLoCoEngine(Engine):
         """This worker's global-minus-own weights of the parameters `indices`, flat, scaled so that
         the mean over the ranks weighs each worker by the steps it trained."""
         local, global_ = list(self.module.parameters()), list(self.global_model.parameters())
-        delta = torch.cat([(global_[i] - local[i].float()).flatten() for i in indices])
+        sizes = [global_[i].numel() for i in indices]
+        # one buffer, which the wire averages in place (padded to its shares)
+        length = padded_length(sum(sizes), self.wire, self.dp_size)
+        delta = torch.zeros(length, dtype=torch.float32, device=self.device)
+        for i, part in zip(indices, delta[: sum(sizes)].split(sizes)):
+            part.copy_(global_[i].detach().flatten()).sub_(local[i].detach().flatten())
         h = self.window
         weight = h[self.dp_rank] * len(h) / sum(h)
-        return delta if weight == 1 else delta * weight
+        return delta if weight == 1 else delta.mul_(weight)
 
     @torch.no_grad()
     def sync(self, indices) -> None:
@@ -355,7 +360,8 @@ class DiLoCoEngine(Engine):
         the new global ones, plus what it learned since `sent` (its weights when they went)."""
         local, global_ = list(self.module.parameters()), list(self.global_model.parameters())
         chosen = [global_[i] for i in indices]
-        for g, d in zip(chosen, mean.split([g.numel() for g in chosen])):
+        sizes = [g.numel() for g in chosen]
+        for g, d in zip(chosen, mean[: sum(sizes)].split(sizes)):  # the wire's padding left
             g.grad = d.view_as(g)
         self.outer.step()
         for k, i in enumerate(indices):
