@@ -297,6 +297,22 @@ def test_damaged_shard_is_caught_and_previous_checkpoint_used(zero_run, tmp_path
 
 @pytest.mark.ranks
 @pytest.mark.timeout(480)
+def test_every_checkpoint_damaged_is_a_configuration_error(zero_run, tmp_path):
+    """Nothing to resume from: exit 2 on every rank with one line, which retry.sh does not relaunch
+    (it was exit 1, relaunched in vain)."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_run, run)
+    for tag in ("step4", "step8"):
+        shard = run / "checkpoints" / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        shard.write_bytes(shard.read_bytes()[:-1])
+    r = launch([*CHECKPOINTED, "--resume", "--log-dir", run], timeout=200)
+    assert r.returncodes == [2, 2], r
+    said = f"no undamaged checkpoint in {run / 'checkpoints'} (tried step8, step4): nothing"
+    assert said in r.outputs[0] and "Traceback" not in r.outputs[0], r
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("key", ["files", "zero_stage"])
 def test_manifest_without_a_key_is_a_damaged_checkpoint(zero_run, tmp_path, key):
     run = tmp_path / "run"

@@ -185,7 +185,11 @@ def choose(save_dir: str, tags: list[str]) -> str:
             f"warning: checkpoint {save_dir}/{tag} is damaged ({problem}); trying the previous one",
             flush=True,
         )
-    raise CheckpointError(f"no undamaged checkpoint in {save_dir} (tried {', '.join(tags)})")
+    # a ConfigError (exit 2): a relaunch would find the same files, so retry.sh does not relaunch
+    raise ConfigError(
+        f"no undamaged checkpoint in {save_dir} (tried {', '.join(tags)}): nothing to resume "
+        "from; move them aside (or give another --log-dir) to start over"
+    )
 
 
 def rng_state() -> dict:
