@@ -486,3 +486,13 @@ def test_help_lists_the_options():
         "--seed",
     ):
         assert option in r.stdout
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_a_usage_error_under_mpirun_is_said_once():
+    """Every rank parses the same arguments: rank 0 says the error, the others exit 2 after it,
+    so mpirun names rank 0 and the line is not repeated once per rank."""
+    r = run_cmd([*MPIRUN, "-np", "2", "./entry_cn.sh", "--engine", "nope"], timeout=100)
+    said = "entry_cn.sh: error: argument --engine: invalid choice: 'nope'"
+    assert r.returncode == 2 and (r.stdout + r.stderr).count(said) == 1, r

@@ -302,6 +302,17 @@ def run_until_stopped(plan: Plan, start_time: float, stop: StopOnSignal) -> int:
     return 0
 
 
+SAY_ONCE_S = 5.0  # how long the other ranks leave rank 0 to say a usage error first
+
+
+def launcher_rank() -> int | None:
+    """This process's rank as its launcher says, None where the variables do not say it."""
+    try:
+        return discover().rank
+    except ConfigError:
+        return None
+
+
 def main(argv=None) -> int:
     prepare_environment()
     # what exists now lives on: each --freeze rebuild's full collection skips it (300 ms -> 70 ms,
@@ -310,6 +321,15 @@ def main(argv=None) -> int:
     start_time = psutil.Process().create_time()  # wall time includes the imports
     try:
         settings = parse(argv)
+    except ConfigError as e:
+        # the same arguments on every rank give the same error: rank 0 says it, the others exit
+        # after it (mpirun ends the job at the first rank to fail, and adds its box)
+        if launcher_rank() in (0, None):
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+        else:
+            time.sleep(SAY_ONCE_S)
+        return 2
+    try:
         console.capture(settings.log.verbose)  # before DeepSpeed is imported
         plugins.load()  # VIT_PLUGINS: the tests' fault injection
         plan = make_plan(settings, discover())
