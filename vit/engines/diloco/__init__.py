@@ -20,13 +20,14 @@ WIRE_BYTES = {
 
 
 def buffer_bytes(wire: str, n: int) -> float:
-    """The sync's buffers beyond the flat pseudo-gradient, in bytes a value, on n ranks: the
-    compressed tensor sent and received and one share more (gloo's all_to_all holds one), or the
-    received one and this rank's fp32 share (test_diloco measures them)."""
+    """The sync's buffers beyond the flat pseudo-gradient, in bytes a value, on n ranks (wire.py),
+    bounded: four compressed copies of the tensor and one fp32 share. torch.profiler's peak read
+    between 2.5 and 3.5 compressed copies and a share, varying from run to run (gloo's buffers;
+    docs/benchmarks-history.md)."""
     if wire == "fp32" or n == 1:
         return 0.0
     value = 2 if wire == "bf16" else 1 + 4 / BLOCK
-    return max(2 * value + value / n, value + 4 / n)
+    return 4 * value + 4 / n
 
 
 class DiLoCoSpec(DataParallelSpec):

@@ -9,14 +9,15 @@ Every rank ends with the same values, its own share included (decompressed like 
 
 The mean is written over the input, which the caller gives up (padded to whole shares for bf16 and
 int8: padded_length). fp32 needs no buffer beyond it; bf16 and int8 hold the compressed tensor sent
-and received, then the received one and this rank's fp32 share (buffer_bytes in __init__.py)."""
+and received, one share more, and a chunk of fp32 at a time (buffer_bytes in __init__.py bounds
+them)."""
 
 import torch
 import torch.distributed as dist
 
 from vit.engines.diloco import BLOCK
 
-CHUNK = 64 * BLOCK  # values decompressed at a time
+CHUNK = 1 << 18  # values decompressed at a time (1 MiB of fp32)
 
 
 def padded_length(length: int, wire: str, n: int) -> int:
