@@ -201,11 +201,12 @@ def mpi_rank_process(marker, rank: int):
     return None
 
 
-def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.CompletedProcess:
-    """Run a command in its own process group; kill the whole group on timeout."""
+def start_group(cmd, env=None, cwd=ROOT) -> subprocess.Popen:
+    """Start a command in a process group of its own (text pipes), killed with what is left when
+    the test ends."""
     require_ranks_mark()
     p = subprocess.Popen(
-        cmd,
+        [str(c) for c in cmd],
         cwd=cwd,
         env=env or base_env(),
         stdout=subprocess.PIPE,
@@ -214,6 +215,26 @@ def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.Complet
         start_new_session=True,
     )
     STARTED.append(p)
+    return p
+
+
+def gloo_pair(script: str, store, *args, timeout: float = 100) -> list[str]:
+    """`python -c script RANK STORE ARGS...` as ranks 0 and 1 (the script joins a gloo group of 2
+    through file://STORE); each rank's ARGS may be a function of its rank. Their stdouts."""
+    procs = [
+        start_group(
+            [sys.executable, "-c", script, r, store, *(a(r) if callable(a) else a for a in args)]
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    return [out for out, _ in outs]
+
+
+def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; kill the whole group on timeout."""
+    p = start_group(cmd, env, cwd)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

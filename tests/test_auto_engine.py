@@ -3,11 +3,10 @@ line, and a real run on 2 ranks that measures, ranks, chooses the model's first 
 (the simulated hosts' test, with links and a slowed rank, is in test_cluster.py)."""
 
 import json
-import subprocess
 import sys
 
 import pytest
-from helpers import base_env, launch, plan_in_process, run_cmd, train_losses
+from helpers import gloo_pair, launch, plan_in_process, run_cmd, train_losses
 
 from vit.config.cli import parse
 from vit.config.compat import PROVISIONAL, auto_allowed
@@ -356,27 +355,12 @@ def test_contention_is_measured_again_until_it_settles(
 ):
     """Two gloo ranks of auto.measure_contention, the layer times given (1.0 alone): another pair of
     measurements (at once, then one rank at a time) while the contention moves by more than 10%."""
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                CONTENTION_RANK,
-                str(r),
-                str(tmp_path / "store"),
-                machine if machine == "shared" else f"own{r}",
-                json.dumps([together, [1.0] * 3]),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env=base_env(),
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=100) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
-    for out, _ in outs:
+    outs = gloo_pair(
+        CONTENTION_RANK,
+        tmp_path / "store",
+        lambda r: machine if machine == "shared" else f"own{r}",
+        json.dumps([together, [1.0] * 3]),
+    )
+    for out in outs:
         got = json.loads(out.strip().splitlines()[-1])
         assert got == {"calls": calls, "contention": [contention, contention]}, got

@@ -7,12 +7,10 @@ import copy
 import json
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import ROOT, base_env, launch, plan_in_process, train_losses
+from helpers import gloo_pair, launch, plan_in_process, train_losses
 from torch import nn
 
 from vit.config.cli import defaults, parse
@@ -594,20 +592,8 @@ def test_the_wire_averages_in_place(tmp_path):
     """Two gloo ranks: each wire writes the mean over its input; fp32 allocates nothing beyond it
     (it cloned the pseudo-gradient and divided into another copy: 8 bytes a value), bf16 and int8
     round as their dtypes do."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WIRE_RANK, str(r), str(tmp_path / "store")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env=base_env(),
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=100) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
-    report = json.loads(outs[0][0].splitlines()[-1])
+    outs = gloo_pair(WIRE_RANK, tmp_path / "store")
+    report = json.loads(outs[0].splitlines()[-1])
     assert all(r["in_place"] for r in report.values()), report
     assert report["fp32"]["made"] < 1e-3 and report["fp32"]["error"] < 1e-6, report
     assert report["bf16"]["error"] < 2**-7 and report["int8"]["error"] < 1 / 127, report

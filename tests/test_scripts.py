@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import MPIRUN, ROOT, STARTED, base_env, plugin_env, run_cmd, stop_group
+from helpers import MPIRUN, ROOT, base_env, plugin_env, run_cmd, start_group, stop_group
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
@@ -271,16 +271,7 @@ def test_every_markdown_link_resolves():
 def interrupt_when(cmd, started, env=None, timeout=180) -> subprocess.CompletedProcess:
     """Start `cmd` in its own process group; once `started()` holds, press Ctrl-C as a terminal
     does (SIGINT to the whole group) and wait for it to end."""
-    p = subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=ROOT,
-        env=env or base_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    STARTED.append(p)
+    p = start_group(cmd, env)
     deadline = time.monotonic() + timeout
     while not started():
         assert p.poll() is None and time.monotonic() < deadline, (cmd, p.poll(), "not started")
