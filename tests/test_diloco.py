@@ -561,8 +561,26 @@ def test_workers_must_share_the_ranks_evenly(monkeypatch):
 
 
 def test_its_options_have_no_effect_on_another_engine():
-    with pytest.raises(ConfigError, match="^--sync-every has no effect without --engine diloco$"):
-        parse(["--engine", "ddp", "--sync-every", "10"])
+    said = (
+        "--sync-every has no effect without --engine diloco (or --engine auto --auto-allow diloco)"
+    )
+    for engine in (["ddp"], ["auto"], ["auto", "--auto-allow", "powersgd"]):
+        with pytest.raises(ConfigError) as e:
+            parse(["--engine", *engine, "--sync-every", "10"])
+        assert str(e.value) == said
+
+
+def test_auto_that_may_choose_diloco_keeps_its_options():
+    """--engine auto --auto-allow diloco passes --sync-every and --fragments on to the diloco it may
+    choose (they were refused as having no effect), checked as diloco checks them."""
+    s = parse(
+        ["--engine", "auto", "--auto-allow", "diloco", "--sync-every", "10", "--fragments", "5"]
+    )
+    assert (s.parallel.engine, s.local.sync_every, s.local.fragments) == ("auto", 10, 5)
+    with pytest.raises(ConfigError, match="^--fragments 3 does not divide --sync-every 10 "):
+        parse(
+            ["--engine", "auto", "--auto-allow", "diloco", "--sync-every", "10", "--fragments", "3"]
+        )
 
 
 WIRE_RANK = """

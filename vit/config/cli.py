@@ -10,7 +10,15 @@ import typing
 from dataclasses import fields, replace
 from pathlib import Path
 
-from vit.config.compat import NEEDS, PROVISIONAL, check_auto, check_auto_given, check_settings
+from vit.config.compat import (
+    NEEDS,
+    PROVISIONAL,
+    auto_allowed,
+    check_auto,
+    check_auto_given,
+    check_local_steps,
+    check_settings,
+)
 from vit.core.errors import ConfigError
 from vit.core.hostfile import hostfile_slots
 from vit.core.paths import ROOT
@@ -118,8 +126,12 @@ def validate(s: Settings) -> Settings:
     par, opt = s.parallel, s.optim
     if par.engine == AUTO:  # checked as the engine it is planned as until vit.planner.auto chooses
         check_auto(s)
-        checked = validate(s.with_(engine=PROVISIONAL, auto_allow=""))
-        return checked.with_(engine=AUTO, auto_allow=par.auto_allow)
+        provisional = s.with_(engine=PROVISIONAL, auto_allow="")
+        if "diloco" in auto_allowed(s):  # its options go on to the diloco auto may choose
+            check_local_steps(s.local)
+            provisional = replace(provisional, local=type(s.local)())
+        checked = validate(provisional)
+        return replace(checked.with_(engine=AUTO, auto_allow=par.auto_allow), local=s.local)
     if opt.min_lr > opt.lr:
         raise ConfigError(f"--min-lr {opt.min_lr:g} is above --lr {opt.lr:g}")
     if par.partition not in ("uniform", "parameters", "balanced") and not par.partition.startswith(

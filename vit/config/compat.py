@@ -29,7 +29,7 @@ NEEDS = {
     "powersgd": (lambda s: s.comm.comm_hook == "powersgd", "--comm-hook powersgd"),
     "diloco": (
         lambda s: spec(s.parallel.engine).local_steps,
-        _engines(lambda e: e.local_steps),
+        _engines(lambda e: e.local_steps) + f" (or --engine {AUTO} --auto-allow diloco)",
     ),
     "pipeline freeze": (
         lambda s: (
@@ -60,11 +60,8 @@ def check_settings(s) -> None:
             "stages with --partition balanced; DiLoCo's inner steps in proportion to speed: "
             "--local-steps)"
         )
-    if engine.local_steps and s.local.sync_every % s.local.fragments:
-        raise ConfigError(
-            f"--fragments {s.local.fragments} does not divide --sync-every {s.local.sync_every} "
-            "(each fragment syncs once a window, H / F steps after the one before)"
-        )
+    if engine.local_steps:
+        check_local_steps(s.local)
     if s.comm.comm_hook != "none" and not engine.comm_hooks:
         raise ConfigError(
             f"--comm-hook applies to {_engines(lambda e: e.comm_hooks)} (torch's DDP "
@@ -173,6 +170,15 @@ def check_auto_given(names: set[str]) -> None:
 
 # what --auto-allow may name: a candidate's engine or compression that changes what is learned
 LEARNING_CHANGES = ("diloco", "powersgd")
+
+
+def check_local_steps(local) -> None:
+    """--engine diloco's options among themselves."""
+    if local.sync_every % local.fragments:
+        raise ConfigError(
+            f"--fragments {local.fragments} does not divide --sync-every {local.sync_every} "
+            "(each fragment syncs once a window, H / F steps after the one before)"
+        )
 
 
 def auto_allowed(s) -> set[str]:
