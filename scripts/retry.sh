@@ -17,8 +17,9 @@ it starts over because there is none yet. COMMAND must name the run's folder wit
 --hostfile FILE: before each attempt, every host of FILE is asked over ssh (the options setup/ uses,
 5 s to answer); a host that does not answer is left out of this attempt, named in one line, and taken
 back at a later attempt once it answers again. In COMMAND's launcher part (the arguments before
-entry_cn.sh), FILE is replaced by a hostfile of the hosts that answer and the value of -np (or -n,
---np) by their slots; entry_cn.sh, resumed on fewer ranks, keeps the global batch (the gradient
+entry_cn.sh), FILE (--hostfile FILE, --hostfile=FILE, -machinefile FILE: any path to the same file)
+is replaced by a hostfile of the hosts that answer and, when a host is missing, the value of -np (or
+-n, --np) cut to their slots (kept when every host answers); entry_cn.sh, resumed on fewer ranks, keeps the global batch (the gradient
 accumulation follows) and says so. With fewer than --min-hosts answering (default 1), retry.sh stops,
 exit 1, naming them.
 
@@ -122,19 +123,26 @@ answering_hosts() {
     echo "$PROG: left out of attempt $attempt, not answering: $(IFS=,; echo "${out[*]}" | sed 's/,/, /g')" >&2
   fi
   [ "$up" -ge "$min_hosts" ] || die "$up of ${#HOSTS[@]} hosts answer, fewer than --min-hosts $min_hosts: not relaunching"
+  missing=$((${#HOSTS[@]} - up))
 }
 
-# on_answering_hosts ARGS...: ARGS with, before entry_cn.sh, the hostfile replaced by the answering
-# hosts' and the rank count by their slots (in cmd).
+# on_answering_hosts ARGS...: ARGS with, before entry_cn.sh, the launcher's hostfile (--hostfile F,
+# --hostfile=F, -machinefile F ...: any spelling of the same file) replaced by the answering hosts'
+# and, when a host is missing, the rank count cut to their slots (in cmd).
 on_answering_hosts() {
-  local arg prev="" launcher=1
+  local arg prev="" launcher=1 slots
+  slots=$(sum_slots "$tmp/hosts.live")
   cmd=()
   for arg in "$@"; do
     case "$arg" in *entry_cn.sh) launcher=0 ;; esac
-    if [ "$launcher" = 1 ] && [ "$arg" = "$hostfile" ]; then
-      arg=$tmp/hosts.live
-    elif [ "$launcher" = 1 ] && [[ "$prev" =~ ^(-np|--np|-n)$ ]]; then
-      arg=$(sum_slots "$tmp/hosts.live")
+    if [ "$launcher" = 1 ]; then
+      if [[ "$prev" =~ ^--?(hostfile|machinefile)$ ]] && [ "$arg" -ef "$hostfile" ]; then
+        arg=$tmp/hosts.live
+      elif [[ "$arg" =~ ^(--?(hostfile|machinefile))=(.*)$ ]] && [ "${BASH_REMATCH[3]}" -ef "$hostfile" ]; then
+        arg="${BASH_REMATCH[1]}=$tmp/hosts.live"
+      elif [[ "$prev" =~ ^(-np|--np|-n)$ ]] && [ "$missing" -gt 0 ] && [[ "$arg" =~ ^[0-9]+$ ]] && [ "$arg" -gt "$slots" ]; then
+        arg=$slots
+      fi
     fi
     cmd+=("$arg")
     prev=$arg

@@ -314,3 +314,30 @@ def test_ctrl_c_under_compare_starts_no_other_run(tmp_path):
     said = "compare.sh: interrupted during ddp: the runs after it not started\n"
     assert r.stderr.endswith(said), r
     assert not (tmp_path / "zero2").exists()
+
+
+@pytest.mark.timeout(90)
+def test_retry_knows_the_hostfile_in_any_spelling_and_keeps_np_when_every_host_answers(tmp_path):
+    """--hostfile=F, a symlink to F and -machinefile F are the same file as retry.sh's --hostfile F:
+    each is replaced by the answering hosts' (it was left as given, the dead host in, unless spelled
+    exactly as retry.sh's). -np is cut to the answering slots only when a host is missing, never
+    raised (a run started on fewer ranks than slots grew)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\nnohost.invalid slots=1\n")
+    (tmp_path / "link").symlink_to(hosts)
+    show = ["python3", "-c", "import sys; print('ARGS', *sys.argv[1:])"]
+    run = ["./entry_cn.sh", "--log-dir", tmp_path / "run"]
+    for spelling in (
+        [f"--hostfile={hosts}"],
+        ["--hostfile", tmp_path / "link"],
+        ["-machinefile", hosts],
+    ):
+        r, out = retry("-n", 0, "--hostfile", hosts, "--", *show, "-np", 3, *spelling, *run)
+        said = [line.split() for line in out.splitlines() if line.startswith("ARGS")]
+        assert len(said) == 1 and said[0][2] == "2", out  # -np 3 cut to localhost's 2 slots
+        live = said[0][3] if len(spelling) == 1 else said[0][4]
+        assert str(hosts) not in live and "link" not in live and live.endswith("hosts.live"), out
+    hosts.write_text("localhost slots=2\n")
+    r, out = retry("-n", 0, "--hostfile", hosts, "--", *show, "-np", 1, "--hostfile", hosts, *run)
+    said = [line.split() for line in out.splitlines() if line.startswith("ARGS")]
+    assert said[0][:3] == ["ARGS", "-np", "1"], out  # every host answers: -np as given
