@@ -13,7 +13,7 @@ from pathlib import Path
 from vit.config.compat import (
     NEEDS,
     PROVISIONAL,
-    auto_allowed,
+    auto_may_choose_local_steps,
     check_auto,
     check_auto_given,
     check_local_steps,
@@ -127,7 +127,7 @@ def validate(s: Settings) -> Settings:
     if par.engine == AUTO:  # checked as the engine it is planned as until vit.planner.auto chooses
         check_auto(s)
         provisional = s.with_(engine=PROVISIONAL, auto_allow="")
-        if "diloco" in auto_allowed(s):  # its options go on to the diloco auto may choose
+        if auto_may_choose_local_steps(s):
             check_local_steps(s.local)
             provisional = replace(provisional, local=type(s.local)())
         checked = validate(provisional)

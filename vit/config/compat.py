@@ -181,6 +181,11 @@ def check_local_steps(local) -> None:
         )
 
 
+def auto_may_choose_local_steps(s) -> bool:
+    """--engine auto --auto-allow diloco: the options of the diloco it may choose go on to it."""
+    return s.parallel.engine == AUTO and "diloco" in auto_allowed(s)
+
+
 def auto_allowed(s) -> set[str]:
     return {n.strip() for n in s.parallel.auto_allow.split(",") if n.strip()}
 
