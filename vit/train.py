@@ -302,7 +302,7 @@ def run_until_stopped(plan: Plan, start_time: float, stop: StopOnSignal) -> int:
     return 0
 
 
-SAY_ONCE_S = 5.0  # how long the other ranks leave rank 0 to say a usage error first
+SAY_ONCE_S = 10.0  # how long the other ranks leave rank 0 to say a usage error first
 
 
 def launcher_rank() -> int | None:
