@@ -54,8 +54,8 @@ class DiLoCoSpec(DataParallelSpec):
         terms["outer momentum"] = 4  # torch.optim.SGD's momentum_buffer
         terms["pseudo-gradient"] = 4  # engine.py sync: the flat difference, averaged in place
         wire = compression.removeprefix("outer-") if compression != "none" else "fp32"
-        if buffer_bytes(wire, dp_size):  # bf16, int8: the compressed tensor sent and received
-            terms[f"{wire} wire buffers"] = buffer_bytes(wire, dp_size)
+        if buffers := buffer_bytes(wire, dp_size):  # bf16, int8: the compressed tensor and more
+            terms[f"{wire} wire buffers"] = buffers
         return terms
 
     def link_s(self, c, hosts, net, work, calib, backward_s):

@@ -291,10 +291,12 @@ class DiLoCoEngine(Engine):
         the mean over the ranks weighs each worker by the steps it trained."""
         local, global_ = list(self.module.parameters()), list(self.global_model.parameters())
         sizes = [global_[i].numel() for i in indices]
+        used = sum(sizes)
         # one buffer, which the wire averages in place (padded to its shares)
-        length = padded_length(sum(sizes), self.wire, self.dp_size)
-        delta = torch.zeros(length, dtype=torch.float32, device=self.device)
-        for i, part in zip(indices, delta[: sum(sizes)].split(sizes)):
+        length = padded_length(used, self.wire, self.dp_size)
+        delta = torch.empty(length, dtype=torch.float32, device=self.device)
+        delta[used:].zero_()
+        for i, part in zip(indices, delta[:used].split(sizes)):
             part.copy_(global_[i].detach().flatten()).sub_(local[i].detach().flatten())
         h = self.window
         weight = h[self.dp_rank] * len(h) / sum(h)

@@ -40,9 +40,9 @@ def compress(x: torch.Tensor, wire: str) -> tuple[torch.Tensor, torch.Tensor | N
 
 
 def decompress(payload: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    if scales is None:
-        return payload.float()
-    return (payload.view(-1, BLOCK).float() * scales[:, None]).view(-1)
+    out = torch.zeros(payload.numel(), dtype=torch.float32, device=payload.device)
+    add_decompressed(out, payload, scales)
+    return out
 
 
 def mean_over_ranks(flat: torch.Tensor, wire: str, group=None) -> torch.Tensor:
