@@ -290,8 +290,9 @@ def test_ctrl_c_under_retry_is_not_relaunched(tmp_path):
     """Ctrl-C stops the command and retry.sh with it: one line, exit 130, no second attempt (it was
     taken for a failure and relaunched)."""
     mark = tmp_path / "training"
-    # as mpirun does: it catches SIGINT, stops the ranks and exits 130
-    script = f"trap 'kill $!; exit 130' INT; touch {mark}; sleep 60 & wait"
+    # as mpirun does: it catches SIGINT, stops the ranks and exits 130. No foreground child (the
+    # mark is a builtin's redirection): bash would wait for one and may let its SIGINT pass.
+    script = f"trap 'kill $!; exit 130' INT; sleep 60 & : > {mark}; wait"
     cmd = ["bash", "-c", script, "run", "--log-dir", tmp_path]
     r = interrupt_when([ROOT / "scripts" / "retry.sh", "-n", 3, "--", *cmd], mark.exists)
     assert r.returncode == 130, r
