@@ -50,10 +50,11 @@ def emulate(
     the last, the global weights take an SGD step (Nesterov `momentum`) on the workers'
     global-minus-own weights averaged with weights h[w], and every worker goes on from them. With F
     `fragments` (each an equal share of the parameters, in order), fragment f's difference is
-    taken after step (f + 1) H / F of a window and applied H / F steps later: the outer step,
-    then each worker's fragment set to the new global weights plus what the worker learned in
-    between. At the last step every fragment syncs. The first `start` steps are DDP's: every
-    worker steps on the gradient averaged over the workers, and the windows count from there.
+    taken after step (f + 1) H / F of a window (weighted by that window's h) and applied H / F
+    steps later: the outer step, then each worker's fragment set to the new global weights plus
+    what the worker learned in between. At the last step every fragment syncs. The first `start`
+    steps are DDP's: every worker steps on the gradient averaged over the workers, and the windows
+    count from there.
     refragment (s, F'): a resume after step s with F' fragments, which applies a fragment in
     flight there when F' is 1."""
     data = load_dataset("digits", None, model_shape(s.model.model).img_size, seed=s.train.seed)
@@ -83,8 +84,8 @@ def emulate(
 
     local_at = local if callable(local) else lambda step: local or [H] * workers
 
-    def outer_step(indices, sent):
-        apply_outer(params, outer, local_at(step), indices, sent)
+    def outer_step(indices, sent, h=None):  # h: of the window the fragment went in
+        apply_outer(params, outer, h or local_at(step), indices, sent)
 
     losses, in_flight, last = [], None, [None] * workers
     for _ in range(start):
@@ -119,7 +120,7 @@ def emulate(
                     w: {i: params[1 + w][i].detach().clone() for i in range(n)}
                     for w in range(workers)
                 }
-                in_flight = (parts[offset // every - 1], sent)
+                in_flight = (parts[offset // every - 1], sent, local_at(step))
             else:
                 outer_step(range(n), None)
         elif (step - start) % H == 0:
@@ -166,12 +167,13 @@ def ddp_step(models, optims, scheds, batches, smoothing: float) -> float:
 
 
 PAPER = ["--outer-lr", 0.7, "--outer-momentum", 0.9]  # the paper's outer step: Nesterov's path
+EXACT = ["--outer-wire", "fp32", "--fragments", 1]  # the emulator's (the defaults: int8, auto)
 
 
 def diloco_args(tmp_path, steps: int, sync_every: int, *extra) -> list:
     return [
         "--engine", "diloco", "--steps", steps, "--sync-every", sync_every, "--log-interval", 1,
-        "--no-save", "--log-dir", tmp_path, *PAPER, *extra,
+        "--no-save", "--log-dir", tmp_path, *PAPER, *EXACT, *extra,
     ]  # fmt: skip
 
 
@@ -213,7 +215,7 @@ def test_one_step_windows_with_a_plain_outer_step_train_as_ddp(tmp_path):
     common = ["--steps", 6, "--log-interval", 1, "--no-save", *sgd]  # DDP's clipping of the mean
     ddp = launch(["--engine", "ddp", *common, "--log-dir", tmp_path / "ddp"], timeout=300)
     assert ddp.ok, ddp
-    local = ["--sync-every", 1, "--outer-lr", 1, "--outer-momentum", 0, *EQUAL]
+    local = ["--sync-every", 1, "--outer-lr", 1, "--outer-momentum", 0, *EQUAL, *EXACT]
     diloco = launch(
         ["--engine", "diloco", *common, *local, "--log-dir", tmp_path / "d"], timeout=300
     )
@@ -232,7 +234,7 @@ def test_steps_before_the_local_start_are_ddp_and_the_windows_count_from_there(t
     clipped), syncs after 6 and 8, as the emulator; all 8 as DDP are `--engine ddp`'s losses; a
     resume inside the DDP steps repeats the losses."""
     steps, common = 8, ["--log-interval", 1, "--steps", 8]
-    local = ["--engine", "diloco", "--sync-every", 3, *PAPER, *EQUAL, *common]
+    local = ["--engine", "diloco", "--sync-every", 3, *PAPER, *EQUAL, *EXACT, *common]
     save = ["--save-interval", 2, "--keep-checkpoints", 4]
     r = launch([*local, "--local-start-step", 3, *save, "--log-dir", tmp_path / "d"])
     assert r.ok, r
@@ -275,7 +277,7 @@ def test_a_resume_between_syncs_repeats_the_losses(tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     # the paper's outer step, so that the outer optimizer's momentum must come back too
     common = ["--engine", "diloco", "--sync-every", 4, "--log-interval", 1, "--steps", 10, *PAPER]
-    common += EQUAL
+    common += [*EQUAL, *EXACT]
     r = launch([*common, "--save-interval", 6, "--log-dir", full], timeout=300)
     assert r.ok, r
     step6 = full / "checkpoints" / "step6"  # two steps after the sync of step 4
@@ -353,13 +355,16 @@ def steps_changed(output: str, sync_every: int) -> dict[int, list[int]]:
 
 @pytest.mark.ranks
 @pytest.mark.timeout(420)
-def test_a_sync_measures_the_next_windows_and_a_resume_keeps_the_checkpoints(tmp_path):
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_sync_measures_the_next_windows_and_a_resume_keeps_the_checkpoints(tmp_path, fragments):
     """Rank 1 slowed x3, saved at step 6, resumed with rank 0 slowed x3 instead: the resumed run
     goes on with the checkpoint's local steps (not its own census's) through the window it did not
-    time whole (to step 8) and the next; the sync after step 12 gives rank 0 the fewer steps. The
-    losses are the emulator's on that schedule."""
+    time whole (to step 8) and the next; the end of the window of step 12 gives rank 0 the fewer
+    steps, with fragments too (they kept the census's steps for the whole run). The losses are the
+    emulator's on that schedule."""
     first, second, H = tmp_path / "first", tmp_path / "second", 4
     common = ["--engine", "diloco", "--sync-every", H, "--log-interval", 1, "--steps", 16, *PAPER]
+    common += [*EXACT, "--fragments", fragments]
     slow1 = ["--simulate-slowdown", "1=3", "--save-interval", 6, "--log-dir", first]
     r = launch([*common, *slow1], timeout=300)
     assert r.ok, r
@@ -377,7 +382,7 @@ def test_a_sync_measures_the_next_windows_and_a_resume_keeps_the_checkpoints(tmp
     def local_at(step):
         return census if step <= 4 else kept if step <= 12 else after[12]
 
-    want = emulate(defaults(), 2, 16, H, 0.7, 0.9, local=local_at)
+    want = emulate(defaults(), 2, 16, H, 0.7, 0.9, local=local_at, fragments=fragments)
     got = train_losses(second)
     assert sorted(got) == list(range(7, 17))
     for step, loss in got.items():
@@ -391,7 +396,17 @@ def test_streaming_fragments_as_the_emulator_and_a_resume_with_one_in_flight(tmp
     after 4, 8), the second after 4 and 8 (applied after 6, and at the end with every fragment).
     The checkpoint of step 5 holds the second fragment's mean, on the wire since step 4."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["--engine", "diloco", "--sync-every", 4, "--fragments", 2, "--log-interval", 1]
+    common = [
+        "--engine",
+        "diloco",
+        *EXACT,
+        "--sync-every",
+        4,
+        "--fragments",
+        2,
+        "--log-interval",
+        1,
+    ]
     common += ["--steps", 10, *PAPER, *EQUAL]
     r = launch([*common, "--save-interval", 5, "--log-dir", full], timeout=300)
     assert r.ok, r
@@ -437,7 +452,7 @@ def test_a_resume_with_another_sync_every_trains_every_step_of_the_new_windows(t
     do not carry over to windows of 4 (before, each worker trained 2 of every 4 steps); the
     losses are the emulator's with H = 2 to step 5 and 4 after."""
     first, second = tmp_path / "first", tmp_path / "second"
-    common = ["--engine", "diloco", "--log-interval", 1, "--steps", 10, *PAPER, *EQUAL]
+    common = ["--engine", "diloco", "--log-interval", 1, "--steps", 10, *PAPER, *EQUAL, *EXACT]
     r = launch([*common, "--sync-every", 2, "--save-interval", 5, "--log-dir", first], timeout=300)
     assert r.ok, r
     step5 = first / "checkpoints" / "step5"
@@ -485,6 +500,17 @@ def test_fragments_are_contiguous_near_equal_and_cover_every_tensor():
     assert fragment_bounds(sizes, 3) == [3, 5, 8]  # 108, 103 and 110 elements
     with pytest.raises(ConfigError, match="^--fragments 9 exceeds the model's 8 tensors$"):
         fragment_bounds(sizes, 9)
+
+
+def test_the_defaults_are_the_fast_setting_and_auto_fragments_divide_h():
+    """H = 10, int8, 5 fragments: as fast as H = 50 on the simulated hosts (docs/benchmarks.md);
+    --fragments auto is the largest F up to 5 that divides any other H."""
+    s = parse(["--engine", "diloco"])
+    assert (s.local.sync_every, s.local.outer_wire, s.local.fragment_count) == (10, "int8", 5)
+    counts = {h: parse(["--engine", "diloco", "--sync-every", str(h)]).local.fragment_count
+              for h in (1, 4, 7, 12, 50)}  # fmt: skip
+    assert counts == {1: 1, 4: 4, 7: 1, 12: 4, 50: 5}
+    assert parse(["--engine", "diloco", "--fragments", "2"]).local.fragment_count == 2
 
 
 def test_local_steps_follow_speed_beyond_the_noise():
@@ -535,8 +561,12 @@ def test_the_wire_rounds_as_it_says():
         (["--outer-wire", "int4"], "argument --outer-wire: invalid choice: 'int4'"),
         (["--worker-ranks", "abc"], "argument --worker-ranks: not a whole number: 'abc'"),
         (["--worker-ranks", "0"], "argument --worker-ranks: must be positive, got 0"),
-        (["--fragments", "3"], "--fragments 3 does not divide --sync-every 50"),
-        (["--fragments", "0"], "--fragments must be positive, got 0"),
+        (["--fragments", "3"], "--fragments 3 does not divide --sync-every 10"),
+        (["--fragments", "0"], "argument --fragments: must be positive, got 0"),
+        (
+            ["--sync-every", "12", "--fragments", "5"],
+            "--fragments 5 does not divide --sync-every 12",
+        ),
         (["--local-start-step", "-1"], "--local-start-step must not be negative, got -1"),
         (["--local-steps", "fast"], "argument --local-steps: invalid choice: 'fast'"),
         (["--precision", "fp16"], "--engine diloco trains in fp32 or bf16"),
@@ -566,7 +596,7 @@ def test_its_options_have_no_effect_on_another_engine():
     )
     for engine in (["ddp"], ["auto"], ["auto", "--auto-allow", "powersgd"]):
         with pytest.raises(ConfigError) as e:
-            parse(["--engine", *engine, "--sync-every", "10"])
+            parse(["--engine", *engine, "--sync-every", "20"])
         assert str(e.value) == said
 
 
@@ -574,12 +604,12 @@ def test_auto_that_may_choose_diloco_keeps_its_options():
     """--engine auto --auto-allow diloco passes --sync-every and --fragments on to the diloco it may
     choose (they were refused as having no effect), checked as diloco checks them."""
     s = parse(
-        ["--engine", "auto", "--auto-allow", "diloco", "--sync-every", "10", "--fragments", "5"]
+        ["--engine", "auto", "--auto-allow", "diloco", "--sync-every", "20", "--fragments", "4"]
     )
-    assert (s.parallel.engine, s.local.sync_every, s.local.fragments) == ("auto", 10, 5)
-    with pytest.raises(ConfigError, match="^--fragments 3 does not divide --sync-every 10 "):
+    assert (s.parallel.engine, s.local.sync_every, s.local.fragments) == ("auto", 20, 4)
+    with pytest.raises(ConfigError, match="^--fragments 3 does not divide --sync-every 20 "):
         parse(
-            ["--engine", "auto", "--auto-allow", "diloco", "--sync-every", "10", "--fragments", "3"]
+            ["--engine", "auto", "--auto-allow", "diloco", "--sync-every", "20", "--fragments", "3"]
         )
 
 

@@ -135,7 +135,7 @@ def choose_engine(plan: Plan, dev: torch.device) -> dict:
         s.comm.powersgd_rank,
         s.local.sync_every,
         auto_allowed(s),
-        s.local.fragments,
+        s.local.fragment_count,
         cannot_take(plan) if plan.resume else None,  # a resume on a changed cluster
     )
 

@@ -174,7 +174,7 @@ LEARNING_CHANGES = ("diloco", "powersgd")
 
 def check_local_steps(local) -> None:
     """--engine diloco's options among themselves."""
-    if local.sync_every % local.fragments:
+    if local.sync_every % local.fragment_count:
         raise ConfigError(
             f"--fragments {local.fragments} does not divide --sync-every {local.sync_every} "
             "(each fragment syncs once a window, H / F steps after the one before)"

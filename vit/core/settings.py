@@ -14,7 +14,8 @@ from vit.core.onebit import check_opt_name
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DATASETS = ("digits", "glyphs", "glyphs-small", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
-DEFAULT_SYNC_EVERY = 50  # --sync-every
+DEFAULT_SYNC_EVERY = 10  # --sync-every: with 5 fragments and int8, as fast as 50 (benchmarks.md)
+MAX_AUTO_FRAGMENTS = 5  # --fragments auto: the most fragments, each H / F steps after the last
 # fp16's initial loss scale 2^12 (DeepSpeed's 2^16 overflowed on every step in
 DEFAULT_FP16_SCALE_POWER = 12
 #                                users' ViT runs), unless the JSON or --loss-scale auto sets one
@@ -336,9 +337,9 @@ class LocalStepSettings:
         needs="diloco",
     )
     outer_wire: str = option(
-        "fp32",
-        "dtype of the pseudo-gradients on the wire: fp32, bf16 (half the bytes) or int8 (a "
-        "quarter, with a scale per block of 256 values)",
+        "int8",
+        "dtype of the pseudo-gradients on the wire: int8 (a quarter of fp32's bytes, with a "
+        "scale per block of 256 values; it cost no measurable accuracy), bf16 (half) or fp32",
         choices=("fp32", "bf16", "int8"),
         needs="diloco",
     )
@@ -351,13 +352,15 @@ class LocalStepSettings:
         choices=("auto", "proportional", "equal"),
         needs="diloco",
     )
-    fragments: int = option(
-        1,
+    fragments: int | str = option(
+        "auto",
         "sync the model in F fragments (Streaming DiLoCo): fragment f's pseudo-gradient goes on "
         "the wire at its own step of each window and is applied H / F steps later, while the "
-        "workers train on, so no step waits for the link; F divides H",
-        "positive",
+        "workers train on, so no step waits for the link; F divides H. auto: the largest F up "
+        f"to {MAX_AUTO_FRAGMENTS} that divides H ({MAX_AUTO_FRAGMENTS} at the default H)",
         needs="diloco",
+        type=lambda v: v if v == "auto" else positive_int(v),
+        metavar="F|auto",
     )
     worker_ranks: str = option(
         "auto",
@@ -367,6 +370,17 @@ class LocalStepSettings:
         type=parse_worker_ranks,
         metavar="N|host|auto",
     )
+
+    @property
+    def fragment_count(self) -> int:
+        return fragment_count(self.sync_every, self.fragments)
+
+
+def fragment_count(sync_every: int, fragments: int | str) -> int:
+    """--fragments as a number: auto is the largest up to MAX_AUTO_FRAGMENTS that divides H."""
+    if fragments != "auto":
+        return fragments
+    return max(f for f in range(1, MAX_AUTO_FRAGMENTS + 1) if sync_every % f == 0)
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,11 @@ schedule), the global weights and the outer optimizer, so a resume between syncs
 
 --local-steps proportional (ctx.local_steps, from the census): a worker takes its first h of every H
 steps (h in proportion to its speed), draws and drops the batches of the others, and waits at the
-sync; the average weighs each worker's pseudo-gradient by h (the samples it trained on). Without
-fragments, every sync sets the next window's h from each worker's seconds per step in the window
-that ends (Async Local-SGD's dynamic local updates): the census's one timing is noisy where ranks
-share cores, and a GPU's speed can change during a run.
+sync; the average weighs each worker's pseudo-gradient by h (the samples it trained on). The end of
+every window sets the next one's h from each worker's seconds per trained step in it (Async
+Local-SGD's dynamic local updates): the census's one timing is noisy where ranks share cores, and a
+GPU's speed can change during a run. Only the steps' own work is timed, on the training stream, not
+the waits for a fragment or for the other workers.
 
 --fragments F > 1 (Streaming DiLoCo): the parameters in F contiguous fragments of about equal size;
 fragment f goes on the wire after step (f + 1) H / F of each window, in a thread on a process group
@@ -124,14 +125,13 @@ class DiLoCoEngine(Engine):
         self.workers = workers
         self.local_steps = self.by_worker(ctx.local_steps or [self.sync_every] * self.dp_size)
         self.window = self.local_steps  # the window in progress keeps the steps it began with
-        # each sync measures the window for the next one's local steps (not while fragments fly)
-        self.mode = local.local_steps if local.fragments == 1 else "equal"
-        self.window_t0 = None  # when this rank's window began, if it began in this run
-        self.busy_s = None  # from then to the end of its last trained step in the window
+        # each window's end measures it for the next one's local steps
+        self.mode = local.local_steps
+        self.spans = None  # this window's trained steps (start, end), if it began in this run
         self.trained = True  # whether this rank trained in its last step
         self.met = False  # whether every rank met in a sync at the end of the last step
         self.last_loss = torch.zeros((), device=self.device)  # the worker's last trained loss
-        ends = fragment_bounds([p.numel() for p in model.parameters()], local.fragments)
+        ends = fragment_bounds([p.numel() for p in model.parameters()], local.fragment_count)
         self.fragments = [range(a, b) for a, b in zip([0, *ends[:-1]], ends)]
         self.in_flight = None  # (parameters, their mean pseudo-gradient when ready, weights sent)
         if len(self.fragments) > 1:
@@ -154,9 +154,10 @@ class DiLoCoEngine(Engine):
         as_ddp = self.step < self.start
         into = self.step - self.start  # steps into the local phase
         if into >= 0 and into % self.sync_every == 0:
-            self.window = self.local_steps
-            self.window_t0, self.busy_s = time.perf_counter(), None
+            self.window, self.spans = self.local_steps, []
         self.trained = as_ddp or into % self.sync_every < self.window[self.dp_rank]
+        measured = self.trained and self.mode != "equal" and self.spans is not None
+        began = self.clock() if measured else None
         for j in range(self.grad_accum):
             x, y = next(batches)  # drawn where the worker waits too: the data order stays
             if not self.trained:
@@ -187,13 +188,8 @@ class DiLoCoEngine(Engine):
         # every step, trained or not: a worker with fewer local steps follows the run's schedule
         # (else, at 23 of 50 steps, it would end the run near 0.6 of the peak LR)
         self.scheduler.step()
-        last_trained = into % self.sync_every == self.window[self.dp_rank] - 1
-        # timed only where a sync reads it: the device-wide wait would wait for a fragment in flight
-        measured = self.mode != "equal" and self.window_t0 is not None
-        if self.trained and measured and last_trained:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the window's kernels, before the clock
-            self.busy_s = time.perf_counter() - self.window_t0
+        if measured:
+            self.spans.append((began, self.clock()))
         self.step += 1
         self.communicate()
         if self.trained:
@@ -216,8 +212,9 @@ class DiLoCoEngine(Engine):
             self.sync(range(self.fragments[-1].stop))  # every parameter
             self.timer.lap("allreduce_s")
         elif (fragment := self.due(self.step)) is not None:
-            if len(self.fragments) == 1:
+            if into % self.sync_every == 0:
                 self.measure_window()
+            if len(self.fragments) == 1:
                 self.sync(self.fragments[0])
             else:
                 self.finish_in_flight()
@@ -233,9 +230,9 @@ class DiLoCoEngine(Engine):
         """Collective, at a sync of every rank: the next windows' local steps from each rank's
         seconds per trained step in the window that ends (--local-steps' rule, as from the
         census); rank 0 prints them when they change."""
-        if self.mode == "equal" or self.window_t0 is None:  # alike on every rank
+        if self.mode == "equal" or self.spans is None:  # alike on every rank
             return
-        per_step = self.busy_s / self.window[self.dp_rank]
+        per_step = self.busy_s() / self.window[self.dp_rank]
         # on the engine's device: NCCL, the only backend on GPUs, takes no host tensors
         mine = torch.tensor([per_step], dtype=torch.float64, device=self.device)
         times = [torch.zeros_like(mine) for _ in range(self.dp_size)]
@@ -249,6 +246,23 @@ class DiLoCoEngine(Engine):
                 flush=True,
             )
         self.local_steps = steps
+
+    def clock(self):
+        """Now on the training stream: a CUDA event (read at the window's end, so timing adds no
+        host sync to the steps), the wall clock on a CPU."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def busy_s(self) -> float:
+        """Seconds of this window's trained steps: their own work, without the waits between
+        them (a fragment's mean, the other workers) that a window's wall time would count."""
+        if self.device.type != "cuda":
+            return sum(end - start for start, end in self.spans)
+        self.spans[-1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.spans) / 1000
 
     def due(self, step: int) -> int | None:
         """The fragment that goes on the wire after `step`: fragment f at (f + 1) H / F in every
