@@ -35,7 +35,7 @@ Environment (defaults in brackets):
   EVAL_INTERVAL    steps between evaluations [0: only at the end]
   MONITOR_INTERVAL seconds between monitor samples [0.5]
   RUNS             runs to make, space-separated, from ddp zero0..zero3 pipeline async-pipeline diloco
-                   [ddp zero0 zero1 zero2 zero3 pipeline]
+                   [every one: the engine registry's runs, as bench.runs lists them]
   OUT              output folder, relative to the repository root [logs/compare-<date-time>]
   MPIRUN_ARGS      extra mpirun arguments, split on spaces (runs go through scripts/mpirun, which uses
                    MPIRUN [.venv/bin/mpirun] and adds --allow-run-as-root for root)
@@ -63,9 +63,9 @@ PIPELINE_CONFIG=${PIPELINE_CONFIG:-deepspeed_configs/pipeline.json}
 LOG_INTERVAL=${LOG_INTERVAL:-2}
 EVAL_INTERVAL=${EVAL_INTERVAL:-0}
 MONITOR_INTERVAL=${MONITOR_INTERVAL:-0.5}
-RUNS=${RUNS:-ddp zero0 zero1 zero2 zero3 pipeline}
-OUT=${OUT:-logs/compare-$(date +%Y%m%d-%H%M%S)}
 PYTHON=${PYTHON:-$root/.venv/bin/python}
+RUNS=${RUNS:-$("$PYTHON" -c 'from bench.runs import RUNS; print(*RUNS)')}
+OUT=${OUT:-logs/compare-$(date +%Y%m%d-%H%M%S)}
 
 # Paths given relative to where the script was started; the defaults are relative to the repository.
 [ -z "$HOSTFILE" ] || HOSTFILE=$(realpath "$HOSTFILE")

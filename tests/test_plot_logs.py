@@ -371,6 +371,23 @@ def test_help():
     assert r.returncode == 0 and "--out" in r.stdout and "report.html" in r.stdout
 
 
+@pytest.mark.timeout(120)
+def test_compare_script_runs_every_engine_by_default(tmp_path):
+    """Without RUNS, compare.sh runs the registry's every run: the async pipeline and diloco, the
+    engines the README recommends on 1 GbE, were left out. Open MPI is replaced at its outer
+    boundary (MPIRUN) by a script that notes each launch's engine and fails it."""
+    from vit.engines.registry import SPECS
+
+    fake, noted = tmp_path / "mpirun", tmp_path / "launches"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {noted}\nexit 1\n')
+    fake.chmod(0o755)
+    env = {**base_env(), "MPIRUN": str(fake), "OUT": str(tmp_path / "out")}
+    r = run_cmd([str(ROOT / "scripts" / "compare.sh")], timeout=100, env=env)
+    assert r.returncode == 1 and "compare.sh: every run failed" in r.stderr, r.stderr
+    engines = {line.split("--engine ")[1].split()[0] for line in noted.read_text().splitlines()}
+    assert engines == set(SPECS) - {"auto"}, engines
+
+
 @pytest.mark.timeout(60)
 def test_compare_script_help_and_bad_input():
     script = str(ROOT / "scripts" / "compare.sh")

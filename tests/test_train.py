@@ -234,6 +234,19 @@ def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
     assert r.ok, r
     assert "resumed from step8" in r.outputs[0]
     assert sorted(s for s in train_losses(full) if s > 8) == [9, 10]
+    # the step line says how long the steps left take at this run's pace: none left at the last
+    lines = [x for x in r.outputs[0].splitlines() if x.startswith("step ")]
+    assert re.search(r"\| eta \d+:\d\d:\d\d$", lines[0]) and lines[-1].endswith("| eta 0:00:00")
+
+
+def test_the_step_line_gives_the_time_left():
+    from vit.telemetry.metrics import log_line
+
+    line = log_line(10, 880, 2.2695, 4.55e-4, 338.4, 0.1891, 1.16, eta_s=3725.4)
+    assert line == (
+        "step  10/880 | loss 2.2695 | lr 4.55e-04 |    338.4 img/s | step   189.1 ms | "
+        "mem 1.16 GiB | eta 1:02:05"
+    )
 
 
 @pytest.mark.ranks

@@ -190,8 +190,16 @@ class StepStats:
         if self.is_main:
             if sys.stderr.isatty():
                 sys.stderr.write("\r")
+            eta = (self.total_steps - step) * self.train_s / self.steps_done
             line = log_line(
-                step, self.total_steps, self.last_loss, float(self.lr), images_per_s, step_time, mem
+                step,
+                self.total_steps,
+                self.last_loss,
+                float(self.lr),
+                images_per_s,
+                step_time,
+                mem,
+                eta,
             )
             print(line, flush=True)
         self.window_steps, self.window_start, self.window_excluded = 0, time.perf_counter(), 0.0

@@ -86,12 +86,14 @@ def log_line(
     images_per_s: float,
     step_time_s: float,
     mem_gib: float,
+    eta_s: float,
 ) -> str:
-    width = len(str(total))
+    """Rank 0's line on a logging step; eta: the steps left at this run's mean step time so far."""
+    width, eta = len(str(total)), round(eta_s)
     return (
-        f"step {step:>{width}}/{total} | loss {loss:.4f} | lr {lr:.2e} | {images_per_s:8.1f} "
-        f"img/s"
+        f"step {step:>{width}}/{total} | loss {loss:.4f} | lr {lr:.2e} | {images_per_s:8.1f} img/s"
         f" | step {step_time_s * 1e3:7.1f} ms | mem {mem_gib:.2f} GiB"
+        f" | eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
     )
 
 
