@@ -16,6 +16,7 @@ def test_defaults_need_no_command_line():
     # no length given: 40 epochs (vit.config.plan.run_length), or with --resume the run's own
     assert s.train.epochs is None and s.train.steps is None
     assert s.parallel.ds_config.endswith("deepspeed_configs/zero2.json")
+    assert s.checkpoint.save_interval == 1000  # a long run stopped loses at most that many steps
     assert parse(["--engine", "ddp"]).parallel.ds_config.endswith("zero0.json")
     assert s.with_(lr=0.1, engine="pipeline").optim.lr == 0.1
     with pytest.raises(TypeError, match="unknown settings: nope"):

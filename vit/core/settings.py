@@ -525,7 +525,12 @@ class TrainSettings:
 
 @dataclass(frozen=True)
 class CheckpointSettings:
-    save_interval: int = option(0, "steps between checkpoints (0: only at the end)", "non_negative")
+    save_interval: int = option(
+        1000,
+        "steps between checkpoints, besides the last step's (0: only that one); a long run stopped "
+        "for any reason loses at most this many",
+        "non_negative",
+    )
     save_dir: str | None = option(None, "checkpoint folder (default <log-dir>/checkpoints)")
     no_save: bool = option(False, "write no checkpoints")
     keep_checkpoints: int = option(3, "complete checkpoints to keep", "positive")
