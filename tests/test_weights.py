@@ -129,11 +129,17 @@ def umask_mode() -> int:
 @pytest.mark.ranks
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize(
-    "config,ema", [("zero2.json", False), ("zero3.json", False), ("zero3.json", True)]
+    "engine,config,ema",
+    [
+        ("zero", "zero2.json", False),
+        ("zero", "zero3.json", False),
+        ("zero", "zero3.json", True),
+        ("diloco", "zero0.json", False),
+    ],
 )
-def test_fine_tune_then_export_loads_into_timm(tmp_path, timm_file, config, ema):
+def test_fine_tune_then_export_loads_into_timm(tmp_path, timm_file, engine, config, ema):
     """The export of a run, and the same from its last checkpoint (--resume of the complete run with
-    --export)."""
+    --export; DiLoCo's global weights: it said the folder had no ddp.pt)."""
     path, _ = timm_file
     out = tmp_path / "export" / "tuned.safetensors"
     args = [
@@ -147,6 +153,8 @@ def test_fine_tune_then_export_loads_into_timm(tmp_path, timm_file, config, ema)
         path,
         "--steps",
         3,
+        "--engine",
+        engine,
         "--ds-config",
         f"deepspeed_configs/{config}",
         "--log-dir",

@@ -47,7 +47,9 @@ LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
 ASYNC_STAGE_FILE = re.compile(r"^async_stage\d+\.pt$")
 
 
-def _torch_load(path: Path) -> dict:
+def _torch_load(path: Path, wrapper: str | None = None) -> dict:
+    """The state dict in a torch.save file: under `wrapper` if given, else under the usual
+    wrappers of a training checkpoint."""
     try:  # mmap reads torch.save's zip archives only, not its legacy pickles
         state = torch.load(
             path, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(path)
@@ -64,18 +66,19 @@ def _torch_load(path: Path) -> dict:
         raise ConfigError(f"--pretrained-path {path}: {weightfile.torch_problem(path, e)}")
     if isinstance(state, nn.Module):  # torch.save(model)
         state = state.state_dict()
-    # the usual wrappers of a training checkpoint
-    for key in ("state_dict", "model", "module", "model_state"):
+    for key in [wrapper] if wrapper else ("state_dict", "model", "module", "model_state"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
     return state
 
 
-def _checkpoint_folder(d: Path) -> dict:
+def _checkpoint_folder(d: Path, flag: str) -> dict:
     """This project's checkpoint: ddp.pt, ZeRO 0-2's mp_rank_00_model_states.pt, a pipeline's layer
-    files, or an async pipeline's stage files."""
+    files, an async pipeline's stage files, or DiLoCo's global weights (every rank holds them)."""
     if (d / "ddp.pt").is_file():
         return _torch_load(d / "ddp.pt")
+    if (d / "diloco_rank0.pt").is_file():
+        return _torch_load(d / "diloco_rank0.pt", "global")
     layers = sorted(p for p in d.iterdir() if LAYER_FILE.match(p.name))
     if layers:
         return {
@@ -91,33 +94,34 @@ def _checkpoint_folder(d: Path) -> dict:
         state = _torch_load(states)
         if any(v.numel() == 0 for v in state.values() if torch.is_tensor(v)):
             raise ConfigError(
-                f"--pretrained-path {d}: a ZeRO-3 checkpoint holds its weights "
+                f"{flag} {d}: a ZeRO-3 checkpoint holds its weights "
                 f"partitioned; pass the "
                 "run's --export file instead"
             )
         return state
     if (d / "latest").is_file():  # a --save-dir: its checkpoints are the folders inside
         raise ConfigError(
-            f"--pretrained-path {d}: a folder of checkpoints; pass one of them, such "
+            f"{flag} {d}: a folder of checkpoints; pass one of them, such "
             f"as its latest, "
             f"{d / (d / 'latest').read_text().strip()}"
         )
     raise ConfigError(
-        f"--pretrained-path {d}: a folder without ddp.pt, "
+        f"{flag} {d}: a folder without ddp.pt, "
         f"mp_rank_00_model_states.pt, layer files or "
         "async_stage files"
     )
 
 
-def read_state(path: str) -> dict:
-    """The tensors of a weights file or checkpoint folder, under timm's names."""
+def read_state(path: str, flag: str = "--pretrained-path") -> dict:
+    """The tensors of a weights file or checkpoint folder, under timm's names; `flag`: the option
+    that named it, for the errors."""
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"--pretrained-path {path}: no such file")
+        raise ConfigError(f"{flag} {path}: no such file")
     if not os.access(p, os.R_OK):
-        raise ConfigError(f"--pretrained-path {path}: not readable (permission denied)")
+        raise ConfigError(f"{flag} {path}: not readable (permission denied)")
     if p.is_dir():
-        state = _checkpoint_folder(p)
+        state = _checkpoint_folder(p, flag)
     elif p.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -125,17 +129,15 @@ def read_state(path: str) -> dict:
         try:
             state = load_file(str(p))
         except SafetensorError as e:
-            raise ConfigError(f"--pretrained-path {path}: {weightfile.safetensors_problem(p, e)}")
+            raise ConfigError(f"{flag} {path}: {weightfile.safetensors_problem(p, e)}")
     else:
         state = _torch_load(p)
     if not isinstance(state, dict):
-        raise ConfigError(
-            f"--pretrained-path {path}: holds a {type(state).__name__}, not a state dict"
-        )
+        raise ConfigError(f"{flag} {path}: holds a {type(state).__name__}, not a state dict")
     tensors = {k.removeprefix("module."): v for k, v in state.items() if torch.is_tensor(v)}
     if not tensors:
         what, fix = weightfile.describe(state)
-        raise ConfigError(f"--pretrained-path {path}: holds no tensors: {what}; {fix}")
+        raise ConfigError(f"{flag} {path}: holds no tensors: {what}; {fix}")
     state = tensors
     if all(re.match(r"^\d+\.", k) for k in state):  # a layer list's keys: this project's checkpoint
         depth = max(int(k.split(".")[0]) for k in state) - 1
@@ -334,7 +336,7 @@ def export_checkpoint(folder: str, path: str, model_name: str, data, ema: bool) 
             state = get_fp32_state_dict_from_zero_checkpoint(str(d.parent), tag=d.name)
         return export(path, state, model_name, data)
     if not ema:
-        return write_export(path, read_state(folder), model_name, data)
+        return write_export(path, read_state(folder, "--export: checkpoint"), model_name, data)
     files = sorted(d.glob("ema_rank*.pt"))
     if not files:
         raise ConfigError(
