@@ -259,6 +259,11 @@ if [ "${have_hash:-}" = "$want_hash" ] && [ "$installed" = "$build" ] && [ "${ha
   install_fonts
   exit 0
 fi
+# torch's cpp_extension does not quote its paths: DeepSpeed's ops (built in the venv, from its
+# headers there) fail to link from a path with a space, and the first run ends in a traceback.
+case "$(realpath -m "$VENV")" in
+  *[[:space:]]*) fail "the venv's path '$(realpath -m "$VENV")' has a space, which DeepSpeed's op build cannot take (torch's cpp_extension does not quote paths): clone the checkout where the path has none, or give VENV=/a/path/without/spaces" ;;
+esac
 echo "$PROG: torch $build: $reason"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"

@@ -283,6 +283,22 @@ def test_a_different_choice_replaces_torch(tmp_path):
     assert stamp.read_text() == f"{requirement_hash}\n"
 
 
+@pytest.mark.timeout(60)
+def test_a_venv_path_with_a_space_is_refused_in_one_line(tmp_path):
+    """torch's cpp_extension does not quote paths: DeepSpeed's op would fail to link there and the
+    first run end in a traceback. bootstrap.sh says so before it makes anything."""
+    venv = tmp_path / "my checkout" / ".venv"
+    env = {k: v for k, v in base_env(VENV=str(venv)).items() if k != "TORCH_CUDA"}
+    r = run_cmd([BOOTSTRAP], timeout=50, env=dict(env, TORCH_CUDA="cpu"))
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr == (
+        f"bootstrap.sh: the venv's path '{venv}' has a space, which DeepSpeed's op build cannot "
+        "take (torch's cpp_extension does not quote paths): clone the checkout where the path has "
+        "none, or give VENV=/a/path/without/spaces\n"
+    ), r
+    assert not venv.parent.exists()
+
+
 def entry_help(cwd, env):
     """./entry_cn.sh --help, from outside the checkout (so that `python -m` cannot find vit in the
     current folder)."""
