@@ -1,8 +1,8 @@
-"""The GPU acceptance check, in one command for the day a GPU is lent: every engine on one device in
-bf16 and fp16, fp16's loss scaler on an overflow, host syncs per step, --micro-batch-size auto and
-the out-of-memory line, a freeze rebuild's memory, the monitor's GPU samples, and ViT-B/16
-throughput and MFU, compiled and not. Writes gpu.json and gpu.md under --out. Every check is a real
-vit.train run (one process, no launcher) or bench train."""
+"""The GPU acceptance check, in one command for the day a GPU is lent: DiLoCo's side stream and
+timed windows, every engine on one device in bf16 and fp16, fp16's loss scaler on an overflow, host
+syncs per step, --micro-batch-size auto and the out-of-memory line, a freeze rebuild's memory, the
+monitor's GPU samples, and ViT-B/16 throughput and MFU, compiled and not. Writes gpu.json and gpu.md
+under --out. Every check is a real vit.train run (one process, no launcher) or bench train."""
 
 import argparse
 import json
@@ -102,6 +102,36 @@ def engine_runs(a, tmp: Path) -> list[dict]:
         }
     )
     return rows
+
+
+def diloco_runs(a, tmp: Path) -> list[dict]:
+    """DiLoCo's device path on one rank: its default int8 wire and fragments (on a GPU each
+    fragment's all-reduce runs from the sender thread on a CUDA stream of its own, which the
+    training stream waits for only where the fragment is applied) with --local-steps proportional,
+    so every window is timed with CUDA events and its times all-gathered on the device."""
+    log_dir, every = tmp / "diloco-fragments", 5  # 5 fragments: one on the wire after every step
+    precision = "bf16" if a.device == "cuda" else "fp32"
+    where = "on a side CUDA stream" if a.device == "cuda" else "from the sender thread (gloo)"
+    args = ["--engine", "diloco", "--sync-every", every, "--local-steps", "proportional"]
+    rc, out = vit_train(
+        [*args, "--precision", precision, *common(a, 4 * every)], log_dir, a.timeout
+    )
+    values = losses(log_dir) if rc == 0 else []
+    detail = f"loss {values[0]:.3f} -> {values[-1]:.3f}" if values else last_line(out)
+    return [
+        {
+            "check": f"diloco {precision}, 1 rank: 5 fragments {where}, timed windows",
+            "exit": rc,
+            "ok": rc == 0 and learns(values),
+            "detail": detail,
+        },
+        {
+            "check": "diloco, 2 workers on one GPU",
+            "ok": None,
+            "detail": "not run: NCCL refuses two ranks on one device; the wire's int8 exchange "
+            "needs two (tests/test_diloco.py runs it on gloo)",
+        },
+    ]
 
 
 OVERFLOW_STEPS = 40  # from 2^32 the scale halves each skipped step: about 20 steps go to skipping
@@ -407,6 +437,7 @@ def run(a) -> int:
 
 
 CHECKS = {
+    "diloco": diloco_runs,  # first: the engine no GPU has run with more than one rank
     "engines": engine_runs,
     "overflow": lambda a, logs: [overflow_run(a, logs)],
     "syncs": sync_runs,
@@ -416,7 +447,7 @@ CHECKS = {
     "freeze": freeze_and_monitor_runs,
 }
 # the others measure what only a GPU has: stream syncs, device memory, NVML
-CPU_CHECKS = ("engines", "overflow")
+CPU_CHECKS = ("diloco", "engines", "overflow")
 
 
 def check_list(text: str) -> list[str]:
