@@ -224,20 +224,23 @@ class StopOnSignal:
         if not self.plan.job.is_main:
             time.sleep(2.0)
             os._exit(130)
-        print(f"{PROG}: {self.where()}", file=sys.stderr, flush=True)
+        print(f"{PROG}: {self.where(signum)}", file=sys.stderr, flush=True)
         os._exit(130)
 
-    def where(self) -> str:
+    def where(self, signum: int) -> str:
+        """Ctrl-C (SIGINT, or SIGUSR1 from scripts/mpirun) interrupts; a SIGTERM is the launcher
+        ending the job (a rank failed or was killed, a second Ctrl-C) or another process's."""
+        how = "stopped by SIGTERM" if signum == signal.SIGTERM else "interrupted"
         step, save_dir = self.watchdog.step if self.watchdog else 0, self.save_dir
         if save_dir is None and not step:
-            return "interrupted before training"
+            return f"{how} before training"
         tags = checkpoint.complete_tags(save_dir) if save_dir and os.path.isdir(save_dir) else []
         resume = (
             f"--resume goes on from {save_dir}/{tags[0]}"
             if tags
             else "no complete checkpoint yet: the run starts over"
         )
-        return f"interrupted at step {step}; {resume}"
+        return f"{how} at step {step}; {resume}"
 
 
 def run(plan: Plan, start_time: float) -> int:
