@@ -520,6 +520,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, small_di
             "the previous checkpoint (step4) is still valid" in output.strip().splitlines()[-1]
         ), r
     assert (small_disk / "latest").read_text() == "step4"
+    assert not list(small_disk.glob(".tmp-*"))  # the failed save's half is gone
     r = launch(
         [
             "--steps",

@@ -241,6 +241,8 @@ def save(
         free_mib = (
             shutil.disk_usage(save_dir).free / 2**20 if os.path.isdir(save_dir) else float("nan")
         )
+        if rank == 0:  # never a checkpoint: nothing half-written stays (rank 0 ends here too)
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"saving checkpoint {tag} in {save_dir} failed on rank {rank} "
             f"({socket.gethostname()}; {free_mib:.1f} MiB free there): {e}; the "

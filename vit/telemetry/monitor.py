@@ -9,6 +9,7 @@ One record per sample (readers ignore unknown fields):
 sample taken within 50 ms of the previous one.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -227,9 +228,13 @@ class Monitor:
         # Every interval_s, and once more at stop, so a run shorter than one interval still has a
         # sample.
         psutil.cpu_percent(None)  # sets this thread's reference point (psutil keeps one per thread)
-        while not self._stop.wait(self.interval_s):
+        try:
+            while not self._stop.wait(self.interval_s):
+                self.sample()
             self.sample()
-        self.sample()
+        except OSError as e:  # a full disk: the run says so where it saves; this thread just stops
+            self._warned = False
+            self._note(f"stopped sampling, its file cannot be written ({e})")
 
     def sample(self) -> dict:
         gpus = []
@@ -277,7 +282,8 @@ class Monitor:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        self._file.close()
+        with contextlib.suppress(OSError):  # the last buffered bytes on a full disk
+            self._file.close()
         if self._gpu:
             self._gpu.close()
 
