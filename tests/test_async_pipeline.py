@@ -428,12 +428,13 @@ def test_resume_is_exact(tmp_path):
 @pytest.mark.ranks
 @pytest.mark.timeout(420)
 def test_a_checkpoint_of_two_stages_resumes_on_one_rank(tmp_path):
-    """The weights and AdamW state by parameter name. A checkpoint drains the pipeline, so with one
-    every step and no per-stage clipping the 2-stage run takes the 1-stage run's steps: the resumed
-    run's next 10 losses are its."""
+    """The weights, AdamW state and --model-ema's average by parameter name. A checkpoint drains
+    the pipeline, so with one every step and no per-stage clipping the 2-stage run takes the 1-stage
+    run's steps: the resumed run's next 10 losses are its."""
     two, one = tmp_path / "two", tmp_path / "one"
     common = ["--engine", "async-pipeline", "--steps", 13, "--log-interval", 1, "--clip-grad", 0]
     common += ["--eval-interval", 0, "--save-interval", 1, "--keep-checkpoints", 20]
+    common += ["--model-ema", "--model-ema-decay", 0.9]
     r = launch([*common, "--pipeline-stages", 2, "--log-dir", two], timeout=300)
     assert r.ok, r
     step3 = two / "checkpoints" / "step3"
@@ -450,6 +451,18 @@ def test_a_checkpoint_of_two_stages_resumes_on_one_rank(tmp_path):
     state = torch.load(one / "checkpoints" / "step4" / "async_stage0.pt", weights_only=False)
     adam = state["optimizer"]["state"]
     assert adam and all(float(st["step"]) == 4 for st in adam.values())
+    # --model-ema's average, each stage's layers taken by name: one step on, it is 0.9 x the saved
+    # one + 0.1 x the weights. (The 2-stage run's own goes on otherwise: stage 0 has not applied a
+    # step's update yet when the average takes its weights.)
+    ema3 = {
+        k: v
+        for f in step3.glob("ema_rank*.pt")
+        for k, v in torch.load(f, weights_only=True).items()
+    }
+    ema4 = torch.load(one / "checkpoints" / "step4" / "ema_rank0.pt", weights_only=True)
+    assert ema4.keys() == ema3.keys() == state["module"].keys()
+    for k, w in state["module"].items():
+        assert torch.allclose(ema4[k], 0.9 * ema3[k] + 0.1 * w, rtol=1e-5, atol=1e-7), k
 
 
 def partial_batch_worker(out: str) -> None:

@@ -2,6 +2,7 @@
 half-loaded, damaged ones are caught, a full disk keeps the previous checkpoint; bad configs are
 refused (in-process, where vit.train refuses them before any process group)."""
 
+import copy
 import json
 import os
 import re
@@ -10,9 +11,12 @@ import signal
 import socket
 import subprocess
 import time
+from collections import OrderedDict
+from types import SimpleNamespace
 
 import psutil
 import pytest
+import torch
 from helpers import (
     MPIRUN,
     ROOT,
@@ -402,6 +406,61 @@ def test_resume_with_other_pipeline_stages_is_refused(tmp_path, monkeypatch):
         "was written by --engine zero at ZeRO stage 0, which --engine ddp does not resume (it "
         "takes the sharded state of stages 1 to 3); resume with --engine zero"
     ) in refusal(monkeypatch, ["--engine", "ddp", "--resume", tmp_path])
+
+
+def test_the_ema_is_taken_by_name_from_any_ranks_file_or_refused_in_one_line(tmp_path, monkeypatch):
+    """vit.loop.checkpoint.load_ema, in-process: this rank's layers from whichever rank's file holds
+    them (the runs that resume on other ranks and stages: test_universal.py); one line where the
+    checkpoint cannot give them."""
+    from torch import nn
+
+    from vit.loop import checkpoint
+    from vit.loop.ema import Ema
+
+    monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 0)
+    layers = [nn.Linear(2, 3), nn.Linear(3, 4)]
+
+    def ema_holding(held):  # --model-ema on a rank (a pipeline stage) that holds layers `held`
+        module = nn.Sequential(OrderedDict((str(i), layers[i]) for i in held))
+        engine = SimpleNamespace(device=torch.device("cpu"), live_module=lambda: module)
+        return Ema(copy.deepcopy(layers), engine, 0.9)
+
+    def load(saved: dict) -> Ema:
+        shutil.rmtree(tmp_path / "step4", ignore_errors=True)
+        (tmp_path / "step4").mkdir()
+        for rank, state in saved.items():
+            torch.save(state, tmp_path / "step4" / f"ema_rank{rank}.pt")
+        ema = ema_holding([0, 1])
+        checkpoint.load_ema(ema, tmp_path / "step4")
+        return ema
+
+    stages = {
+        r: {k: torch.randn_like(v) for k, v in ema_holding([r]).state_dict().items()}
+        for r in (0, 1)
+    }
+    got = load(stages).state_dict()  # two stages' files into one
+    assert got.keys() == {**stages[0], **stages[1]}.keys()
+    assert all(torch.equal(v, stages[int(k[0])][k]) for k, v in got.items())
+    where = tmp_path / "step4"
+    for saved, said in [
+        (
+            {},
+            f"{where} holds no EMA weights (written without --model-ema); resume without "
+            "--model-ema",
+        ),
+        (
+            {0: stages[0]},
+            f"{where}'s EMA weights do not fit this rank's layers: 1.weight is missing, the "
+            "model's is (4, 3) (2 of its tensors missing or of another shape); resume on the "
+            "layout that wrote it, or without --model-ema",
+        ),
+        (
+            {0: stages[0], 1: {**stages[1], "1.bias": torch.zeros(5)}},
+            "1.bias is (5,), the model's is (4,) (1 of its tensors",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            load(saved)
 
 
 def as_a_terminal_starts_it() -> None:

@@ -3,12 +3,14 @@ other stages (vit.loop.universal: DeepSpeed's universal checkpoint, converted by
 the resume): the same losses as the run that goes on on its own ranks, the global batch kept."""
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import MPIRUN, ROOT, base_env, launch, run_cmd, train_losses
 
 COMMON = ["--steps", 6, "--log-interval", 1, "--monitor-interval", 0, "--eval-interval", 0]
+EMA = ["--model-ema", "--model-ema-decay", 0.9]  # far enough from the weights in 3 steps
 
 
 @pytest.mark.ranks
@@ -90,15 +92,20 @@ def test_a_zero_checkpoint_resumes_under_ddp_with_its_adam_state(tmp_path, stage
     ddp4 = torch.load(ddp / "checkpoints" / "step4" / "ddp.pt", weights_only=False)
     assert zero4.keys() <= ddp4["model"].keys()
     for name, w in zero4.items():
-        got = ddp4["model"][name]
-        if name.endswith("attn.qkv.bias"):
-            # the key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by
-            # a row), so AdamW's update of it is the sign of rounding noise: compare q and v only
-            q, _, v = got.chunk(3)
-            got, w = torch.cat([q, v]), torch.cat([w.chunk(3)[0], w.chunk(3)[2]])
+        got, w = comparable(name, ddp4["model"][name]), comparable(name, w)
         assert torch.allclose(got, w, rtol=1e-5, atol=1e-7), name
     adam = ddp4["optimizer"]["state"]
     assert len(adam) == len(zero4) and all(float(st["step"]) == 4 for st in adam.values())
+
+
+def comparable(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What of a parameter another summation order of the gradients keeps: the attention's key
+    bias has a gradient of zero in exact arithmetic (softmax ignores a shift shared by a row), so
+    AdamW's update of it is the sign of rounding noise: of the qkv bias, q and v only."""
+    if not name.endswith("attn.qkv.bias"):
+        return tensor
+    q, _, v = tensor.chunk(3)
+    return torch.cat([q, v])
 
 
 def universal_state(tmp_path, checkpoint, name) -> dict:
@@ -164,3 +171,56 @@ def test_a_pipeline_checkpoint_resumes_on_one_rank_and_on_two_stages_by_two(tmp_
             # (1.6e-6 off on values of 1e-2 here): within 1e-3 of each tensor's largest value
             atol = 1e-7 if ranks == 1 else 1e-3 * float(value.abs().max())
             assert torch.allclose(got6[key], value, rtol=1e-5, atol=atol), (ranks, key)
+
+
+def assert_same_ema(checkpoint, want_checkpoint) -> None:
+    """Every rank's --model-ema file in `checkpoint` holds the whole model's average, equal to the
+    one the ranks of `want_checkpoint` held between them (its stages' files joined) to rel 1e-5
+    (the key bias aside: `comparable`)."""
+    want = {
+        k: v
+        for f in Path(want_checkpoint).glob("ema_rank*.pt")
+        for k, v in torch.load(f, weights_only=True).items()
+    }
+    files = sorted(Path(checkpoint).glob("ema_rank*.pt"))
+    assert files and want
+    for f in files:
+        got = torch.load(f, weights_only=True)
+        assert got.keys() == want.keys(), f
+        for key, value in want.items():
+            got_key, want_key = comparable(key, got[key]), comparable(key, value)
+            assert torch.allclose(got_key, want_key, rtol=1e-5, atol=1e-7), (f.name, key)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(600)
+def test_the_ema_follows_a_zero_checkpoint_onto_one_and_three_ranks(tmp_path):
+    """--model-ema's average is taken by name from whichever rank saved it: 3 steps on, on 1 rank
+    and on 3 it is the uninterrupted 2-rank run's (before: rank 2 stopped, 'holds no EMA
+    weights')."""
+    first = tmp_path / "first"
+    # global batch 12: 6 x 1 on each of 2 ranks, 6 x 2 on 1, 4 x 1 on 3
+    args = [*COMMON, *EMA, "--micro-batch-size", 6, "--save-interval", 3]
+    r = launch([*args, "--log-dir", first], timeout=240)
+    assert r.ok, r
+    for ranks in (1, 3):
+        out = tmp_path / f"on{ranks}"
+        r = launch([*args, "--resume", first / "checkpoints" / "step3", "--log-dir", out], ranks)
+        assert r.ok, r
+        assert_same_ema(out / "checkpoints" / "step6", first / "checkpoints" / "step6")
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(600)
+def test_the_ema_follows_a_pipeline_of_two_stages_onto_one(tmp_path):
+    """Each stage saved the average of its layers; one stage takes them all, by name, and 3 steps
+    on holds the 2-stage run's (before: stage 0's layers loaded strictly into the whole model, a
+    traceback). The async pipeline's: tests/test_async_pipeline.py."""
+    first, one = tmp_path / "first", tmp_path / "one"
+    args = [*COMMON, *EMA, "--engine", "pipeline", "--save-interval", 3]
+    r = launch([*args, "--pipeline-stages", 2, "--log-dir", first], timeout=240)
+    assert r.ok, r
+    step3 = first / "checkpoints" / "step3"
+    r = launch([*args, "--pipeline-stages", 1, "--resume", step3, "--log-dir", one], 1)
+    assert r.ok, r
+    assert_same_ema(one / "checkpoints" / "step6", first / "checkpoints" / "step6")

@@ -308,14 +308,40 @@ def load(engine, save_dir: str, tag: str, ema=None, universal: bool = False) -> 
     rng = Path(save_dir) / tag / f"rng_rank{dist.get_rank()}.pt"
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))
-    ema_file = Path(save_dir) / tag / f"ema_rank{dist.get_rank()}.pt"
     if ema is not None:
-        if not ema_file.is_file():
-            raise CheckpointError(
-                f"{ema_file.parent} holds no EMA weights (written without --model-ema)"
-            )
-        ema.load_state_dict(torch.load(ema_file, map_location=engine.device, weights_only=True))
+        load_ema(ema, Path(save_dir) / tag)
     return client_state
+
+
+def load_ema(ema, folder: Path) -> None:
+    """--model-ema's average of the layers this rank holds, by name (a layer's global index), from
+    whichever rank's file holds them: each data-parallel copy saved its whole model or its pipeline
+    stage, so another number of ranks or stages finds every name it needs (this rank's own file
+    first: on the same layout the only one read)."""
+    own = f"ema_rank{dist.get_rank()}.pt"
+    files = sorted(folder.glob("ema_rank*.pt"), key=lambda f: (f.name != own, f.name))
+    if not files:
+        raise ConfigError(
+            f"{folder} holds no EMA weights (written without --model-ema); resume without "
+            "--model-ema"
+        )
+    want, found = ema.state_dict(), {}
+    for f in files:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+        found.update({k: v for k, v in state.items() if k in want and k not in found})
+        if len(found) == len(want):
+            break
+    missing = [k for k in want if k not in found]
+    misfit = [k for k in want if k in found and found[k].shape != want[k].shape]
+    if missing or misfit:
+        k = (missing or misfit)[0]
+        held = tuple(found[k].shape) if k in found else "missing"
+        raise ConfigError(
+            f"{folder}'s EMA weights do not fit this rank's layers: {k} is {held}, the model's is "
+            f"{tuple(want[k].shape)} ({len(missing) + len(misfit)} of its tensors missing or of "
+            "another shape); resume on the layout that wrote it, or without --model-ema"
+        )
+    ema.load_state_dict(found)
 
 
 class Checkpointer:
