@@ -437,7 +437,7 @@ def run(a) -> int:
 
 
 CHECKS = {
-    "diloco": diloco_runs,  # first: the engine no GPU has run with more than one rank
+    "local-steps": diloco_runs,  # first: DiLoCo, which no GPU has run with more than one rank
     "engines": engine_runs,
     "overflow": lambda a, logs: [overflow_run(a, logs)],
     "syncs": sync_runs,
@@ -447,7 +447,7 @@ CHECKS = {
     "freeze": freeze_and_monitor_runs,
 }
 # the others measure what only a GPU has: stream syncs, device memory, NVML
-CPU_CHECKS = ("diloco", "engines", "overflow")
+CPU_CHECKS = ("local-steps", "engines", "overflow")
 
 
 def check_list(text: str) -> list[str]:

@@ -462,11 +462,11 @@ def test_gpu_acceptance_refuses_a_machine_without_cuda_and_judges_its_rows(tmp_p
         assert capsys.readouterr().err == ""
         assert not list(tmp_path.iterdir())
     e = refusal(["gpu", "--device", "cpu", "--checks", "engines,syncs", "--out", str(tmp_path)])
-    said = "bench gpu: --checks syncs need a GPU; on a CPU only diloco,engines,overflow run"
+    said = "bench gpu: --checks syncs need a GPU; on a CPU only local-steps,engines,overflow run"
     assert e.code == said
     assert capsys.readouterr().err == ""
     e = refusal(["gpu", "--checks", "engines,nope"])
-    assert e.code == 2 and "unknown check 'nope'; choose from diloco,engines,overflow," in (
+    assert e.code == 2 and "unknown check 'nope'; choose from local-steps,engines,overflow," in (
         capsys.readouterr().err
     )
     assert not list(tmp_path.iterdir())

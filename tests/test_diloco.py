@@ -357,21 +357,22 @@ def steps_changed(output: str, sync_every: int) -> dict[int, list[int]]:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("fragments", [1, 2])
 def test_a_sync_measures_the_next_windows_and_a_resume_keeps_the_checkpoints(tmp_path, fragments):
-    """Rank 1 slowed x3, saved at step 6, resumed with rank 0 slowed x3 instead: the resumed run
+    """Rank 1 slowed x5, saved at step 6, resumed with rank 0 slowed x5 instead: the resumed run
     goes on with the checkpoint's local steps (not its own census's) through the window it did not
     time whole (to step 8) and the next; the end of the window of step 12 gives rank 0 the fewer
     steps, with fragments too (they kept the census's steps for the whole run). The losses are the
     emulator's on that schedule."""
     first, second, H = tmp_path / "first", tmp_path / "second", 4
     common = ["--engine", "diloco", "--sync-every", H, "--log-interval", 1, "--steps", 16, *PAPER]
-    common += [*EXACT, "--fragments", fragments]
-    slow1 = ["--simulate-slowdown", "1=3", "--save-interval", 6, "--log-dir", first]
+    # x5 and proportional: on a loaded machine x3 looked like 1.3x to auto (within its noise band)
+    common += [*EXACT, "--fragments", fragments, "--local-steps", "proportional"]
+    slow1 = ["--simulate-slowdown", "1=5", "--save-interval", 6, "--log-dir", first]
     r = launch([*common, *slow1], timeout=300)
     assert r.ok, r
     census = json.loads((first / "cluster.json").read_text())["local_steps"]
     before = steps_changed(r.outputs[0], H)
     step6 = first / "checkpoints" / "step6"
-    slow0 = ["--simulate-slowdown", "0=3", "--resume", step6, "--log-dir", second]
+    slow0 = ["--simulate-slowdown", "0=5", "--resume", step6, "--log-dir", second]
     r = launch([*common, *slow0], timeout=300)
     assert r.ok, r
     after = steps_changed(r.outputs[0], H)
