@@ -14,7 +14,8 @@ Usage: setup/setup_ssh.sh [--help] [HOSTFILE]
    authorized_keys.
 4. Proves BatchMode login (no password, no prompt) from here to every host and from every host to
    every other, all at once, and records each host key on first contact. Lists every failing pair.
-Safe to run again: nothing is added twice.
+Safe to run again: nothing is added twice. A hostfile of one host named by loopback (the shipped
+localhost slots=2) needs no ssh, as mpirun starts its ranks without it: nothing to do.
 
 Environment: HOSTFILE (default setup/hosts.txt), SSH_KEY (default ~/.ssh/id_ed25519: keep a name
 ssh tries by itself, since mpirun runs plain ssh), SSH_TIMEOUT (connect timeout, default 5 s),
@@ -24,6 +25,11 @@ USAGE
 # shellcheck source=setup/common.sh
 . "$(dirname "$0")/common.sh"
 hostfile_opening "$@"
+if [ "${#HOSTS[@]}" -eq 1 ] && is_local "${HOSTS[0]}"; then
+  echo "$PROG: ok: $HOSTFILE names only this machine (${HOSTS[0]}), where mpirun starts its ranks" \
+    "without ssh: nothing to set up (list your hosts there first for a cluster: docs/cluster-setup.md)"
+  exit 0
+fi
 SSH_KEY=${SSH_KEY:-$HOME/.ssh/id_ed25519}
 
 if [ ! -f "$SSH_KEY" ]; then

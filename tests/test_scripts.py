@@ -9,7 +9,16 @@ import subprocess
 import time
 
 import pytest
-from helpers import MPIRUN, ROOT, base_env, plugin_env, run_cmd, start_group, stop_group
+from helpers import (
+    MPIRUN,
+    ROOT,
+    base_env,
+    plan_in_process,
+    plugin_env,
+    run_cmd,
+    start_group,
+    stop_group,
+)
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 
@@ -199,24 +208,108 @@ def test_doctor_lives_in_setup():
     assert not (ROOT / "scripts" / "doctor.sh").exists()
     r = run_cmd([str(ROOT / "setup" / "doctor.sh"), "--help"], timeout=20)
     assert r.returncode == 0 and r.stdout.startswith(
-        "Usage: setup/doctor.sh [--help] [--link] [NP]"
+        "Usage: setup/doctor.sh [--help] [--link | --recommend MBIT] [NP]"
     ), r
 
 
 @pytest.mark.timeout(60)
 def test_doctor_on_the_shipped_hostfile_needs_no_ssh(tmp_path):
     # The shipped hostfile runs 2 ranks on localhost, where mpirun needs no ssh: neither does
-    # doctor.sh. An ssh that always fails stands in for a machine without sshd.
-    (tmp_path / "ssh").write_text(
-        "#!/bin/sh\necho 'ssh: connect to host port 22: Connection refused' >&2\nexit 255\n"
-    )
-    (tmp_path / "ssh").chmod(0o755)
-    env = base_env(
-        PATH=f"{tmp_path}:{os.environ['PATH']}", HOSTFILE=str(ROOT / "setup" / "hosts.txt")
-    )
-    env.pop("MASTER_ADDR", None)
+    # doctor.sh.
+    env = no_sshd_env(tmp_path, HOSTFILE=str(ROOT / "setup" / "hosts.txt"))
     r = run_cmd([str(ROOT / "setup" / "doctor.sh")], timeout=50, env=env)
     assert r.returncode == 0 and "doctor.sh: ok: 2 rank(s) over 1 host(s)" in r.stdout, r
+
+
+# a command doctor.sh recommends: its ranks, hostfile and training options
+COMMAND = r"scripts/mpirun -np (\d+) --hostfile (\S+) \./entry_cn\.sh ([^,;\n]+)"
+
+
+def no_sshd_env(tmp_path, **extra) -> dict:
+    """A machine without sshd: an ssh (and ssh-copy-id) that always fail, HOME in tmp_path so that
+    nothing touches the real ~/.ssh."""
+    for name in ("ssh", "ssh-copy-id"):
+        (tmp_path / name).write_text(
+            "#!/bin/sh\necho 'ssh: connect to host port 22: Connection refused' >&2\nexit 255\n"
+        )
+        (tmp_path / name).chmod(0o755)
+    env = base_env(PATH=f"{tmp_path}:{os.environ['PATH']}", HOME=str(tmp_path), **extra)
+    env.pop("MASTER_ADDR", None)
+    return env
+
+
+@pytest.mark.timeout(120)
+def test_the_setup_scripts_leave_the_shipped_hostfile_working(tmp_path):
+    # issue 53's new user: setup_ssh.sh failed on localhost (no sshd), make_hostfile.sh rewrote the
+    # shipped file to "localhost slots=1" without its comments (then -np 2 was refused), and
+    # doctor.sh --link exited 1 on one host. A copy of the shipped hostfile, as a user runs them.
+    hostfile = tmp_path / "hosts.txt"
+    shipped = (ROOT / "setup" / "hosts.txt").read_text()
+    hostfile.write_text(shipped)
+    env = no_sshd_env(tmp_path, HOSTFILE=str(hostfile))
+    r = run_cmd([str(ROOT / "setup" / "setup_ssh.sh")], timeout=30, env=env)
+    assert r.returncode == 0 and "setup_ssh.sh: ok: " in r.stdout, r
+    assert not (tmp_path / ".ssh").exists()  # no key made for nothing
+    r = run_cmd([str(ROOT / "setup" / "make_hostfile.sh")], timeout=30, env=env)
+    assert r.returncode == 0 and hostfile.read_text() == shipped, r
+    r = run_cmd([str(ROOT / "setup" / "doctor.sh"), "--link"], timeout=50, env=env)
+    assert r.returncode == 0, r
+    assert r.stdout.splitlines()[-1] == (
+        'doctor.sh: one host (localhost): no link between hosts; the row "10 GbE or faster, or '
+        f'one host" of docs/ethernet.md: scripts/mpirun -np 2 --hostfile {hostfile} '
+        "./entry_cn.sh --engine ddp"
+    ), r
+
+
+@pytest.mark.timeout(60)
+def test_doctor_refuses_a_host_listed_twice(tmp_path):
+    # Open MPI refuses such a hostfile (exit 250: "multiple definitions of the slot count")
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost slots=1\nlocalhost slots=1\n")
+    r = run_cmd(
+        [str(ROOT / "setup" / "doctor.sh")],
+        timeout=50,
+        env=no_sshd_env(tmp_path, HOSTFILE=str(hostfile)),
+    )
+    assert r.returncode == 1 and (
+        f"- {hostfile}: localhost listed more than once, which Open MPI refuses" in r.stderr
+    ), r
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("slots", [[1] * 5, [2, 1, 1]], ids=["5x1", "2-1-1"])
+def test_doctor_recommends_runnable_commands_with_where_their_numbers_ran(
+    tmp_path, monkeypatch, slots
+):
+    # issue 53: doctor.sh recommended --pipeline-stages <hosts> without --grad-accum (4
+    # micro-batches for 5 stages), quoted "6.2x" with no word of where it ran, and left out diloco.
+    # Each command it prints now plans as printed (vit.config.plan, as rank 0 of its -np ranks),
+    # the pipelines with at least two micro-batches per stage.
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("".join(f"cn{i} slots={n}\n" for i, n in enumerate(slots)))
+    planned = []
+    for mbit in (940, 3000, 10000):
+        r = run_cmd(
+            [str(ROOT / "setup" / "doctor.sh"), "--recommend", str(mbit)],
+            timeout=30,
+            env=base_env(HOSTFILE=str(hostfile)),
+        )
+        assert r.returncode == 0 and r.stderr == "", r
+        said = r.stdout
+        if mbit == 940:
+            assert "--engine diloco --sync-every 10 --fragments 5 --outer-wire int8" in said
+            where = "images/s against plain DDP's on five simulated hosts (CPU ranks in network"
+            assert where in said and said.index(where) < said.index("6.2x"), said
+        for np_, where, args in re.findall(COMMAND, said):
+            assert (int(np_), where) == (sum(slots), str(hostfile)), said
+            plan = plan_in_process(
+                monkeypatch, [*args.split(), "--log-dir", tmp_path / "run"], world_size=int(np_)
+            )
+            planned.append(args)
+            stages = plan.shape["pipeline_stages"]
+            if stages > 1:
+                assert plan.batch.grad_accum >= 2 * stages, (args, plan.batch)
+    assert len(planned) == 4 + 2 + 3, planned  # the commands at 1 GbE, 3 Gbit/s and 10 GbE
 
 
 @pytest.mark.timeout(30)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MPIRUN, ROOT, base_env, launch, run_cmd, train_losses
+from helpers import MPIRUN, ROOT, base_env, launch, plugin_env, run_cmd, train_losses
 
 COMMON = ["--steps", 6, "--log-interval", 1, "--monitor-interval", 0, "--eval-interval", 0]
 EMA = ["--model-ema", "--model-ema-decay", 0.9]  # far enough from the weights in 3 steps
@@ -59,6 +59,65 @@ def test_a_zero_checkpoint_resumes_on_fewer_and_more_ranks(tmp_path, config):
     got6 = universal_state(tmp_path, four / "checkpoints" / "step6", "four")
     for key, value in want6.items():
         assert torch.allclose(got6[key], value, rtol=1e-5, atol=1e-3 * float(value.abs().max()))
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(600)
+def test_a_zero3_resume_the_mend_does_not_fit_is_refused(tmp_path):
+    """vit.engines.zero.engine's checks before it mends DeepSpeed's ZeRO-3 universal load: this
+    run's parameter groups against the checkpoint's (another --layer-decay: another number of
+    groups; another --weight-decay: the same number, other values), and the DeepSpeed release
+    against the ones the mend was verified on. Each: one line on rank 0, exit 2. Before: another
+    --weight-decay trained on with the checkpoint's (exit 0); another --layer-decay stopped at step
+    0 with torch's LR scheduler's "zip() argument 2 is shorter than argument 1" (exit 1)."""
+    first = tmp_path / "first"
+    ds = ["--ds-config", "deepspeed_configs/zero3.json"]
+    r = launch([*COMMON, *ds, "--save-interval", 3, "--log-dir", first], timeout=240)
+    assert r.ok, r
+    step3 = first / "checkpoints" / "step3"
+    at = "checkpoint step3, loaded through DeepSpeed's universal checkpoint: "
+    for case, (extra, env, said) in enumerate(
+        [
+            (
+                ["--weight-decay", 0.1],
+                None,
+                f"{at}parameter group 0 has learning rate 0.002 and weight decay 0.05 there, 0.002 "
+                "and 0.1 in this run: resume with the run's",
+            ),
+            (
+                ["--layer-decay", 0.75],
+                None,
+                f"{at}its optimizer has 2 parameter groups, this run's 12 (--layer-decay makes one "
+                "pair per layer): resume with the run's --lr, --layer-decay and --weight-decay",
+            ),
+            (
+                [],
+                plugin_env(deepspeed_version="0.20.0"),
+                "checkpoint step3: ZeRO-3 state of another number of ranks, and DeepSpeed 0.20.0's "
+                "universal load is not one this project has checked",
+            ),
+        ]
+    ):
+        again = tmp_path / f"again{case}"
+        args = [*COMMON, *ds, *extra, "--resume", step3, "--log-dir", again]
+        r = launch(args, nprocs=1, env=env)
+        assert r.returncodes == [2], r
+        assert said in r.outputs[0] and "Traceback" not in r.outputs[0], r
+        assert not list(again.glob("checkpoints/step*")), r  # nothing trained, nothing saved
+
+
+@pytest.mark.timeout(60)
+def test_groups_the_load_left_otherwise_than_saved_are_refused():
+    """The check after the load (vit.engines.zero.engine.check_loaded), on what DeepSpeed 0.19.8's
+    ZeRO-3 load leaves before the mend: group 0's settings on every group."""
+    from vit.core.errors import ConfigError
+    from vit.engines.zero.engine import check_loaded
+
+    saved = [{"lr": 1e-3, "weight_decay": 0.05}, {"lr": 1e-3, "weight_decay": 0.0}]
+    check_loaded([dict(g) for g in saved], saved, "step3")
+    said = "left parameter group 1 with learning rate 0.001 and weight decay 0.05, the checkpoint's"
+    with pytest.raises(ConfigError, match=said):
+        check_loaded([dict(saved[0]), dict(saved[0])], saved, "step3")
 
 
 @pytest.mark.ranks
