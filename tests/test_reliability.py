@@ -23,12 +23,13 @@ from helpers import (
     mpi_rank_process,
     plan_in_process,
     plugin_env,
+    read_jsonl,
     stop_group,
     train_losses,
     wait_for,
 )
 
-from vit.core.errors import ConfigError
+from vit.core.errors import CannotGoOn, ConfigError
 
 CHECKPOINTED = ["--steps", 8, "--log-interval", 1, "--save-interval", 4]
 
@@ -401,6 +402,84 @@ def test_resume_with_other_pipeline_stages_is_refused(tmp_path, monkeypatch):
         "was written by --engine zero at ZeRO stage 0, which --engine ddp does not resume (it "
         "takes the sharded state of stages 1 to 3); resume with --engine zero"
     ) in refusal(monkeypatch, ["--engine", "ddp", "--resume", tmp_path])
+
+
+def test_a_pipeline_on_ranks_its_stages_do_not_divide_names_the_stages_that_resume_it(
+    tmp_path, monkeypatch
+):
+    """--pipeline-stages 3 resumed on 2 ranks (a host gone, by hand): exit 3 (CannotGoOn, which
+    retry.sh waits on), naming the stage count that resumes the checkpoint: 2, where the engine
+    restages it (ZeRO-1's pipeline, through the universal checkpoint), else the ranks it needs. It
+    was `--pipeline-stages 3 does not divide the world size 2`, exit 2."""
+    tag = tmp_path / "step10"
+    tag.mkdir()
+    saved = {"step": 10, "tag": "step10", "files": {}, "engine": "pipeline", "config_hash": "x"}
+    layout = {"pipeline_stages": 3, "world_size": 3, "data_parallel_size": 1}
+    args = ["--engine", "pipeline", "--pipeline-stages", 3, "--resume", tmp_path]
+    for zero, said in [
+        (1, ": --pipeline-stages 2 resumes its checkpoint on these ranks (restaged)"),
+        (0, ": its ZeRO-0 checkpoint of 3 stages goes on only on a multiple of 3 ranks"),
+    ]:
+        (tag / "manifest.json").write_text(json.dumps({**saved, **layout, "zero_stage": zero}))
+        with pytest.raises(CannotGoOn) as e:
+            plan_in_process(monkeypatch, args, 2)
+        assert str(e.value) == f"--pipeline-stages 3 does not divide the world size 2{said}"
+        assert e.value.exit_status == 3
+
+
+UNEVEN = ["--steps", 4, "--save-interval", 2, "--log-interval", 1, "--eval-interval", 0]
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("engine", "saved", "said"),
+    [
+        ("zero", 64, "unequal micro-batches [22, 21, 21] x grad accum 1, each rank's loss weighed"),
+        ("ddp", 160, "unequal micro-batches [14, 13, 13] x grad accum 4, each rank's loss weighed"),
+        ("auto", 64, "unequal micro-batches [22, 21, 21] x grad accum 1, each rank's loss weighed"),
+        ("diloco", 64, "global batch 63, the nearest they divide: micro-batch 21 x grad accum 1;"),
+    ],
+    ids=["zero-64", "ddp-160", "auto-64", "diloco-64"],
+)
+def test_a_resume_on_ranks_that_do_not_divide_the_global_batch_goes_on(
+    tmp_path, engine, saved, said
+):
+    """A 2-rank run resumed on 3 ranks (64 over 3; 160 over 3, the README's 5 hosts down to 3, at
+    micro-batch 16 x 5): it was refused (`was trained with global batch 64, this run's is 96`,
+    exit 2) for every engine. zero, ddp and auto keep the global batch with unequal shares, each
+    rank's loss weighed by its share: the 2-rank run's losses and learning rates. DiLoCo (whose
+    workers average their own batches) goes on at the nearest global batch the ranks divide, its
+    LR schedule at the same step. One line says which."""
+    args = [*UNEVEN, "--monitor-interval", 0, "--engine", engine]
+    if saved == 160:
+        micro = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 5}
+        args += ["--ds-config", ds_config(tmp_path, **micro)]
+    if engine == "diloco":
+        args += ["--sync-every", 2]
+    first, three = tmp_path / "first", tmp_path / "three"
+    r = launch([*args, "--log-dir", first], timeout=400)
+    assert r.ok, r
+    step2 = first / "checkpoints" / "step2"
+    r = launch([*args, "--resume", step2, "--log-dir", three], nprocs=3, timeout=400)
+    assert r.ok, r
+    kept = [
+        line for line in r.outputs[0].splitlines() if "--resume: the checkpoint's global" in line
+    ]
+    assert len(kept) == 1 and said in kept[0], r.outputs[0][-3000:]
+    config = json.loads((three / "config.json").read_text())
+    assert config["global_batch"] == (63 if engine == "diloco" else saved)
+    assert json.loads((first / "config.json").read_text())["global_batch"] == saved
+    want, got = train_records(first), train_records(three)
+    assert sorted(got) == [3, 4] and all(got[s]["lr"] == want[s]["lr"] for s in got)
+    if engine != "diloco":
+        assert all(got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-4) for s in got)
+
+
+def train_records(log_dir) -> dict[int, dict]:
+    return {
+        r["step"]: r for r in read_jsonl(log_dir / "metrics_rank0.jsonl") if r["kind"] == "train"
+    }
 
 
 def as_a_terminal_starts_it() -> None:
