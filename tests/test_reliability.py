@@ -427,6 +427,31 @@ def test_a_pipeline_on_ranks_its_stages_do_not_divide_names_the_stages_that_resu
         assert e.value.exit_status == 3
 
 
+@pytest.mark.parametrize(
+    ("engine", "three"),
+    [("zero", ((27, 27, 26), 27, 2, 160)), ("diloco", (None, 27, 2, 162))],
+)
+def test_the_readmes_batch_of_160_goes_on_on_4_then_3_hosts(tmp_path, monkeypatch, engine, three):
+    """The README's recovery example, 5 hosts at micro-batch 32 (global batch 160) resumed on 4 and
+    then on 3 (docs/reliability.md, "My workstation is down"): 20 x 2 on 4; on 3, which it refused
+    (160 % 3), unequal shares 27 + 27 + 26 x 2 for ZeRO, and for DiLoCo, which splits no batch
+    unequally, 162 = 27 x 2 x 3, the nearest in the fewest micro-steps (not 159 = 1 x 53 x 3)."""
+    fresh = plan_in_process(monkeypatch, ["--engine", engine], 5)
+    assert fresh.batch.global_size == 160
+    tag = tmp_path / "step10"
+    tag.mkdir()
+    saved = {"step": 10, "tag": "step10", "files": {}, **fresh.checkpoint_meta()}
+    (tag / "manifest.json").write_text(json.dumps(saved))
+    args = ["--engine", engine, "--resume", tmp_path]
+    on4 = plan_in_process(monkeypatch, args, 4).batch
+    assert (on4.split, on4.micro_batch, on4.grad_accum, on4.global_size) == (None, 20, 2, 160)
+    on3 = plan_in_process(monkeypatch, args, 3)
+    b = on3.batch
+    assert (b.split, b.micro_batch, b.grad_accum, b.global_size) == three
+    assert on3.micro_split == (list(three[0]) if three[0] else None)
+    assert len([n for n in on3.notes if n.startswith("--resume: the checkpoint's global")]) == 1
+
+
 UNEVEN = ["--steps", 4, "--save-interval", 2, "--log-interval", 1, "--eval-interval", 0]
 
 
@@ -438,7 +463,7 @@ UNEVEN = ["--steps", 4, "--save-interval", 2, "--log-interval", 1, "--eval-inter
         ("zero", 64, "unequal micro-batches [22, 21, 21] x grad accum 1, each rank's loss weighed"),
         ("ddp", 160, "unequal micro-batches [14, 13, 13] x grad accum 4, each rank's loss weighed"),
         ("auto", 64, "unequal micro-batches [22, 21, 21] x grad accum 1, each rank's loss weighed"),
-        ("diloco", 64, "global batch 63, the nearest they divide: micro-batch 21 x grad accum 1;"),
+        ("diloco", 64, "global batch 63, the nearest they divide in the fewest micro-steps: "),
     ],
     ids=["zero-64", "ddp-160", "auto-64", "diloco-64"],
 )
