@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
   cat <<'USAGE'
-Usage: scripts/retry.sh [-n RETRIES] [--hostfile FILE [--min-hosts N]] -- COMMAND [ARGS...]
+Usage: scripts/retry.sh [-n RETRIES] [--hostfile FILE [--min-hosts N] [--wait S]] -- COMMAND [ARGS...]
 
 Runs COMMAND (a launch of entry_cn.sh, e.g. mpirun ... ./entry_cn.sh ...). If it fails, runs it again,
 up to RETRIES more times (default $RETRIES or 3), adding --resume once the run has a complete
@@ -20,12 +20,21 @@ back at a later attempt once it answers again. In COMMAND's launcher part (the a
 entry_cn.sh), FILE (--hostfile FILE, --hostfile=FILE, -machinefile FILE: any path to the same file)
 is replaced by a hostfile of the hosts that answer and, when a host is missing, the value of -np (or
 -n, --np) cut to their slots (kept when every host answers); entry_cn.sh, resumed on fewer ranks, keeps the global batch (the gradient
-accumulation follows) and says so. With fewer than --min-hosts answering (default 1), retry.sh stops,
-exit 1, naming them.
+accumulation follows; unequal shares where the ranks do not divide it) and says so. With a host
+missing, entry_cn.sh's --pipeline-stages N (or =N), where N does not divide those ranks, becomes the
+largest stage count that does (the resume restages the checkpoint), in one line. With fewer than
+--min-hosts answering (default 1), retry.sh stops, exit 1, naming them.
 
-Exit status 0 ends it once the run has finished: with --log-dir, once it holds summary.json (Open MPI's
-mpirun exits 0 when it loses a host's daemon and ends the job; --export runs write none and are not
-checked).
+Exit status 3 is entry_cn.sh's "this checkpoint cannot go on on these ranks" (a pipeline checkpoint
+whose stages do not divide them and cannot be restaged). With a host missing, retry.sh waits --wait
+seconds (default $RETRY_WAIT_S or 60) for it to come back and tries again, up to RETRIES; without
+--hostfile, or with every host answering, a relaunch would fail the same way: it exits 3.
+
+Exit status 0 ends it once the run has finished: with --log-dir, once this attempt wrote its
+summary.json (newer than the attempt's start: an older one is a run this one extends), or wrote
+nothing at all beside an existing one (entry_cn.sh found the run complete: "nothing to do"). Open
+MPI's mpirun exits 0 when it loses a host's daemon and ends the job; --export runs write no summary
+and are not checked.
 
 Ctrl-C (SIGINT) or SIGTERM while COMMAND runs ends retry.sh once COMMAND has stopped: one line, no
 relaunch, exit 130 (143 for SIGTERM). A COMMAND that exits 130 (mpirun after Ctrl-C) is not relaunched
@@ -54,27 +63,31 @@ USAGE
 # shellcheck source=setup/common.sh
 . "$(dirname "$0")/../setup/common.sh"
 retries=${RETRIES:-3}
+wait_s=${RETRY_WAIT_S:-60}
 hostfile=""
 min_hosts=1
+missing=0  # hosts of --hostfile that did not answer before this attempt
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     -n) [ $# -ge 2 ] && [[ "$2" != -* ]] || usage_error "-n needs a number"; retries=$2; shift 2 ;;
     --hostfile) [ $# -ge 2 ] && [[ "$2" != -* ]] || usage_error "--hostfile needs a file"; hostfile=$2; shift 2 ;;
     --min-hosts) [ $# -ge 2 ] && [[ "$2" != -* ]] || usage_error "--min-hosts needs a number"; min_hosts=$2; shift 2 ;;
+    --wait) [ $# -ge 2 ] && [[ "$2" != -* ]] || usage_error "--wait needs a number of seconds"; wait_s=$2; shift 2 ;;
     --) shift; break ;;
     *) unknown_option "$1" "the command goes after --" ;;
   esac
 done
 case "$retries" in ''|*[!0-9]*) usage_error "-n must be a whole number, got '$retries'" ;; esac
 case "$min_hosts" in ''|*[!0-9]*|0) usage_error "--min-hosts must be a whole number from 1, got '$min_hosts'" ;; esac
+case "$wait_s" in ''|*[!0-9]*) usage_error "--wait must be a whole number of seconds, got '$wait_s'" ;; esac
 [ $# -gt 0 ] || usage_error "no command given"
 if [ -n "$hostfile" ]; then
   [ -f "$hostfile" ] || usage_error "--hostfile $hostfile: no such file"
   use_hostfile "$hostfile"
   read_hosts
-  make_tmp
 fi
+make_tmp
 
 save_dir=""
 log_dir=""
@@ -128,10 +141,12 @@ answering_hosts() {
 
 # on_answering_hosts ARGS...: ARGS with, before entry_cn.sh, the launcher's hostfile (--hostfile F,
 # --hostfile=F, -machinefile F ...: any spelling of the same file) replaced by the answering hosts'
-# and, when a host is missing, the rank count cut to their slots (in cmd).
+# and, when a host is missing, the rank count cut to their slots, and after it --pipeline-stages
+# cut to a count that divides the ranks (in cmd).
 on_answering_hosts() {
-  local arg prev="" launcher=1 slots
+  local arg prev="" launcher=1 slots ranks
   slots=$(sum_slots "$tmp/hosts.live")
+  ranks=$slots
   cmd=()
   for arg in "$@"; do
     case "$arg" in *entry_cn.sh) launcher=0 ;; esac
@@ -140,13 +155,36 @@ on_answering_hosts() {
         arg=$tmp/hosts.live
       elif [[ "$arg" =~ ^(--?(hostfile|machinefile))=(.*)$ ]] && [ "${BASH_REMATCH[3]}" -ef "$hostfile" ]; then
         arg="${BASH_REMATCH[1]}=$tmp/hosts.live"
-      elif [[ "$prev" =~ ^(-np|--np|-n)$ ]] && [ "$missing" -gt 0 ] && [[ "$arg" =~ ^[0-9]+$ ]] && [ "$arg" -gt "$slots" ]; then
-        arg=$slots
+      elif [[ "$prev" =~ ^(-np|--np|-n)$ ]] && [[ "$arg" =~ ^[0-9]+$ ]]; then
+        [ "$missing" = 0 ] || [ "$arg" -le "$slots" ] || arg=$slots
+        ranks=$arg
       fi
+    elif [ "$missing" -gt 0 ] && [ "$prev" = --pipeline-stages ] && [[ "$arg" =~ ^[0-9]+$ ]]; then
+      arg=$(stages_for "$arg" "$ranks")
+    elif [ "$missing" -gt 0 ] && [[ "$arg" =~ ^--pipeline-stages=([0-9]+)$ ]]; then
+      arg=--pipeline-stages=$(stages_for "${BASH_REMATCH[1]}" "$ranks")
     fi
     cmd+=("$arg")
     prev=$arg
   done
+}
+
+# stages_for STAGES RANKS: the largest stage count up to STAGES that divides RANKS, and a line when
+# it is not STAGES.
+stages_for() {
+  local stages=$1 ranks=$2
+  while [ "$stages" -gt 1 ] && [ $((ranks % stages)) != 0 ]; do stages=$((stages - 1)); done
+  if [ "$stages" != "$1" ]; then
+    echo "$PROG: --pipeline-stages $1 does not divide the $ranks ranks of attempt $attempt:" \
+      "--pipeline-stages $stages (the resume restages the checkpoint)" >&2
+  fi
+  echo "$stages"
+}
+
+# finished: whether the attempt that exited 0 finished the run (see --help)
+finished() {
+  [ -z "$log_dir" ] || [ "$exports" = 1 ] || [ "$log_dir/summary.json" -nt "$tmp/attempt" ] ||
+    { [ -f "$log_dir/summary.json" ] && [ -z "$(find "$log_dir" -newer "$tmp/attempt" -print -quit)" ]; }
 }
 
 # a signal to stop is the user's: bash runs these once the command in the foreground has stopped
@@ -166,6 +204,7 @@ while true; do
     cmd+=(--resume)
   fi
   echo "$PROG: attempt $attempt of $((retries + 1)): ${cmd[*]}" >&2
+  touch "$tmp/attempt"
   status=0
   "${cmd[@]}" || status=$?
   shown=$status
@@ -176,8 +215,8 @@ while true; do
   if [ "$status" = 0 ]; then
     # Open MPI's mpirun exits 0 when it loses a host's daemon and ends the job (5.0.x, measured on
     # the simulated hosts): a training run has finished only once it wrote summary.json
-    [ -z "$log_dir" ] || [ -f "$log_dir/summary.json" ] || [ "$exports" = 1 ] && exit 0
-    echo "$PROG: attempt $attempt exited with 0, but the run did not finish (no $log_dir/summary.json;" \
+    finished && exit 0
+    echo "$PROG: attempt $attempt exited with 0, but the run did not finish (no new $log_dir/summary.json;" \
       "mpirun exits 0 when it loses a host): taken as a failure" >&2
     status=1 shown="0 (unfinished)"
   fi
@@ -186,9 +225,24 @@ while true; do
       "a relaunch would fail the same way" >&2
     exit 2
   fi
+  if [ "$status" = 3 ] && [ "$missing" = 0 ]; then
+    echo "$PROG: attempt $attempt exited with 3, its checkpoint cannot go on on these ranks (see above)," \
+      "and no host of a --hostfile is missing to wait for: not retrying" >&2
+    exit 3
+  fi
   if [ "$attempt" -gt "$retries" ]; then
     echo "$PROG: giving up after $attempt attempts; the last exited with $shown" >&2
     exit "$status"
+  fi
+  if [ "$status" = 3 ]; then
+    echo "$PROG: attempt $attempt exited with 3, its checkpoint cannot go on on the hosts that answer" \
+      "(see above): waiting $wait_s s for a host to come back" >&2
+    sleep "$wait_s" || true
+    if [ -n "$stopped" ]; then
+      echo "$PROG: interrupted while waiting: not relaunching" >&2
+      exit "$stopped"
+    fi
+    continue
   fi
   checkpoint=$(newest_checkpoint)
   if [ -n "$checkpoint" ]; then

@@ -27,12 +27,13 @@ from helpers import (
     mpi_rank_process,
     plan_in_process,
     plugin_env,
+    read_jsonl,
     stop_group,
     train_losses,
     wait_for,
 )
 
-from vit.core.errors import ConfigError
+from vit.core.errors import CannotGoOn, ConfigError
 
 CHECKPOINTED = ["--steps", 8, "--log-interval", 1, "--save-interval", 4]
 
@@ -461,6 +462,109 @@ def test_the_ema_is_taken_by_name_from_any_ranks_file_or_refused_in_one_line(tmp
     ]:
         with pytest.raises(ConfigError, match=re.escape(said)):
             load(saved)
+
+
+def test_a_pipeline_on_ranks_its_stages_do_not_divide_names_the_stages_that_resume_it(
+    tmp_path, monkeypatch
+):
+    """--pipeline-stages 3 resumed on 2 ranks (a host gone, by hand): exit 3 (CannotGoOn, which
+    retry.sh waits on), naming the stage count that resumes the checkpoint: 2, where the engine
+    restages it (ZeRO-1's pipeline, through the universal checkpoint), else the ranks it needs. It
+    was `--pipeline-stages 3 does not divide the world size 2`, exit 2."""
+    tag = tmp_path / "step10"
+    tag.mkdir()
+    saved = {"step": 10, "tag": "step10", "files": {}, "engine": "pipeline", "config_hash": "x"}
+    layout = {"pipeline_stages": 3, "world_size": 3, "data_parallel_size": 1}
+    args = ["--engine", "pipeline", "--pipeline-stages", 3, "--resume", tmp_path]
+    for zero, said in [
+        (1, ": --pipeline-stages 2 resumes its checkpoint on these ranks (restaged)"),
+        (0, ": its ZeRO-0 checkpoint of 3 stages goes on only on a multiple of 3 ranks"),
+    ]:
+        (tag / "manifest.json").write_text(json.dumps({**saved, **layout, "zero_stage": zero}))
+        with pytest.raises(CannotGoOn) as e:
+            plan_in_process(monkeypatch, args, 2)
+        assert str(e.value) == f"--pipeline-stages 3 does not divide the world size 2{said}"
+        assert e.value.exit_status == 3
+
+
+@pytest.mark.parametrize(
+    ("engine", "three"),
+    [("zero", ((27, 27, 26), 27, 2, 160)), ("diloco", (None, 27, 2, 162))],
+)
+def test_the_readmes_batch_of_160_goes_on_on_4_then_3_hosts(tmp_path, monkeypatch, engine, three):
+    """The README's recovery example, 5 hosts at micro-batch 32 (global batch 160) resumed on 4 and
+    then on 3 (docs/reliability.md, "My workstation is down"): 20 x 2 on 4; on 3, which it refused
+    (160 % 3), unequal shares 27 + 27 + 26 x 2 for ZeRO, and for DiLoCo, which splits no batch
+    unequally, 162 = 27 x 2 x 3, the nearest in the fewest micro-steps (not 159 = 1 x 53 x 3)."""
+    fresh = plan_in_process(monkeypatch, ["--engine", engine], 5)
+    assert fresh.batch.global_size == 160
+    tag = tmp_path / "step10"
+    tag.mkdir()
+    saved = {"step": 10, "tag": "step10", "files": {}, **fresh.checkpoint_meta()}
+    (tag / "manifest.json").write_text(json.dumps(saved))
+    args = ["--engine", engine, "--resume", tmp_path]
+    on4 = plan_in_process(monkeypatch, args, 4).batch
+    assert (on4.split, on4.micro_batch, on4.grad_accum, on4.global_size) == (None, 20, 2, 160)
+    on3 = plan_in_process(monkeypatch, args, 3)
+    b = on3.batch
+    assert (b.split, b.micro_batch, b.grad_accum, b.global_size) == three
+    assert on3.micro_split == (list(three[0]) if three[0] else None)
+    assert len([n for n in on3.notes if n.startswith("--resume: the checkpoint's global")]) == 1
+
+
+UNEVEN = ["--steps", 4, "--save-interval", 2, "--log-interval", 1, "--eval-interval", 0]
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("engine", "saved", "said"),
+    [
+        ("zero", 64, "unequal micro-batches [22, 21, 21] x grad accum 1, each rank's loss weighed"),
+        ("ddp", 160, "unequal micro-batches [14, 13, 13] x grad accum 4, each rank's loss weighed"),
+        ("auto", 64, "unequal micro-batches [22, 21, 21] x grad accum 1, each rank's loss weighed"),
+        ("diloco", 64, "global batch 63, the nearest they divide in the fewest micro-steps: "),
+    ],
+    ids=["zero-64", "ddp-160", "auto-64", "diloco-64"],
+)
+def test_a_resume_on_ranks_that_do_not_divide_the_global_batch_goes_on(
+    tmp_path, engine, saved, said
+):
+    """A 2-rank run resumed on 3 ranks (64 over 3; 160 over 3, the README's 5 hosts down to 3, at
+    micro-batch 16 x 5): it was refused (`was trained with global batch 64, this run's is 96`,
+    exit 2) for every engine. zero, ddp and auto keep the global batch with unequal shares, each
+    rank's loss weighed by its share: the 2-rank run's losses and learning rates. DiLoCo (whose
+    workers average their own batches) goes on at the nearest global batch the ranks divide, its
+    LR schedule at the same step. One line says which."""
+    args = [*UNEVEN, "--monitor-interval", 0, "--engine", engine]
+    if saved == 160:
+        micro = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 5}
+        args += ["--ds-config", ds_config(tmp_path, **micro)]
+    if engine == "diloco":
+        args += ["--sync-every", 2]
+    first, three = tmp_path / "first", tmp_path / "three"
+    r = launch([*args, "--log-dir", first], timeout=400)
+    assert r.ok, r
+    step2 = first / "checkpoints" / "step2"
+    r = launch([*args, "--resume", step2, "--log-dir", three], nprocs=3, timeout=400)
+    assert r.ok, r
+    kept = [
+        line for line in r.outputs[0].splitlines() if "--resume: the checkpoint's global" in line
+    ]
+    assert len(kept) == 1 and said in kept[0], r.outputs[0][-3000:]
+    config = json.loads((three / "config.json").read_text())
+    assert config["global_batch"] == (63 if engine == "diloco" else saved)
+    assert json.loads((first / "config.json").read_text())["global_batch"] == saved
+    want, got = train_records(first), train_records(three)
+    assert sorted(got) == [3, 4] and all(got[s]["lr"] == want[s]["lr"] for s in got)
+    if engine != "diloco":
+        assert all(got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-4) for s in got)
+
+
+def train_records(log_dir) -> dict[int, dict]:
+    return {
+        r["step"]: r for r in read_jsonl(log_dir / "metrics_rank0.jsonl") if r["kind"] == "train"
+    }
 
 
 def as_a_terminal_starts_it() -> None:

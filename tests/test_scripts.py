@@ -2,8 +2,10 @@
 is not retried, a relaunch names its checkpoint or says it starts over), and every script's --help
 and its one line for an unknown option."""
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -18,6 +20,7 @@ from helpers import (
     run_cmd,
     start_group,
     stop_group,
+    train_losses,
 )
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
@@ -435,3 +438,120 @@ def test_retry_knows_the_hostfile_in_any_spelling_and_keeps_np_when_every_host_a
     r, out = retry("-n", 0, "--hostfile", hosts, "--", *show, "-np", 1, "--hostfile", hosts, *run)
     said = [line.split() for line in out.splitlines() if line.startswith("ARGS")]
     assert said[0][:3] == ["ARGS", "-np", "1"], out  # every host answers: -np as given
+
+
+def stand_in(exit_status: int, writes: str = "") -> list:
+    """A command for retry.sh that prints its arguments (ARGS ...), writes the file `writes` (as a
+    run that got going does) and exits with `exit_status`."""
+    code = (
+        "import pathlib, sys; print('ARGS', *sys.argv[1:]); "
+        f"{writes!r} and pathlib.Path({writes!r}).write_text('x'); sys.exit({exit_status})"
+    )
+    return ["python3", "-c", code]
+
+
+def said_args(out: str) -> list[str]:
+    """The lines a stand-in printed: one per attempt."""
+    return [line for line in out.splitlines() if line.startswith("ARGS")]
+
+
+@pytest.mark.timeout(90)
+def test_retry_waits_for_a_host_when_the_checkpoint_cannot_go_on_and_fits_the_stages(tmp_path):
+    """Exit 3 (entry_cn.sh: the checkpoint cannot go on on these ranks) with a host missing is a
+    reason to wait for it (--wait s) and try again, up to the retries; with every host answering it
+    ends retry.sh at once (a relaunch would fail alike). With a host missing, --pipeline-stages 3
+    becomes 2 on the 2 answering ranks (it stayed 3: `does not divide the world size 2`, exit 2,
+    and retry.sh stopped)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\nnohost.invalid slots=1\n")
+    run = ["./entry_cn.sh", "--engine", "pipeline", "--log-dir", tmp_path / "run"]
+    launcher = [*stand_in(3), "-np", 3, "--hostfile", hosts]
+    for stages in (["--pipeline-stages", 3], ["--pipeline-stages=3"]):
+        r, out = retry("-n", 1, "--wait", 0, "--hostfile", hosts, "--", *launcher, *run, *stages)
+        assert r.returncode == 3, out
+        said = [line.split() for line in said_args(out)]
+        assert len(said) == 2 and all(a[2] == "2" and "3" not in a[-1] for a in said), out
+        assert " ".join(said[0][-len(stages) :]) in ("--pipeline-stages 2", "--pipeline-stages=2")
+        assert (
+            "retry.sh: --pipeline-stages 3 does not divide the 2 ranks of attempt 1: "
+            "--pipeline-stages 2 (the resume restages the checkpoint)"
+        ) in out
+        assert (
+            "retry.sh: attempt 1 exited with 3, its checkpoint cannot go on on the hosts that "
+            "answer (see above): waiting 0 s for a host to come back"
+        ) in out
+        assert "giving up after 2 attempts; the last exited with 3" in out
+    hosts.write_text("localhost slots=2\n")
+    r, out = retry(
+        "-n", 2, "--hostfile", hosts, "--", *stand_in(3), "-np", 2, *run, "--pipeline-stages", 3
+    )
+    said = said_args(out)
+    assert r.returncode == 3 and len(said) == 1 and said[0].endswith("--pipeline-stages 3"), out
+    assert "and no host of a --hostfile is missing to wait for: not retrying" in out
+
+
+@pytest.mark.timeout(120)
+def test_retry_does_not_retry_exit_3_without_a_host_to_wait_for(tmp_path):
+    """entry_cn.sh's own exit 3: a ZeRO-0 pipeline checkpoint of 2 stages resumed on 1 rank (it
+    does not restage); without --hostfile no host can come back."""
+    tag = tmp_path / "ckpt" / "step10"
+    tag.mkdir(parents=True)
+    saved = {"step": 10, "tag": "step10", "files": {}, "engine": "pipeline", "zero_stage": 0}
+    layout = {"pipeline_stages": 2, "world_size": 2, "data_parallel_size": 1, "config_hash": "x"}
+    (tag / "manifest.json").write_text(json.dumps({**saved, **layout}))
+    cmd = ["./entry_cn.sh", "--engine", "pipeline", "--pipeline-stages", 2]
+    r, out = retry("-n", 2, "--", *cmd, "--resume", tag.parent, "--log-dir", tmp_path / "run")
+    assert r.returncode == 3, out[-3000:]
+    assert (
+        "entry_cn.sh: error: --pipeline-stages 2 does not divide the world size 1: its ZeRO-0 "
+        "checkpoint of 2 stages goes on only on a multiple of 2 ranks"
+    ) in out
+    assert "attempt 2" not in out and "not retrying" in out
+
+
+@pytest.mark.timeout(60)
+def test_retry_takes_only_this_attempts_summary_for_finished(tmp_path):
+    """A run extending a finished one in the same folder, its mpirun exiting 0 after losing a host:
+    the old summary.json made it count as finished. A run that writes nothing beside its summary
+    (entry_cn.sh: the run is complete, nothing to do) is finished."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text("{}")
+    time.sleep(0.05)  # the attempt starts after it
+    args = ["./entry_cn.sh", "--resume", "--steps", 200, "--log-dir", run]
+    r, out = retry("-n", 1, "--", *stand_in(0, str(run / "metrics_rank0.jsonl")), *args)
+    assert r.returncode == 1, out
+    assert f"attempt 1 exited with 0, but the run did not finish (no new {run}/summary.json" in out
+    assert "giving up after 2 attempts; the last exited with 0 (unfinished)" in out
+    r, out = retry("-n", 1, "--", *stand_in(0), *args)
+    assert r.returncode == 0 and len(said_args(out)) == 1, out
+    r, out = retry("-n", 1, "--", *stand_in(0, str(run / "summary.json")), *args)
+    assert r.returncode == 0 and len(said_args(out)) == 1, out
+
+
+@pytest.mark.timeout(900)
+def test_retry_goes_on_with_a_pipeline_on_the_stages_the_answering_hosts_hold(tmp_path):
+    """New-user defect 3: a 3-stage pipeline relaunched by retry.sh with one of its hosts down (a
+    name that does not resolve) kept --pipeline-stages 3 on 2 ranks and stopped (`does not divide
+    the world size 2`, exit 2). Now it goes on as 2 stages on the 2 answering slots, restaged from
+    step 2 through the universal checkpoint, with the 3-stage run's losses, and finishes."""
+    log_dir = tmp_path / "run"
+    args = ["--engine", "pipeline", "--pipeline-stages", "3", *SHORT_RUN[2:]]
+    args += ["--steps", "4", "--save-interval", "2", "--log-dir", str(log_dir)]
+    r = run_cmd([*MPIRUN, "-np", "3", ROOT / "entry_cn.sh", *args], timeout=400, env=base_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    want = train_losses(log_dir)
+    shutil.rmtree(log_dir / "checkpoints" / "step4")  # as if the host went at step 3
+    (log_dir / "summary.json").unlink()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\nnohost.invalid slots=1\n")
+    launcher = [*MPIRUN, "-np", 3, "--hostfile", hosts, ROOT / "entry_cn.sh"]
+    r, out = retry("-n", 1, "--hostfile", hosts, "--", *launcher, *args, timeout=400)
+    assert r.returncode == 0, out[-3000:]
+    assert (
+        "--pipeline-stages 3 does not divide the 2 ranks of attempt 1: --pipeline-stages 2" in out
+    )
+    assert "ZeRO-1 state of 3 pipeline stages x 1 data-parallel ranks, loaded on 2 x 1" in out
+    assert "attempt 2" not in out
+    got = train_losses(log_dir)
+    assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in (3, 4)), (got, want)

@@ -264,7 +264,7 @@ def run_until_stopped(plan: Plan, start_time: float, stop: StopOnSignal) -> int:
         )
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return e.exit_status
     except RuntimeError as e:  # a full GPU: NCCL's communicators did not fit
         if not oom.is_oom(e):
             raise
@@ -295,7 +295,7 @@ def run_until_stopped(plan: Plan, start_time: float, stop: StopOnSignal) -> int:
         if isinstance(e, ConfigError):
             announce_failure(f"rank {plan.job.rank} ({socket.gethostname()}): {e}")
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-            os._exit(2)
+            os._exit(e.exit_status)
         # os._exit, not through atexit: DeepSpeed and MPI would wait on the ranks that are gone
         watchdog.fail(
             e, explained=isinstance(e, (NonFiniteLoss, OutOfMemory, checkpoint.CheckpointError))
@@ -339,9 +339,9 @@ def main(argv=None) -> int:
     except NothingToDo as e:
         print(f"{PROG}: {e}", flush=True)
         return 0
-    except ConfigError as e:
+    except ConfigError as e:  # exit 3 where the checkpoint cannot go on on these ranks
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_status
     return run(plan, start_time)
 
 

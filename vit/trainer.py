@@ -117,6 +117,7 @@ def survey_cluster(plan: Plan, dev: torch.device, layers: list, start_step: int)
             s.train.seed,
             start_step,
             start_step + 2,
+            sizes=plan.micro_split,
         )
         return make_loader(data.train, probe, 0, False)
 

@@ -42,6 +42,14 @@ NEEDS = {
 }
 
 
+def splits_batches(engine) -> bool:
+    """Whether the engine takes unequal micro-batches on its data-parallel ranks (--batch-split
+    proportional): a pipeline's stages pass micro-batches of one size; DiLoCo's workers each
+    average their own batch in their inner steps, and its syncs weigh the workers by steps, not
+    samples."""
+    return not engine.pipeline and not engine.local_steps
+
+
 def check_settings(s) -> None:
     """The command line's options against its --engine (vit.config.cli.validate)."""
     par, engine = s.parallel, spec(s.parallel.engine)
@@ -53,10 +61,10 @@ def check_settings(s) -> None:
         )
     if par.partition == "balanced" and not engine.pipeline:
         raise ConfigError(f"--partition balanced applies to {_engines(lambda e: e.pipeline)}")
-    if par.batch_split == "proportional" and (engine.pipeline or engine.local_steps):
+    if par.batch_split == "proportional" and not splits_batches(engine):
         raise ConfigError(
             f"--batch-split proportional applies to "
-            f"{_engines(lambda e: not e.pipeline and not e.local_steps)} (a pipeline balances its "
+            f"{_engines(splits_batches)} (a pipeline balances its "
             "stages with --partition balanced; DiLoCo's inner steps in proportion to speed: "
             "--local-steps)"
         )

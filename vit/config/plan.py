@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 
 from vit.config.cli import validate
-from vit.config.compat import PROVISIONAL, check_freeze, check_precision
+from vit.config.compat import PROVISIONAL, check_freeze, check_precision, splits_batches
 from vit.config.ds_config import precision_of, resolve
 from vit.config.rundir import check_export, check_unused, check_writable
 from vit.core.batch import Batch
 from vit.core.costs import Candidate
-from vit.core.errors import ConfigError, NothingToDo
+from vit.core.errors import CannotGoOn, ConfigError, NothingToDo
 from vit.core.paths import DS_CONFIGS, ROOT
 from vit.core.settings import DEFAULT_EPOCHS, Settings
 from vit.core.spec import EngineSpec
@@ -30,6 +30,7 @@ from vit.loop.universal import LOAD_UNIVERSAL
 from vit.model import weights
 from vit.model.layers import build_layers, check_img_size, model_shape
 from vit.planner import balance
+from vit.planner.batch_split import proportional_split
 from vit.planner.memory import bytes_per_param, gpu_reserved_bytes
 from vit.runtime import slowdown
 from vit.runtime.dist_env import Job, resolve_master
@@ -184,6 +185,11 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     s = settings.with_(dataset=dataset)
     par, ckpt = s.parallel, s.checkpoint
     check_outputs(s)
+    save_dir = ckpt.save_dir or (
+        os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None
+    )
+    if ckpt.resume:
+        check_resumed_stages(s, job, save_dir)
     ds_config, batch = resolve_ds_config(s, par, job.world_size)
     requested = par.precision or precision_of(ds_config)  # settled by vit.runtime.precision.choose
     if par.precision is None and not any(
@@ -227,9 +233,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
             "use --freeze-cache "
             "auto or off"
         )
-    save_dir = ckpt.save_dir or (
-        os.path.join(s.log.log_dir, "checkpoints") if s.log.log_dir else None
-    )
+    kept = []  # the line of a global batch the resume chose (keep_global_batch)
     if ckpt.resume and not par.grad_accum and par.micro_batch_size != "auto":
         s, ds_config, batch, kept = keep_global_batch(s, job, save_dir, ds_config, batch)
         notes += kept
@@ -246,7 +250,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         "global_batch": batch.global_size,
     }
     check_freeze(s, ds_config)
-    resume = find_resume(s, save_dir, shape, batch) if ckpt.resume else None
+    resume = find_resume(s, save_dir, shape, batch, bool(kept)) if ckpt.resume else None
     if resume and resume.universal:  # DeepSpeed reads it at initialize
         ds_config = {
             **ds_config,
@@ -270,6 +274,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         shape,
         slowdowns,
         notes,
+        micro_split=list(batch.split) if batch.split else None,
     )
     return replace(plan, notes=notes + resume_notes(plan)) if resume else plan
 
@@ -442,6 +447,13 @@ def resumed_auto_choice(settings: Settings, job: Job) -> Plan:
         # another cluster: planned as the old choice refitted until auto chooses again (train.run)
         # among the candidates that can take the checkpoint (cannot_take)
         refitted = planned_as_chosen(settings, job, record, refit=True)
+        if refitted.batch.split or refitted.batch.global_size != manifest.get("global_batch"):
+            said = (
+                f"{AGAIN} chosen for {chosen_on} ranks, {job.world_size} here, which do not divide "
+                f"the global batch of {where}/{tag}: its choice goes on, refitted (the search "
+                "weighs only global batches the ranks divide)"
+            )
+            return replace(refitted, notes=[said, *refitted.notes])
         said = (
             f"{AGAIN} chosen for {chosen_on} ranks, {job.world_size} here: choosing again among "
             f"the engines that can take {where}/{tag}"
@@ -476,14 +488,16 @@ def planned_as_chosen(settings: Settings, job: Job, record: dict, refit: bool = 
     return replace(
         new,
         auto=record,
-        micro_split=list(c["split"]) if c["split"] and not refit else None,
+        micro_split=list(c["split"]) if c["split"] and not refit else new.micro_split,
         stage_parts=list(c["parts"]) if c["parts"] and stages == c["stages"] else None,
     )
 
 
-def find_resume(s: Settings, save_dir: str | None, shape: dict, batch: Batch) -> Resume:
+def find_resume(
+    s: Settings, save_dir: str | None, shape: dict, batch: Batch, batch_chosen: bool = False
+) -> Resume:
     """What --resume continues from, refused when it cannot be continued without overwriting a
-    checkpoint."""
+    checkpoint. `batch_chosen`: the global batch is the one keep_global_batch chose from it."""
     where, tags = checkpoint.locate(
         save_dir if s.checkpoint.resume == "auto" else s.checkpoint.resume
     )
@@ -496,7 +510,8 @@ def find_resume(s: Settings, save_dir: str | None, shape: dict, batch: Batch) ->
         universal = checkpoint.check_shape(
             saved, shape, f"checkpoint {where}/{tag}", spec(s.parallel.engine)
         )
-        check_global_batch(saved.get("global_batch"), batch, f"checkpoint {where}/{tag}")
+        if not batch_chosen:
+            check_global_batch(saved.get("global_batch"), batch, f"checkpoint {where}/{tag}")
         break
     step = checkpoint.step_of(tags[0])
     newer = (
@@ -624,45 +639,143 @@ def keep_global_batch(
     s: Settings, job: Job, save_dir: str | None, ds_config: dict, batch: Batch
 ) -> tuple[Settings, dict, Batch, list[str]]:
     """--resume on another number of data-parallel ranks without --grad-accum (scripts/retry.sh
-    relaunching on the hosts that answer): the checkpoint's global batch kept, with the largest
-    micro-batch up to the given one (or the JSON's) that divides each rank's share, and the line
-    that says so. Unchanged where nothing needs it or nothing can (find_resume then refuses, naming
-    what would)."""
+    relaunching on the hosts that answer): the checkpoint's global batch kept, and the line that
+    says how. Where the ranks divide it: equal shares (equal_shares). Where they do not: unequal
+    shares of each micro-step, each rank's loss weighed by its share as --batch-split
+    proportional does (the same mean gradient), on the engines that take them; on the others
+    (pipelines, DiLoCo: compat.splits_batches) the nearest global batch the ranks divide in the
+    fewest micro-steps, the learning rate not scaled. Unchanged where nothing needs it."""
     saved = saved_global_batch(s, save_dir)
-    if not saved or saved == batch.global_size or saved % batch.dp_size:
+    if not saved or saved == batch.global_size:
         return s, ds_config, batch, []
-    share = saved // batch.dp_size
-    micro = next(m for m in range(min(batch.micro_batch, share), 0, -1) if share % m == 0)
-    s = s.with_(micro_batch_size=micro, grad_accum=share // micro)
-    ds_config, kept = resolve_ds_config(s, s.parallel, job.world_size)
+    n, engine = batch.dp_size, spec(s.parallel.engine)
+    was = f"({batch.micro_batch} x {batch.grad_accum} would make {batch.global_size}); "
+    if saved % n == 0:
+        s, ds_config, kept = equal_shares(s, job, saved, batch)
+        return (
+            s,
+            ds_config,
+            kept,
+            [
+                f"--resume: the checkpoint's global batch {saved} kept on {n} data-parallel "
+                f"ranks: micro-batch {kept.micro_batch} x grad accum {kept.grad_accum} {was}"
+                "--grad-accum chooses otherwise"
+            ],
+        )
+    split = unequal_shares(saved, n, batch.micro_batch) if splits_batches(engine) else None
+    if split:
+        accum = saved // sum(split)
+        s = s.with_(micro_batch_size=max(split), grad_accum=accum, batch_split="proportional")
+        ds_config, nominal = resolve_ds_config(s, s.parallel, job.world_size)
+        kept = replace(nominal, split=tuple(split))
+        return (
+            s,
+            ds_config,
+            kept,
+            [
+                f"--resume: the checkpoint's global batch {saved} kept on {n} data-parallel "
+                f"ranks, which do not divide it: unequal micro-batches {list(split)} x grad accum "
+                f"{accum}, each rank's loss weighed by its share as --batch-split proportional "
+                f"does (the same mean gradient) {was}--grad-accum chooses otherwise"
+            ],
+        )
+    # the nearest the ranks divide in the fewest micro-steps within the micro-batch (160 on 3 at
+    # 32: 162 = 27 x 2 x 3, not 159 = 1 x 53 x 3)
+    accum = -(-saved // (n * batch.micro_batch))
+    near = n * accum * min(max(1, round(saved / (n * accum))), batch.micro_batch)
+    s, ds_config, kept = equal_shares(s, job, near, batch)
+    if engine.pipeline:
+        why = "splits no batch unequally (its stages pass micro-batches of one size)"
+    elif engine.local_steps:
+        why = (
+            "splits no batch unequally (a worker's inner steps average its own batch, and a sync "
+            "weighs the workers by steps, not samples)"
+        )
+    else:
+        why = f"finds no unequal split of it within micro-batch {batch.micro_batch}"
     return (
         s,
         ds_config,
         kept,
         [
-            f"--resume: the checkpoint's global batch {saved} kept on {kept.dp_size} data-parallel "
-            f"ranks: micro-batch {kept.micro_batch} x grad accum {kept.grad_accum} "
-            f"({batch.micro_batch} x {batch.grad_accum} would make {batch.global_size}); "
-            "--grad-accum chooses otherwise"
+            f"--resume: the checkpoint's global batch {saved} does not divide over {n} "
+            f"data-parallel ranks, and --engine {s.parallel.engine} {why}: global batch {near}, "
+            f"the nearest they divide in the fewest micro-steps: micro-batch {kept.micro_batch} x "
+            "grad accum "
+            f"{kept.grad_accum}; the learning rate is not scaled and the LR schedule goes on at "
+            "its step, the data order from here on is not the first run's"
         ],
     )
+
+
+def equal_shares(
+    s: Settings, job: Job, global_batch: int, batch: Batch
+) -> tuple[Settings, dict, Batch]:
+    """`global_batch` over `batch`'s data-parallel ranks in equal shares: the largest micro-batch
+    up to `batch`'s that divides a rank's share, the gradient accumulation for the rest."""
+    share, micro_batch = global_batch // batch.dp_size, batch.micro_batch
+    micro = next(m for m in range(min(micro_batch, share), 0, -1) if share % m == 0)
+    s = s.with_(micro_batch_size=micro, grad_accum=share // micro)
+    ds_config, kept = resolve_ds_config(s, s.parallel, job.world_size)
+    return s, ds_config, kept
+
+
+def unequal_shares(global_batch: int, n: int, micro_batch: int) -> list[int] | None:
+    """Each micro-step's samples over `n` ranks whose number does not divide `global_batch`: the
+    fewest micro-steps whose shares (as equal as they can be: batch_split.proportional_split at
+    equal speeds) stay within `micro_batch`; None where none do."""
+    for accum in range(1, global_batch // n + 1):
+        per_step = global_batch // accum
+        if global_batch % accum == 0 and -(-per_step // n) <= micro_batch:
+            return proportional_split(per_step, [1.0] * n, [-(-per_step // n)] * n)
+    return None
 
 
 def saved_global_batch(s: Settings, save_dir: str | None) -> int | None:
     """The global batch of the checkpoint --resume goes on from (its newest readable manifest), or
     None where find_resume will say what is wrong."""
+    return saved_manifest(s, save_dir).get("global_batch")
+
+
+def saved_manifest(s: Settings, save_dir: str | None) -> dict:
+    """The newest readable manifest of what --resume goes on from (saved_run), or {} where
+    find_resume will say what is wrong."""
     try:
         where, tags = checkpoint.locate(
             save_dir if s.checkpoint.resume == "auto" else s.checkpoint.resume
         )
     except ConfigError:
-        return None
+        return {}
     for tag in tags:
         try:
-            return saved_run(where, checkpoint.read_manifest(where, tag)).get("global_batch")
+            return saved_run(where, checkpoint.read_manifest(where, tag))
         except (OSError, ValueError):
             continue
-    return None
+    return {}
+
+
+def check_resumed_stages(s: Settings, job: Job, save_dir: str | None) -> None:
+    """A pipeline resumed with --pipeline-stages that do not divide its ranks (fewer hosts answer):
+    refused naming the stage count that divides them, and whether it resumes the checkpoint (the
+    engine restages it) or the ranks it needs (exit 3: retry.sh waits for a host)."""
+    stages, engine = s.parallel.pipeline_stages, spec(s.parallel.engine)
+    if not engine.pipeline or job.world_size % stages == 0:
+        return
+    fits = max(k for k in range(1, stages + 1) if job.world_size % k == 0)
+    saved, said = saved_manifest(s, save_dir), ""
+    if saved.get("engine") == engine.name:
+        zero = saved.get("zero_stage", 0)
+        restages = engine.restages_universal if zero else engine.restages
+        said = (
+            f": --pipeline-stages {fits} resumes its checkpoint on these ranks (restaged)"
+            if restages or saved.get("pipeline_stages") == fits
+            else f": its ZeRO-{zero} checkpoint of {saved.get('pipeline_stages')} stages goes on "
+            f"only on a multiple of {saved.get('pipeline_stages')} ranks"
+        )
+    raise CannotGoOn(
+        f"--pipeline-stages {stages} does not divide the world size {job.world_size}{said}"
+        + ("" if said else f"; --pipeline-stages {fits} does")
+    )
 
 
 def check_global_batch(saved: int | None, batch: Batch, where: str) -> None:
@@ -670,7 +783,11 @@ def check_global_batch(saved: int | None, batch: Batch, where: str) -> None:
     if saved is None or saved == batch.global_size:
         return
     per_accum = batch.micro_batch * batch.dp_size
-    hint = f"; pass --grad-accum {saved // per_accum} to keep it" if saved % per_accum == 0 else ""
+    hint = (
+        f"; pass --grad-accum {saved // per_accum} to keep it"
+        if saved % per_accum == 0
+        else "; leave out --grad-accum and the resume keeps it"
+    )
     raise ConfigError(
         f"{where} was trained with global batch {saved}, this run's is "
         f"{batch.global_size} "

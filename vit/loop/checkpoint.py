@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from timm.models import split_model_name_tag
 
-from vit.core.errors import ConfigError
+from vit.core.errors import CannotGoOn, ConfigError
 from vit.core.spec import EngineSpec
 from vit.loop.universal import converted
 from vit.runtime import plugins
@@ -132,7 +132,10 @@ def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | Non
     universal = engine is not None and engine.restages_universal and saved["zero_stage"] > 0
     restaged = saved["pipeline_stages"] != current["pipeline_stages"]
     if restaged and not (restages or universal):
-        raise ConfigError(
+        world = current["data_parallel_size"] * current["pipeline_stages"]
+        # on ranks its stages do not divide, the run goes on only once a host is back (exit 3)
+        refusal = CannotGoOn if world % saved["pipeline_stages"] else ConfigError
+        raise refusal(
             f"{where} has {saved['pipeline_stages']} pipeline stages, this run "
             f"{current['pipeline_stages']}; resume with --pipeline-stages "
             f"{saved['pipeline_stages']} on a multiple of {saved['pipeline_stages']} ranks (its "

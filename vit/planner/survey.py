@@ -50,7 +50,7 @@ class Asked:
     parts: list[int] | None = None  # --engine auto's stages
     proportional: bool = False  # --batch-split proportional
     split: list[int] | None = (
-        None  # proportional micro-batches chosen before (--engine or --micro-batch-size auto)
+        None  # micro-batches chosen before (--engine auto, --micro-batch-size auto, --resume)
     )
     probe_batches: Callable[[], Iterable] | None = (
         None  # this rank's batches for --loss-scale auto's probe
@@ -127,14 +127,11 @@ def survey(job: Job, device: torch.device, layers: list[nn.Module], asked: Asked
         decided.update(split=split, loss_weight=split[job.rank] * len(split) / sum(split))
         record["batch_split"] = split
         how = (
-            "chosen by --engine or --micro-batch-size auto"
+            "chosen by --engine auto, --micro-batch-size auto or a resume keeping its global batch"
             if asked.split
             else "proportional to block speed"
         )
-        say.append(
-            f"batch split ({how}): micro-batches {split} (sum {sum(split)} = {asked.micro_batch} x "
-            f"{len(split)} ranks)"
-        )
+        say.append(f"batch split ({how}): micro-batches {split} (sum {sum(split)} a micro-step)")
     if asked.local_steps is not None:
         speeds = [r["block_ms"] for r in reports]
         steps = local_steps(asked.sync_every, speeds, asked.local_steps)
