@@ -76,7 +76,7 @@ recommend() {
       "them: docs/benchmarks.md, \"Which engine wins on Ethernet?\"); accuracy: held-out top-1 on the glyphs" \
       "task against DDP's (2 CPU ranks of a VM, seeds 0-2: docs/benchmarks.md, \"What each engine costs in" \
       "accuracy on glyphs\"):"
-    echo "  local steps (its defaults: H = 10, 5 int8 fragments), 0.97-1.14 of unshaped DDP's images/s, 1.84" \
+    echo "  local steps (its defaults: H = 10, 5 int8 fragments), 0.93-1.14 of unshaped DDP's images/s, 1.84" \
       "+- 0.48 points below: $run --engine diloco"
     echo "  DDP's step, asynchronous: 6.2x, 0.96 +- 0.18 points below: $run --engine async-pipeline $pipe" \
       "--pipe-wire-dtype bf16"
