@@ -231,6 +231,8 @@ def test_ddp_resume_on_fewer_ranks_keeps_the_global_batch_or_is_refused(tmp_path
         "--resume: the checkpoint's global batch 64 kept on 1 data-parallel ranks: "
         "micro-batch 32 x grad accum 2 (32 x 1 would make 32)"
     ) in r.stdout + r.stderr
+    # the batch the resume chose itself is no "other setting" (it warned that it was)
+    assert "was written with other settings" not in r.stdout + r.stderr
 
 
 @pytest.mark.ranks

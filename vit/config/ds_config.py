@@ -58,12 +58,11 @@ def with_precision(cfg: dict, precision: str, scale_power: int | None = None) ->
     return out
 
 
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
 def _batch(cfg: dict, name: str, dp_size: int, world_size: int, stages: int) -> Batch:
-    for key in (
-        "train_batch_size",
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-    ):
+    for key in BATCH_KEYS:
         v = cfg.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
             raise ConfigError(

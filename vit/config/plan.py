@@ -13,7 +13,7 @@ import torch
 
 from vit.config.cli import validate
 from vit.config.compat import PROVISIONAL, check_freeze, check_precision, splits_batches
-from vit.config.ds_config import precision_of, resolve
+from vit.config.ds_config import BATCH_KEYS, precision_of, resolve
 from vit.config.rundir import check_export, check_unused, check_writable
 from vit.core.batch import Batch
 from vit.core.costs import Candidate
@@ -76,9 +76,11 @@ class Plan:
     # --engine auto's pipeline stage boundaries (else the engine's partition)
     stage_parts: list[int] | None = None
 
-    def settings_hash(self) -> str:
+    def settings_hash(self, with_batch: bool = False) -> str:
         """The user's settings that make checkpoints comparable (before the census fills in
-        precision)."""
+        precision). Without the JSON's batch sizes, which a resume on other ranks sets itself (the
+        global batch is compared on its own); with them, as checkpoints before 29 November 2026
+        recorded it."""
         m, d, o = self.settings.model, self.settings.data, self.settings.optim
         what = {
             "model": m.model,
@@ -89,7 +91,11 @@ class Plan:
             "min_lr": o.min_lr,
             "weight_decay": o.weight_decay,
             # DeepSpeed's JSON, less the universal-checkpoint switch a resume may add
-            "deepspeed": {k: v for k, v in self.ds_config.items() if k != "checkpoint"},
+            "deepspeed": {
+                k: v
+                for k, v in self.ds_config.items()
+                if k != "checkpoint" and (with_batch or k not in BATCH_KEYS)
+            },
         }
         # only then: AdamW checkpoints written before --opt existed keep their hash
         if o.opt != "adamw":
@@ -574,7 +580,7 @@ def resume_notes(plan: Plan) -> list[str]:
             f"data-parallel ranks{by}, loaded on {now}{plan.batch.dp_size} through DeepSpeed's "
             "universal checkpoint (ds_to_universal)"
         )
-    if saved.get("config_hash") != plan.settings_hash():
+    if saved.get("config_hash") not in (plan.settings_hash(), plan.settings_hash(with_batch=True)):
         notes.append(
             f"warning: {at} was written with other settings (model, data, optimizer or "
             f"DeepSpeed config) "
