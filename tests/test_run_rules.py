@@ -436,6 +436,9 @@ def test_resume_compares_the_model_and_the_length_and_keeps_the_checkpoints_weig
         == 1
     ), r.stdout
     assert r.stdout.count(f"warning: {at} was written with other settings") == 1, r.stdout
+    # no --save-interval: the run's own 2 (it saved only at the end, a hand-made resume too)
+    assert "--resume: a checkpoint every 2 steps, as the run saved them" in r.stdout
+    assert (run / "checkpoints" / "step6" / "manifest.json").is_file()
     assert (
         r.stdout.count(
             f"--pretrained-path {run / 'checkpoints' / 'step2'}: not loaded; the run "

@@ -19,7 +19,7 @@ from vit.core.batch import Batch
 from vit.core.costs import Candidate
 from vit.core.errors import CannotGoOn, ConfigError, NothingToDo
 from vit.core.paths import DS_CONFIGS, ROOT
-from vit.core.settings import DEFAULT_EPOCHS, Settings
+from vit.core.settings import DEFAULT_EPOCHS, DEFAULT_SAVE_INTERVAL, Settings
 from vit.core.spec import EngineSpec
 from vit.data.augment import data_recipe
 from vit.data.datasets import DataSplit, dataset_for, load_dataset
@@ -111,6 +111,7 @@ class Plan:
             **self.shape,
             "config_hash": self.settings_hash(),
             "total_steps": self.total_steps,
+            "save_interval": self.settings.checkpoint.save_interval,
             **auto,
         }
 
@@ -265,6 +266,10 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     if resume and s.train.steps is None and s.train.epochs is None:
         # the length's default would change the run's: keep its own (the LR schedule's)
         total_steps = resume.saved.get("total_steps", total_steps)
+    every = resume.saved.get("save_interval") if resume else None
+    if every not in (None, ckpt.save_interval) and ckpt.save_interval == DEFAULT_SAVE_INTERVAL:
+        s = s.with_(save_interval=every)  # not given: the run's own, as its length
+        notes.append(f"--resume: a checkpoint every {every} steps, as the run saved them")
     resolve_master(job)
     plan = Plan(
         s,

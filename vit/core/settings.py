@@ -15,6 +15,7 @@ PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DATASETS = ("digits", "glyphs", "glyphs-small", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
 DEFAULT_SYNC_EVERY = 10  # --sync-every: with 5 fragments and int8, as fast as 50 (benchmarks.md)
+DEFAULT_SAVE_INTERVAL = 1000  # --save-interval: a long run stopped loses at most this many steps
 MAX_AUTO_FRAGMENTS = 5  # --fragments auto: the most fragments, each H / F steps after the last
 # fp16's initial loss scale 2^12 (DeepSpeed's 2^16 overflowed on every step in
 DEFAULT_FP16_SCALE_POWER = 12
@@ -526,9 +527,9 @@ class TrainSettings:
 @dataclass(frozen=True)
 class CheckpointSettings:
     save_interval: int = option(
-        1000,
+        DEFAULT_SAVE_INTERVAL,
         "steps between checkpoints, besides the last step's (0: only that one); a long run stopped "
-        "for any reason loses at most this many",
+        "for any reason loses at most this many; a --resume without it keeps the run's",
         "non_negative",
     )
     save_dir: str | None = option(None, "checkpoint folder (default <log-dir>/checkpoints)")
