@@ -299,6 +299,18 @@ def test_damaged_shard_is_caught_and_previous_checkpoint_used(zero_run, tmp_path
     want, got = train_losses(zero_run), train_losses(run)
     for step in range(5, 9):
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7)
+    # On 1 rank: the lines about the resume name the checkpoint it falls back to, after saying the
+    # newest is damaged (they said step8 would load through the universal checkpoint, then that it
+    # was damaged)
+    one = tmp_path / "one"
+    shutil.copytree(zero_run, one)
+    shard = one / "checkpoints" / "step8" / shard.name
+    shard.write_bytes(shard.read_bytes()[:100])
+    r = launch([*CHECKPOINTED, "--resume", "--log-dir", one], nprocs=1, timeout=200)
+    assert r.ok, r
+    damaged = r.outputs[0].index(f"checkpoint {one / 'checkpoints'}/step8 is damaged")
+    loaded = r.outputs[0].index(f"checkpoint {one / 'checkpoints'}/step4: ZeRO-2 state of 2")
+    assert damaged < loaded and "step8: ZeRO-2 state" not in r.outputs[0], r.outputs[0]
 
 
 @pytest.mark.ranks

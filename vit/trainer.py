@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from vit.config.ds_config import with_precision
-from vit.config.plan import Plan, choose_resume
+from vit.config.plan import Plan, choose_resume, resume_notes
 from vit.config.records import start_record
 from vit.config.rundir import RunLock, agree_log_dir, lock_run_dirs
 from vit.core.layout import Layout
@@ -246,6 +246,21 @@ class Trainer:
         return self.freezer.cached(batches, order_, engine)
 
 
+def notes_of(plan: Plan, tag: str | None) -> list[str]:
+    """The plan's notes, those of its resume about the checkpoint chosen: the newest, or the one
+    choose_resume fell back to past damaged ones (the notes named the newest before it was read)."""
+    if (
+        not plan.resume
+        or not plan.resume.saved
+        or tag == checkpoint.tag_for(plan.resume.saved["step"])
+    ):
+        return plan.notes
+    newest = resume_notes(plan)
+    chosen = replace(plan.resume, saved=checkpoint.read_manifest(plan.resume.save_dir, tag))
+    kept = [n for n in plan.notes if n not in newest]
+    return kept + resume_notes(replace(plan, resume=chosen))
+
+
 def build_trainer(plan: Plan, watchdog: Watchdog, charts) -> Trainer:
     """Every part, in the order the run needs them: the checks once the group is up, the log folder,
     where to resume, the model, the survey, the folders locked, the engine (and its checkpoint
@@ -258,9 +273,9 @@ def build_trainer(plan: Plan, watchdog: Watchdog, charts) -> Trainer:
     log_dir = agree_log_dir(s.log.log_dir, s.parallel.engine)
     save_dir = plan.save_dir or os.path.join(log_dir, "checkpoints")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    if job.is_main and plan.notes:
-        print("\n".join(plan.notes), flush=True)
-    resumed = ResumePoint.of(plan)
+    resumed = ResumePoint.of(plan)  # first: it may fall back past damaged checkpoints
+    if job.is_main and (notes := notes_of(plan, resumed.tag)):
+        print("\n".join(notes), flush=True)
     layers = weights.initial_layers(
         s.model.model,
         plan.data.num_classes,
