@@ -341,7 +341,8 @@ def test_doctor_measures_every_link_and_recommends_for_the_slowest(cluster):
     # The rate itself is checked to 10% above; here, that doctor reports each link's rate in Mbit/s.
     # One stream on a busy 2-core CI machine once read 893 of 1000 (CPU, not link), hence 15%.
     assert all(0.85 * LINK_MBIT <= mbit <= 1.01 * LINK_MBIT for mbit in rates.values()), rates
-    assert f"slowest link {min(rates.values())} Mbit/s (1 GbE or slower): use" in r.output, r
+    slowest = f"slowest link {min(rates.values())} Mbit/s (1 GbE or slower): the row of"
+    assert slowest in r.output and "--engine diloco" in r.output, r
 
 
 @pytest.mark.timeout(120, method="signal")
