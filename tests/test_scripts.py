@@ -53,7 +53,7 @@ def retry(*args, env=None, timeout=180):
 
 
 def crashing_run(log_dir, steps: int, crash_at: str):
-    """retry.sh -n 1 around a direct run that saves every 2 steps and dies (exit 3) while saving
+    """retry.sh -n 1 around a direct run that saves every 2 steps and dies (exit 5) while saving
     crash_at."""
     return retry(
         "-n",
@@ -91,13 +91,13 @@ def test_retry_does_not_retry_a_configuration_error(tmp_path, launch):
 
 @pytest.mark.timeout(240)
 def test_retry_names_the_checkpoint_it_resumes_from(tmp_path):
-    """The run saves step 2, then dies while saving step 4 (tests/plugins/crash_in_save.py, exit 3):
+    """The run saves step 2, then dies while saving step 4 (tests/plugins/crash_in_save.py, exit 5):
     the relaunch names step 2 and resumes from it; it dies again at step 4 and retry.sh gives up
     with that status."""
     r, out = crashing_run(tmp_path, 6, "step4")
-    assert r.returncode == 3, out[-3000:]
+    assert r.returncode == 5, out[-3000:]
     assert (
-        f"retry.sh: attempt 1 exited with 3; relaunching from checkpoint "
+        f"retry.sh: attempt 1 exited with 5; relaunching from checkpoint "
         f"{tmp_path}/checkpoints/step2\n" in out
     )
     assert (
@@ -106,7 +106,7 @@ def test_retry_names_the_checkpoint_it_resumes_from(tmp_path):
         "--resume\n" in out
     ), out[-3000:]
     assert "(resumed from step2)" in out
-    assert "giving up after 2 attempts; the last exited with 3" in out
+    assert "giving up after 2 attempts; the last exited with 5" in out
 
 
 @pytest.mark.timeout(240)
@@ -114,9 +114,9 @@ def test_retry_starts_over_without_a_complete_checkpoint(tmp_path):
     """The run dies while saving its first checkpoint: nothing to resume, so the relaunch says it
     starts over and runs without --resume."""
     r, out = crashing_run(tmp_path, 4, "step2")
-    assert r.returncode == 3, out[-3000:]
+    assert r.returncode == 5, out[-3000:]
     assert (
-        f"attempt 1 exited with 3; starting over: no complete checkpoint in {tmp_path}/checkpoints "
+        f"attempt 1 exited with 5; starting over: no complete checkpoint in {tmp_path}/checkpoints "
         f"yet" in out
     )
     assert (
