@@ -201,9 +201,18 @@ def mpi_rank_process(marker, rank: int):
     return None
 
 
-def start_group(cmd, env=None, cwd=ROOT) -> subprocess.Popen:
+def as_a_terminal_starts_it() -> None:
+    """In the child: Ctrl-C neither ignored nor blocked, as in a terminal's foreground job. A suite
+    started as a script's background job has SIGINT ignored, and bash cannot trap a signal ignored
+    on entry: a Ctrl-C test would wait for the command's end (a fresh clone's `.ci/run` under
+    nohup: 60 s, then failed)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def start_group(cmd, env=None, cwd=ROOT, terminal: bool = False) -> subprocess.Popen:
     """Start a command in a process group of its own (text pipes), killed with what is left when
-    the test ends."""
+    the test ends; `terminal`: with Ctrl-C as a terminal leaves it (as_a_terminal_starts_it)."""
     require_ranks_mark()
     p = subprocess.Popen(
         [str(c) for c in cmd],
@@ -213,6 +222,7 @@ def start_group(cmd, env=None, cwd=ROOT) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=as_a_terminal_starts_it if terminal else None,
     )
     STARTED.append(p)
     return p

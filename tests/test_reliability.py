@@ -21,6 +21,7 @@ from helpers import (
     MPIRUN,
     ROOT,
     Ranks,
+    as_a_terminal_starts_it,
     base_env,
     last_step,
     launch,
@@ -577,11 +578,6 @@ def train_records(log_dir) -> dict[int, dict]:
     return {
         r["step"]: r for r in read_jsonl(log_dir / "metrics_rank0.jsonl") if r["kind"] == "train"
     }
-
-
-def as_a_terminal_starts_it() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
 def manifest(tag) -> dict:

@@ -367,7 +367,7 @@ def test_every_markdown_link_resolves():
 def interrupt_when(cmd, started, env=None, timeout=180) -> subprocess.CompletedProcess:
     """Start `cmd` in its own process group; once `started()` holds, press Ctrl-C as a terminal
     does (SIGINT to the whole group) and wait for it to end."""
-    p = start_group(cmd, env)
+    p = start_group(cmd, env, terminal=True)
     deadline = time.monotonic() + timeout
     while not started():
         assert p.poll() is None and time.monotonic() < deadline, (cmd, p.poll(), "not started")
