@@ -60,6 +60,13 @@ def losses(log_dir: Path) -> list[float]:
     return [r["loss"] for r in read_jsonl(log_dir / "metrics_rank0.jsonl") if r["kind"] == "train"]
 
 
+def training_verdict(rc, out: str, log_dir: Path) -> dict:
+    """ok: the run exited 0 and learns; detail: its first and last loss, or its last line."""
+    values = losses(log_dir) if rc == 0 else []
+    detail = f"loss {values[0]:.3f} -> {values[-1]:.3f}" if values else last_line(out)
+    return {"ok": rc == 0 and learns(values), "detail": detail}
+
+
 def learns(values: list[float]) -> bool:
     """Every loss finite, and the last fifth's mean below the first fifth's."""
     k = max(1, len(values) // 5)
@@ -85,13 +92,7 @@ def engine_runs(a, tmp: Path) -> list[dict]:
             if rc == 2:  # refused before training, in one line: the refusal is the result
                 row.update(ok=None, detail=last_line(out))
             else:
-                values = losses(log_dir) if rc == 0 else []
-                row.update(
-                    ok=rc == 0 and learns(values),
-                    detail=f"loss {values[0]:.3f} -> {values[-1]:.3f}"
-                    if values
-                    else last_line(out),
-                )
+                row.update(training_verdict(rc, out, log_dir))
             rows.append(row)
     rows.append(
         {
@@ -116,14 +117,11 @@ def diloco_runs(a, tmp: Path) -> list[dict]:
     rc, out = vit_train(
         [*args, "--precision", precision, *common(a, 4 * every)], log_dir, a.timeout
     )
-    values = losses(log_dir) if rc == 0 else []
-    detail = f"loss {values[0]:.3f} -> {values[-1]:.3f}" if values else last_line(out)
     return [
         {
             "check": f"diloco {precision}, 1 rank: 5 fragments {where}, timed windows",
             "exit": rc,
-            "ok": rc == 0 and learns(values),
-            "detail": detail,
+            **training_verdict(rc, out, log_dir),
         },
         {
             "check": "diloco, 2 workers on one GPU",
