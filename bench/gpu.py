@@ -106,10 +106,11 @@ def engine_runs(a, tmp: Path) -> list[dict]:
 
 
 def diloco_runs(a, tmp: Path) -> list[dict]:
-    """DiLoCo's device path on one rank: its default int8 wire and fragments (on a GPU each
-    fragment's all-reduce runs from the sender thread on a CUDA stream of its own, which the
-    training stream waits for only where the fragment is applied) with --local-steps proportional,
-    so every window is timed with CUDA events and its times all-gathered on the device."""
+    """DiLoCo's device path on one rank: its default fragments (on a GPU each fragment's
+    all-reduce runs from the sender thread on a CUDA stream of its own, which the training stream
+    waits for only where the fragment is applied; on one rank the int8 wire takes its one-rank
+    path, as it exchanges nothing) with --local-steps proportional, so every window is timed with
+    CUDA events and its times all-gathered on the device."""
     log_dir, every = tmp / "diloco-fragments", 5  # 5 fragments: one on the wire after every step
     precision = "bf16" if a.device == "cuda" else "fp32"
     where = "on a side CUDA stream" if a.device == "cuda" else "from the sender thread (gloo)"

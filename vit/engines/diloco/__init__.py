@@ -52,7 +52,9 @@ class DiLoCoSpec(DataParallelSpec):
         terms = autocast_state(precision)
         terms["global weights"] = 4  # engine.py: the global model, which the outer optimizer moves
         terms["outer momentum"] = 4  # torch.optim.SGD's momentum_buffer
-        terms["pseudo-gradient"] = 4  # engine.py sync: the flat difference, averaged in place
+        # engine.py sync: the flat difference, averaged in place; with F > 1 fragments a fragment's
+        # difference and the worker's weights when it went (launch), 8 / F bytes, no more than 4
+        terms["pseudo-gradient"] = 4
         wire = compression.removeprefix("outer-") if compression != "none" else "fp32"
         if buffers := buffer_bytes(wire, dp_size):  # bf16, int8: the compressed tensor and more
             terms[f"{wire} wire buffers"] = buffers
