@@ -83,17 +83,15 @@ def allreduce_table(r: dict) -> str:
     head = "| bytes |" + "".join(f" {names[w]}{per_way}" for w in ways)
     link_note = (
         f"; busbw / link = busbw x 8 / {link:g} Gbit/s (TCP over 1500-byte frames carries "
-        f"at most 0.94-0.96 "
-        "of a link)"
+        "at most 0.94-0.96 of a link)"
         if link
         else ""
     )
     lines = [
-        f"all-reduce, float32 sum, {r['world_size']} ranks on {r['placement']}; algbw = bytes "
-        f"/ time, "
-        f"busbw = algbw x 2(n-1)/n = algbw x {r['bus_factor']:.3f}{link_note}; time = slowest "
-        f"rank's mean; "
-        f"load average {r['load_avg_before']} -> {r['load_avg_after']}",
+        f"all-reduce, float32 sum, {r['world_size']} ranks on {r['placement']}; "
+        "algbw = bytes / time, busbw = algbw x 2(n-1)/n = algbw x "
+        f"{r['bus_factor']:.3f}{link_note}; time = slowest rank's mean; load average "
+        f"{r['load_avg_before']} -> {r['load_avg_after']}",
         "",
         head,
         "| ---: |" + (" ---: |" * per_way.count("|")) * len(ways),
@@ -120,8 +118,8 @@ def run(a) -> int:
     job = resolve_master(discover())
     if a.no_torch and (a.no_mpi or job.launcher not in MPI_LAUNCHERS):
         print(
-            "bench allreduce: --no-torch leaves nothing to time without MPI (run under mpirun, "
-            "without --no-mpi)",
+            "bench allreduce: --no-torch leaves nothing to time without MPI (run "
+            "under mpirun, without --no-mpi)",
             file=sys.stderr,
         )
         return 2
@@ -202,17 +200,14 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--no-torch",
         action="store_true",
-        help="MPI only (torch.distributed still "
-        "gathers the results): "
-        "time each without the other's processes in the way, e.g. MPI's busy-polling on "
-        "shared cores",
+        help="MPI only (torch.distributed still gathers the results): time each without the "
+        "other's processes in the way, e.g. MPI's busy-polling on shared cores",
     )
     p.add_argument(
         "--link-gbps",
         type=float,
-        help="the rate of each host's link in Gbit/s (1 for "
-        "1 GbE): adds a "
-        "busbw / link column, the share of the link that the all-reduce uses",
+        help="the rate of each host's link in Gbit/s (1 for 1 GbE): adds a busbw / link column, "
+        "the share of the link that the all-reduce uses",
     )
     p.add_argument("--timeout", type=float, default=300, help="seconds before a collective fails")
     p.add_argument("--out", help="folder for allreduce.md and allreduce.json")
@@ -221,8 +216,7 @@ def add_arguments(p) -> None:
 COMMANDS = {
     "allreduce": (
         "all-reduce time, algbw and busbw per message size (torch.distributed "
-        "and MPI); run it under "
-        "mpirun",
+        "and MPI); run it under mpirun",
         add_arguments,
         run,
     )

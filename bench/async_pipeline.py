@@ -57,9 +57,8 @@ def add_arguments(p) -> None:
         "--repeats",
         type=positive_int,
         default=3,
-        help="rounds of speed runs, the "
-        "engines taking "
-        "turns within each (the median is kept: the load of a shared machine drifts)",
+        help="rounds of speed runs, the engines taking turns within each (the median is kept: "
+        "the load of a shared machine drifts)",
     )
     p.add_argument(
         "--no-accuracy", action="store_true", help="skip the default-epochs accuracy runs"
@@ -74,20 +73,16 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--mpirun-args",
         default="",
-        help="more mpirun options for the pipelines' runs, "
-        "e.g. '--hostfile "
-        "H -x IFACE' across hosts (the simulated hosts of scripts/sim_cluster.sh, from "
-        "cn0); the one-rank "
-        "run stays on this host",
+        help="more mpirun options for the pipelines' runs, e.g. '--hostfile H -x IFACE' across "
+        "hosts (the simulated hosts of scripts/sim_cluster.sh, from cn0); "
+        "the one-rank run stays on this host",
     )
     p.add_argument(
         "--wire-dtypes",
         type=wire_list,
         default=[],
-        help="comma-separated "
-        "--pipe-wire-dtype values: "
-        "one async-pipeline speed run for each (e.g. fp32,bf16; default one run, the "
-        "training precision's)",
+        help="comma-separated --pipe-wire-dtype values: one async-pipeline speed run for each "
+        "(e.g. fp32,bf16; default one run, the training precision's)",
     )
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", help="write async_pipeline.md and async_pipeline.json into this folder")
@@ -210,8 +205,8 @@ def accuracy(name: str, options: str, a, logs: Path) -> dict:
             return {"run": name, "error": f"exit {rc}: {failure_tail(log_dir)}"}
         runs.append(json.loads((log_dir / "summary.json").read_text()))
         print(
-            f"{name}, seed {seed}: top-1 {100 * runs[-1]['top1']:.2f}% after {runs[-1]['steps']} "
-            f"steps",
+            f"{name}, seed {seed}: top-1 {100 * runs[-1]['top1']:.2f}% "
+            f"after {runs[-1]['steps']} steps",
             flush=True,
         )
     return {
@@ -294,10 +289,9 @@ def table(r: dict) -> str:
         f"{r['device']}, {r['ranks']} ranks, {r['stages']} stages, {r['grad_accum']} "
         f"micro-batches a step",
         "",
-        "| run | images/s, median (each round) | x DeepSpeed's pipeline | its no-bubble ideal "
-        "| of it | "
-        f"of {r['stages']} x one rank | MB sent per step, rank 0 | load before | others' "
-        f"cores |",
+        "| run | images/s, median (each round) | x DeepSpeed's pipeline | its no-bubble ideal | "
+        f"of it | of {r['stages']} x one rank | MB sent per step, rank 0 | load before | "
+        "others' cores |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     ds = next((x.get("images_per_s") for x in r["speed"] if x["run"].startswith("pipeline")), None)
@@ -317,10 +311,8 @@ def table(r: dict) -> str:
             f" ({', '.join(map(str, row['each']))})" if row.get("each") and row is not one else ""
         )
         lines.append(
-            f"| {row['run']} | {ips:.0f}{each} | {ratio} | {f'{own:.0f}' if own else ''} "
-            f"| "
-            f"{f'{ips / own:.2f}' if own else ''} | {of_one} | "
-            f"{mb(row.get('wire_bytes'))} | "
+            f"| {row['run']} | {ips:.0f}{each} | {ratio} | {f'{own:.0f}' if own else ''} | "
+            f"{f'{ips / own:.2f}' if own else ''} | {of_one} | {mb(row.get('wire_bytes'))} | "
             f"{row.get('load_before', '')} | {row.get('others_cores', '')} |"
         )
     base = next(
@@ -334,9 +326,8 @@ def table(r: dict) -> str:
     if r["accuracy"]:
         lines += [
             "",
-            f"| run (default epochs) | held-out top-1 %, median (seeds "
-            f"{', '.join(map(str, r['seeds']))}) "
-            "| steps | wall s, median |",
+            "| run (default epochs) | held-out top-1 %, median (seeds "
+            f"{', '.join(map(str, r['seeds']))}) | steps | wall s, median |",
             "|---|---|---|---|",
         ]
         for row in r["accuracy"]:
@@ -345,9 +336,8 @@ def table(r: dict) -> str:
             else:
                 each = ", ".join(f"{100 * t:.2f}" for t in row["each"])
                 lines.append(
-                    f"| {row['run']} | {100 * row['top1']:.2f} ({each}) | {row['steps']} "
-                    f"| "
-                    f"{row['wall_s']:.0f} |"
+                    f"| {row['run']} | {100 * row['top1']:.2f} ({each}) "
+                    f"| {row['steps']} | {row['wall_s']:.0f} |"
                 )
     return "\n".join(lines) + "\n"
 
@@ -358,9 +348,8 @@ def mb(sent: float | None) -> str:
 
 COMMANDS = {
     "async-pipeline": (
-        "async-pipeline against DeepSpeed's pipeline and the no-bubble "
-        "ideal (images/s), "
-        "and the default job's top-1 with and without weight prediction",
+        "async-pipeline against DeepSpeed's pipeline and the no-bubble ideal (images/s), and the "
+        "default job's top-1 with and without weight prediction",
         add_arguments,
         run,
     )

@@ -132,8 +132,8 @@ class OthersCpu:
 
     @staticmethod
     def _now() -> tuple[float, float, float]:
-        fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]  # user .. steal
-        # less idle and iowait
+        # the cpu line's user .. steal; busy: all of them less idle and iowait
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
         busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
         own = sum(
             getattr(resource.getrusage(who), f)

@@ -79,8 +79,8 @@ def table(r: dict) -> str:
         f"{r['device']}, {r['ranks']} ranks, seeds {r['seeds']}, base `{r['base']}`",
         f"A: `{r['a'] or '(base)'}`; B: `{r['b'] or '(base)'}`",
         "",
-        "| seed | A top-1 % | B top-1 % | B - A points | A loss | B loss | B - A loss | A wall s "
-        "| B wall s |",
+        "| seed | A top-1 % | B top-1 % | B - A points | A loss | B loss | B - A loss | "
+        "A wall s | B wall s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["runs"]:
@@ -163,8 +163,8 @@ def add_arguments(p) -> None:
 
 COMMANDS = {
     "compare": (
-        "two configurations over paired seeds: the mean difference of top-1 and held-out loss with "
-        "its standard error",
+        "two configurations over paired seeds: the mean difference of top-1 and held-out "
+        "loss with its standard error",
         add_arguments,
         run,
     )

@@ -110,8 +110,8 @@ def run(a) -> int:
     }
     lines = [
         f"{result['device']}, 2 ranks; even/odd on 16x16 RGB digits, {10 * a.per_class} "
-        f"training images, 360 "
-        f"held out; {a.epochs} epochs; load {load} before, {result['load_after']} after",
+        f"training images, 360 held out; {a.epochs} epochs; load {load} before, "
+        f"{result['load_after']} after",
         "",
         "| start | top-1 % (median) | each seed | wall s (median) |",
         "|---|---|---|---|",
@@ -119,8 +119,7 @@ def run(a) -> int:
     for name, runs in rows.items():
         each = " / ".join(f"{100 * r['top1']:.2f}" for r in runs)
         lines.append(
-            f"| {name} | {100 * statistics.median(r['top1'] for r in runs):.2f} | {each} "
-            f"| "
+            f"| {name} | {100 * statistics.median(r['top1'] for r in runs):.2f} | {each} | "
             f"{statistics.median(r['wall_s'] for r in runs):.1f} |"
         )
     publish(a.out, "finetune", result, "\n".join(lines) + "\n")

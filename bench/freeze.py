@@ -102,9 +102,8 @@ def run(a) -> int:
     unknown = [n for n in configs if n not in CONFIGS]
     if unknown or "baseline" not in configs:
         raise SystemExit(
-            f"bench freeze: --configs {a.configs}: each of {', '.join(CONFIGS)}, "
-            f"baseline among them "
-            f"({'unknown: ' + ', '.join(unknown) if unknown else 'no baseline'})"
+            f"bench freeze: --configs {a.configs}: each of {', '.join(CONFIGS)}, baseline among "
+            f"them ({'unknown: ' + ', '.join(unknown) if unknown else 'no baseline'})"
         )
     if unknown := [n for n in cases if n not in CASES]:
         raise SystemExit(
@@ -212,8 +211,7 @@ def measure(
         "frozen": frozen[-1] if frozen else 0,
     }
     print(
-        f"{case}, {name}{' ' + slow if slow else ''} seed {seed}: top-1 {100 * s['top1']:.2f}% "
-        f"in "
+        f"{case}, {name}{' ' + slow if slow else ''} seed {seed}: top-1 {100 * s['top1']:.2f}% in "
         f"{s['wall_s']:.1f} s, {run['frozen']} layers frozen at the end (load {before})",
         flush=True,
     )
@@ -222,14 +220,12 @@ def measure(
 
 def table(result: dict) -> str:
     lines = [
-        f"{result['device']}, 2 ranks, {result.get('engine_options', PIPELINE)}; seeds "
-        f"{result['seeds']}; load "
-        f"{result['load_before']} "
-        f"before, {result['load_after']} after",
+        f"{result['device']}, 2 ranks, {result.get('engine_options', PIPELINE)}; "
+        f"seeds {result['seeds']}; load {result['load_before']} before, "
+        f"{result['load_after']} after",
         "",
-        "| case | configuration | rank 1 | top-1 % (median) | each seed | vs baseline | wall "
-        "s (median) | "
-        "speed-up | layers frozen at the end | load |",
+        "| case | configuration | rank 1 | top-1 % (median) | each seed | vs baseline | "
+        "wall s (median) | speed-up | layers frozen at the end | load |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {(r["case"], r["slow"]): r for r in result["rows"] if r["config"] == "baseline"}
@@ -242,8 +238,7 @@ def table(result: dict) -> str:
         lines.append(
             f"| {r['case']} | {r['config']} | {rank1} | {100 * r['top1']:.2f} | {each} | "
             f"{100 * (r['top1'] - b['top1']):+.2f} | {r['wall_s']:.1f} | "
-            f"{b['wall_s'] / r['wall_s']:.2f}x | "
-            f"{frozen} | {loads} |"
+            f"{b['wall_s'] / r['wall_s']:.2f}x | {frozen} | {loads} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -256,9 +251,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--configs",
         default=DEFAULT_CONFIGS,
-        help=f"comma-separated configurations of "
-        f"{', '.join(CONFIGS)}"
-        " (baseline among them: the speed-ups are against it)",
+        help=f"comma-separated configurations of {', '.join(CONFIGS)} (baseline among them: "
+        "the speed-ups are against it)",
     )
     p.add_argument(
         "--epochs",
@@ -273,8 +267,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--engine-options",
         default=PIPELINE,
-        help="the engine of every run (the freeze configurations need one that freezes) "
-        "[%(default)s]",
+        help="the engine of every run (the freeze configurations need "
+        "one that freezes) [%(default)s]",
     )
     p.add_argument("--timeout", type=positive_int, default=900, help="seconds per run")
     p.add_argument("--out", help="write freeze.md, freeze.json and the runs' logs here")

@@ -122,15 +122,11 @@ def mixed(a) -> int:
 def mixed_table(a, chosen: list, best: dict) -> str:
     lines = [
         f"{a.model}, synthetic data, global batch {a.global_batch}, {a.ranks} ranks, "
-        f"--simulate-slowdown "
-        f"{a.slowdown}; images/s from the median step time of {a.steps} steps after "
-        f"{a.warmup} warm-up, best of "
-        f"{a.repeat}. ideal: the speed-up of perfectly balanced work over an equal share, sum "
-        f"of the ranks' "
-        "speeds / (ranks x the slowest), with speed = 1 / slowdown; census: the same from the "
-        "block times that "
-        "run's census measured; predicted: the step the balanced run's cost model predicted "
-        "for that split "
+        f"--simulate-slowdown {a.slowdown}; images/s from the median step time of {a.steps} steps "
+        f"after {a.warmup} warm-up, best of {a.repeat}. ideal: the speed-up of perfectly balanced "
+        "work over an equal share, sum of the ranks' speeds / (ranks x the slowest), with speed = "
+        "1 / slowdown; census: the same from the block times that run's census measured; "
+        "predicted: the step the balanced run's cost model predicted for that split "
         "(vit.planner.balance), and its error against the measured step",
         "",
         "| run | images/s | vs equal share | ideal | census | ms/step | predicted | error | plan |",
@@ -166,10 +162,8 @@ def mixed_table(a, chosen: list, best: dict) -> str:
             else "| "
         )
         lines.append(
-            f"| {name} | {r['images_per_s']:.1f} | "
-            f"{r['images_per_s'] / base['images_per_s']:.2f} | "
-            f"{ideal:.2f} | {census:.2f} | {1e3 * r['step_time_s']:.1f} | {guess} | "
-            f"{plan} |"
+            f"| {name} | {r['images_per_s']:.1f} | {r['images_per_s'] / base['images_per_s']:.2f} "
+            f"| {ideal:.2f} | {census:.2f} | {1e3 * r['step_time_s']:.1f} | {guess} | {plan} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -265,9 +259,8 @@ def lossscale(a) -> int:
         dist.destroy_process_group()
     lines = [
         f"{a.model} on {a.dataset}, global batch {a.global_batch}, {a.steps} fp32 steps "
-        f"({time.perf_counter() - start:.0f} s): largest |gradient| per step {min(peaks):.3g} "
-        f".. {max(peaks):.3g};"
-        f" the probe (2 batches before training) saw {probe:.3g}",
+        f"({time.perf_counter() - start:.0f} s): largest |gradient| per step {min(peaks):.3g} .. "
+        f"{max(peaks):.3g}; the probe (2 batches before training) saw {probe:.3g}",
         "",
         "| initial loss scale | initial_scale_power | skipped steps (emulated) |",
         "| --- | ---: | ---: |",
@@ -306,9 +299,8 @@ def add_mixed_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed")
     p.add_argument(
         "--calibration",
-        help="the fixed costs --partition balanced's cost model reads "
-        "($VIT_PLANNER_CALIBRATION; default logs/planner_calibration.json where it "
-        "exists)",
+        help="the fixed costs --partition balanced's cost model reads ($VIT_PLANNER_CALIBRATION; "
+        "default logs/planner_calibration.json where it exists)",
     )
     p.add_argument("--out", help="folder for mixed.md, mixed.json and the runs' logs")
 

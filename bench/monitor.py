@@ -48,8 +48,7 @@ def bench(backend: str, samples: int) -> str:
     median, p95 = 1e3 * statistics.median(walls), 1e3 * walls[int(0.95 * (len(walls) - 1))]
     return (
         f"wall {median:7.2f} ms median, {p95:7.2f} ms p95 | CPU {cpu_ms:6.2f} ms in-process + "
-        f"{child_ms:6.2f} ms "
-        f"in nvidia-smi = {(cpu_ms + child_ms) / 10:.2f}% of a core at 1 s"
+        f"{child_ms:6.2f} ms in nvidia-smi = {(cpu_ms + child_ms) / 10:.2f}% of a core at 1 s"
     )
 
 

@@ -25,8 +25,8 @@ def run(a) -> int:
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)
         print(
-            f"{precision}: {2 * a.size**3 / best / 1e12:.4f} TFLOP/s ({a.size}^3 GEMM, best of "
-            f"{a.repeats})"
+            f"{precision}: {2 * a.size**3 / best / 1e12:.4f} TFLOP/s "
+            f"({a.size}^3 GEMM, best of {a.repeats})"
         )
     return 0
 

@@ -31,8 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--mpirun-args",
         default="",
-        help="extra mpirun arguments, e.g. '--hostfile "
-        "$SIM_DIR/hostfile -x "
+        help="extra mpirun arguments, e.g. '--hostfile $SIM_DIR/hostfile -x "
         "GLOO_SOCKET_IFNAME' on the simulated hosts",
     )
     p.add_argument(
@@ -59,21 +58,17 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--save-calibration",
         metavar="FILE",
-        help="write each engine's (and "
-        "compression's) fixed seconds "
-        "a micro-batch, fitted to these runs, as a calibration JSON (measure where the "
-        "link is fast: what "
-        "the model's compute, link and bubble leave of a step; "
-        "logs/planner_calibration.json is where "
-        "--engine auto looks)",
+        help="write each engine's (and compression's) fixed seconds a micro-batch, fitted to "
+        "these runs, as a calibration JSON (measure where the link is fast: "
+        "what the model's compute, link and bubble leave of a step; logs/planner_calibration.json "
+        "is where --engine auto looks)",
     )
     p.add_argument("--out", help="write planner.md and planner.json here")
     p.add_argument(
         "train",
         nargs="*",
-        help="vit.train options after --, e.g. -- --dataset "
-        "synthetic --img-size 4 "
-        "--simulate-slowdown 1=2",
+        help="vit.train options after --, e.g. -- --dataset synthetic "
+        "--img-size 4 --simulate-slowdown 1=2",
     )
 
 
@@ -212,9 +207,9 @@ def planner(a) -> int:
         ", ".join(f"{h} {v:.1f}" for h, v in first["record"]["links_mbit"].items()) or "one host"
     )
     lines = [
-        f"{a.condition or 'condition'}: {a.ranks} ranks, vit.train {' '.join(a.train)}; links "
-        f"measured (Mbit/s): "
-        f"{links}; planned in {first['record']['planning_s']:.1f} s; load {load_avg()}",
+        f"{a.condition or 'condition'}: {a.ranks} ranks, vit.train {' '.join(a.train)}; "
+        f"links measured (Mbit/s): {links}; planned in "
+        f"{first['record']['planning_s']:.1f} s; load {load_avg()}",
         "",
         "| # predicted | candidate | predicted ms | measured ms | error | # measured | "
         "bottleneck | auto |",
@@ -222,8 +217,7 @@ def planner(a) -> int:
     ]
     for i, r in enumerate(rows, 1):
         lines.append(
-            f"| {i} | {r['candidate']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} "
-            f"| "
+            f"| {i} | {r['candidate']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
             f"{100 * r['error']:+.0f}% | {by_measured.index(r) + 1} | {r['bottleneck']} | "
             f"{'chosen' if r['auto'] else ''} |"
         )
@@ -231,10 +225,9 @@ def planner(a) -> int:
     lines += [
         "",
         f"median |error| {100 * errors[len(errors) // 2]:.0f}%, largest "
-        f"{100 * errors[-1]:.0f}%; auto's "
-        f"choice measured #{by_measured.index(auto_row) + 1} of {len(rows)}, "
-        f"{by_measured[0]['measured_ms'] / auto_row['measured_ms']:.2f} of the best measured "
-        f"images/s",
+        f"{100 * errors[-1]:.0f}%; auto's choice measured #{by_measured.index(auto_row) + 1} "
+        f"of {len(rows)}, {by_measured[0]['measured_ms'] / auto_row['measured_ms']:.2f} of "
+        "the best measured images/s",
     ]
     if a.save_calibration:
         fitted = fit([(rows, first["record"]["calibration"])])
@@ -261,18 +254,15 @@ def add_calibrate_arguments(p) -> None:
     p.add_argument(
         "save",
         metavar="FILE",
-        help="the calibration JSON to write "
-        "(logs/planner_calibration.json is "
-        "where --engine auto looks)",
+        help="the calibration JSON to write (logs/planner_calibration.json "
+        "is where --engine auto looks)",
     )
     p.add_argument(
         "results",
         nargs="+",
         metavar="PLANNER_JSON",
-        help="planner.json of bench "
-        "planner runs (--out), "
-        "measured where the link is fast: where it sets the step, its error lands in "
-        "the fixed costs",
+        help="planner.json of bench planner runs (--out), measured where the link is fast: "
+        "where it sets the step, its error lands in the fixed costs",
     )
 
 

@@ -84,8 +84,8 @@ def run_variant(name: str, options: str, seeds: list[int], a, logs: Path) -> dic
             }
         )
         print(
-            f"{name} seed {seed}: top-1 {100 * s['top1']:.2f}% in {s['wall_s']:.1f} s (load "
-            f"{load})",
+            f"{name} seed {seed}: top-1 {100 * s['top1']:.2f}% in "
+            f"{s['wall_s']:.1f} s (load {load})",
             flush=True,
         )
 
@@ -112,8 +112,7 @@ def table(result: dict) -> str:
         f"`{result['base'] or '(the default job)'}`",
         "",
         "| variant | options | top-1 % (median) | each seed | EMA top-1 % | wall s (median) | "
-        "load | others' "
-        "cores |",
+        "load | others' cores |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
@@ -123,9 +122,8 @@ def table(result: dict) -> str:
         ema = f"{100 * r['ema_top1']:.2f}" if r["ema_top1"] is not None else "–"
         each = " / ".join(f"{100 * t:.2f}" for t in r["all_top1"])
         lines.append(
-            f"| {r['variant']} | `{r['options'] or '-'}` | {100 * r['top1']:.2f} | {each} "
-            f"| {ema} | "
-            f"{r['wall_s']:.1f} | {r['load']:.1f} | {r['others_cores']:.2f} |"
+            f"| {r['variant']} | `{r['options'] or '-'}` | {100 * r['top1']:.2f} | {each} | {ema} "
+            f"| {r['wall_s']:.1f} | {r['load']:.1f} | {r['others_cores']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -158,9 +156,8 @@ def run(a) -> int:
 def add_arguments(p) -> None:
     p.add_argument(
         "--variants",
-        help="comma-separated, of: " + ", ".join(VARIANTS) + " (default: "
-        "these), and "
-        "with --base '--engine ddp': " + ", ".join(COMPRESSION),
+        help="comma-separated, of: " + ", ".join(VARIANTS) + " (default: these), and with --base "
+        "'--engine ddp': " + ", ".join(COMPRESSION),
     )
     p.add_argument(
         "--seeds",

@@ -101,8 +101,7 @@ def engine_args(name: str, a) -> tuple[list[str], str]:
         opts = engine_options(name)
     if a.global_batch % (grad_accum * dp):
         sys.exit(
-            f"bench train: {name}: global batch {a.global_batch} is not divisible by "
-            f"{grad_accum} "
+            f"bench train: {name}: global batch {a.global_batch} is not divisible by {grad_accum} "
             f"micro-batches x data-parallel size {dp}"
         )
     micro = a.global_batch // (grad_accum * dp)
@@ -171,38 +170,31 @@ def train_table(result: dict) -> str:
     r = result
     lines = [
         f"{r['model']}, global batch {r['global_batch']}, {r['precision']}, {r['steps']} timed "
-        f"steps after "
-        f"{r['warmup']} warm-up; step time: the median over windows of {r['warmup']} steps, the "
-        f"fastest of "
-        f"{r['repeat']} interleaved repeats; {'compiled' if r['compile'] else 'not compiled'}; "
-        f"AdamW {'fused' if r['fused_adam'] else 'torch default'}; "
-        f"{r['device']}, reference on {r['reference_threads']} threads; "
-        f"{r['flops_per_image'] / 1e9:.3f} GFLOP/image forward (x3 to train); peak "
-        f"{r['peak_tflops'] or '?'} "
-        f"TFLOP/s per device; others: CPU cores busy with other processes during that run "
-        f"({r['cpus']} CPUs; "
+        f"steps after {r['warmup']} warm-up; step time: the median over windows of {r['warmup']} "
+        f"steps, the fastest of {r['repeat']} interleaved repeats; "
+        f"{'compiled' if r['compile'] else 'not compiled'}; AdamW "
+        f"{'fused' if r['fused_adam'] else 'torch default'}; {r['device']}, reference on "
+        f"{r['reference_threads']} threads; {r['flops_per_image'] / 1e9:.3f} GFLOP/image forward "
+        f"(x3 to train); peak {r['peak_tflops'] or '?'} TFLOP/s per device; others: "
+        f"CPU cores busy with other processes during that run ({r['cpus']} CPUs; "
         f"1-minute load average {r['load_avg_before']} before, {r['load_avg_after']} after)",
         "",
-        "| engine | ranks | micro x accum x dp | images/s | step ms | peak mem GiB/rank | MFU % | "
-        "ratio to ref "
-        "| others |",
+        "| engine | ranks | micro x accum x dp | images/s | step ms | peak mem GiB/rank | "
+        "MFU % | ratio to ref | others |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in r["rows"]:
         if "error" in row:
             lines.append(
                 f"| {row['engine']} | {row['ranks']} | {row['layout']} | failed: "
-                f"{row['error']} | | | | | "
-                f"{row['others_cores']} |"
+                f"{row['error']} | | | | | {row['others_cores']} |"
             )
             continue
         mfu = f"{100 * row['mfu']:.1f}" if row.get("mfu") is not None else "-"
         lines.append(
-            f"| {row['engine']} | {row['ranks']} | {row['layout']} | "
-            f"{row['images_per_s']:.1f} | "
+            f"| {row['engine']} | {row['ranks']} | {row['layout']} | {row['images_per_s']:.1f} | "
             f"{1e3 * row['step_time_s']:.1f} | {row['peak_mem_gib']:.2f} | {mfu} | "
-            f"{row['ratio']:.3f} | "
-            f"{row['others_cores']} |"
+            f"{row['ratio']:.3f} | {row['others_cores']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -223,9 +215,8 @@ def run(a) -> int:
     peak = a.peak_tflops or peak_tflops(name, a.precision)
     if peak is None:
         print(
-            f"bench train: no peak FLOP/s for '{name}' in PEAK_TFLOPS ({a.precision}); MFU left "
-            f"out. Measure "
-            "one with `python -m bench peak` and pass --peak-tflops",
+            f"bench train: no peak FLOP/s for '{name}' in PEAK_TFLOPS ({a.precision}); "
+            "MFU left out. Measure one with `python -m bench peak` and pass --peak-tflops",
             file=sys.stderr,
         )
     before = load_avg()
@@ -332,9 +323,8 @@ def add_arguments(t) -> None:
     t.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile the reference and every "
-        "engine "
-        "(vit.train --compile); the warm-up steps take the compilation",
+        help="torch.compile the reference and every engine (vit.train --compile); "
+        "the warm-up steps take the compilation",
     )
     t.add_argument(
         "--fused-adam",

@@ -4,6 +4,7 @@ vit/config/compat.py no code branches on an engine's name; it asks the engine's 
 
 import ast
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -147,3 +148,34 @@ def test_every_registered_engine_has_its_module_its_json_and_a_benchmark_run():
         assert spec.zero_stage is None or spec.zero_stage in spec.zero_stages, spec.name
     assert {engine.name for engine, _ in RUN_ENGINES.values()} == set(NAMES)
     assert all((CONFIGS / config).is_file() for _, config in RUN_ENGINES.values())
+
+
+# Where the docs list every engine: the option tables' `--engine a\|b\|...` (README.md,
+# docs/training.md) and the folders of docs/architecture.md's engines/ section.
+ENGINE_LIST = re.compile(r"`--engine ((?:[a-z-]+\\\|)+[a-z-]+)`")
+
+
+def docs_missing_engines(readme: str, training: str, architecture: str) -> dict[str, list[str]]:
+    """Per doc, the registered engines one of its engine lists leaves out."""
+    missing = {}
+    for doc, text in (("README.md", readme), ("docs/training.md", training)):
+        lists = [names.split("\\|") for names in ENGINE_LIST.findall(text)] or [[]]
+        if lack := sorted({n for names in lists for n in NAMES if n not in names}):
+            missing[doc] = lack
+    folders = architecture.partition("\n### engines/\n")[2].partition("\n### ")[0]
+    if lack := [n for n in NAMES if f"`{n.replace('-', '_')}/`" not in folders]:
+        missing["docs/architecture.md"] = lack
+    return missing
+
+
+def test_the_docs_engine_lists_name_every_registered_engine():
+    texts = [(ROOT / doc).read_text() for doc in ("README.md", "docs/training.md")]
+    assert docs_missing_engines(*texts, (ROOT / "docs/architecture.md").read_text()) == {}
+
+
+def test_the_engine_list_check_sees_an_engine_left_out():
+    line = "| engine | `--engine zero\\|pipeline\\|ddp` |"
+    folders = "\n### engines/\n\n- `zero/`, `pipeline/`\n\n### planner/\n- `ddp/`"
+    assert docs_missing_engines(line, line, folders) == {
+        doc: ["async-pipeline", "diloco"] for doc in ("README.md", "docs/training.md")
+    } | {"docs/architecture.md": ["async-pipeline", "ddp", "diloco"]}

@@ -285,9 +285,8 @@ def build_trainer(plan: Plan, watchdog: Watchdog, charts) -> Trainer:
         s.model.drop_path,
         None if plan.resume else s.model.pretrained_path,
     )
-    ema_layers = (
-        copy.deepcopy(layers) if s.recipe.model_ema else None
-    )  # before ZeRO-3 partitions them
+    # before ZeRO-3 partitions them
+    ema_layers = copy.deepcopy(layers) if s.recipe.model_ema else None
     # before the census: it times fp32 as trained
     if (tf32 := set_tf32(dev, s.parallel.tf32 == "on")) and job.is_main:
         print(tf32, flush=True)

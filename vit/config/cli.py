@@ -67,10 +67,8 @@ def from_registry(name: str, cli: dict, help: str) -> tuple[dict, str]:
 def parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
-        description="Train a Vision Transformer with DeepSpeed ZeRO, a "
-        "DeepSpeed "
-        "pipeline, or plain PyTorch DDP. With no options: the tiny ViT on the embedded "
-        "digits data set.",
+        description="Train a Vision Transformer with DeepSpeed ZeRO, a DeepSpeed pipeline, or "
+        "plain PyTorch DDP. With no options: the tiny ViT on the embedded digits data set.",
         formatter_class=HelpFormatter,
     )
     for cls, title in GROUPS.values():
@@ -138,8 +136,8 @@ def validate(s: Settings) -> Settings:
         "type:"
     ):
         raise ConfigError(
-            f"--partition must be uniform, parameters, balanced or type:REGEX, got "
-            f"'{par.partition}'"
+            "--partition must be uniform, parameters, balanced or "
+            f"type:REGEX, got '{par.partition}'"
         )
     if s.recipe.scale and not 0 < s.recipe.scale[0] <= s.recipe.scale[1] <= 1:
         raise ConfigError(

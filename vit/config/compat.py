@@ -55,38 +55,33 @@ def check_settings(s) -> None:
     par, engine = s.parallel, spec(s.parallel.engine)
     if par.micro_batch_size == "auto" and (not engine.micro_batch_auto or s.checkpoint.resume):
         raise ConfigError(
-            f"--micro-batch-size auto applies to "
-            f"{_engines(lambda e: e.micro_batch_auto)}, and not to "
-            "--resume (pass the micro-batch the run chose: its config.json says)"
+            f"--micro-batch-size auto applies to {_engines(lambda e: e.micro_batch_auto)}, and not "
+            "to --resume (pass the micro-batch the run chose: its config.json says)"
         )
     if par.partition == "balanced" and not engine.pipeline:
         raise ConfigError(f"--partition balanced applies to {_engines(lambda e: e.pipeline)}")
     if par.batch_split == "proportional" and not splits_batches(engine):
         raise ConfigError(
-            f"--batch-split proportional applies to "
-            f"{_engines(splits_batches)} (a pipeline balances its "
-            "stages with --partition balanced; DiLoCo's inner steps in proportion to speed: "
-            "--local-steps)"
+            f"--batch-split proportional applies to {_engines(splits_batches)} (a pipeline "
+            "balances its stages with --partition balanced; DiLoCo's inner steps in "
+            "proportion to speed: --local-steps)"
         )
     if engine.local_steps:
         check_local_steps(s.local)
     if s.comm.comm_hook != "none" and not engine.comm_hooks:
         raise ConfigError(
-            f"--comm-hook applies to {_engines(lambda e: e.comm_hooks)} (torch's DDP "
-            f"communication "
+            f"--comm-hook applies to {_engines(lambda e: e.comm_hooks)} (torch's DDP communication "
             f"hooks), not --engine {engine.name}"
         )
     if s.comm.comm_hook == "powersgd" and s.comm.powersgd_start_step < 2:
         raise ConfigError(
-            f"--powersgd-start-step must be at least 2, got "
-            f"{s.comm.powersgd_start_step} (torch's "
+            f"--powersgd-start-step must be at least 2, got {s.comm.powersgd_start_step} (torch's "
             "start_powerSGD_iter: DDP rebuilds its buckets after the first step)"
         )
     if s.freeze.freeze != "none" and engine.pipeline and engine.freeze and s.recipe.model_ema:
         raise ConfigError(
-            f"--model-ema does not follow a pipeline whose stages --freeze re-plans; "
-            f"use "
-            f"{_engines(lambda e: e.freeze and not e.pipeline)}"
+            "--model-ema does not follow a pipeline whose stages --freeze re-plans; "
+            f"use {_engines(lambda e: e.freeze and not e.pipeline)}"
         )
 
 
@@ -97,13 +92,12 @@ def check_zero_stage(engine_name: str, stage: int, config_name: str) -> None:
         return
     if engine.pipeline:
         raise ConfigError(
-            f"DeepSpeed config {config_name}: ZeRO stage {stage} does not work with "
-            f"the pipeline engine "
-            "(DeepSpeed pipelines accept ZeRO 0 or 1)"
+            f"DeepSpeed config {config_name}: ZeRO stage {stage} does not work with the pipeline "
+            "engine (DeepSpeed pipelines accept ZeRO 0 or 1)"
         )
     print(
-        f"warning: --engine {engine_name} ignores zero_optimization (stage {stage}) in "
-        f"{config_name}",
+        f"warning: --engine {engine_name} ignores zero_optimization "
+        f"(stage {stage}) in {config_name}",
         file=sys.stderr,
     )
 
@@ -118,8 +112,7 @@ def check_comm_dtype(engine_name: str, cfg: dict, config_name: str) -> None:
     raise ConfigError(
         f"DeepSpeed config {config_name}: communication_data_type applies to "
         f"{_engines(lambda e: e.deepspeed)} (DeepSpeed's gradient all-reduce), not "
-        f"--engine "
-        f"{engine_name}{instead}"
+        f"--engine {engine_name}{instead}"
     )
 
 
@@ -143,8 +136,7 @@ def check_freeze(s, ds_config: dict) -> None:
         or ds_config.get("zero_optimization", {}).get("offload_optimizer")
     ):
         raise ConfigError(
-            "--freeze works with ZeRO stages 0-2 without optimizer offload (it moves "
-            "the optimizer "
+            "--freeze works with ZeRO stages 0-2 without optimizer offload (it moves the optimizer "
             "state into the rebuilt engine itself); use such a --ds-config or "
             f"{_engines(lambda e: e.freeze and not e.deepspeed)}"
         )
@@ -171,8 +163,8 @@ def check_auto_given(names: set[str]) -> None:
     for _, name in AUTO_CHOOSES:
         if name in names:
             raise ConfigError(
-                f"--engine {AUTO} chooses --{name.replace('_', '-')} itself; leave it out, or name "
-                "an engine"
+                f"--engine {AUTO} chooses --{name.replace('_', '-')} itself; "
+                "leave it out, or name an engine"
             )
 
 
@@ -213,17 +205,14 @@ def check_auto(s) -> None:
         default = next(f.default for f in fields(getattr(s, group)) if f.name == name)
         if getattr(getattr(s, group), name) != default:
             raise ConfigError(
-                f"--engine {AUTO} chooses --{name.replace('_', '-')} itself; leave "
-                f"it out, or name an "
-                "engine"
+                f"--engine {AUTO} chooses --{name.replace('_', '-')} itself; "
+                "leave it out, or name an engine"
             )
     if s.parallel.micro_batch_size == AUTO:
         raise ConfigError(
-            f"--engine {AUTO} chooses the micro-batch within the global batch; leave "
-            f"out "
-            "--micro-batch-size auto (--micro-batch-size N and --grad-accum A set "
-            "the global batch: "
-            "N x A x ranks)"
+            f"--engine {AUTO} chooses the micro-batch within the global batch; "
+            "leave out --micro-batch-size auto (--micro-batch-size N and --grad-accum A set the "
+            "global batch: N x A x ranks)"
         )
     if s.freeze.freeze != "none":
         raise ConfigError(

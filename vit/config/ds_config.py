@@ -79,19 +79,15 @@ def _batch(cfg: dict, name: str, dp_size: int, world_size: int, stages: int) -> 
         if total % (grad_accum * dp_size):
             raise ConfigError(
                 f"batch arithmetic: train_batch_size {total} is not divisible by "
-                f"gradient_accumulation_steps {grad_accum} x data-parallel size "
-                f"{dp_size}"
+                f"gradient_accumulation_steps {grad_accum} x data-parallel size {dp_size}"
             )
         micro = total // (grad_accum * dp_size)
     batch = Batch(micro, grad_accum, dp_size)
     if total is not None and total != batch.global_size:
         raise ConfigError(
-            f"batch arithmetic: train_batch_size {total} != "
-            f"train_micro_batch_size_per_gpu {micro} "
-            f"x gradient_accumulation_steps {grad_accum} x data-parallel size "
-            f"{dp_size} "
-            f"(= {batch.global_size}; world size {world_size}, pipeline stages "
-            f"{stages})"
+            f"batch arithmetic: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} "
+            f"x gradient_accumulation_steps {grad_accum} x data-parallel size {dp_size} (= "
+            f"{batch.global_size}; world size {world_size}, pipeline stages {stages})"
         )
     return batch
 
@@ -105,11 +101,9 @@ def resolve(par: ParallelSettings, world_size: int) -> tuple[dict, Batch]:
     for key in ("optimizer", "scheduler"):
         if key in cfg:
             raise ConfigError(
-                f"DeepSpeed config {name}: remove '{key}'; the optimizer (AdamW) and "
-                f"the LR schedule "
-                "come from --lr/--min-lr/--weight-decay/--warmup-steps, so every "
-                "engine, ddp "
-                "included, trains the same way"
+                f"DeepSpeed config {name}: remove '{key}'; the optimizer (AdamW) "
+                "and the LR schedule come from --lr/--min-lr/--weight-decay/--warmup-steps, so "
+                "every engine, ddp included, trains the same way"
             )
     stage = zero_stage(cfg)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):

@@ -235,8 +235,7 @@ def validate(cfg: dict, name: str) -> None:
     autos = list(_autos(cfg))
     if autos:
         raise ConfigError(
-            f'DeepSpeed config {name}: {autos[0]} is "auto"; "auto" is filled in '
-            f"by the Hugging "
+            f'DeepSpeed config {name}: {autos[0]} is "auto"; "auto" is filled in by the Hugging '
             "Face Trainer, not by DeepSpeed: set a value"
         )
     valid = top_level_keys()
@@ -275,8 +274,7 @@ def refuse_monitors(cfg: dict, name: str) -> None:
             )
             raise ConfigError(
                 f'DeepSpeed config {name}: "{key}" is DeepSpeed\'s own monitor; '
-                f"remove it and use "
-                f"{use} instead"
+                f"remove it and use {use} instead"
             )
 
 

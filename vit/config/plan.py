@@ -62,12 +62,11 @@ class Plan:
     total_steps: int
     save_dir: str | None  # None: <log dir>/checkpoints, once the log dir's default name is agreed
     resume: Resume | None
-    shape: (
-        dict  # what a checkpoint must match to be resumed by this run (model, engine, ranks, ...)
-    )
+    # what a checkpoint must match to be resumed by this run (model, engine, ranks, ...)
+    shape: dict
     slowdowns: dict[int, float]  # --simulate-slowdown: rank -> factor
     notes: list[str]  # said first by rank 0
-    # --micro-batch-size auto with --batch-split proportional: each rank's
+    # --micro-batch-size auto with --batch-split proportional: each rank's micro-batch
     micro_split: list[int] | None = None
     # what --micro-batch-size auto measured and chose (config.json)
     micro_search: dict | None = None
@@ -208,9 +207,8 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     if par.compile and slowdowns:
         raise ConfigError(
             "--compile cannot run with --simulate-slowdown: the slowdown times each "
-            "layer on the host "
-            "inside its forward and backward, which a compiled graph does not stop "
-            "for; leave one out"
+            "layer on the host inside its forward and backward, which a compiled graph "
+            "does not stop for; leave one out"
         )
     preset = model_shape(s.model.model)
     norm = weights.pretrained_norm(s.model.model, s.model.pretrained, s.model.pretrained_path)
@@ -226,19 +224,16 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     if s.model.img_size and s.model.img_size != data.img_size:
         raise ConfigError(
             f"--img-size {s.model.img_size} does not match the "
-            f"{data.img_size}x{data.img_size} images "
-            f"of {dataset}"
+            f"{data.img_size}x{data.img_size} images of {dataset}"
         )
     check_img_size(s.model.model, data.img_size)
     s, notes = check_recipe(s, data, [note] if note else [])
     # the recipe as the data has it
     if s.freeze.freeze_cache == "on" and (s.recipe.augments or s.recipe.mixes):
         raise ConfigError(
-            "--freeze-cache on needs the same sample every epoch, and this run's "
-            "training data is "
-            "augmented or mixed: add --no-aug (and leave out --mixup/--cutmix), or "
-            "use --freeze-cache "
-            "auto or off"
+            "--freeze-cache on needs the same sample every epoch, and this run's training "
+            "data is augmented or mixed: add --no-aug (and leave out --mixup/--cutmix), or "
+            "use --freeze-cache auto or off"
         )
     kept = []  # the line of a global batch the resume chose (keep_global_batch)
     if ckpt.resume and not par.grad_accum and par.micro_batch_size != "auto":
@@ -373,9 +368,8 @@ def run_length(s: Settings, data: DataSplit, batch: Batch) -> tuple[int, int]:
     per_epoch = steps_per_epoch(len(data.train), batch.global_size)
     if per_epoch == 0:
         raise ConfigError(
-            f"global batch {batch.global_size} is larger than the {len(data.train)} "
-            f"training samples "
-            f"of {s.data.dataset}"
+            f"global batch {batch.global_size} is larger than the {len(data.train)} training "
+            f"samples of {s.data.dataset}"
         )
     epochs = DEFAULT_EPOCHS if s.train.epochs is None else s.train.epochs
     return per_epoch, s.train.steps or max(1, round(epochs * per_epoch))
@@ -533,10 +527,8 @@ def find_resume(
     if newer and os.path.realpath(save_dir) == os.path.realpath(where):
         raise ConfigError(
             f"--resume {where}/{tags[0]}: {save_dir} also holds newer checkpoints "
-            f"({', '.join(newer)}) "
-            "that this run would overwrite; resume from the newest (--resume without "
-            "a path), or "
-            "write elsewhere (--save-dir or another --log-dir)"
+            f"({', '.join(newer)}) that this run would overwrite; resume from the newest (--resume "
+            "without a path), or write elsewhere (--save-dir or another --log-dir)"
         )
     return Resume(where, tags, saved, universal)
 
@@ -588,18 +580,14 @@ def resume_notes(plan: Plan) -> list[str]:
     if saved.get("config_hash") not in (plan.settings_hash(), plan.settings_hash(with_batch=True)):
         notes.append(
             f"warning: {at} was written with other settings (model, data, optimizer or "
-            f"DeepSpeed config) "
-            "than this run"
+            "DeepSpeed config) than this run"
         )
     if saved.get("total_steps", plan.total_steps) != plan.total_steps:
         notes.append(
-            f"warning: {at} belongs to a run of {saved['total_steps']} steps, this one "
-            f"has "
-            f"{plan.total_steps} (--steps or --epochs): the LR schedule is recomputed "
-            f"over "
-            f"{plan.total_steps} steps, so the learning rate from step "
-            f"{saved['step'] + 1} on is not the "
-            "one the first run would have used"
+            f"warning: {at} belongs to a run of {saved['total_steps']} steps, this one has "
+            f"{plan.total_steps} (--steps or --epochs): the LR schedule is recomputed over "
+            f"{plan.total_steps} steps, so the learning rate from step {saved['step'] + 1} on is "
+            "not the one the first run would have used"
         )
     return notes
 
@@ -624,8 +612,8 @@ def choose_resume(plan: Plan) -> str:
             else f"{where} is at step {step} of {total}"
         )
         raise NothingToDo(
-            f"{said}; exported its weights to {m.export}, nothing trained (without --export, "
-            "--resume trains on)"
+            f"{said}; exported its weights to {m.export}, nothing trained (without "
+            "--export, --resume trains on)"
         )
     if step < total:
         return tag
@@ -633,14 +621,11 @@ def choose_resume(plan: Plan) -> str:
     summary = Path(log_dir, "summary.json") if log_dir else Path(r.save_dir).parent / "summary.json"
     if step == total and summary.is_file() and json.loads(summary.read_text()).get("steps") == step:
         raise NothingToDo(
-            f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step "
-            f"({step}), and "
-            f"{summary} says so; nothing to do (add --export PATH to write its "
-            f"weights)"
+            f"the run is complete: checkpoint {r.save_dir}/{tag} is its last step ({step}), and "
+            f"{summary} says so; nothing to do (add --export PATH to write its weights)"
         )
     raise ConfigError(
-        f"--resume: checkpoint {r.save_dir}/{tag} is already at step {step}, and "
-        f"this run ends at "
+        f"--resume: checkpoint {r.save_dir}/{tag} is already at step {step}, and this run ends at "
         f"step {total}; ask for more steps (--steps or --epochs)"
         + (", or add --export PATH to write its weights" if step == total else "")
     )
@@ -712,9 +697,8 @@ def keep_global_batch(
             f"--resume: the checkpoint's global batch {saved} does not divide over {n} "
             f"data-parallel ranks, and --engine {s.parallel.engine} {why}: global batch {near}, "
             f"the nearest they divide in the fewest micro-steps: micro-batch {kept.micro_batch} x "
-            "grad accum "
-            f"{kept.grad_accum}; the learning rate is not scaled and the LR schedule goes on at "
-            "its step, the data order from here on is not the first run's"
+            f"grad accum {kept.grad_accum}; the learning rate is not scaled and the LR schedule "
+            "goes on at its step, the data order from here on is not the first run's"
         ],
     )
 
@@ -800,7 +784,6 @@ def check_global_batch(saved: int | None, batch: Batch, where: str) -> None:
         else "; leave out --grad-accum and the resume keeps it"
     )
     raise ConfigError(
-        f"{where} was trained with global batch {saved}, this run's is "
-        f"{batch.global_size} "
+        f"{where} was trained with global batch {saved}, this run's is {batch.global_size} "
         f"({batch.arithmetic()}){hint}"
     )

@@ -44,10 +44,8 @@ def start_record(
     resumed = f" (resumed from {resumed_from})" if resumed_from else ""
     print(
         f"{s.parallel.engine}: {s.model.model} on {s.data.dataset} ({len(data.train)} train / "
-        f"{len(data.test)} "
-        f"held-out), {job.world_size} ranks, {precision}; {batch.arithmetic()}; "
-        f"{plan.steps_per_epoch} steps/epoch; "
-        f"steps {start_step + 1}..{plan.total_steps}{resumed}",
+        f"{len(data.test)} held-out), {job.world_size} ranks, {precision}; {batch.arithmetic()}; "
+        f"{plan.steps_per_epoch} steps/epoch; steps {start_step + 1}..{plan.total_steps}{resumed}",
         flush=True,
     )
 

@@ -50,8 +50,7 @@ def check_export(path: str) -> None:
     for target in (path, f"{path}.json"):
         if target.endswith(os.sep) or Path(target).is_dir():
             raise ConfigError(
-                f"--export {path}: {target} is a folder; name the file to write, "
-                f"e.g. "
+                f"--export {path}: {target} is a folder; name the file to write, e.g. "
                 f"{os.path.join(path, 'model.safetensors')}"
             )
     parent = os.path.dirname(os.path.abspath(path))
@@ -71,15 +70,13 @@ def check_unused(log_dir: str | None, save_dir: str | None) -> None:
         if held:
             how = "continue it with --resume, or" if tags else "the run is finished:"
             raise ConfigError(
-                f"--log-dir {log_dir} already holds a run ({'; '.join(held)}); {how} "
-                f"use another "
-                "--log-dir"
+                f"--log-dir {log_dir} already holds a run ({'; '.join(held)}); "
+                f"{how} use another --log-dir"
             )
     if save_dir and (tags := checkpoint.complete_tags(save_dir)):
         raise ConfigError(
-            f"--save-dir {save_dir} already holds a run's checkpoints "
-            f"({', '.join(tags)}); continue "
-            "it with --resume, or use another --save-dir"
+            f"--save-dir {save_dir} already holds a run's checkpoints ({', '.join(tags)}); "
+            "continue it with --resume, or use another --save-dir"
         )
 
 
@@ -98,9 +95,8 @@ class RunLock:
             holder = self.file.read().strip() or "unknown"
             self.file.close()
             raise ConfigError(
-                f"{option} {folder} is in use by another run ({holder}); wait for it "
-                f"to end, or use "
-                f"another {option}"
+                f"{option} {folder} is in use by another run ({holder}); "
+                f"wait for it to end, or use another {option}"
             ) from None
         self.file.seek(0)
         self.file.truncate()

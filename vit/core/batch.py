@@ -28,6 +28,5 @@ class Batch:
             )
         return (
             f"global batch {self.global_size} = micro-batch {self.micro_batch} x grad accum "
-            f"{self.grad_accum} "
-            f"x data-parallel {self.dp_size}"
+            f"{self.grad_accum} x data-parallel {self.dp_size}"
         )

@@ -45,8 +45,7 @@ ONEBIT = {
 }
 ALTERNATIVES = (
     "for smaller gradients use --engine ddp --comm-hook fp16, bf16 or powersgd, or "
-    "communication_data_type "
-    "fp16 or bf16 in the DeepSpeed JSON (docs/ethernet.md)"
+    "communication_data_type fp16 or bf16 in the DeepSpeed JSON (docs/ethernet.md)"
 )
 
 
@@ -61,10 +60,8 @@ def removed(name: str) -> str:
     kind, what = ONEBIT[name.lower()]
     return (
         f"DeepSpeed's {what} (optimizer type {kind}) was removed from DeepSpeed "
-        f"(deepspeedai/DeepSpeed#8490): the "
-        "pinned 0.19.8 would refuse it at deepspeed.initialize ('not a supported DeepSpeed "
-        "Optimizer'); "
-        f"{ALTERNATIVES}"
+        "(deepspeedai/DeepSpeed#8490): the pinned 0.19.8 would refuse it at deepspeed.initialize "
+        f"('not a supported DeepSpeed Optimizer'); {ALTERNATIVES}"
     )
 
 

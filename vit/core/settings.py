@@ -17,9 +17,9 @@ DEFAULT_EPOCHS = 40.0
 DEFAULT_SYNC_EVERY = 10  # --sync-every: with 5 fragments and int8, as fast as 50 (benchmarks.md)
 DEFAULT_SAVE_INTERVAL = 1000  # --save-interval: a long run stopped loses at most this many steps
 MAX_AUTO_FRAGMENTS = 5  # --fragments auto: the most fragments, each H / F steps after the last
-# fp16's initial loss scale 2^12 (DeepSpeed's 2^16 overflowed on every step in
+# fp16's initial loss scale 2^12 (DeepSpeed's 2^16 overflowed on every step in users' ViT runs),
+# unless the JSON or --loss-scale auto sets one
 DEFAULT_FP16_SCALE_POWER = 12
-#                                users' ViT runs), unless the JSON or --loss-scale auto sets one
 TRACKERS = ("tensorboard", "wandb", "csv")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
@@ -57,23 +57,17 @@ class ModelSettings:
     )
     pretrained_path: str | None = option(
         None,
-        "start from these weights: .safetensors, .pth or "
-        ".bin (timm, Hugging "
-        "Face), an --export or a checkpoint folder of this "
-        "project; the head is "
-        "reset for another class count, the position embedding "
-        "resampled for "
-        "another image size",
+        "start from these weights: .safetensors, .pth or .bin (timm, Hugging Face), an --export or "
+        "a checkpoint folder of this project; the head is reset for another class count, the "
+        "position embedding resampled for another image size",
         metavar="PATH",
     )
     drop_path: float = option(0.0, "stochastic depth rate (timm's drop_path_rate)", "below_one")
     export: str | None = option(
         None,
-        "write the final weights (the EMA's with --model-ema) as a "
-        "timm-loadable "
-        ".safetensors, with its pretrained config beside it as PATH.json; "
-        "with --resume of a "
-        "complete run, from its last checkpoint, without training",
+        "write the final weights (the EMA's with --model-ema) as a timm-loadable .safetensors, "
+        "with its pretrained config beside it as PATH.json; with --resume of a complete run, from "
+        "its last checkpoint, without training",
         metavar="PATH",
     )
 
@@ -85,18 +79,15 @@ class DataSettings:
     )
     data_path: str | None = option(
         None,
-        "folder of cifar10/cifar100 batches or of an imagefolder "
-        "tree (each "
-        "image's header is read first: a file that is not an image "
-        "refuses the run)",
+        "folder of cifar10/cifar100 batches or of an imagefolder tree (each image's header is read "
+        "first: a file that is not an image refuses the run)",
     )
     download: bool = option(False, "download CIFAR into --data-path if missing")
     synthetic_size: int = option(2048, "synthetic: number of training samples", "positive")
     workers: int | None = option(
         None,
-        "DataLoader worker processes (default: 0 on CPU; on GPU up "
-        "to 4 per rank, "
-        "one core left to the training loop)",
+        "DataLoader worker processes (default: 0 on CPU; on GPU up to 4 per rank, one "
+        "core left to the training loop)",
         "non_negative",
     )
 
@@ -120,36 +111,29 @@ class ParallelSettings:
     pipeline_stages: int = option(2, "pipeline engines: number of stages", "positive")
     partition: str = option(
         "parameters",
-        "pipeline engines: how layers are cut into stages: "
-        "uniform, parameters, "
-        "type:REGEX, or balanced (by the census: each layer's forward and "
-        "backward time "
-        "measured on each rank, and each rank's free memory)",
+        "pipeline engines: how layers are cut into stages: uniform, parameters, type:REGEX, or "
+        "balanced (by the census: each layer's forward and backward time measured on each rank, "
+        "and each rank's free memory)",
     )
     batch_split: str = option(
         "equal",
-        "zero and ddp engines: every rank the same micro-batch, or "
-        "micro-batches in "
-        "proportion to each rank's measured speed (within its memory), "
-        "gradients weighted so "
-        "the update is the same",
+        "zero and ddp engines: every rank the same micro-batch, or micro-batches in "
+        "proportion to each rank's measured speed (within its memory), gradients "
+        "weighted so the update is the same",
         choices=("equal", "proportional"),
     )
     simulate_slowdown: str | None = option(
         None,
-        "make these ranks' compute FACTOR times slower "
-        "(each layer's "
-        "forward and backward is followed by a wait of FACTOR-1 "
-        "times its time), "
-        "to try mixed-GPU settings on identical hardware",
+        "make these ranks' compute FACTOR times slower (each layer's forward and "
+        "backward is followed by a wait of FACTOR-1 times its time), to try mixed-GPU "
+        "settings on identical hardware",
         metavar="RANK=FACTOR[,...]",
     )
     micro_batch_size: int | str | None = option(
         None,
-        "override train_micro_batch_size_per_gpu of the JSON; auto: the largest whose "
-        "forward and backward fit "
-        "every rank's free memory with headroom (zero, ddp; with --batch-split proportional, one "
-        "per rank)",
+        "override train_micro_batch_size_per_gpu of the JSON; auto: the largest whose forward "
+        "and backward fit every rank's free memory with headroom (zero, ddp; "
+        "with --batch-split proportional, one per rank)",
         type=lambda v: v if v == "auto" else positive_int(v),
         metavar="N|auto",
     )
@@ -158,12 +142,9 @@ class ParallelSettings:
     )
     precision: str | None = option(
         None,
-        "override the JSON's fp16/bf16 setting; auto: bf16 if "
-        "every rank supports "
-        "it, else fp16 if every rank does under the engine (never "
-        "async-pipeline), else "
-        "fp32 (the default on GPUs when neither this nor the JSON names "
-        "one)",
+        "override the JSON's fp16/bf16 setting; auto: bf16 if every rank supports it, else fp16 if "
+        "every rank does under the engine (never async-pipeline), else fp32 (the default on GPUs "
+        "when neither this nor the JSON names one)",
         choices=PRECISIONS,
     )
     tf32: str = option(
@@ -173,17 +154,14 @@ class ParallelSettings:
     )
     compile: bool = option(
         False,
-        "compile the model with torch.compile (inductor; timm's "
-        "--torchcompile): "
-        "DeepSpeed's engine.compile() for zero and pipeline, the DDP module, "
-        "each async-pipeline "
+        "compile the model with torch.compile (inductor; timm's --torchcompile): "
+        "DeepSpeed's engine.compile() for zero and pipeline, the DDP module, each async-pipeline "
         "stage. The first steps are slower while it compiles",
     )
     loss_scale: str = option(
         "config",
-        "fp16: the JSON's initial_scale_power, or auto: a short "
-        "fp32 probe of the "
-        "gradients picks it",
+        "fp16: the JSON's initial_scale_power, or auto: a short fp32 "
+        "probe of the gradients picks it",
         choices=("config", "auto"),
     )
 
@@ -192,11 +170,9 @@ class ParallelSettings:
 class OptimSettings:
     opt: str = option(
         "adamw",
-        "optimizer (timm's names): adamw, or sgd with --momentum (and "
-        "--nesterov). "
-        "DeepSpeed's 1-bit optimizers (onebitadam, zerooneadam, onebitlamb) are "
-        "refused: DeepSpeed "
-        "0.19.8 no longer has them (docs/ethernet.md)",
+        "optimizer (timm's names): adamw, or sgd with --momentum (and --nesterov). "
+        "DeepSpeed's 1-bit optimizers (onebitadam, zerooneadam, onebitlamb) are refused: "
+        "DeepSpeed 0.19.8 no longer has them (docs/ethernet.md)",
         choices=("adamw", "sgd"),
         type=check_opt_name,
     )
@@ -213,8 +189,7 @@ class OptimSettings:
     fused_adam: bool = option(False, "torch's fused AdamW kernel (one kernel for all parameters)")
     layer_decay: float | None = option(
         None,
-        "layer-wise LR decay: layer i of the list gets lr x "
-        "decay^(last - i) "
+        "layer-wise LR decay: layer i of the list gets lr x decay^(last - i) "
         "(timm's param_groups_layer_decay)",
         "positive",
     )
@@ -232,9 +207,8 @@ class AsyncSettings:
 
     async_update_interval: int | None = option(
         None,
-        "micro-batches between a stage's updates "
-        "(default: the "
-        "gradient-accumulation count, which it must divide)",
+        "micro-batches between a stage's updates (default: the gradient-accumulation "
+        "count, which it must divide)",
         "positive",
         needs="async",
     )
@@ -246,23 +220,17 @@ class AsyncSettings:
     )
     weight_prediction: str = option(
         "msnag",
-        "before a forward, predict the weights d updates "
-        "ahead (d: the "
-        "stage's staleness) from the optimizer's momentum (FTPipe's "
-        "multi-step NAG), "
-        "or none",
+        "before a forward, predict the weights d updates ahead (d: the stage's staleness) "
+        "from the optimizer's momentum (FTPipe's multi-step NAG), or none",
         choices=("msnag", "none"),
         needs="async",
     )
     pipe_wire_dtype: str | None = option(
         None,
-        "dtype of the activations and gradients between "
-        "stages (cast before "
-        "the send, to fp32 on arrival; bf16, fp16: half the "
-        "bytes; default: the "
-        "training precision). fp16 has no loss scaler on the "
-        "wire: gradients below "
-        "6e-5 lose bits, below 3e-8 arrive as zero",
+        "dtype of the activations and gradients between stages (cast before the send, "
+        "to fp32 on arrival; bf16, fp16: half the bytes; default: the training "
+        "precision). fp16 has no loss scaler on the wire: gradients below 6e-5 lose "
+        "bits, below 3e-8 arrive as zero",
         choices=("fp32", "bf16", "fp16"),
         needs="async",
     )
@@ -278,9 +246,8 @@ class CommSettings:
 
     comm_hook: str = option(
         "none",
-        "compress DDP's gradient all-reduce: fp16 or bf16 (half the "
-        "bytes), or powersgd "
-        "(low-rank, with error feedback); none registers no hook",
+        "compress DDP's gradient all-reduce: fp16 or bf16 (half the bytes), or powersgd (low-rank, "
+        "with error feedback); none registers no hook",
         choices=COMM_HOOKS,
     )
     powersgd_rank: int = option(
@@ -288,9 +255,8 @@ class CommSettings:
     )
     powersgd_start_step: int = option(
         10,
-        "powersgd: optimizer steps of plain all-reduce before "
-        "compressing "
-        "(torch's start_powerSGD_iter, at least 2)",
+        "powersgd: optimizer steps of plain all-reduce before compressing (torch's "
+        "start_powerSGD_iter, at least 2)",
         "non_negative",
         needs="powersgd",
     )
@@ -390,8 +356,7 @@ class RecipeSettings:
 
     smoothing: float = option(
         0.1,
-        "label smoothing (timm train.py's default; on the digits it "
-        "raised top-1 on "
+        "label smoothing (timm train.py's default; on the digits it raised top-1 on "
         "every seed: docs/benchmarks.md)",
         "below_one",
     )
@@ -403,35 +368,29 @@ class RecipeSettings:
     )
     aa: str | None = option(
         None,
-        "AutoAugment policy, e.g. rand-m9-mstd0.5 or original (timm's "
-        "auto_augment; its "
-        "-inc1 policies fail on Pillow 11)",
+        "AutoAugment policy, e.g. rand-m9-mstd0.5 or original (timm's auto_augment; "
+        "its -inc1 policies fail on Pillow 11)",
     )
     reprob: float = option(0.0, "random erasing probability", "probability")
     color_jitter: float = option(0.0, "colour jitter factor", "non_negative")
     hflip: float = option(0.0, "horizontal flip probability", "probability")
     scale: tuple | None = option(
         None,
-        "random-resized-crop scale range (default: the data set's, "
-        "0.95 1.0 on "
-        "digits, where it raised top-1 (docs/benchmarks.md); off "
-        "elsewhere)",
+        "random-resized-crop scale range (default: the data set's, 0.95 1.0 on digits, where it "
+        "raised top-1 (docs/benchmarks.md); off elsewhere)",
         nargs=2,
         type=float,
         metavar=("MIN", "MAX"),
     )
     no_aug: bool = option(
         False,
-        "no training augmentation: overrides --scale, --aa, --reprob, "
-        "--color-jitter, "
-        "--hflip and the data set's default crop (mixup and cutmix stay, as in "
-        "timm's train.py)",
+        "no training augmentation: overrides --scale, --aa, --reprob, --color-jitter, --hflip and "
+        "the data set's default crop (mixup and cutmix stay, as in timm's train.py)",
     )
     model_ema: bool = option(
         False,
         "keep an exponential moving average of the weights (timm's "
-        "ModelEmaV3), "
-        "evaluated beside the model",
+        "ModelEmaV3), evaluated beside the model",
     )
     model_ema_decay: float = option(0.9998, "EMA decay", "below_one")
 
@@ -451,13 +410,10 @@ class FreezeSettings:
 
     freeze: str = option(
         "none",
-        "freeze a prefix of the layers as training goes: schedule "
-        "(frozen(e) = "
-        "ceil(L(1-(1-A)^e)) after e intervals, L the embedding and blocks), "
-        "settled (recommended: the "
-        "layers whose weights settled) or grad (whose gradient norms did); these "
-        "two never pass the "
-        "schedule",
+        "freeze a prefix of the layers as training goes: schedule (frozen(e) = ceil(L(1-(1-A)^e)) "
+        "after e intervals, L the embedding and blocks), settled (recommended: "
+        "the layers whose weights settled) or grad (whose gradient norms did); "
+        "these two never pass the schedule",
         choices=("none", "schedule", "settled", "grad"),
     )
     freeze_alpha: float = option(
@@ -468,11 +424,9 @@ class FreezeSettings:
     )
     freeze_threshold: float | None = option(
         None,
-        "over an interval, settled: a layer's weights "
-        "moved less than this "
-        "share of their largest move (default 0.65); grad: its "
-        "gradient norm "
-        "changed by less than this share (default 0.1)",
+        "over an interval, settled: a layer's weights moved less than this share of "
+        "their largest move (default 0.65); grad: its gradient norm changed by less "
+        "than this share (default 0.1)",
         "positive",
         needs="freeze",
     )
@@ -481,21 +435,16 @@ class FreezeSettings:
     )
     freeze_replan: str = option(
         "on",
-        "pipeline engine: at a freeze point plan the stages again "
-        "(frozen layers hold "
-        "weights only) and halve them when the active layers fit, the "
-        "freed ranks becoming "
-        "data-parallel copies; off: keep the layout",
+        "pipeline engine: at a freeze point plan the stages again (frozen layers hold weights "
+        "only) and halve them when the active layers fit, the freed ranks becoming data-parallel "
+        "copies; off: keep the layout",
         choices=("on", "off"),
         needs="pipeline freeze",
     )
     freeze_cache: str = option(
         "auto",
-        "keep each training sample's output of the frozen layers "
-        "and train from it "
-        "instead of running them; auto: on when the data has no random "
-        "augmentation or "
-        "mixup",
+        "keep each training sample's output of the frozen layers and train from it instead of "
+        "running them; auto: on when the data has no random augmentation or mixup",
         choices=("auto", "on", "off"),
         needs="freeze",
     )
@@ -558,18 +507,15 @@ class LogSettings:
     )
     report_to: str = option(
         "none",
-        "rank 0 also sends the metrics to these trackers, "
-        "comma-separated: none, "
-        "tensorboard (<log-dir>/tensorboard), wandb (WANDB_MODE=offline: no "
-        "network), csv "
-        "(<log-dir>/tracking.csv)",
+        "rank 0 also sends the metrics to these trackers, comma-separated: "
+        "none, tensorboard (<log-dir>/tensorboard), wandb (WANDB_MODE=offline: "
+        "no network), csv (<log-dir>/tracking.csv)",
         metavar="LIST",
     )
     verbose: bool = option(
         False,
-        "print the libraries' notes and warnings (DeepSpeed, torch, "
-        "timm) and every rank's "
-        "notes instead of keeping them in <log-dir>/warnings_rank<R>.log",
+        "print the libraries' notes and warnings (DeepSpeed, torch, timm) and every rank's notes "
+        "instead of keeping them in <log-dir>/warnings_rank<R>.log",
     )
 
 
@@ -580,16 +526,14 @@ class ClusterSettings:
     )
     device: str = option(
         "auto",
-        "cuda: every rank on its GPU (nccl), cpu: on the CPU (gloo); "
-        "auto: cuda when every "
-        "rank has a usable GPU, cpu when none has one; any mix is an error",
+        "cuda: every rank on its GPU (nccl), cpu: on the CPU (gloo); auto: cuda when every rank "
+        "has a usable GPU, cpu when none has one; any mix is an error",
         choices=("auto", "cuda", "cpu"),
     )
     dist_timeout: float = option(
         300.0,
-        "seconds before a process-group start or a collective "
-        "fails, and before "
-        "the watchdog ends a job in which no step finished",
+        "seconds before a process-group start or a collective fails, and before the watchdog ends "
+        "a job in which no step finished",
         "positive",
     )
     # The DeepSpeed launcher passes --local_rank=N; LOCAL_RANK in the environment says the same.

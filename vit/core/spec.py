@@ -38,14 +38,14 @@ class EngineSpec:
     deepspeed: bool
     # the ZeRO stage it always runs at (0: no ZeRO sharding); None: the DeepSpeed JSON's
     zero_stage: int | None
-    # JSON zero_optimization.stage values it runs with; another is refused by a
+    # JSON zero_optimization.stage values it runs with; another is refused by a pipeline, ignored
+    # with a warning by an engine without ZeRO
     zero_stages: tuple[int, ...]
-    #                               pipeline, ignored with a warning by an engine without ZeRO
     fp16: bool  # has an fp16 loss scaler (else it trains in bf16 or fp32)
     freeze: bool  # --freeze can rebuild it on a longer frozen prefix
-    # 1F1B without a flush: --async-update-interval, --weight-stashing, --weight-prediction
+    # 1F1B without a flush: --async-update-interval, --weight-stashing, --weight-prediction and
+    # --pipe-wire-dtype apply
     async_schedule: bool
-    #                       and --pipe-wire-dtype apply
     # --micro-batch-size auto can measure it (every rank holding the whole model)
     micro_batch_auto: bool
     default_ds_config: str  # under deepspeed_configs/, when no --ds-config is given
@@ -82,10 +82,10 @@ class EngineSpec:
         """Before the process group: a precision it cannot train in at all is one ConfigError."""
         if requested == "fp16" and not self.fp16:
             raise ConfigError(
-                f"--engine {self.name} trains in fp32 or bf16 (it has no fp16 loss scaler); pass "
-                "--precision bf16 or fp32 (or a --ds-config without fp16); cards without bf16 "
-                "(before Ampere: RTX 20, GTX 10) train it in fp32, or in fp16 under --engine ddp "
-                "or zero"
+                f"--engine {self.name} trains in fp32 or bf16 (it has no fp16 loss scaler); "
+                "pass --precision bf16 or fp32 (or a --ds-config without fp16); "
+                "cards without bf16 (before Ampere: RTX 20, GTX 10) train it in fp32, or in "
+                "fp16 under --engine ddp or zero"
             )
 
     def fp16_on_gpu(self, deepspeed_allows: bool) -> bool:

@@ -159,9 +159,8 @@ def train_dataset(data, r: RecipeSettings, seed: int) -> tuple[Dataset, bool]:
         return data.train, False
     if data.raw_train is None:
         raise ConfigError(
-            "augmentation (--aa, --reprob, --color-jitter, --hflip, --scale) needs "
-            "images; this data "
-            "set has none (synthetic noise)"
+            "augmentation (--aa, --reprob, --color-jitter, --hflip, --scale) needs images; "
+            "this data set has none (synthetic noise)"
         )
     transform = train_transform(r, data.in_chans, data.img_size, data.mean, data.std)
     return Augmented(data.raw_train, transform, seed), True

@@ -142,9 +142,8 @@ def load_cifar(name: str, data_path: str, download: bool, norm: tuple | None = N
     missing = [f for f in [*train_files, test_file] if not (root / f).is_file()]
     if missing:
         raise ConfigError(
-            f"{name}: {root} lacks {', '.join(missing)} (python pickle batches; pass "
-            f"--download to "
-            "fetch)"
+            f"{name}: {root} lacks {', '.join(missing)} (python pickle "
+            "batches; pass --download to fetch)"
         )
 
     def read(files):
@@ -230,16 +229,13 @@ def dataset_for(data: DataSettings) -> tuple[str, str | None]:
     if data.dataset:
         raise ConfigError(
             f"--data-path {data.data_path}: --dataset {data.dataset} reads no files; "
-            f"use "
-            f"--dataset {' / '.join(READS_DATA_PATH)}, or leave --data-path out"
+            f"use --dataset {' / '.join(READS_DATA_PATH)}, or leave --data-path out"
         )
     inferred = infer_dataset(data.data_path)
     if inferred is None:
         raise ConfigError(
-            f"--data-path {data.data_path}: not a CIFAR folder "
-            f"(cifar-10-batches-py/, "
-            "cifar-100-python/) nor an image folder (train/ and val/); pass "
-            "--dataset"
+            f"--data-path {data.data_path}: not a CIFAR folder (cifar-10-batches-py/, "
+            "cifar-100-python/) nor an image folder (train/ and val/); pass --dataset"
         )
     return (
         inferred,

@@ -75,8 +75,8 @@ def font_files() -> list[Path]:
     if missing:
         raise ConfigError(
             f"glyphs: {len(missing)} of its {len(names)} font packages are not installed "
-            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); install them with "
-            f"{INSTALL}"
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+            f"install them with {INSTALL}"
         )
     listed = subprocess.run(["dpkg-query", "-L", *names], capture_output=True, text=True).stdout
     files = {Path(f) for f in listed.splitlines() if f.lower().endswith((".ttf", ".otf"))}
@@ -165,8 +165,8 @@ def split_families(fonts: list[Font]) -> tuple[list[Font], list[Font]]:
     if len(families) < MIN_FAMILIES:
         raise ConfigError(
             f"glyphs: {len(families)} usable font famil{'y' if len(families) == 1 else 'ies'} "
-            f"(every class drawn, no two alike), need at least {MIN_FAMILIES}; install the fonts "
-            f"with {INSTALL}"
+            f"(every class drawn, no two alike), need at least {MIN_FAMILIES}; "
+            f"install the fonts with {INSTALL}"
         )
     held = set(families[: max(1, round(HELD_OUT_SHARE * len(families)))])
     return [f for f in fonts if f.family not in held], [f for f in fonts if f.family in held]
@@ -329,8 +329,8 @@ def load(root: str, size: str = "full", say=print) -> dict:
             for other in sorted(folder.glob("glyphs-v*.npz")):
                 if not other.name.startswith(f"glyphs-v{VERSION}-"):
                     say(
-                        f"glyphs: not reading {other} (another generator version; this is "
-                        f"{VERSION})"
+                        f"glyphs: not reading {other} (another generator "
+                        f"version; this is {VERSION})"
                     )
             fonts = usable_fonts(files)
             train_fonts, test_fonts = split_families(fonts)

@@ -44,10 +44,8 @@ def check_images(root: Path, paths: list[str]) -> None:
         more = f" and {len(bad) - SHOWN} more" if len(bad) > SHOWN else ""
         raise ConfigError(
             f"imagefolder: {len(bad)} of the {len(paths)} files under {root} are not "
-            f"images PIL can "
-            f"read: {named}{more}; remove or replace them (every image's header is "
-            f"checked before "
-            "training)"
+            f"images PIL can read: {named}{more}; remove or replace them (every image's "
+            "header is checked before training)"
         )
 
 
@@ -62,8 +60,8 @@ def load_imagefolder(data_path: str, img_size: int, mean: tuple, std: tuple) -> 
     for s in splits:
         if not s.is_dir():
             raise ConfigError(
-                f"imagefolder: {s} is not a folder (expected DATA/train/<class>/ and "
-                f"DATA/val/<class>/)"
+                f"imagefolder: {s} is not a folder (expected DATA/train/<class>/ "
+                "and DATA/val/<class>/)"
             )
     tf = transforms.Compose(
         [

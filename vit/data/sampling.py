@@ -49,8 +49,8 @@ class TrainBatches(Sampler):
         self.per_epoch = steps_per_epoch(num_samples, self.global_batch)
         if self.per_epoch == 0:
             raise ConfigError(
-                f"global batch {self.global_batch} is larger than the {num_samples} "
-                f"training samples"
+                f"global batch {self.global_batch} is larger than the "
+                f"{num_samples} training samples"
             )
         self.n, self.grad_accum, self.r = num_samples, grad_accum, dp_rank
         self.seed, self.start, self.end = seed, start_step, end_step

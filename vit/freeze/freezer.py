@@ -216,9 +216,8 @@ class Freezer:
                 else ""
             )
             print(
-                f"freeze at step {step}: {layer_range(frozen)} frozen ({self.said}); {stages} "
-                f"stages x "
-                f"{rebuilt.dp_size} data-parallel{plan}",
+                f"freeze at step {step}: {layer_range(frozen)} frozen ({self.said}); "
+                f"{stages} stages x {rebuilt.dp_size} data-parallel{plan}",
                 flush=True,
             )
         return rebuilt
@@ -282,11 +281,9 @@ class Freezer:
         ]
         if learning and not self.warned and dist.get_rank() == 0:
             print(
-                f"warning: the freeze schedule freezes layer {learning[0]} at step {step} while "
-                f"it still learns "
-                f"(gradient change {self.change[learning[0]]:.3g} >= --freeze-threshold "
-                f"{self.threshold:g}); "
-                "--freeze grad waits for it",
+                f"warning: the freeze schedule freezes layer {learning[0]} at step {step} while it "
+                f"still learns (gradient change {self.change[learning[0]]:.3g} >= "
+                f"--freeze-threshold {self.threshold:g}); --freeze grad waits for it",
                 flush=True,
             )
         self.warned = self.warned or bool(learning)

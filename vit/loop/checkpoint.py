@@ -107,8 +107,7 @@ def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | Non
     model = saved.get("model")
     if model and split_model_name_tag(model)[0] != split_model_name_tag(current["model"])[0]:
         raise ConfigError(
-            f"{where} was written by --model {model}, this run uses --model "
-            f"{current['model']}; "
+            f"{where} was written by --model {model}, this run uses --model {current['model']}; "
             f"resume with --model {model}"
         )
     resumes_zero_of = engine.resumes_zero_of if engine else ()
@@ -122,8 +121,7 @@ def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | Non
         return True
     if saved["engine"] != current["engine"]:
         raise ConfigError(
-            f"{where} was written by --engine {saved['engine']}, this run uses "
-            f"--engine "
+            f"{where} was written by --engine {saved['engine']}, this run uses --engine "
             f"{current['engine']}; resume with --engine {saved['engine']}"
         )
     # 1 for an engine without stages; an engine that restages takes another number: by name
@@ -139,13 +137,12 @@ def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | Non
             f"{where} has {saved['pipeline_stages']} pipeline stages, this run "
             f"{current['pipeline_stages']}; resume with --pipeline-stages "
             f"{saved['pipeline_stages']} on a multiple of {saved['pipeline_stages']} ranks (its "
-            f"ZeRO-{saved['zero_stage']} state loads only into its own stages; --export writes "
-            "its weights)"
+            f"ZeRO-{saved['zero_stage']} state loads only into its own stages; "
+            "--export writes its weights)"
         )
     if saved["zero_stage"] != current["zero_stage"]:
         raise ConfigError(
-            f"{where} was written with ZeRO stage {saved['zero_stage']}, this run "
-            f"uses stage "
+            f"{where} was written with ZeRO stage {saved['zero_stage']}, this run uses stage "
             f"{current['zero_stage']}; resume with the same DeepSpeed config"
         )
     resharded = saved["data_parallel_size"] != current["data_parallel_size"]
@@ -248,8 +245,7 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"saving checkpoint {tag} in {save_dir} failed on rank {rank} "
-            f"({socket.gethostname()}; {free_mib:.1f} MiB free there): {e}; the "
-            f"previous "
+            f"({socket.gethostname()}; {free_mib:.1f} MiB free there): {e}; the previous "
             f"checkpoint ({previous}) is still valid"
         ) from e
 
@@ -263,8 +259,7 @@ def _commit(
         if missing:
             raise CheckpointError(
                 f"rank 0 cannot see {sorted(missing)[0]} written on host {host}: "
-                f"put --save-dir "
-                "on storage every host shares"
+                "put --save-dir on storage every host shares"
             )
     files = {
         name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
@@ -325,8 +320,8 @@ def load_ema(ema, folder: Path) -> None:
     files = sorted(folder.glob("ema_rank*.pt"), key=lambda f: (f.name != own, f.name))
     if not files:
         raise ConfigError(
-            f"{folder} holds no EMA weights (written without --model-ema); resume without "
-            "--model-ema"
+            f"{folder} holds no EMA weights (written without "
+            "--model-ema); resume without --model-ema"
         )
     want, found = ema.state_dict(), {}
     for f in files:

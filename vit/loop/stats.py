@@ -146,8 +146,7 @@ class StepStats:
         self.skipped_before = skipped
         if longest > self.max_skipped:
             raise NonFiniteLoss(
-                f"fp16: {longest} overflow-skipped steps in a row up to step "
-                f"{step}; "
+                f"fp16: {longest} overflow-skipped steps in a row up to step {step}; "
                 "lower initial_scale_power in the DeepSpeed config or use bf16"
             )
 
@@ -160,10 +159,8 @@ class StepStats:
         self.last_loss = engine.mean_loss(self.loss).item()
         if self.check_finite and self.first_bad_step.item():
             raise NonFiniteLoss(
-                f"the loss became non-finite at step {self.first_bad_step.item()} "
-                f"(now "
-                f"{self.last_loss}); lower --lr, or resume from an earlier "
-                f"checkpoint"
+                f"the loss became non-finite at step {self.first_bad_step.item()} (now "
+                f"{self.last_loss}); lower --lr, or resume from an earlier checkpoint"
             )
         window_s = time.perf_counter() - self.window_start - self.window_excluded
         self.train_s += window_s

@@ -66,16 +66,13 @@ def check_model(name: str) -> str:
     if "distilled" in arch:
         raise ConfigError(
             f"model '{name}' is a distilled DeiT (a second head for the teacher); "
-            f"use its plain "
-            f"form, {arch.replace('_distilled', '')}"
+            f"use its plain form, {arch.replace('_distilled', '')}"
         )
     if module not in FAMILIES:
         raise ConfigError(
-            f"model '{name}' is a timm {module} model, not a VisionTransformer; "
-            f"supported: the "
-            f"presets ({', '.join(PRESETS)}) and timm's vit_*, deit_*, deit3_* (not "
-            f"distilled), "
-            "vit hybrids, with pretrained tags (vit_small_patch16_224.augreg_in21k)"
+            f"model '{name}' is a timm {module} model, not a VisionTransformer; supported: "
+            f"the presets ({', '.join(PRESETS)}) and timm's vit_*, deit_*, deit3_* (not "
+            "distilled), vit hybrids, with pretrained tags (vit_small_patch16_224.augreg_in21k)"
         )
     return arch
 
@@ -105,8 +102,8 @@ def check_img_size(model_name: str, img_size: int) -> None:
     patch = model_shape(model_name).patch_size
     if img_size <= 0 or img_size % patch:
         raise ConfigError(
-            f"image size {img_size} is not divisible by the patch size {patch} of "
-            f"model {model_name}"
+            f"image size {img_size} is not divisible by the patch size "
+            f"{patch} of model {model_name}"
         )
 
 

@@ -84,8 +84,8 @@ def torch_problem(path: Path, error: Exception) -> str:
         return "an empty file"
     if head.startswith(b"PK") and not zipfile.is_zipfile(path):
         return (
-            f"truncated or damaged: {_size(path)}, a zip archive (torch.save's format) "
-            "without its end"
+            f"truncated or damaged: {_size(path)}, a zip archive "
+            "(torch.save's format) without its end"
         )
     # a zip archive or a pickle, that torch cannot read
     if head.startswith(b"PK") or head.startswith(b"\x80"):

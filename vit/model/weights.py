@@ -94,21 +94,18 @@ def _checkpoint_folder(d: Path, flag: str) -> dict:
         state = _torch_load(states)
         if any(v.numel() == 0 for v in state.values() if torch.is_tensor(v)):
             raise ConfigError(
-                f"{flag} {d}: a ZeRO-3 checkpoint holds its weights "
-                f"partitioned; pass the "
-                "run's --export file instead"
+                f"{flag} {d}: a ZeRO-3 checkpoint holds its weights partitioned; "
+                "pass the run's --export file instead"
             )
         return state
     if (d / "latest").is_file():  # a --save-dir: its checkpoints are the folders inside
         raise ConfigError(
-            f"{flag} {d}: a folder of checkpoints; pass one of them, such "
-            f"as its latest, "
+            f"{flag} {d}: a folder of checkpoints; pass one of them, such as its latest, "
             f"{d / (d / 'latest').read_text().strip()}"
         )
     raise ConfigError(
-        f"{flag} {d}: a folder without ddp.pt, "
-        f"mp_rank_00_model_states.pt, layer files or "
-        "async_stage files"
+        f"{flag} {d}: a folder without ddp.pt, mp_rank_00_model_states.pt, "
+        "layer files or async_stage files"
     )
 
 
@@ -180,13 +177,12 @@ def check_overlap(state: dict, model: nn.Module, path: str) -> None:
         if depth > 0:  # timm's names: a shallower ViT
             what = f"a ViT of {depth} blocks"
             fix = (
-                f"the model has {len(model.blocks)}: pass the weights of as deep a ViT, or a "
-                f"--model that deep"
+                f"the model has {len(model.blocks)}: pass the weights of as deep "
+                "a ViT, or a --model that deep"
             )
         raise ConfigError(
-            f"--pretrained-path {path}: {what}; it holds {shared} of the model's "
-            f"{len(body)} tensors "
-            f"(the head aside), under half; {fix}"
+            f"--pretrained-path {path}: {what}; it holds {shared} of the model's {len(body)} "
+            f"tensors (the head aside), under half; {fix}"
         )
 
 
@@ -210,15 +206,14 @@ def adapt(state: dict, model: nn.Module, path: str) -> tuple[dict, list[str]]:
             notes.append(f"{k} adapted from {v.shape[1]} to {want[k].shape[1]} input channels")
         elif k.startswith("head."):
             notes.append(
-                f"{k} reset: {tuple(v.shape)} in the file, {tuple(want[k].shape)} for "
-                f"this run's classes"
+                f"{k} reset: {tuple(v.shape)} in the file, {tuple(want[k].shape)} "
+                "for this run's classes"
             )
         else:
             misfit.append(f"{k} {tuple(v.shape)} (model {tuple(want[k].shape)})")
     if misfit:
         raise ConfigError(
-            f"--pretrained-path {path}: {len(misfit)} tensor(s) do not fit the "
-            f"model: "
+            f"--pretrained-path {path}: {len(misfit)} tensor(s) do not fit the model: "
             f"{', '.join(misfit[:3])}{f' and {len(misfit) - 3} more' if len(misfit) > 3 else ''}"
         )
     # in the model's order
@@ -309,9 +304,8 @@ def hub_weights(name: str) -> str:
     except Exception as e:  # no network, no such repo, ...: the user's way out is a local file
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise ConfigError(
-            f"--pretrained: cannot fetch {cfg.hf_hub_id} from the Hugging Face hub "
-            f"({reason}); fetch "
-            "it where there is network and pass --pretrained-path FILE"
+            f"--pretrained: cannot fetch {cfg.hf_hub_id} from the Hugging Face hub ({reason}); "
+            "fetch it where there is network and pass --pretrained-path FILE"
         )
 
 

@@ -139,8 +139,7 @@ def decide(
     runs = [r for r in rows if r["not_chosen"] is None]
     if not runs:
         raise ConfigError(
-            f"--engine auto: none of the {len(rows)} candidates fits every rank's "
-            f"memory and runs "
+            f"--engine auto: none of the {len(rows)} candidates fits every rank's memory and runs "
             f"({rows[0]['candidate']}: {rows[0]['not_chosen']}); name an engine"
         )
     chosen = pick(runs) if not os.environ.get(PICK) else forced(rows, os.environ[PICK])
@@ -155,20 +154,16 @@ def decide(
     hosts = len({r["host"] for r in reports})
     said = [
         f"engine auto: {len(reports)} ranks on {hosts} host{'s' if hosts > 1 else ''}, "
-        f"{precision}, global "
-        f"batch {work.global_batch}; links "
+        f"{precision}, global batch {work.global_batch}; links "
         + (", ".join(f"{h} {v:.1f} Mbit/s" for h, v in mbit.items()) or "none (one host)")
-        + f", latency {1e3 * net.latency_s:.2f} ms; "
-        f"fixed costs from "
+        + f", latency {1e3 * net.latency_s:.2f} ms; fixed costs from "
         f"{calib_from or 'the defaults (bench planner --save-calibration measures them)'}"
     ]
     if shared := [r["contention"] for r in reports if r["contention"] > SHARED]:
         said.append(
-            f"  {len(shared)} of the ranks share processors: layer times with every rank "
-            f"at once "
-            f"{min(shared):.1f}x to {max(shared):.1f}x their times alone (their pipelines' "
-            f"idle stages leave "
-            "the processors to the others: docs/planner.md)"
+            f"  {len(shared)} of the ranks share processors: layer times with every rank at once "
+            f"{min(shared):.1f}x to {max(shared):.1f}x their times alone (their pipelines' idle "
+            "stages leave the processors to the others: docs/planner.md)"
         )
     said.append(table(rows, TOP))
     said += [

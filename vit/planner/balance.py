@@ -67,19 +67,17 @@ def plan_partition(
     if not pred["balanced"].fits:
         smallest = min(pred["balanced"].capacity_bytes) / 2**30
         raise ConfigError(
-            f"--partition balanced: no split of the {len(layers)} layers into "
-            f"{c.stages} stages fits "
-            f"in the ranks' free memory (smallest usable {smallest:.2f} GiB); use "
-            f"more stages or a "
-            "smaller micro-batch"
+            f"--partition balanced: no split of the {len(layers)} layers into {c.stages} stages "
+            f"fits in the ranks' free memory (smallest usable {smallest:.2f} GiB); "
+            "use more stages or a smaller micro-batch"
         )
     gain = pred["uniform"].step_s / pred["balanced"].step_s - 1
     chosen = "balanced" if gain >= GAIN or not pred["uniform"].fits else "uniform"
     why = (
         f"predicted {gain:.1%} faster than uniform"
         if chosen == "balanced"
-        else f"balanced predicted only {gain:.1%} faster than uniform, within the model's error "
-        f"(under {GAIN:.0%})"
+        else f"balanced predicted only {gain:.1%} faster than uniform, within the "
+        f"model's error (under {GAIN:.0%})"
     )
     parts = splits[chosen]
     stage_s = [
@@ -101,9 +99,8 @@ def plan_partition(
     }
     dp = len(reports) // c.stages
     lines = [
-        f"pipeline plan (--partition balanced): the planner's cost model from each layer's "
-        f"forward and backward "
-        f"time measured on each rank, the links and fixed costs from "
+        "pipeline plan (--partition balanced): the planner's cost model from each layer's forward "
+        "and backward time measured on each rank, the links and fixed costs from "
         f"{source or 'the defaults (python -m bench planner --save-calibration measures them)'}"
     ]
     for s in range(c.stages):

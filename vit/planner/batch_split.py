@@ -48,10 +48,8 @@ def split_batches(
     if sum(caps) < total or min(caps) < 1:
         worst = min(range(len(reports)), key=lambda r: caps[r])
         raise ConfigError(
-            f"--batch-split proportional: the ranks' free memory holds "
-            f"{max(0, sum(caps))} samples at "
-            f"once, fewer than the {total} of a micro-step "
-            f"({who(worst, reports[worst])} fits "
+            f"--batch-split proportional: the ranks' free memory holds {max(0, sum(caps))} samples "
+            f"at once, fewer than the {total} of a micro-step ({who(worst, reports[worst])} fits "
             f"{max(0, caps[worst])}); lower --micro-batch-size"
         )
     return proportional_split(total, [1 / r["block_ms"] for r in reports], caps)

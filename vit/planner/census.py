@@ -114,11 +114,10 @@ def gather(report: dict) -> list[dict]:
 
 def census_table(reports: list[dict], precision: str) -> str:
     lines = [
-        f"census ({precision}; block: one forward and backward of a ViT block at the run's "
-        f"micro-batch)",
-        f"{'rank':>4}  {'host':<12} {'device':<32} {'cc':>4} {'free/total GiB':>15} "
-        f"{'fp16':>4} {'bf16':>4} "
-        f"{'matmul TFLOP/s':>14} {'block ms':>9}",
+        f"census ({precision}; block: one forward and backward of a ViT "
+        "block at the run's micro-batch)",
+        f"{'rank':>4}  {'host':<12} {'device':<32} {'cc':>4} {'free/total GiB':>15} {'fp16':>4} "
+        f"{'bf16':>4} {'matmul TFLOP/s':>14} {'block ms':>9}",
     ]
     for r, rep in enumerate(reports):
         slow = f"  (slowed x{rep['slowdown']:g})" if rep["slowdown"] != 1 else ""
@@ -126,8 +125,7 @@ def census_table(reports: list[dict], precision: str) -> str:
             f"{r:>4}  {rep['host'][:12]:<12} {rep['device'][:32]:<32} "
             f"{rep['capability'] or '-':>4} "
             f"{rep['mem_free_gib']:>6.1f}/{rep['mem_total_gib']:<8.1f} "
-            f"{'yes' if rep['fp16'] else 'no':>4} "
-            f"{'yes' if rep['bf16'] else 'no':>4} {rep['matmul_tflops']:>14.3f} "
-            f"{rep['block_ms']:>9.2f}" + slow
+            f"{'yes' if rep['fp16'] else 'no':>4} {'yes' if rep['bf16'] else 'no':>4} "
+            f"{rep['matmul_tflops']:>14.3f} {rep['block_ms']:>9.2f}" + slow
         )
     return "\n".join(lines)

@@ -51,13 +51,10 @@ def parser() -> argparse.ArgumentParser:
     p = Parser(
         prog=PROG,
         usage=f"{PROG} RUN [options] | {PROG} --hostfile FILE [--json OUT] [-- TRAIN_OPTIONS]",
-        description="Rank every engine, ZeRO stage, pipeline split, batch split, "
-        "compression and "
-        "micro-batch by predicted step time, from a previous run's census (its "
-        "cluster.json) and the "
-        "links between its hosts, or measured now on every slot of a hostfile (--engine "
-        "auto's "
-        "measurements, then it stops). Predictions only: nothing trains (docs/planner.md).",
+        description="Rank every engine, ZeRO stage, pipeline split, batch split, compression and "
+        "micro-batch by predicted step time, from a previous run's census (its cluster.json) "
+        "and the links between its hosts, or measured now on every slot of a hostfile (--engine "
+        "auto's measurements, then it stops). Predictions only: nothing trains (docs/planner.md).",
     )
     p.add_argument(
         "run",
@@ -66,17 +63,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--hostfile",
-        help="measure now: mpirun a rank on each of its slots with "
-        "--engine auto and the "
-        "vit.train options after --, print the top 10 and stop before training (no RUN "
-        "then)",
+        help="measure now: mpirun a rank on each of its slots with --engine auto and the vit.train "
+        "options after --, print the top 10 and stop before training (no RUN then)",
     )
     p.add_argument("--link-mbit", type=rate, help="every host's link in Mbit/s")
     p.add_argument(
         "--link-file",
-        help="setup/doctor.sh --link's output ('link from A to B: X "
-        "Mbit/s'), or "
-        "'HOST MBIT' lines; --link-mbit fills hosts it lacks",
+        help="setup/doctor.sh --link's output ('link from A to B: X Mbit/s'), or 'HOST MBIT' "
+        "lines; --link-mbit fills hosts it lacks",
     )
     p.add_argument(
         "--latency-ms",
@@ -97,9 +91,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--precision",
         choices=("fp32", "fp16", "bf16"),
-        help="default: what the run trained in; another changes the bytes and the "
-        "memory, not the times "
-        "the census measured",
+        help="default: what the run trained in; another changes the bytes and the memory, not "
+        "the times the census measured",
     )
     p.add_argument(
         "--census-micro-batch",
@@ -293,8 +286,7 @@ def table(rows: list[dict], top: int) -> str:
     for i, r in enumerate(rows[:top], 1):
         mem = "/".join(f"{m:.2f}" for m in r["mem_gib"])
         lines.append(
-            f"{i:>3}  {r['candidate']:<{width}} {r['step_ms']:>9.2f} "
-            f"{r['images_per_s']:>9.1f} "
+            f"{i:>3}  {r['candidate']:<{width}} {r['step_ms']:>9.2f} {r['images_per_s']:>9.1f} "
             f"{r['bottleneck']:<10} {mem:<24} {'yes' if r['fits'] else 'no'}"
         )
     if len(rows) > top:
@@ -319,9 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if given:
             p.error(
-                f"--{given[0].replace('_', '-')} plans from a run's census; with --hostfile "
-                f"the ranks measure "
-                "(vit.train options such as --model go after --)"
+                f"--{given[0].replace('_', '-')} plans from a run's census; with --hostfile the "
+                "ranks measure (vit.train options such as --model go after --)"
             )
         return measure_hostfile(args.hostfile, args.json, train)
     if train:

@@ -152,11 +152,9 @@ def fit_micro_batch(
     none = [f"rank {r} ({where})" for n, r, where in found if n < 1]
     if none:
         raise ConfigError(
-            f"--micro-batch-size auto: not even micro-batch 1 fits {', '.join(none)} "
-            f"with the model's "
-            "optimizer state: try deepspeed_configs/zero2_offload.json (optimizer "
-            "state in CPU "
-            "memory), or --engine pipeline"
+            f"--micro-batch-size auto: not even micro-batch 1 fits {', '.join(none)} with the "
+            "model's optimizer state: try deepspeed_configs/zero2_offload.json (optimizer state in "
+            "CPU memory), or --engine pipeline"
         )
     split = None
     if proportional:
@@ -175,9 +173,9 @@ def fit_micro_batch(
     if job.is_main:
         chosen = f"micro-batches {split} (one per rank)" if split else f"micro-batch {micro}"
         print(
-            f"--micro-batch-size auto: the largest forward and backward ({precision}) that fit "
-            f"each rank with "
-            f"headroom: {sizes} (at most {upper}, one step per epoch) -> {chosen}",
+            "--micro-batch-size auto: the largest forward and backward "
+            f"({precision}) that fit each rank with headroom: {sizes} (at most "
+            f"{upper}, one step per epoch) -> {chosen}",
             flush=True,
         )
     return micro, split, search

@@ -65,9 +65,8 @@ def read_links(path: str) -> tuple[dict[str, float], dict[tuple[str, str], float
             hosts[m.group(1)] = float(m.group(2))
     if not hosts:
         raise ConfigError(
-            f"--link-file {path}: no link in it (doctor.sh --link's 'link from A to "
-            f"B: X Mbit/s' "
-            "lines, or 'HOST MBIT' lines)"
+            f"--link-file {path}: no link in it (doctor.sh --link's 'link from A to B: "
+            "X Mbit/s' lines, or 'HOST MBIT' lines)"
         )
     return hosts, pairs
 
@@ -86,9 +85,8 @@ def network(
     missing = sorted(set(hosts) - set(per_host))
     if len(set(hosts)) > 1 and missing:
         raise ConfigError(
-            f"no link speed for host{'s' if len(missing) > 1 else ''} "
-            f"{', '.join(missing)}: give "
-            "--link-mbit, or --link-file with setup/doctor.sh --link's output"
+            f"no link speed for host{'s' if len(missing) > 1 else ''} {', '.join(missing)}: "
+            "give --link-mbit, or --link-file with setup/doctor.sh --link's output"
         )
     mbit = 1e6 / 8
     return Network(
@@ -113,8 +111,8 @@ def ranks_from_census(
         if "layer_ms" in r:
             if len(r["layer_ms"]) != len(flops):
                 raise ConfigError(
-                    f"the census has {len(r['layer_ms'])} layer times, the model "
-                    f"{len(flops)} layers"
+                    f"the census has {len(r['layer_ms'])} layer times, the "
+                    f"model {len(flops)} layers"
                 )
             per = r.get("layer_ms_micro_batch", run_micro_batch) * 1e3
             fwd, bwd = [f / per for f, _ in r["layer_ms"]], [b / per for _, b in r["layer_ms"]]

@@ -90,13 +90,11 @@ def probe_grad_max(
         if not is_oom(e):
             raise
         raise OutOfMemory(
-            f"out of memory in the --loss-scale auto probe on {probe_dev} (an fp32 copy of the "
-            f"model, "
-            f"{chunk or 'whole'} samples per forward and backward), before step 1: "
-            f"{first_line(e)}. Skip the probe: "
-            f"--loss-scale config (the DeepSpeed JSON's fp16.initial_scale_power, else "
-            f"{DEFAULT_FP16_SCALE_POWER})"
-            ", or --precision bf16 where every GPU has it"
+            f"out of memory in the --loss-scale auto probe on {probe_dev} (an fp32 copy of "
+            f"the model, {chunk or 'whole'} samples per forward and backward), before step "
+            f"1: {first_line(e)}. Skip the probe: --loss-scale config (the DeepSpeed "
+            f"JSON's fp16.initial_scale_power, else {DEFAULT_FP16_SCALE_POWER}), or "
+            "--precision bf16 where every GPU has it"
         ) from None
     finally:
         peak.remove()
@@ -144,10 +142,8 @@ def tune(
         {"probe_grad_max": grad_max, "initial_scale_power": power, "probe_chunk": chunk},
         (
             f"fp16 loss scale: largest gradient of a {2 * grad_accum}-micro-batch fp32 probe "
-            f"({how}) "
-            f"{grad_max:.3g} -> "
-            f"initial_scale_power {power} (2^{power} x {grad_max:.3g} x margin {SCALE_MARGIN} < "
-            f"{FP16_MAX:g})"
+            f"({how}) {grad_max:.3g} -> initial_scale_power {power} (2^{power} x {grad_max:.3g} x "
+            f"margin {SCALE_MARGIN} < {FP16_MAX:g})"
         ),
     )
 
@@ -157,9 +153,8 @@ def scale_power(grad_max: float) -> int:
     (0..32)."""
     if not math.isfinite(grad_max):
         raise ConfigError(
-            f"--loss-scale auto: the fp32 probe's gradients are not finite "
-            f"({grad_max}); lower --lr "
-            "or check the data"
+            f"--loss-scale auto: the fp32 probe's gradients are not finite ({grad_max}); "
+            "lower --lr or check the data"
         )
     if grad_max == 0:
         return 16

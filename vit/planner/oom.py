@@ -64,9 +64,8 @@ def estimate(
         f" ({precision})",
         fit,
         f"Estimated to fit: {max(fit, 0)} samples per micro-batch (weights, gradients and "
-        f"optimizer state, "
-        f"{per_param:g} bytes per parameter under {engine}: {params * per_param / 2**30:.2f}"
-        f" GiB + activations {act / 2**20:.2f} MiB per sample, in "
+        f"optimizer state, {per_param:g} bytes per parameter under {engine}: "
+        f"{params * per_param / 2**30:.2f} GiB + activations {act / 2**20:.2f} MiB per sample, in "
         f"{USABLE_MEMORY:.0%} of {total / 2**30:.1f} GiB)",
     )
 
@@ -103,9 +102,8 @@ def out_of_memory(
             + (
                 ""
                 if fit is None
-                else f" (the estimate, {fit}, says {micro} fits: other processes may "
-                f"hold memory on "
-                "this device)"
+                else f" (the estimate, {fit}, says {micro} fits: other processes "
+                "may hold memory on this device)"
             )
         )
     hints += [
@@ -114,8 +112,7 @@ def out_of_memory(
         "--engine pipeline with more --pipeline-stages (each rank holds fewer layers)",
     ]
     return OutOfMemory(
-        f"out of memory during step {step + 1} on {where} at micro-batch "
-        f"{micro}{precision}: "
+        f"out of memory during step {step + 1} on {where} at micro-batch {micro}{precision}: "
         f"{first_line(error)}. {estimate}. Try " + ", or ".join(hints)
     )
 
@@ -124,9 +121,7 @@ def nccl_out_of_memory(dev: torch.device, error: Exception) -> OutOfMemory:
     """NCCL ran out of GPU memory creating its communicators, before any training: what holds the
     memory."""
     return OutOfMemory(
-        f"out of memory on {dev} as NCCL created its communicators: "
-        f"{first_line(error)}. Another "
-        "process may hold this GPU's memory (nvidia-smi lists them); NCCL_BUFFSIZE "
-        "smaller than its "
-        "4 MiB default needs less"
+        f"out of memory on {dev} as NCCL created its communicators: {first_line(error)}. "
+        "Another process may hold this GPU's memory (nvidia-smi lists them); "
+        "NCCL_BUFFSIZE smaller than its 4 MiB default needs less"
     )

@@ -108,12 +108,9 @@ def plan_layers(
     if plan is None:
         need = (sum(static) + sum(act)) / stages / 2**30
         raise ConfigError(
-            f"--partition balanced: no split of the {n} layers into {stages} stages "
-            f"fits in the ranks' "
-            f"free memory (at least {need:.2f} GiB per stage on average, smallest "
-            f"free "
-            f"{min(capacity) / 2**30:.2f} GiB usable); use more stages or a smaller "
-            f"micro-batch"
+            f"--partition balanced: no split of the {n} layers into {stages} stages fits in the "
+            f"ranks' free memory (at least {need:.2f} GiB per stage on average, smallest free "
+            f"{min(capacity) / 2**30:.2f} GiB usable); use more stages or a smaller micro-batch"
         )
     return plan
 

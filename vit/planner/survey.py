@@ -36,9 +36,8 @@ from vit.runtime.precision import choose
 class Asked:
     """What a run asks the survey to settle (vit.trainer fills it in from the plan)."""
 
-    requested_precision: (
-        str | None
-    )  # --precision's, or the JSON's; None: none given (runtime.precision)
+    # --precision's, or the JSON's; None: none given (runtime.precision)
+    requested_precision: str | None
     engine: EngineSpec
     micro_batch: int
     grad_accum: int

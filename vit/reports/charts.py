@@ -336,12 +336,11 @@ def report(out: Path, runs: list[Run], charts: list[Path], rows: list[list[str]]
     )
     sources = ", ".join(html.escape(str(run.path)) for run in runs)
     (out / "report.html").write_text(
-        "<!doctype html><html><head><meta charset='utf-8'><title>training report</title><style>"
-        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px "
-        "solid #ccc;"
-        "padding:4px 8px;text-align:right}img{max-width:100%}</style></head><body>"
-        f"<h1>training report</h1><p>runs: "
-        f"{sources}</p>{html_table(COLUMNS, rows)}{phases}{imgs}</body></html>\n"
+        "<!doctype html><html><head><meta charset='utf-8'><title>training report</title>"
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}img{max-width:100%}</style>"
+        f"</head><body><h1>training report</h1><p>runs: {sources}</p>"
+        f"{html_table(COLUMNS, rows)}{phases}{imgs}</body></html>\n"
     )
 
 

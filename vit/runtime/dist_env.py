@@ -132,8 +132,7 @@ def choose_master_addr(hosts: list[tuple[str, list]], ifname: str | None) -> str
             return str(iface.ip)
     mine = ", ".join(f"{n}={i}" for n, i in ifaces0) or "none"
     raise ConfigError(
-        f"rank 0 ({host0}) shares no subnet with every other host (its addresses: "
-        f"{mine}); "
+        f"rank 0 ({host0}) shares no subnet with every other host (its addresses: {mine}); "
         "set MASTER_ADDR or the interface (IFACE in setup/cluster.env)"
     )
 

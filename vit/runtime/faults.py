@@ -45,8 +45,7 @@ ANSWER_S = 3.0  # how long the main thread's own store calls may take before the
 CLOSED = re.compile(r"(closed|reset) by peer|Broken pipe")
 # A collective that waited its process group's timeout for its peers (gloo's words, then NCCL's)
 TIMED_OUT = re.compile(
-    r"Timed out waiting \d+ms for (recv|send) operation|collective operation "
-    r"timeout"
+    r"Timed out waiting \d+ms for (recv|send) operation|collective operation timeout"
 )
 # one report per process: the main thread's or the watchdog's, whichever comes first
 _REPORT = threading.Lock()
@@ -234,8 +233,8 @@ class Watchdog(threading.Thread):
         if culprit == self.rank or peer is None or now - peer.step_seen_at <= self.frozen_s:
             return None
         return (
-            f"{self._stopped(culprit, now)} (a collective waited --dist-timeout {self.timeout_s:g} "
-            f"s for it)"
+            f"{self._stopped(culprit, now)} (a collective waited --dist-timeout "
+            f"{self.timeout_s:g} s for it)"
         )
 
     def _store_silent(self, now: float) -> str:
@@ -322,9 +321,8 @@ class Watchdog(threading.Thread):
                 self._exit(
                     self._died(
                         [0],
-                        f"the job's store, in its process, closed its "
-                        f"connection to {self.who} "
-                        f"({type(e).__name__})",
+                        "the job's store, in its process, closed its connection to "
+                        f"{self.who} ({type(e).__name__})",
                     )
                 )
             return

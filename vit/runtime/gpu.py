@@ -120,10 +120,9 @@ def why_no_cuda(report: dict) -> str:
     if need and _version(smi["driver"]) < _version(need):
         supports = f" supports CUDA {smi['cuda']}" if smi["cuda"] else ""
         return (
-            f"driver {smi['driver']}{supports}; this torch ({tag}) needs driver >= {need}: "
-            f"update the driver, "
-            "or run scripts/bootstrap.sh there (--print-torch names the build this driver "
-            "runs)"
+            f"driver {smi['driver']}{supports}; this torch ({tag}) needs driver >= "
+            f"{need}: update the driver, or run scripts/bootstrap.sh there (--print-torch "
+            "names the build this driver runs)"
         )
     return (
         f"{seen} but torch.cuda.is_available() is False (torch {tag}, driver {smi['driver']}, "
@@ -165,13 +164,12 @@ def check_one_gpu_per_rank(reports: list[dict]) -> None:
             visible = "unset" if rs[0]["visible"] is None else rs[0]["visible"]
             bad.append(
                 f"{host} runs {_ranks(rs)} (local ranks "
-                f"{', '.join(str(r['local_rank']) for r in rs)}) but "
-                f"{gpus} GPU(s) are visible (CUDA_VISIBLE_DEVICES={visible})"
+                f"{', '.join(str(r['local_rank']) for r in rs)}) but {gpus} GPU(s) "
+                f"are visible (CUDA_VISIBLE_DEVICES={visible})"
             )
     if bad:
         raise ConfigError(
-            f"one GPU per rank: {'; '.join(bad)}; give each host at most as many "
-            f"slots as GPUs "
+            f"one GPU per rank: {'; '.join(bad)}; give each host at most as many slots as GPUs "
             "(setup/make_hostfile.sh), and let every rank see all its host's GPUs"
         )
 
@@ -205,9 +203,8 @@ def check_arch(reports: list[dict]) -> None:
         build = "cu" + reports[0]["torch_cuda"].replace(".", "")
         raise ConfigError(
             f"this torch ({build}) has no kernels for {'; '.join(bad)} (it has "
-            f"{' '.join(reports[0]['arch_list'])}): run scripts/bootstrap.sh there, "
-            f"which picks a build "
-            "for these cards (cu126 for cards older than Turing)"
+            f"{' '.join(reports[0]['arch_list'])}): run scripts/bootstrap.sh there, which picks a "
+            "build for these cards (cu126 for cards older than Turing)"
         )
 
 
@@ -228,17 +225,15 @@ def check_one_torch(reports: list[dict]) -> None:
         if all(runs_on(r["capability"], rs[0]["arch_list"]) for r in reports)
     )
     fix = (
-        f"run TORCH_CUDA={fits[0][1]} scripts/bootstrap.sh on every host (it has kernels for "
-        f"every card here)"
+        f"run TORCH_CUDA={fits[0][1]} scripts/bootstrap.sh on every host (it has "
+        "kernels for every card here)"
         if fits
-        else "none of these builds has kernels for every card here: leave out the hosts "
-        "one build "
-        "cannot run"
+        else "none of these builds has kernels for every card here: "
+        "leave out the hosts one build cannot run"
     )
     raise ConfigError(
-        f"torch differs between hosts: {which}; NCCL refuses ranks whose torch "
-        f"builds bring different "
-        f"NCCL versions: {fix}"
+        f"torch differs between hosts: {which}; NCCL refuses ranks whose torch builds bring "
+        f"different NCCL versions: {fix}"
     )
 
 

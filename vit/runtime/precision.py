@@ -71,8 +71,7 @@ def choose(requested: str | None, engine: EngineSpec, reports: list[dict]) -> tu
     ]
     if slow:
         why += (
-            f"; warning: {', '.join(slow)} run fp16 without tensor cores (compute capability "
-            f"below "
+            f"; warning: {', '.join(slow)} run fp16 without tensor cores (compute capability below "
             f"{FP16_FAST[0]}.{FP16_FAST[1]}), which can be slower than fp32 there"
         )
     return precision, why
@@ -91,9 +90,8 @@ def _choose(requested: str, engine: EngineSpec, reports: list[dict]) -> tuple[st
             every = [p for p in engine.precisions if not lacking(p)]
             raise ConfigError(
                 f"precision {requested} is not supported by {named(missing)}"
-                f"{_deepspeed_fp16_hint(requested, engine, [reports[r] for r in missing])}; every "
-                f"rank can run {', '.join(every)}: use --precision auto or one of "
-                f"those"
+                f"{_deepspeed_fp16_hint(requested, engine, [reports[r] for r in missing])}; "
+                f"every rank can run {', '.join(every)}: use --precision auto or one of those"
             )
         return requested, "every rank supports it"
     why = []

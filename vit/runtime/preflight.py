@@ -84,10 +84,9 @@ def cpu_adam_problem(torch_cuda: str, cuda_home: str | None, built: bool) -> str
         return None
     install = (
         f"install the CUDA {torch_cuda} toolkit (NVIDIA's "
-        f"cuda-toolkit-{torch_cuda.replace('.', '-')} "
-        f"package) and set CUDA_HOME to it (DeepSpeed then builds the op on first use, or "
-        f"prebuilds it with "
-        "DS_BUILD_CPU_ADAM=1 pip install deepspeed); or train without offload_optimizer"
+        f"cuda-toolkit-{torch_cuda.replace('.', '-')} package) and set CUDA_HOME to it (DeepSpeed "
+        "then builds the op on first use, or prebuilds it with DS_BUILD_CPU_ADAM=1 pip install "
+        "deepspeed); or train without offload_optimizer"
     )
     if cuda_home is None:
         return (
@@ -134,8 +133,8 @@ def check_offload(ds_config: dict, device_type: str) -> None:
         found = {host: why for host, why in reports if why}
         if found:
             raise ConfigError(
-                "ZeRO-Offload (offload_optimizer) on GPUs needs DeepSpeed's CPU Adam "
-                "op: " + "; ".join(f"{host}: {why}" for host, why in found.items())
+                "ZeRO-Offload (offload_optimizer) on GPUs needs DeepSpeed's CPU Adam op: "
+                + "; ".join(f"{host}: {why}" for host, why in found.items())
             )
 
     rank0_decides(verdict)

@@ -65,8 +65,8 @@ def open_append(path):
             except ValueError:
                 f.truncate(start)
                 print(
-                    f"note: {path}: cut a torn last line ({size - start} bytes) left by an "
-                    f"interrupted run",
+                    f"note: {path}: cut a torn last line ({size - start} "
+                    "bytes) left by an interrupted run",
                     file=sys.stderr,
                     flush=True,
                 )

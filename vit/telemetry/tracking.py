@@ -101,10 +101,8 @@ def check_wandb() -> None:
     ):
         return
     raise ConfigError(
-        "--report-to wandb: no W&B API key here; log in with `wandb login` (or set "
-        "WANDB_API_KEY), "
-        "or set WANDB_MODE=offline to log without network (`wandb sync` uploads it "
-        "later)"
+        "--report-to wandb: no W&B API key here; log in with `wandb login` (or set WANDB_API_KEY), "
+        "or set WANDB_MODE=offline to log without network (`wandb sync` uploads it later)"
     )
 
 
@@ -128,8 +126,7 @@ class WandbSink:
             )
         except wandb.errors.Error as e:  # not logged in, no network: the user's to fix
             raise ConfigError(
-                f"--report-to wandb: {str(e).splitlines()[0]} (log in with `wandb "
-                f"login`, or set "
+                f"--report-to wandb: {str(e).splitlines()[0]} (log in with `wandb login`, or set "
                 "WANDB_MODE=offline to log without network)"
             ) from None
         if self.run.settings.mode == "offline":

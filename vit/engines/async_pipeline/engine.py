@@ -79,9 +79,8 @@ class AsyncPipelineEngine(StagedEngine):
     def __init__(self, ctx: EngineContext):
         if ctx.precision == "fp16":
             raise ConfigError(
-                "--engine async-pipeline trains in fp32 or bf16 (it has no fp16 loss "
-                "scaler); pass "
-                "--precision bf16 or fp32"
+                "--engine async-pipeline trains in fp32 or bf16 (it has no fp16 loss scaler); "
+                "pass --precision bf16 or fp32"
             )
         stages, self.device = ctx.pipeline_stages, ctx.device
         self.stages = stages

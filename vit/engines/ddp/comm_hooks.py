@@ -97,9 +97,8 @@ class CommHook:
         if was != self.key:
             if rank == 0:
                 print(
-                    f"warning: the checkpoint was trained with {was}; this run's {self.key} "
-                    f"starts without its "
-                    "state",
+                    f"warning: the checkpoint was trained with {was}; this run's "
+                    f"{self.key} starts without its state",
                     file=sys.stderr,
                 )
             return
@@ -107,8 +106,8 @@ class CommHook:
             state = torch.load(
                 os.path.join(folder, f"powersgd_rank{rank}.pt"),
                 map_location=self.device,
-                weights_only=False,
-            )  # numpy's RandomState besides tensors
+                weights_only=False,  # numpy's RandomState besides tensors
+            )
             with _quiet():
                 self.state.__setstate__(state)  # the default process group, as DDP's
             # this run's warm-up, if it changed

@@ -55,8 +55,7 @@ class DeepSpeedSpec(EngineSpec):
         )
         return (
             f": DeepSpeed runs fp16 from compute capability {FP16_FAST[0]}.{FP16_FAST[1]} "
-            f"on{allow}, "
-            "--engine ddp on any GPU"
+            f"on{allow}, --engine ddp on any GPU"
         )
 
     def compressions(self, precision):
