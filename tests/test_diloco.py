@@ -55,8 +55,9 @@ def emulate(
     what the worker learned in between. At the last step every fragment syncs. The first `start`
     steps are DDP's: every worker steps on the gradient averaged over the workers, and the windows
     count from there.
-    refragment (s, F'): a resume after step s with F' fragments, which applies a fragment in
-    flight there when F' is 1."""
+    refragment (s, F'): a resume after step s with F' fragments: a fragment in flight there (the
+    old fragments' parameters) is applied at once when F' is 1, else at the first fragment turn of
+    the new schedule, and the F' fragments follow from there."""
     data = load_dataset("digits", None, model_shape(s.model.model).img_size, seed=s.train.seed)
     first = nn.Sequential(
         *build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
@@ -79,8 +80,7 @@ def emulate(
     window = sync_every if callable(sync_every) else lambda step: sync_every
     params = [list(m.parameters()) for m in [global_model, *models]]
     n = len(params[0])
-    ends = fragment_bounds([p.numel() for p in params[0]], fragments)
-    parts = [range(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+    parts = fragment_parts(params[0], fragments)
 
     local_at = local if callable(local) else lambda step: local or [H] * workers
 
@@ -95,6 +95,7 @@ def emulate(
     for step in range(start + 1, steps + 1):
         if refragment and step == refragment[0] + 1:
             fragments = refragment[1]
+            parts = fragment_parts(params[0], fragments)
             if in_flight and fragments == 1:
                 outer_step(*in_flight)
                 in_flight = None
@@ -126,6 +127,12 @@ def emulate(
         elif (step - start) % H == 0:
             outer_step(range(n), None)
     return losses
+
+
+def fragment_parts(params, count: int) -> list[range]:
+    """The indices of `params` in each of `count` fragments (the engine's)."""
+    ends = fragment_bounds([p.numel() for p in params], count)
+    return [range(a, b) for a, b in zip([0, *ends[:-1]], ends)]
 
 
 @torch.no_grad()
@@ -444,6 +451,33 @@ def test_streaming_fragments_as_the_emulator_and_a_resume_with_one_in_flight(tmp
     assert sorted(got) == [6, 7, 8, 9, 10]
     for step, loss in got.items():
         assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("saved, now", [(1, 2), (2, 4), (4, 2)])
+def test_a_resume_with_other_fragments_is_the_emulator_on_the_new_schedule(tmp_path, saved, now):
+    """H = 4, saved at step 5 with `saved` fragments and resumed with `now`: the fragment on the
+    wire at step 5 (none with 1, the second half since step 4 with 2, the first quarter since step
+    5 with 4) is applied, with its old parameters, at step 6, the new schedule's first fragment
+    turn, and the new fragments go on from there."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--engine", "diloco", "--sync-every", 4, "--log-interval", 1, "--steps", 10]
+    common += [*PAPER, *EQUAL, *EXACT]
+    r = launch(
+        [*common, "--fragments", saved, "--save-interval", 5, "--log-dir", first], timeout=300
+    )
+    assert r.ok, r
+    step5 = first / "checkpoints" / "step5"
+    r = launch([*common, "--fragments", now, "--resume", step5, "--log-dir", second], timeout=300)
+    assert r.ok, r
+    want = emulate(defaults(), 2, 10, 4, 0.7, 0.9, fragments=saved, refragment=(5, now))
+    got = train_losses(second)
+    assert sorted(got) == list(range(6, 11))
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+    kept = emulate(defaults(), 2, 10, 4, 0.7, 0.9, fragments=saved)
+    assert want[-1] != pytest.approx(kept[-1], rel=1e-5)  # the new schedule is another one
 
 
 @pytest.mark.ranks
