@@ -9,6 +9,7 @@
     python -m bench recipe      the default job with each recipe option on and off (top-1, time)
     python -m bench compare     two configurations over paired seeds: B - A with its standard error
     python -m bench finetune    fine-tuning from a model this project pretrained, against scratch
+    python -m bench glyph-split the glyphs task as letters to pretrain on and digits to fine-tune on
     python -m bench freeze      freeze training's breakdown (PipeTransformer's Table 1) on 2 ranks
     python -m bench async-pipeline  the async pipeline against DeepSpeed's and the no-bubble ideal
     python -m bench planner     the planner's predicted step times against real runs; auto's rank

@@ -18,6 +18,7 @@ from bench import (
     planner,
     recipe,
     train,
+    transfer,
 )
 from vit.config.cli import HelpFormatter
 from vit.train import prepare_environment
@@ -31,6 +32,7 @@ MODULES = (
     recipe,
     compare,
     finetune,
+    transfer,
     freeze,
     async_pipeline,
     gpu,

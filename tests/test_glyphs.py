@@ -206,3 +206,28 @@ def test_two_ranks_train_on_glyphs_generated_once(tmp_path):
     ]
     assert evals and 0 <= evals[-1]["top1"] <= 1 and evals[-1]["step"] == 6
     assert os.path.exists(tmp_path / "logs" / "summary.json")
+
+
+def test_the_fine_tune_split_is_letters_and_digits_as_image_folders(mpl_fonts, tmp_path, capsys):
+    """python -m bench glyph-split: the letters' and the digits' images of each split, as folders
+    torchvision's ImageFolder reads with their characters as classes; an existing --out is refused
+    in one line and left as it was."""
+    from torchvision.datasets import ImageFolder
+
+    from bench.__main__ import main
+
+    data, out = str(tmp_path / "glyphs"), tmp_path / "split"
+    args = ["glyph-split", "--dataset", "glyphs-small", "--data-path", data, "--out", str(out)]
+    assert main(args) == 0
+    d = glyphs.load(data, "small")
+    for task, classes in (("letters", glyphs.CLASSES[10:]), ("digits", glyphs.CLASSES[:10])):
+        for split, ys in (("train", d["y_train"]), ("val", d["y_test"])):
+            folder = ImageFolder(str(out / task / split))
+            assert folder.classes == sorted(classes)
+            assert len(folder) == sum(glyphs.CLASSES[y] in classes for y in ys)
+    image, label = ImageFolder(str(out / "digits" / "val"))[0]
+    assert image.size == (glyphs.SIZE, glyphs.SIZE) and label == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match=r"--out .*split exists; give a new folder"):
+        main(args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["glyphs", "split"]  # no half-written copy
