@@ -1,7 +1,8 @@
-"""python -m bench glyph-split: the glyphs task split for a fine-tune. The 26 letters become one image
-folder to pretrain on, the 10 digits another to fine-tune on (a new head, a new label set, typefaces
-alike); each split's held-out images are those of the held-out font families. The pretraining and
-the paired comparison are ordinary runs (docs/benchmarks.md#diloco-on-glyphs-at-the-defaults-of-1-december-2026)."""
+"""python -m bench glyph-split: the glyphs task split for a fine-tune. The 26 letters become one
+image folder to pretrain on, the 10 digits another to fine-tune on (a new head, a new label set,
+typefaces alike); each split's held-out images are those of the held-out font families. The
+pretraining and the paired comparison are ordinary runs (docs/benchmarks.md, "DiLoCo on glyphs at
+the defaults of 1 December 2026")."""
 
 import os
 import shutil
@@ -14,8 +15,8 @@ TASKS = {"letters": range(10, 36), "digits": range(10)}  # indices into vit.data
 
 
 def write_split(data: dict, out: Path) -> dict[str, int]:
-    """OUT/<task>/{train,val}/<character>/<i>.png for each of TASKS, from the glyphs arrays;
-    written beside OUT and renamed into place, so OUT is whole or absent. The images a folder got."""
+    """OUT/<task>/{train,val}/<character>/<i>.png for each of TASKS, from the glyphs arrays,
+    written beside OUT and renamed into place (OUT is whole or absent); the images of each."""
     from vit.data.glyphs import CLASSES
 
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
