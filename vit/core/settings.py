@@ -310,12 +310,15 @@ class LocalStepSettings:
         choices=("fp32", "bf16", "int8"),
         needs="diloco",
     )
+    # equal, not auto: with a rank slowed 2x on glyphs, proportional steps at the default fragments
+    # gave 1.08x equal's images/s and lost 4 points (docs/benchmarks.md, 1 December 2026)
     local_steps: str = option(
-        "auto",
-        "inner steps of each worker between syncs: equal (H each), proportional (H x its "
-        "speed / the fastest's, from the census, then from each window's measured times: a "
-        "slower GPU takes fewer and waits less; the average weighs each worker by the samples "
-        "it trained on) or auto (proportional when the speeds differ by more than the noise)",
+        "equal",
+        "inner steps of each worker between syncs: equal (H each: a slower GPU holds the others "
+        "up, as under DDP), proportional (H x its speed / the fastest's, from the census, then "
+        "from each window's measured times: a slower GPU takes fewer and waits less, and the "
+        "batches it skips are not trained on; the average weighs each worker by the samples it "
+        "trained on) or auto (proportional when the speeds differ by more than the noise)",
         choices=("auto", "proportional", "equal"),
         needs="diloco",
     )
