@@ -11,6 +11,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from vit.core.errors import ConfigError
+
 TASKS = {"letters": range(10, 36), "digits": range(10)}  # indices into vit.data.glyphs.CLASSES
 
 
@@ -46,7 +48,11 @@ def run(a) -> int:
     if not out.parent.is_dir():
         raise SystemExit(f"bench glyph-split: --out {out}: {out.parent} is not a folder")
     size = "small" if a.dataset == "glyphs-small" else "full"
-    counts = write_split(glyphs.load(a.data_path, size), out)
+    try:
+        data = glyphs.load(a.data_path, size)
+    except ConfigError as e:  # no fonts, a file as --data-path, a damaged cache
+        raise SystemExit(f"bench glyph-split: {e}")
+    counts = write_split(data, out)
     print(", ".join(f"{k}: {n} images" for k, n in counts.items()) + f", in {out}")
     return 0
 

@@ -231,3 +231,8 @@ def test_the_fine_tune_split_is_letters_and_digits_as_image_folders(mpl_fonts, t
     with pytest.raises(SystemExit, match=r"--out .*split exists; give a new folder"):
         main(args)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["glyphs", "split"]  # no half-written copy
+    a_file = ["--data-path", str(tmp_path / "glyphs" / "x"), "--out", str(tmp_path / "other")]
+    (tmp_path / "glyphs" / "x").write_text("")
+    with pytest.raises(SystemExit, match=r"^bench glyph-split: glyphs: --data-path .*x is a file"):
+        main([*args[:3], *a_file])
+    assert not (tmp_path / "other").exists()
