@@ -22,6 +22,7 @@ MAX_AUTO_FRAGMENTS = 5  # --fragments auto: the most fragments, each H / F steps
 DEFAULT_FP16_SCALE_POWER = 12
 TRACKERS = ("tensorboard", "wandb", "csv")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+WEIGHTINGS = ("steps", "uniform", "fednova")  # --outer-weighting
 
 
 def positive_int(text: str) -> int:
@@ -317,9 +318,20 @@ class LocalStepSettings:
         "inner steps of each worker between syncs: equal (H each: a slower GPU holds the others "
         "up, as under DDP), proportional (H x its speed / the fastest's, from the census, then "
         "from each window's measured times: a slower GPU takes fewer and waits less, and the "
-        "batches it skips are not trained on; the average weighs each worker by the samples it "
-        "trained on) or auto (proportional when the speeds differ by more than the noise)",
+        "batches it skips are not trained on; --outer-weighting says how the mean weighs it) "
+        "or auto (proportional when the speeds differ by more than the noise)",
         choices=("auto", "proportional", "equal"),
+        needs="diloco",
+    )
+    # steps (FedAvg's): measured against uniform and FedNova's with rank 1 slowed 2x on glyphs
+    # (docs/benchmarks.md, 2 December 2026)
+    outer_weighting: str = option(
+        "steps",
+        "how the workers' mean weighs a worker that trained fewer inner steps (--local-steps "
+        "proportional): steps (by the steps it trained, FedAvg's), uniform (every worker alike) or "
+        "fednova (each pseudo-gradient divided by its steps, the mean scaled by the workers' mean "
+        "steps, FedNova's)",
+        choices=WEIGHTINGS,
         needs="diloco",
     )
     fragments: int | str = option(

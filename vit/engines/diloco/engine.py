@@ -65,6 +65,15 @@ def worker_of(ranks_per_worker: str, device: torch.device) -> tuple[int, list[li
     return next(i for i, ranks in enumerate(workers) if rank in ranks), workers
 
 
+def worker_weight(steps: list[int], rank: int, weighting: str) -> float:
+    """--outer-weighting: the factor on rank `rank`'s pseudo-gradient before the mean over the
+    ranks, from every rank's inner steps in the window: steps weighs a worker by the steps it
+    trained (FedAvg), uniform not at all, fednova divides by them and scales the mean by the
+    workers' mean steps (FedNova, Wang et al. 2020)."""
+    mean = sum(steps) / len(steps)
+    return {"steps": steps[rank] / mean, "uniform": 1.0, "fednova": mean / steps[rank]}[weighting]
+
+
 def fragment_bounds(sizes: list[int], fragments: int) -> list[int]:
     """Where each of `fragments` contiguous groups of tensors (of `sizes` elements) ends: a group
     closes where the running count is nearest to its share of the elements, each at least one
@@ -112,6 +121,7 @@ class DiLoCoEngine(Engine):
             nesterov=momentum > 0,
         )
         self.sync_every, self.wire = local.sync_every, local.outer_wire
+        self.weighting = local.outer_weighting
         self.start = local.local_start_step  # steps trained as DDP before the local ones
         self.total_steps = ctx.total_steps
         self.loss = Loss(ctx.smoothing)
@@ -302,7 +312,7 @@ class DiLoCoEngine(Engine):
 
     def pseudo_gradient(self, indices) -> torch.Tensor:
         """This worker's global-minus-own weights of the parameters `indices`, flat, scaled so that
-        the mean over the ranks weighs each worker by the steps it trained."""
+        the mean over the ranks weighs each worker as --outer-weighting says."""
         local, global_ = list(self.module.parameters()), list(self.global_model.parameters())
         sizes = [global_[i].numel() for i in indices]
         used = sum(sizes)
@@ -312,8 +322,7 @@ class DiLoCoEngine(Engine):
         delta[used:].zero_()
         for i, part in zip(indices, delta[:used].split(sizes)):
             part.copy_(global_[i].detach().flatten()).sub_(local[i].detach().flatten())
-        h = self.window
-        weight = h[self.dp_rank] * len(h) / sum(h)
+        weight = worker_weight(self.window, self.dp_rank, self.weighting)
         return delta if weight == 1 else delta.mul_(weight)
 
     @torch.no_grad()
