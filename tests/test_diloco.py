@@ -15,10 +15,11 @@ from torch import nn
 
 from vit.config.cli import defaults, parse
 from vit.core.errors import ConfigError
+from vit.core.settings import WEIGHTINGS
 from vit.core.speeds import local_steps
 from vit.data.augment import train_batches
 from vit.data.datasets import load_dataset
-from vit.engines.diloco.engine import fragment_bounds
+from vit.engines.diloco.engine import fragment_bounds, worker_weight
 from vit.engines.diloco.wire import BLOCK, compress, decompress
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.reference import train_step
@@ -28,18 +29,17 @@ GLOBAL_BATCH, CLIP = 64, 1.0  # the default job's global batch; zero0.json's gra
 
 
 def emulate(
-    s,
     workers: int,
     steps: int,
     sync_every,
-    outer_lr: float,
-    momentum: float,
     local=None,
     fragments: int = 1,
     start: int = 0,
     refragment: tuple[int, int] | None = None,
+    weighting: str = "steps",
 ) -> list:
-    """Per-step losses of DiLoCo on settings `s` as rank 0 logs them: where every worker meets in a
+    """Per-step losses of DiLoCo at the defaults with the paper's outer step (PAPER) as rank 0 logs
+    them: where every worker meets in a
     sync (every H-th step without fragments, and the last), the mean over the workers that
     trained in the step; between syncs worker 0's last loss.
 
@@ -48,7 +48,8 @@ def emulate(
     H (sync_every: H, or step -> H; `local`: h, or step -> the h of the window that holds the
     step, or None for h = H) and only draws its batch in the others. After every H-th step and
     the last, the global weights take an SGD step (Nesterov `momentum`) on the workers'
-    global-minus-own weights averaged with weights h[w], and every worker goes on from them. With F
+    global-minus-own weights averaged with weights by h[w] (`weighting`: steps, h[w]; uniform, 1;
+    fednova, 1 / h[w] and the mean times the mean of h), and every worker goes on from them. With F
     `fragments` (each an equal share of the parameters, in order), fragment f's difference is
     taken after step (f + 1) H / F of a window (weighted by that window's h) and applied H / F
     steps later: the outer step, then each worker's fragment set to the new global weights plus
@@ -58,6 +59,7 @@ def emulate(
     refragment (s, F'): a resume after step s with F' fragments: a fragment in flight there (the
     old fragments' parameters) is applied at once when F' is 1, else at the first fragment turn of
     the new schedule, and the F' fragments follow from there."""
+    s = defaults()
     data = load_dataset("digits", None, model_shape(s.model.model).img_size, seed=s.train.seed)
     first = nn.Sequential(
         *build_layers(s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed)
@@ -66,7 +68,7 @@ def emulate(
     optims = [make_optimizer(m, s.optim, num_layers=len(m)) for m in models]
     scheds = [make_scheduler(o, s.optim, steps) for o in optims]
     outer = torch.optim.SGD(
-        global_model.parameters(), lr=outer_lr, momentum=momentum, nesterov=momentum > 0
+        global_model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True
     )
     shard = dict(micro_batch=GLOBAL_BATCH // workers, dp_size=workers, grad_accum=1)
     feeds = [
@@ -85,7 +87,7 @@ def emulate(
     local_at = local if callable(local) else lambda step: local or [H] * workers
 
     def outer_step(indices, sent, h=None):  # h: of the window the fragment went in
-        apply_outer(params, outer, h or local_at(step), indices, sent)
+        apply_outer(params, outer, weights(h or local_at(step), weighting), indices, sent)
 
     losses, in_flight, last = [], None, [None] * workers
     for _ in range(start):
@@ -135,16 +137,26 @@ def fragment_parts(params, count: int) -> list[range]:
     return [range(a, b) for a, b in zip([0, *ends[:-1]], ends)]
 
 
+def weights(h: list[int], weighting: str) -> list[float]:
+    """Each worker's weight in the mean of the pseudo-gradients, from the steps h each trained in
+    the window (--outer-weighting)."""
+    mean = sum(h) / len(h)
+    if weighting == "uniform":
+        return [1.0] * len(h)
+    # FedNova: each difference divided by its steps, their mean times the mean steps
+    return [k / mean if weighting == "steps" else mean / k for k in h]
+
+
 @torch.no_grad()
-def apply_outer(params, outer, h: list[int], indices, sent) -> None:
+def apply_outer(params, outer, weight: list[float], indices, sent) -> None:
     """The outer step on the parameters `indices` (params: the global model's, then each worker's)
-    from the workers' differences weighted by h, then each worker from the new global weights
-    (plus what it learned since `sent`, its weights when they went, if given)."""
-    workers = len(h)
+    from the mean of the workers' differences, each times its `weight`, then each worker from the
+    new global weights (plus what it learned since `sent`, its weights when they went, if given)."""
+    workers = len(weight)
     for i in indices:
         g = params[0][i]
         own = [sent[w][i] if sent else params[1 + w][i] for w in range(workers)]
-        g.grad = sum(h[w] * (g - own[w]) for w in range(workers)) / sum(h)
+        g.grad = sum(weight[w] * (g - own[w]) for w in range(workers)) / workers
     outer.step()
     for i in indices:
         params[0][i].grad = None
@@ -173,7 +185,8 @@ def ddp_step(models, optims, scheds, batches, smoothing: float) -> float:
     return sum(losses) / len(models)
 
 
-PAPER = ["--outer-lr", 0.7, "--outer-momentum", 0.9]  # the paper's outer step: Nesterov's path
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the paper's outer step: Nesterov's path
+PAPER = ["--outer-lr", OUTER_LR, "--outer-momentum", OUTER_MOMENTUM]
 EXACT = ["--outer-wire", "fp32", "--fragments", 1]  # the emulator's (the defaults: int8, auto)
 
 
@@ -196,11 +209,11 @@ def test_workers_train_alone_between_syncs_as_the_emulator_does(tmp_path, ranks)
     r = launch(diloco_args(tmp_path, steps, sync_every, *micro, *EQUAL), nprocs=ranks, timeout=360)
     assert r.ok, r
     got = train_losses(tmp_path)
-    want = emulate(defaults(), ranks, steps, sync_every, outer_lr=0.7, momentum=0.9)
+    want = emulate(ranks, steps, sync_every)
     assert sorted(got) == list(range(1, steps + 1))
     for step, loss in got.items():
         assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
-    lone = emulate(defaults(), ranks, steps, steps + 1, outer_lr=0.7, momentum=0.9)
+    lone = emulate(ranks, steps, steps + 1)
     assert lone[3] != pytest.approx(want[3], rel=1e-5)  # the syncs change what is learned
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["engine"] == "diloco" and summary["steps"] == steps
@@ -245,12 +258,12 @@ def test_steps_before_the_local_start_are_ddp_and_the_windows_count_from_there(t
     save = ["--save-interval", 2, "--keep-checkpoints", 4]
     r = launch([*local, "--local-start-step", 3, *save, "--log-dir", tmp_path / "d"])
     assert r.ok, r
-    want = emulate(defaults(), 2, steps, 3, 0.7, 0.9, start=3)
+    want = emulate(2, steps, 3, start=3)
     got = train_losses(tmp_path / "d")
     assert sorted(got) == list(range(1, steps + 1))
     for step, loss in got.items():
         assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
-    assert want[-1] != pytest.approx(emulate(defaults(), 2, steps, 3, 0.7, 0.9)[-1], rel=1e-5)
+    assert want[-1] != pytest.approx(emulate(2, steps, 3)[-1], rel=1e-5)
     from vit.reports.runlogs import Run
 
     assert Run(tmp_path / "d").sync_steps() == [6, 8]  # plot_logs.py's marks
@@ -302,7 +315,7 @@ def test_a_resume_between_syncs_repeats_the_losses(tmp_path):
     other = tmp_path / "other"
     r = launch([*common, "--resume", step6, "--sync-every", 3, "--log-dir", other], timeout=300)
     assert r.ok, r
-    changed = emulate(defaults(), 2, 10, lambda step: 4 if step <= 6 else 3, 0.7, 0.9)
+    changed = emulate(2, 10, lambda step: 4 if step <= 6 else 3)
     got = train_losses(other)
     for step in got:
         assert got[step] == pytest.approx(changed[step - 1], rel=1e-5), (step, got, changed)
@@ -340,11 +353,11 @@ def test_a_slower_worker_takes_fewer_steps_and_weighs_less(tmp_path):
         return next((changed[at] for at in sorted(changed, reverse=True) if at <= began), local)
 
     assert all(local_at(step)[1] < sync_every for step in range(1, steps + 1)), changed
-    want = emulate(defaults(), 2, steps, sync_every, 0.7, 0.9, local=local_at)
+    want = emulate(2, steps, sync_every, local=local_at)
     got = train_losses(tmp_path)
     for step, loss in got.items():
         assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
-    equal = emulate(defaults(), 2, steps, sync_every, 0.7, 0.9)
+    equal = emulate(2, steps, sync_every)
     assert want[-1] != pytest.approx(equal[-1], rel=1e-5)  # the schedule changed what is learned
     summary = json.loads((tmp_path / "summary.json").read_text())  # images trained, not drawn
     trained = summary["images_per_s"] * summary["train_s_this_run"]
@@ -391,7 +404,7 @@ def test_a_sync_measures_the_next_windows_and_a_resume_keeps_the_checkpoints(tmp
     def local_at(step):
         return census if step <= 4 else kept if step <= 12 else after[12]
 
-    want = emulate(defaults(), 2, 16, H, 0.7, 0.9, local=local_at, fragments=fragments)
+    want = emulate(2, 16, H, local=local_at, fragments=fragments)
     got = train_losses(second)
     assert sorted(got) == list(range(7, 17))
     for step, loss in got.items():
@@ -419,12 +432,12 @@ def test_streaming_fragments_as_the_emulator_and_a_resume_with_one_in_flight(tmp
     common += ["--steps", 10, *PAPER, *EQUAL]
     r = launch([*common, "--save-interval", 5, "--log-dir", full], timeout=300)
     assert r.ok, r
-    want = emulate(defaults(), 2, 10, 4, 0.7, 0.9, fragments=2)
+    want = emulate(2, 10, 4, fragments=2)
     got = train_losses(full)
     assert sorted(got) == list(range(1, 11))
     for step, loss in got.items():
         assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
-    whole = emulate(defaults(), 2, 10, 4, 0.7, 0.9)
+    whole = emulate(2, 10, 4)
     assert want[6] != pytest.approx(whole[6], rel=1e-5)  # streaming is another schedule
     r = launch([*common, "--resume", full / "checkpoints" / "step5", "--log-dir", resumed])
     assert r.ok, r
@@ -447,7 +460,7 @@ def test_streaming_fragments_as_the_emulator_and_a_resume_with_one_in_flight(tmp
         ]
     )
     assert r.ok, r
-    want = emulate(defaults(), 2, 10, 4, 0.7, 0.9, fragments=2, refragment=(5, 1))
+    want = emulate(2, 10, 4, fragments=2, refragment=(5, 1))
     got = train_losses(whole_now)
     assert sorted(got) == [6, 7, 8, 9, 10]
     for step, loss in got.items():
@@ -472,12 +485,12 @@ def test_a_resume_with_other_fragments_is_the_emulator_on_the_new_schedule(tmp_p
     step5 = first / "checkpoints" / "step5"
     r = launch([*common, "--fragments", now, "--resume", step5, "--log-dir", second], timeout=300)
     assert r.ok, r
-    want = emulate(defaults(), 2, 10, 4, 0.7, 0.9, fragments=saved, refragment=(5, now))
+    want = emulate(2, 10, 4, fragments=saved, refragment=(5, now))
     got = train_losses(second)
     assert sorted(got) == list(range(6, 11))
     for step, loss in got.items():
         assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
-    kept = emulate(defaults(), 2, 10, 4, 0.7, 0.9, fragments=saved)
+    kept = emulate(2, 10, 4, fragments=saved)
     assert want[-1] != pytest.approx(kept[-1], rel=1e-5)  # the new schedule is another one
 
 
@@ -498,7 +511,7 @@ def test_a_resume_with_another_sync_every_trains_every_step_of_the_new_windows(t
         "--resume with --sync-every 4 (the checkpoint's: 2): inner steps by rank [4, 4]"
         in (r.outputs[0])
     )
-    want = emulate(defaults(), 2, 10, lambda step: 2 if step <= 5 else 4, 0.7, 0.9)
+    want = emulate(2, 10, lambda step: 2 if step <= 5 else 4)
     got = train_losses(second)
     assert sorted(got) == list(range(6, 11))
     for step, loss in got.items():
@@ -559,6 +572,16 @@ def test_local_steps_follow_speed_beyond_the_noise():
     assert local_steps(4, [1.0, 100.0], "proportional") == [4, 1]  # at least one step
 
 
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+def test_each_weighting_is_the_emulators_on_every_rank(weighting):
+    """The engine's factor on each rank's pseudo-gradient before the mean over the ranks is the
+    emulator's weight of that worker, for 1 to 4 workers of unequal steps."""
+    for h in ([4], [4, 2], [10, 5], [10, 3, 7], [1, 4, 4, 2]):
+        got = [worker_weight(h, rank, weighting) for rank in range(len(h))]
+        assert got == pytest.approx(weights(h, weighting), rel=1e-12), h
+    assert [worker_weight([3, 3], r, weighting) for r in (0, 1)] == [1.0, 1.0]  # equal: the mean
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("wire", ["bf16", "int8"])
@@ -567,7 +590,7 @@ def test_a_smaller_wire_trains_near_fp32(tmp_path, wire):
     r = launch(diloco_args(tmp_path, steps, 2, "--outer-wire", wire, *EQUAL), timeout=300)
     assert r.ok, r
     got = train_losses(tmp_path)
-    exact = emulate(defaults(), 2, steps, 2, outer_lr=0.7, momentum=0.9)
+    exact = emulate(2, steps, 2)
     assert got[1] == pytest.approx(exact[0], rel=1e-5)  # before the first sync: the same
     for step in range(3, steps + 1):  # after it: the rounding of the wire, no more
         assert got[step] == pytest.approx(exact[step - 1], rel=2e-2), (step, got, exact)
