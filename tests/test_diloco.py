@@ -333,13 +333,14 @@ def test_a_resume_between_syncs_repeats_the_losses(tmp_path):
 
 @pytest.mark.ranks
 @pytest.mark.timeout(420)
-def test_a_slower_worker_takes_fewer_steps_and_weighs_less(tmp_path):
+def test_a_slower_worker_takes_fewer_steps_and_weighs_as_asked(tmp_path):
     """Rank 1 slowed x3: the census gives it fewer inner steps a window (--local-steps auto), it
-    only draws the batches of the others, and the average weighs it by the steps it trained; each
-    sync sets the next windows' steps from the ranks' times in the last one (a line says when they
-    change), as the emulator is told."""
+    only draws the batches of the others, and the average weighs it as --outer-weighting fednova
+    says (the default, steps: test_a_sync_measures_the_next_windows...); each sync sets the next
+    windows' steps from the ranks' times in the last one (a line says when they change), as the
+    emulator is told."""
     steps, sync_every = 13, 4
-    slow = ["--simulate-slowdown", "1=3", "--local-steps", "auto"]
+    slow = ["--simulate-slowdown", "1=3", "--local-steps", "auto", "--outer-weighting", "fednova"]
     r = launch(diloco_args(tmp_path, steps, sync_every, *slow), timeout=360)
     assert r.ok, r
     local = json.loads((tmp_path / "cluster.json").read_text())["local_steps"]
@@ -353,12 +354,14 @@ def test_a_slower_worker_takes_fewer_steps_and_weighs_less(tmp_path):
         return next((changed[at] for at in sorted(changed, reverse=True) if at <= began), local)
 
     assert all(local_at(step)[1] < sync_every for step in range(1, steps + 1)), changed
-    want = emulate(2, steps, sync_every, local=local_at)
+    want = emulate(2, steps, sync_every, local=local_at, weighting="fednova")
     got = train_losses(tmp_path)
     for step, loss in got.items():
         assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
     equal = emulate(2, steps, sync_every)
     assert want[-1] != pytest.approx(equal[-1], rel=1e-5)  # the schedule changed what is learned
+    by_steps = emulate(2, steps, sync_every, local=local_at)
+    assert want[-1] != pytest.approx(by_steps[-1], rel=1e-5)  # and so did the weighting
     summary = json.loads((tmp_path / "summary.json").read_text())  # images trained, not drawn
     trained = summary["images_per_s"] * summary["train_s_this_run"]
     shares = [sum(local_at(step)) / (2 * sync_every) for step in range(1, steps + 1)]

@@ -323,8 +323,8 @@ class LocalStepSettings:
         choices=("auto", "proportional", "equal"),
         needs="diloco",
     )
-    # steps (FedAvg's): measured against uniform and FedNova's with rank 1 slowed 2x on glyphs
-    # (docs/benchmarks.md, 2 December 2026)
+    # steps (FedAvg's): with rank 1 slowed 2x on glyphs, uniform was within its error of it and
+    # fednova 1.7 points lower (docs/benchmarks.md, 2 December 2026)
     outer_weighting: str = option(
         "steps",
         "how the workers' mean weighs a worker that trained fewer inner steps (--local-steps "
