@@ -197,7 +197,7 @@ def grad_max_per_step(a) -> tuple[list[float], float]:
     opt = make_optimizer(model, s.optim)
     sched = make_scheduler(opt, s.optim, a.steps)
     peaks, peak = [], GradPeak(layers, torch.device("cpu"))
-    for x, y in make_loader(
+    for batch in make_loader(
         data.train, TrainBatches(n, a.global_batch, 1, 0, 1, seed, 0, a.steps), 0, False
     ):
         peak.value.zero_()
@@ -205,8 +205,7 @@ def grad_max_per_step(a) -> tuple[list[float], float]:
             model,
             opt,
             sched,
-            x,
-            y,
+            batch,
             clip=1.0,
             after_backward=lambda: peaks.append(peak.read(model).item()),
         )

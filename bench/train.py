@@ -54,7 +54,7 @@ def run_reference(a, dev: torch.device) -> dict:
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.precision == "bf16")
 
     def step():
-        train_step(step_model, opt, sched, x, y, clip, autocast)
+        train_step(step_model, opt, sched, (x, y), clip, autocast)
 
     for _ in range(a.warmup):
         step()

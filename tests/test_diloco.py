@@ -106,7 +106,7 @@ def emulate(
         for w, (model, opt, sched, feed) in enumerate(zip(models, optims, scheds, feeds)):
             x, y = next(feed)
             if (step - start - 1) % H < local_at(step)[w]:
-                loss = train_step(model, opt, sched, x, y, CLIP, smoothing=s.recipe.smoothing)
+                loss = train_step(model, opt, sched, (x, y), CLIP, smoothing=s.recipe.smoothing)
                 step_losses.append(loss.item())
                 last[w] = loss.item()
             else:

@@ -47,6 +47,7 @@ def smi_dir(tmp_path):
 
 
 ARCH_CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+ARCH_LISTS = {"cu130": ARCH_CU130, "cu126": ARCH_CU126}  # torch's kernels by its CUDA build
 
 
 def gpu_report(
@@ -56,7 +57,6 @@ def gpu_report(
     gpus=1,
     capability=(8, 6),
     name="NVIDIA GeForce RTX 3070",
-    arch_list=ARCH_CU130,
     build="cu130",
     ds_fp16=True,
 ):
@@ -69,7 +69,7 @@ def gpu_report(
         "visible": None,
         "cuda": True,
         "gpus": gpus,
-        "arch_list": arch_list,
+        "arch_list": ARCH_LISTS[build],
         "name": name,
         "capability": list(capability),
         "ds_fp16": ds_fp16,
@@ -82,7 +82,6 @@ def gtx_1080(rank, host, ds_fp16=False):
         host,
         capability=(6, 1),
         name="NVIDIA GeForce GTX 1080",
-        arch_list=ARCH_CU126,
         build="cu126",
         ds_fp16=ds_fp16,
     )
@@ -377,9 +376,7 @@ def test_torch_builds_that_differ_between_hosts_stop_before_nccl_starts():
         r"for every card",
     ):
         gpu.decide([blackwell, gtx_1080(1, "cn4", ds_fp16=True)], "auto")
-    assert gpu.decide(
-        [gpu_report(0, "cn0", build="cu126", arch_list=ARCH_CU126), gtx_1080(1, "cn4")], "auto"
-    )
+    assert gpu.decide([gpu_report(0, "cn0", build="cu126"), gtx_1080(1, "cn4")], "auto")
 
 
 def test_tf32_on_ampere_only(monkeypatch):

@@ -192,7 +192,7 @@ def test_frozen_prefix_costs_its_forward_only_and_keeps_no_activations():
         stages=2,
         grad_accum=1,
         frozen=4,
-        first_active=True,
+        rules=stages.FrozenRules(first_active=True),
     )
     assert plan.parts == [0, 5, 6] and plan.times == [7.0, 3.0]
     # From the census, re-planned at half the measured micro-batch: the times halve; 4 frozen layers
@@ -296,7 +296,7 @@ def test_layer_times_pool_identical_blocks_and_leave_the_layers_alone():
     layers = build_layers("vit_digits", 10, 1, None, 0)
     before = [p.detach().clone() for lay in layers for p in lay.parameters()]
     times = profile.time_layers(
-        layers, torch.randn(1, 1, 8, 8), 4, "fp32", torch.device("cpu"), rounds=2
+        layers, torch.randn(1, 1, 8, 8), 4, "fp32", torch.device("cpu"), timing=profile.Timing(2)
     )
     assert len(times) == 6 and all(t > 0 for pair in times for t in pair)
     assert times[1] == times[2] == times[3] == times[4]  # the 4 blocks: one cost, their fastest
@@ -324,7 +324,7 @@ def test_layers_are_timed_as_the_engine_trains_them(autocast):
         )
     cpu = torch.device("cpu")
     profile.time_layers(
-        layers, torch.randn(1, 1, 8, 8), 4, "bf16", cpu, rounds=1, autocast=autocast
+        layers, torch.randn(1, 1, 8, 8), 4, "bf16", cpu, timing=profile.Timing(1), autocast=autocast
     )
     if autocast:  # fp32 weights, autocast on; the images fp32, the blocks' inputs as autocast left
         assert {(w, on) for w, on, _ in seen} == {(torch.float32, True)}, seen

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from vit.config.cli import PROG, parse
 from vit.config.compat import auto_allowed
 from vit.config.plan import Plan, cannot_take, make_plan, with_auto_choice, with_micro_batch
-from vit.config.records import write_summary
+from vit.config.records import Measured, write_summary
 from vit.core.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
 from vit.loop import checkpoint
 from vit.model import weights
@@ -102,11 +102,13 @@ def finish(plan: Plan, run: Trainer, start_time: float) -> None:
             precision=run.precision,
             ds_config=run.ds_config,
             start_step=run.resumed.step,
-            totals=run.stats.totals(),
-            evaluation=evaluation,
-            peak_mem_gib=peak.item(),
-            monitors=monitors,
             start_time=start_time,
+            measured=Measured(
+                totals=run.stats.totals(),
+                evaluation=evaluation,
+                peak_mem_gib=peak.item(),
+                monitors=monitors,
+            ),
         )
     run.metrics.close()
     dist.barrier()
@@ -128,15 +130,17 @@ def choose_engine(plan: Plan, dev: torch.device) -> dict:
         dev,
         plan.fresh_layers(s.model.drop_path),
         plan.sample,
-        plan.batch,
         plan.likely_precision(dev),
         s.parallel.engine,
+        auto_engine.Request(
+            batch=plan.batch,
+            powersgd_rank=s.comm.powersgd_rank,
+            sync_every=s.local.sync_every,
+            fragments=s.local.fragment_count,
+            allowed=auto_allowed(s),
+            cannot_take=cannot_take(plan) if plan.resume else None,  # a resume on a changed cluster
+        ),
         plan.slowdowns.get(plan.job.rank, 1.0),
-        s.comm.powersgd_rank,
-        s.local.sync_every,
-        auto_allowed(s),
-        s.local.fragment_count,
-        cannot_take(plan) if plan.resume else None,  # a resume on a changed cluster
     )
 
 
@@ -150,11 +154,9 @@ def fit_micro_batch(plan: Plan, dev: torch.device) -> tuple[int, list[int] | Non
         upper=len(plan.data.train) // (batch.dp_size * batch.grad_accum),
         dp_size=batch.dp_size,
         proportional=plan.settings.parallel.batch_split == "proportional",
-        autocast=plan.engine.autocast,
+        memory=plan.memory,
         layers=plan.fresh_layers,
         sample=plan.data.train[0][0],
-        per_param=plan.state_bytes_per_param(precision),
-        reserved=plan.reserved_bytes(dev, precision),
     )
 
 
@@ -164,14 +166,7 @@ def out_of_memory(plan: Plan, dev: torch.device, step: int, error: Exception) ->
 
     def estimated():
         return oom.estimate(
-            dev,
-            plan.job.local_world_size,
-            lambda: plan.likely_precision(dev),
-            plan.fresh_layers,
-            plan.sample,
-            plan.state_bytes_per_param,
-            lambda p: plan.reserved_bytes(dev, p),
-            plan.settings.parallel.engine,
+            dev, plan.job.local_world_size, plan.memory, plan.fresh_layers, plan.sample
         )
 
     return oom.out_of_memory(error, dev, step, plan.batch, estimated)

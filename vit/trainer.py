@@ -21,11 +21,11 @@ from vit.data.augment import train_batches
 from vit.data.sampling import TrainBatches, loader_workers, make_loader
 from vit.engines import Engine, EngineContext, build
 from vit.freeze import activation_cache, replan
-from vit.freeze.freezer import Freezer
+from vit.freeze.freezer import Freezer, RebuildParts
 from vit.loop import checkpoint
 from vit.loop.ema import Ema
 from vit.loop.evaluate import Evaluator
-from vit.loop.stats import StepStats
+from vit.loop.stats import StepImages, StepStats
 from vit.model import weights
 from vit.planner.survey import Asked, Survey, survey, time_each_rank
 from vit.runtime import console, preflight, slowdown
@@ -172,17 +172,19 @@ def make_freezer(
         plan.total_steps,
         dev,
         frozen=frozen,
-        make_layers=lambda: slowdown.attach_all(fresh_layers(), factor, dev),
-        make_engine=factory,
+        run_parts=RebuildParts(
+            make_layers=lambda: slowdown.attach_all(fresh_layers(), factor, dev),
+            make_engine=factory,
+            census=surveyed.record,
+            micro_batch=plan.batch.micro_batch,
+            time_layers=time_layers,
+            on_progress=watchdog.beat,
+        ),
         cache_dir=activation_cache.directory(s, log_dir, job.rank),
-        census=surveyed.record,
-        micro_batch=plan.batch.micro_batch,
-        on_progress=watchdog.beat,
-        time_layers=time_layers,
     )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Trainer:
     """A run once its engine is built: what the loop and the finish read and write."""
 
@@ -321,38 +323,42 @@ def build_trainer(plan: Plan, watchdog: Watchdog, charts) -> Trainer:
         )
         if console.where(hidden_to):
             print(console.where(hidden_to), flush=True)
-    return loop_parts(
-        plan,
-        engine,
-        watchdog,
-        log_dir,
-        save_dir,
-        replace(resumed, step=start),
-        surveyed,
-        ds_config,
-        locks,
-        freezer,
-        ema,
-        charts,
+    built = Built(
+        plan=plan,
+        engine=engine,
+        log_dir=log_dir,
+        save_dir=save_dir,
+        resumed=replace(resumed, step=start),
+        surveyed=surveyed,
+        ds_config=ds_config,
+        locks=locks,
+        freezer=freezer,
+        ema=ema,
     )
+    return loop_parts(built, watchdog, charts)
 
 
-def loop_parts(
-    plan,
-    engine,
-    watchdog,
-    log_dir,
-    save_dir,
-    resumed,
-    surveyed,
-    ds_config,
-    locks,
-    freezer,
-    ema,
-    charts,
-):
+@dataclass(frozen=True, kw_only=True)
+class Built:
+    """What build_trainer has built once the engine is up, for the loop's parts."""
+
+    plan: Plan
+    engine: Engine
+    log_dir: str
+    save_dir: str
+    resumed: ResumePoint  # at the step the checkpoint loaded goes on from
+    surveyed: Survey
+    ds_config: dict  # with the precision the survey settled
+    locks: list[RunLock]
+    freezer: Freezer
+    ema: Ema | None
+
+
+def loop_parts(built: Built, watchdog: Watchdog, charts) -> Trainer:
     """The monitor, the metrics log (and trackers), the step statistics, the evaluator and the
-    checkpointer."""
+    checkpointer. `charts`: as build_trainer's."""
+    plan, engine, resumed, surveyed = built.plan, built.engine, built.resumed, built.surveyed
+    log_dir = built.log_dir
     s, job, batch = plan.settings, plan.job, plan.batch
     # The driver (NVML, nvidia-smi) numbers GPUs unlike CUDA does; the UUID names this rank's GPU in
     # both.
@@ -376,12 +382,10 @@ def loop_parts(
     stats = StepStats(
         engine,
         metrics,
-        global_batch=batch.global_size,
-        rank_images=my_micro * batch.grad_accum,
+        images=StepImages(job=batch.global_size, rank=my_micro * batch.grad_accum),
         total_steps=plan.total_steps,
         log_interval=s.log.log_interval,
-        precision=surveyed.precision,
-        max_skipped_steps=s.train.max_skipped_steps,
+        max_skipped_steps=s.train.max_skipped_steps if surveyed.precision == "fp16" else None,
         is_main=job.is_main,
         earlier=resumed.earlier,
     )
@@ -390,7 +394,6 @@ def loop_parts(
         plan.data,
         micro_batch=batch.micro_batch,
         workers=workers,
-        pin_memory=cuda,
         metrics=metrics,
         watchdog=watchdog,
         interval=s.train.eval_interval,
@@ -398,30 +401,30 @@ def loop_parts(
         is_main=job.is_main,
     )
     checkpointer = checkpoint.Checkpointer(
-        save_dir,
+        built.save_dir,
         interval=s.checkpoint.save_interval,
         enabled=not s.checkpoint.no_save,
         keep=s.checkpoint.keep_checkpoints,
         meta=plan.checkpoint_meta(),
         on_progress=watchdog.beat,
-        extra_state=lambda: {**freezer.checkpoint_state(), **stats.train_time()},
-        ema=ema,
+        extra_state=lambda: {**built.freezer.checkpoint_state(), **stats.train_time()},
+        ema=built.ema,
     )
     return Trainer(
-        plan,
-        engine,
-        log_dir,
-        resumed,
-        surveyed.precision,
-        ds_config,
-        stats,
-        evaluator,
-        checkpointer,
-        metrics,
-        monitor,
-        locks,
-        freezer,
-        ema,
-        workers,
-        surveyed.split,
+        plan=plan,
+        engine=engine,
+        log_dir=log_dir,
+        resumed=resumed,
+        precision=surveyed.precision,
+        ds_config=built.ds_config,
+        stats=stats,
+        evaluator=evaluator,
+        checkpointer=checkpointer,
+        metrics=metrics,
+        monitor=monitor,
+        locks=built.locks,
+        freezer=built.freezer,
+        ema=built.ema,
+        workers=workers,
+        split=surveyed.split,
     )

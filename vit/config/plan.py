@@ -31,10 +31,9 @@ from vit.model import weights
 from vit.model.layers import build_layers, check_img_size, model_shape
 from vit.planner import balance
 from vit.planner.batch_split import proportional_split
-from vit.planner.memory import bytes_per_param, gpu_reserved_bytes
+from vit.planner.memory import RunMemory
 from vit.runtime import slowdown
 from vit.runtime.dist_env import Job, resolve_master
-from vit.runtime.precision import likely
 from vit.telemetry import tracking
 
 
@@ -48,7 +47,7 @@ class Resume:
     universal: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     settings: Settings  # the data set filled in when --data-path named it
     job: Job
@@ -130,10 +129,28 @@ class Plan:
             s.model.model, data.num_classes, data.in_chans, data.img_size, s.train.seed, drop_path
         )
 
+    @property
+    def memory(self) -> RunMemory:
+        """This run's terms of the memory model: its engine, DeepSpeed JSON, data-parallel size,
+        EMA, compression, the async pipeline's weight stashing or prediction (one copy of the
+        weights either way) and --freeze's handover."""
+        a = self.settings.asynchrony
+        return RunMemory(
+            engine=self.engine,
+            requested_precision=self.requested_precision,
+            ds_config=self.ds_config,
+            dp_size=self.batch.dp_size,
+            ema_on_gpu=self.settings.recipe.model_ema,
+            # engines without stages: none
+            stashed_copies=int(a.weight_stashing == "on" or a.weight_prediction == "msnag"),
+            compression=self.compression(),
+            freezing=self.settings.freeze.freeze != "none",
+        )
+
     def likely_precision(self, dev: torch.device) -> str:
         """What this rank will probably train in, before the census settles it (for memory
         estimates)."""
-        return likely(self.requested_precision, self.engine, dev)
+        return self.memory.likely_precision(dev)
 
     def compression(self) -> str:
         """The compression the settings and the JSON ask of the engine
@@ -141,31 +158,13 @@ class Plan:
         return self.engine.compression_of(self.settings, self.ds_config)
 
     def state_bytes_per_param(self, precision: str) -> float:
-        """vit.planner.memory.bytes_per_param for this run's engine, DeepSpeed JSON, data-parallel
-        size, EMA, compression and the async pipeline's weight stashing or prediction (one copy of
-        the weights either way)."""
-        a = self.settings.asynchrony
-        # engines without stages: none
-        stashed = int(a.weight_stashing == "on" or a.weight_prediction == "msnag")
-        return bytes_per_param(
-            self.engine,
-            precision,
-            self.ds_config,
-            self.batch.dp_size,
-            ema_on_gpu=self.settings.recipe.model_ema,
-            stashed_copies=stashed,
-            compression=self.compression(),
-        )
+        """vit.planner.memory.bytes_per_param for this run (RunMemory.per_param)."""
+        return self.memory.per_param(precision)
 
     def reserved_bytes(self, dev: torch.device, precision: str) -> float:
         """What a GPU rank keeps free beside the plan's memory (0 on a CPU), a freeze point's
         handover included."""
-        if dev.type != "cuda":
-            return 0.0
-        freezing = self.settings.freeze.freeze != "none"
-        return gpu_reserved_bytes(self.engine, self.ds_config, precision) + (
-            self.engine.handover_bytes() if freezing else 0.0
-        )
+        return self.memory.reserved(dev, precision)
 
     def balanced_candidate(self) -> Candidate | None:
         """The run's pipeline as the cost model names it, when it asks for balanced stages."""
@@ -267,19 +266,19 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         notes.append(f"--resume: a checkpoint every {every} steps, as the run saved them")
     resolve_master(job)
     plan = Plan(
-        s,
-        job,
-        ds_config,
-        batch,
-        requested,
-        data,
-        per_epoch,
-        total_steps,
-        save_dir,
-        resume,
-        shape,
-        slowdowns,
-        notes,
+        settings=s,
+        job=job,
+        ds_config=ds_config,
+        batch=batch,
+        requested_precision=requested,
+        data=data,
+        steps_per_epoch=per_epoch,
+        total_steps=total_steps,
+        save_dir=save_dir,
+        resume=resume,
+        shape=shape,
+        slowdowns=slowdowns,
+        notes=notes,
         micro_split=list(batch.split) if batch.split else None,
     )
     return replace(plan, notes=notes + resume_notes(plan)) if resume else plan

@@ -3,6 +3,7 @@ header line), summary.json at the end."""
 
 import os
 import time
+from dataclasses import dataclass
 
 from vit.engines.registry import spec
 from vit.telemetry.metrics import write_json
@@ -50,6 +51,16 @@ def start_record(
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What a run measured by its end, for summary.json."""
+
+    totals: dict  # the loop's (vit.loop.stats.StepStats.totals)
+    evaluation: dict  # the final evaluation's
+    peak_mem_gib: float  # the largest over the ranks
+    monitors: list[dict]  # every rank's monitor summary
+
+
 def write_summary(
     log_dir: str,
     plan,
@@ -57,13 +68,11 @@ def write_summary(
     precision: str,
     ds_config: dict,
     start_step: int,
-    totals: dict,
-    evaluation: dict,
-    peak_mem_gib: float,
-    monitors: list[dict],
     start_time: float,
+    measured: Measured,
 ) -> dict:
     """Rank 0: summary.json, what plot_logs.py's tables read."""
+    totals, evaluation, monitors = measured.totals, measured.evaluation, measured.monitors
     s, batch, total = plan.settings, plan.batch, plan.total_steps
     engine = s.parallel.engine
     summary = {
@@ -88,7 +97,7 @@ def write_summary(
         "train_s_this_run": totals["train_s_this_run"],
         "segments": totals["segments"],
         "wall_s": time.time() - start_time,
-        "peak_mem_gib": peak_mem_gib,
+        "peak_mem_gib": measured.peak_mem_gib,
         "breakdown": totals["breakdown"],
         "monitor": monitors,
         "gpu_util_mean_per_host": gpu_util_mean_per_host(monitors),

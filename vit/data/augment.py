@@ -250,4 +250,4 @@ def train_batches(
     loader = make_loader(dataset, order, workers, pin_memory)
     if mixup is None:
         return iter(loader)
-    return Mixed(loader, mixup, seed, order.start, order.grad_accum, halves=partners)
+    return Mixed(loader, mixup, seed, order.start_step, order.grad_accum, halves=partners)

@@ -7,6 +7,7 @@ run, and resuming at step k needs no sampler state.
 """
 
 import signal
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -20,6 +21,7 @@ def steps_per_epoch(num_samples: int, global_batch: int) -> int:
     return num_samples // global_batch
 
 
+@dataclass(eq=False)
 class TrainBatches(Sampler):
     """Index lists of this rank's micro-batches, step after step, from `start_step` to `end_step`.
 
@@ -30,55 +32,52 @@ class TrainBatches(Sampler):
     micro-batch is followed by its mixup partners (vit.data.augment.Mixed).
     """
 
-    def __init__(
-        self,
-        num_samples: int,
-        micro_batch: int,
-        grad_accum: int,
-        dp_rank: int,
-        dp_size: int,
-        seed: int,
-        start_step: int,
-        end_step: int,
-        sizes: list[int] | None = None,
-        keyed: bool = False,
-        partners: bool = False,
-    ):
-        self.sizes = sizes or [micro_batch] * dp_size
-        self.global_batch = sum(self.sizes) * grad_accum
-        self.per_epoch = steps_per_epoch(num_samples, self.global_batch)
+    num_samples: int
+    micro_batch: int
+    grad_accum: int
+    dp_rank: int
+    dp_size: int
+    seed: int
+    start_step: int
+    end_step: int
+    sizes: list[int] | None = None
+    keyed: bool = False
+    partners: bool = False
+
+    def __post_init__(self):
+        self.sizes = self.sizes or [self.micro_batch] * self.dp_size
+        self.global_batch = sum(self.sizes) * self.grad_accum
+        self.per_epoch = steps_per_epoch(self.num_samples, self.global_batch)
         if self.per_epoch == 0:
             raise ConfigError(
                 f"global batch {self.global_batch} is larger than the "
-                f"{num_samples} training samples"
+                f"{self.num_samples} training samples"
             )
-        self.n, self.grad_accum, self.r = num_samples, grad_accum, dp_rank
-        self.seed, self.start, self.end = seed, start_step, end_step
-        self.keyed, self.partners = keyed, partners
 
     def _perm(self, epoch: int) -> torch.Tensor:
         return torch.randperm(
-            self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch)
+            self.num_samples,
+            generator=torch.Generator().manual_seed(self.seed * 100003 + epoch),
         )
 
     def __iter__(self):
         perm, perm_epoch = None, -1
-        for step in range(self.start, self.end):
+        for step in range(self.start_step, self.end_step):
             epoch, pos = divmod(step, self.per_epoch)
             if epoch != perm_epoch:
                 perm, perm_epoch = self._perm(epoch), epoch
             batch = perm[pos * self.global_batch : (pos + 1) * self.global_batch]
-            chunk, mine = sum(self.sizes), self.sizes[self.r]
+            chunk, mine = sum(self.sizes), self.sizes[self.dp_rank]
             for j in range(self.grad_accum):
-                first = j * chunk + sum(self.sizes[: self.r])
+                first = j * chunk + sum(self.sizes[: self.dp_rank])
                 idx = batch[first : first + mine]
                 # then mixup's partners (global positions G-1-p), in reverse: see vit.data.augment
                 if self.partners:
                     idx = torch.cat([idx, batch.flip(0)[first : first + mine].flip(0)])
-                yield (idx + step * self.n if self.keyed else idx).tolist()
+                yield (idx + step * self.num_samples if self.keyed else idx).tolist()
 
     def __len__(self):
-        return (self.end - self.start) * self.grad_accum
+        return (self.end_step - self.start_step) * self.grad_accum
 
 
 class _Padded(Dataset):

@@ -10,6 +10,8 @@ over them; vit.freeze.measures), so every rank rebuilds its engine at the same s
 
 import gc
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,21 @@ def freeze_prefix(layers: list[nn.Module], count: int, cached: bool = False) -> 
             layer.forward = _frozen_forward(layer, layer.frozen_forward, cached)
 
 
+@dataclass(frozen=True)
+class RebuildParts:
+    """What a freeze point takes from the run: make_layers(), a fresh copy of the layer list;
+    make_engine(layers, layout), the run's engine built on them; census, vit.planner.survey's
+    record, and time_layers() (collective), every rank's layer times, for --freeze-replan at the
+    run's micro_batch; on_progress(), a sign of life inside a long carry of the cache."""
+
+    make_layers: Callable[[], list] | None = None
+    make_engine: Callable | None = None
+    census: dict | None = None
+    micro_batch: int = 1
+    time_layers: Callable[[], list] | None = None
+    on_progress: Callable[[], None] | None = None
+
+
 class Freezer:
     """Decides its own cadence: after each step, `decide(step)` returns the new number of frozen
     layers at a freeze point where it grew, else None."""
@@ -60,19 +77,11 @@ class Freezer:
         device: torch.device,
         *,
         frozen: int = 0,
-        make_layers=None,
-        make_engine=None,
+        run_parts: RebuildParts = RebuildParts(),
         cache_dir: str | None = None,
-        census: dict | None = None,
-        micro_batch: int = 1,
-        time_layers=None,
-        on_progress=None,
     ):
-        """frozen: layers frozen already (a resumed run); make_layers(): a fresh copy of the layer
-        list; make_engine(layers, layout): the run's engine built on them; cache_dir:
-        --freeze-cache's spill folder (None: no cache); census: vit.planner.survey's record, and
-        time_layers() (collective) every rank's layer times, for --freeze-replan; on_progress(): a
-        sign of life inside a long carry of the cache."""
+        """frozen: layers frozen already (a resumed run); run_parts: what a freeze point takes from
+        the run; cache_dir: --freeze-cache's spill folder (None: no cache)."""
         self.mode, self.alpha, self.total_steps = s.freeze, s.freeze_alpha, total_steps
         self.num_freezable = num_layers - 1
         self.interval_steps = max(1, round(s.freeze_interval_epochs * steps_per_epoch))
@@ -86,12 +95,10 @@ class Freezer:
         self.moves = (
             WeightMoves(self.num_freezable, self.interval_steps) if self.mode == "settled" else None
         )
-        self.make_layers, self.make_engine = make_layers, make_engine
-        self.census, self.micro_batch, self.time_layers = census, micro_batch, time_layers
+        self.run_parts = run_parts
         self.planned = None  # the StageSplit of the last re-plan
         self.layout = None  # the pipeline's layout once a freeze point changed it
         self.cache = FeatureCache(s.freeze_cache_gib, cache_dir) if cache_dir else None
-        self.on_progress = on_progress
         self.layers = None
         self.said = None  # the last decision's measure of the next layer to freeze
         self.change = None  # the last decision's per-layer measure (None: nothing to compare yet)
@@ -131,7 +138,9 @@ class Freezer:
             return x
 
         self.cache.advance(
-            self.frozen, lambda x, start: run(x.to(engine.device), start).cpu(), self.on_progress
+            self.frozen,
+            lambda x, start: run(x.to(engine.device), start).cpu(),
+            self.run_parts.on_progress,
         )
         return cached_batches(batches, order, run, self.cache, engine.device)
 
@@ -170,7 +179,11 @@ class Freezer:
                 self.layout = current
                 return current
             self.layout, self.planned = replan(
-                self.census, frozen, current, self.micro_batch, self.time_layers
+                self.run_parts.census,
+                frozen,
+                current,
+                self.run_parts.micro_batch,
+                self.run_parts.time_layers,
             )
             return self.layout
 
@@ -179,8 +192,8 @@ class Freezer:
         rebuilt, freed = rebuild(
             engine,
             lambda layers: self.freeze(layers, frozen),
-            self.make_layers,
-            self.make_engine,
+            self.run_parts.make_layers,
+            self.run_parts.make_engine,
             plan,
         )
         self.watch(rebuilt, step)

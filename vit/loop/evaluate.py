@@ -24,7 +24,6 @@ class Evaluator:
         *,
         micro_batch: int,
         workers: int,
-        pin_memory: bool,
         metrics,
         watchdog,
         interval: int,
@@ -32,7 +31,7 @@ class Evaluator:
         is_main: bool,
     ):
         self.data, self.metrics, self.watchdog = data, metrics, watchdog
-        self.micro_batch, self.workers, self.pin_memory = micro_batch, workers, pin_memory
+        self.micro_batch, self.workers = micro_batch, workers
         self.interval, self.total_steps, self.is_main = interval, total_steps, is_main
         # built once per data-parallel layout; its workers persist
         self.loader, self.loader_for = None, None
@@ -57,7 +56,8 @@ class Evaluator:
                     if engine.reads_images
                     else without_images(self.data.test, self.data)
                 )
-                self.loader = make_loader(test, lists, self.workers, self.pin_memory)
+                pin = engine.device.type == "cuda"
+                self.loader = make_loader(test, lists, self.workers, pin)
             batches = self.loader
         else:
             batches = [(None, None)] * len(lists)

@@ -22,15 +22,15 @@ def train_step(
     model: nn.Module,
     optimizer,
     scheduler,
-    x,
-    y,
+    batch,
     clip: float = 0.0,
     autocast=None,
     after_backward=None,
     smoothing: float = 0.0,
 ) -> torch.Tensor:
-    """One optimizer step on one batch; `after_backward()` runs between the backward pass and the
-    update."""
+    """One optimizer step on one batch (images, labels); `after_backward()` runs between the
+    backward pass and the update."""
+    x, y = batch
     with autocast or contextlib.nullcontext():
         loss = loss_fn(model(x), y, smoothing)
     loss.backward()
@@ -92,9 +92,9 @@ def reference_losses(
         end_step=steps,
     )
     losses = []
-    for step, (x, y) in enumerate(batches, 1):
+    for step, batch in enumerate(batches, 1):
         losses.append(
-            train_step(model, opt, sched, x, y, clip, smoothing=s.recipe.smoothing).item()
+            train_step(model, opt, sched, batch, clip, smoothing=s.recipe.smoothing).item()
         )
         model[: (freeze_after or {}).get(step, 0)].requires_grad_(False)
     return losses

@@ -5,6 +5,7 @@ saving is kept out."""
 import contextlib
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -69,6 +70,15 @@ class PhaseTimer:
         return out
 
 
+@dataclass(frozen=True)
+class StepImages:
+    """The images one step trains, before the engine's trained_share(): the job's (the global
+    batch) and this rank's."""
+
+    job: int
+    rank: int
+
+
 class StepStats:
     """stats.record(engine, step, loss, lr) after every step; `if stats.should_log(step):
     stats.log(engine, step)`; evaluation and saving inside `with stats.paused():`; stats.totals()
@@ -80,20 +90,19 @@ class StepStats:
         engine,
         metrics,
         *,
-        global_batch: int,
-        rank_images: int,
+        images: StepImages,
         total_steps: int,
         log_interval: int,
-        precision: str,
-        max_skipped_steps: int,
+        max_skipped_steps: int | None,
         is_main: bool,
         earlier: dict | None = None,
     ):
-        """earlier: the training time and segments recorded in the checkpoint a resumed run starts
-        from."""
+        """max_skipped_steps: in fp16, the overflow-skipped steps in a row that stop the run past
+        them; None in another precision. earlier: the training time and segments recorded in the
+        checkpoint a resumed run starts from."""
         self.device, self.metrics, self.is_main = engine.device, metrics, is_main
-        # images per step: the job's, this rank's, times the engine's trained_share() at each step
-        self.global_batch, self.rank_images = global_batch, rank_images
+        # images per step, times the engine's trained_share() at each step
+        self.global_batch, self.rank_images = images.job, images.rank
         self.images = 0.0  # trained in this run
         self.total_steps, self.log_interval, self.max_skipped = (
             total_steps,
@@ -103,7 +112,7 @@ class StepStats:
         # fp16 overflows are the loss scaler's to skip; any other non-finite loss stops the run. The
         # first bad step is kept on the device and read on logging steps, to add no host sync per
         # step.
-        self.check_finite = precision != "fp16"
+        self.check_finite = max_skipped_steps is None
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=engine.device)
         first = engine.scaler(logging=True) if not self.check_finite else None
         self.skipped_before = first.skipped if first else 0  # a resumed run's, before

@@ -10,6 +10,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from vit.planner.cli import NO_FILE, PLAN_ONLY, row, run_calibration, table
 from vit.planner.inputs import describe_layers, ranks_from_census
 from vit.planner.links import measure_links, network
 from vit.planner.predict import engine_key
-from vit.planner.profile import time_layers
+from vit.planner.profile import Timing, time_layers
 from vit.planner.search import rank_candidates
 from vit.planner.survey import in_turns
 from vit.runtime.dist_env import Job, rank0_decides
@@ -42,29 +43,38 @@ TIE = 0.02  # predictions this close are a tie (the model's error is larger)
 PICK = "VIT_ENGINE_AUTO_PICK"
 
 
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """What the run asks of --engine auto beyond the measurements: its batch (the global batch
+    every candidate keeps, the micro-batch the layers are timed at), the options of the candidates
+    that take them, what --auto-allow lets it choose though it changes what is learned
+    (not_chosen), and `cannot_take`: why a candidate cannot load the checkpoint a resume on a
+    changed cluster goes on from."""
+
+    batch: Batch
+    powersgd_rank: int = 4
+    sync_every: int = DEFAULT_SYNC_EVERY
+    fragments: int = 1
+    allowed: frozenset = frozenset()
+    cannot_take: Callable[[Candidate], str | None] | None = None
+
+
 def choose(
     job: Job,
     dev: torch.device,
     layers: list,
     sample: torch.Tensor,
-    batch: Batch,
     precision: str,
     engine: str,
+    request: Request,
     slowdown: float = 1.0,
-    powersgd_rank: int = 4,
-    sync_every: int = DEFAULT_SYNC_EVERY,
-    allowed: frozenset = frozenset(),
-    fragments: int = 1,
-    cannot_take: Callable[[Candidate], str | None] | None = None,
 ) -> dict:
-    """Collective: measure `layers` (the model as the run builds it) on every rank at `batch`'s
+    """Collective: measure `layers` (the model as the run builds it) on every rank at the request's
     micro-batch in `precision`, rank every candidate (rank 0 decides for all) and return the record
     of the choice (its table, its measurements), which vit.config.plan.with_auto_choice turns into
-    the run's plan. `engine`: the one the run is planned as until it chooses; `allowed`: what
-    --auto-allow lets it choose though it changes what is learned (not_chosen); `cannot_take`:
-    why a candidate cannot load the checkpoint a resume on a changed cluster goes on from."""
+    the run's plan. `engine`: the one the run is planned as until it chooses."""
     start = time.perf_counter()
-    micro = batch.micro_batch
+    micro = request.batch.micro_batch
     report = {
         **capabilities(dev, job.local_world_size, spec(engine)),
         "layer_ms_micro_batch": micro,
@@ -73,20 +83,13 @@ def choose(
         job,
         report,
         lambda: time_layers(
-            layers, sample, micro, precision, dev, slowdown, rounds=ROUNDS, pick=statistics.median
+            layers, sample, micro, precision, dev, slowdown, Timing(ROUNDS, statistics.median)
         ),
     )
     links = measure_links([r["host"] for r in reports], job.rank, dev)
-    work = dict(
-        batch=batch,
-        world_size=job.world_size,
-        powersgd_rank=powersgd_rank,
-        sync_every=sync_every,
-        fragments=fragments,
-        allowed=allowed,
-        cannot_take=cannot_take,
+    record = rank0_decides(
+        lambda: decide(layers, sample, precision, reports, links, start, job.world_size, request)
     )
-    record = rank0_decides(lambda: decide(layers, sample, precision, reports, links, start, **work))
     text = record.pop("text")
     if job.is_main:
         print(text, flush=True)
@@ -105,26 +108,26 @@ def decide(
     reports: list[dict],
     links: dict[str, tuple[float, float]],
     start: float,
-    batch: Batch,
     world_size: int,
-    powersgd_rank: int,
-    sync_every: int = DEFAULT_SYNC_EVERY,
-    allowed: frozenset = frozenset(),
-    fragments: int = 1,
-    cannot_take: Callable[[Candidate], str | None] | None = None,
+    request: Request,
 ) -> dict:
     """Rank 0: every candidate ranked, the first that fits and runs chosen; ConfigError when none
     does."""
     described, flops = describe_layers(layers, sample, precision)
-    ranks, _ = ranks_from_census(reports, flops, batch.micro_batch)
+    ranks, _ = ranks_from_census(reports, flops, request.batch.micro_batch)
     net = network(reports, links)
     work = Workload(
-        tuple(described), batch.global_size, precision, powersgd_rank, sync_every, fragments
+        tuple(described),
+        request.batch.global_size,
+        precision,
+        request.powersgd_rank,
+        request.sync_every,
+        request.fragments,
     )
     (calib, calib_from), rows = run_calibration(), []
     for p in rank_candidates(ranks, net, work, calib):
         cannot = cannot_run(p.candidate, world_size, precision) or (
-            cannot_take(p.candidate) if cannot_take else None
+            request.cannot_take(p.candidate) if request.cannot_take else None
         )
         rows.append(
             {
@@ -133,7 +136,7 @@ def decide(
                 "runs": cannot is None,
                 "not_chosen": "does not fit every rank"
                 if not p.fits
-                else cannot or not_chosen(p.candidate, allowed),
+                else cannot or not_chosen(p.candidate, request.allowed),
             }
         )
     runs = [r for r in rows if r["not_chosen"] is None]
@@ -187,7 +190,7 @@ def decide(
         "contention": [r["contention"] for r in reports],
         "calibration_from": calib_from,
         "planning_s": plan_s,
-        "allowed": sorted(allowed),
+        "allowed": sorted(request.allowed),
         "text": "\n".join(said),
     }
 

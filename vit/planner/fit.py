@@ -12,7 +12,7 @@ from torch import nn
 
 from vit.core.costs import USABLE_MEMORY
 from vit.core.errors import ConfigError
-from vit.planner.memory import device_memory
+from vit.planner.memory import RunMemory, device_memory
 from vit.planner.oom import is_oom
 from vit.runtime.dist_env import Job
 from vit.runtime.gpu import fork_rng
@@ -99,28 +99,27 @@ def largest_micro_batch(
     dev: torch.device,
     local_world_size: int,
     precision: str,
-    autocast: bool,
+    memory: RunMemory,
     layers: Callable[[], list],
     sample: torch.Tensor,
-    per_param: float,
-    reserved: float,
     upper: int,
 ) -> tuple[int, str, float]:
     """(this rank's largest micro-batch up to `upper`, its device's name, its free bytes): forward
-    and backward of layers() measured in `precision` (`autocast`: fp32 weights under torch.autocast,
-    as the engine trains; else the model cast) against its free memory less the engine's state
-    beyond the weights and gradients measured (`per_param` bytes a parameter in all; none where ZeRO
-    partitions more than that away), `reserved` and USABLE_MEMORY's headroom."""
+    and backward of layers() measured in `precision` (fp32 weights under torch.autocast where the
+    engine autocasts, EngineSpec.autocast; else the model cast) against its free memory less the
+    engine's state beyond the weights and gradients measured (`memory`'s bytes a parameter in all;
+    none where ZeRO partitions more than that away), its reserved bytes and USABLE_MEMORY's
+    headroom."""
     name, free, _ = device_memory(dev, local_world_size)
-    half = DTYPES[precision] if precision != "fp32" and autocast else None
+    half = DTYPES[precision] if precision != "fp32" and memory.engine.autocast else None
     with fork_rng(dev):
         model = nn.Sequential(*layers()).to(dev, torch.float32 if half else DTYPES[precision])
     params = sum(p.numel() for p in model.parameters())
     # the weights and gradients forward_backward_bytes counts, and autocast's cached half copy of
     # the weights
     measured = 2 * 4 + 2 if half else 2 * DTYPES[precision].itemsize
-    beyond = max(0.0, per_param - measured)
-    budget = USABLE_MEMORY * free - reserved - params * beyond
+    beyond = max(0.0, memory.per_param(precision) - measured)
+    budget = USABLE_MEMORY * free - memory.reserved(dev, precision) - params * beyond
     mine = largest_fitting(lambda n: forward_backward_bytes(model, sample, n, half), budget, upper)
     model = None
     if dev.type == "cuda":  # the census reads free memory next

@@ -1,13 +1,17 @@
 """The memory model: what a rank's training holds per parameter (each engine's own terms, from its
 spec, and the EMA's), the headroom a GPU keeps for NCCL, cuBLAS and the engine's buffers, what a
-plan may fill and what fits. Pure except for device_memory; it knows nothing of plans or the census
-(their callers pass numbers in)."""
+plan may fill and what fits. Pure except for device_memory and RunMemory.likely_precision (which
+asks a GPU what it runs); it knows nothing of plans or the census (their callers pass numbers in, or
+a RunMemory)."""
+
+from dataclasses import dataclass
 
 import psutil
 import torch
 
 from vit.core.costs import USABLE_MEMORY
 from vit.core.spec import EngineSpec
+from vit.runtime.precision import likely
 
 
 def state_bytes(
@@ -42,6 +46,47 @@ def gpu_reserved_bytes(engine: EngineSpec, ds_config: dict, precision: str) -> f
     """The headroom memory plans keep on a GPU rank (EngineSpec.reserved_bytes: NCCL, cuBLAS, ZeRO's
     buckets)."""
     return engine.reserved_bytes(ds_config, precision)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunMemory:
+    """A run's terms of the memory model, in whichever precision a rank trains: what it holds per
+    parameter beside the activations (bytes_per_param) and what a GPU keeps free (reserved). What
+    --micro-batch-size auto and the out-of-memory message estimate with."""
+
+    engine: EngineSpec
+    requested_precision: str | None  # --precision or the JSON's (auto too); None: none given
+    ds_config: dict
+    dp_size: int
+    ema_on_gpu: bool  # --model-ema
+    stashed_copies: int  # the async pipeline's stashed or predicted weights; 0 for the others
+    compression: str  # EngineSpec.compression_of
+    freezing: bool  # --freeze: a GPU keeps a freeze point's handover free too
+
+    def likely_precision(self, dev: torch.device) -> str:
+        """What a rank on `dev` will probably train in, before the census settles it."""
+        return likely(self.requested_precision, self.engine, dev)
+
+    def per_param(self, precision: str) -> float:
+        """bytes_per_param for this run in `precision`."""
+        return bytes_per_param(
+            self.engine,
+            precision,
+            self.ds_config,
+            self.dp_size,
+            ema_on_gpu=self.ema_on_gpu,
+            stashed_copies=self.stashed_copies,
+            compression=self.compression,
+        )
+
+    def reserved(self, dev: torch.device, precision: str) -> float:
+        """What a GPU rank keeps free beside the plan's memory (0 on a CPU), a freeze point's
+        handover included."""
+        if dev.type != "cuda":
+            return 0.0
+        return gpu_reserved_bytes(self.engine, self.ds_config, precision) + (
+            self.engine.handover_bytes() if self.freezing else 0.0
+        )
 
 
 def plan_bytes(report: dict) -> float:

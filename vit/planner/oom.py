@@ -10,7 +10,7 @@ import torch
 from vit.core.batch import Batch
 from vit.core.costs import USABLE_MEMORY
 from vit.core.errors import OutOfMemory
-from vit.planner.memory import device_memory, estimate_fit
+from vit.planner.memory import RunMemory, device_memory, estimate_fit
 from vit.planner.profile import profile_layers
 
 # The words CUDA's libraries put in their out-of-memory errors: CUDA itself ("CUDA error: out of
@@ -41,30 +41,27 @@ def first_line(error: BaseException) -> str:
 def estimate(
     dev: torch.device,
     local_world_size: int,
-    likely_precision: Callable[[], str],
+    memory: RunMemory,
     layers: Callable[[], list],
     sample: torch.Tensor,
-    state_bytes: Callable[[str], float],
-    reserved: Callable[[str], float],
-    engine: str,
 ) -> tuple[str, str, int, str]:
     """(the device and its memory, and the precision, as the message names them; the samples per
     micro-batch that fit; how that was estimated) for layers() (the model, profiled on the CPU: the
-    GPU is full) trained by `engine` with state_bytes(precision) bytes of state a parameter and
-    reserved(precision) bytes kept free. The device is asked first: after a CUDA error it may not
-    answer, and nothing else need be done."""
+    GPU is full) trained by the run whose terms of the memory model are `memory`, in the precision
+    it likely trains in. The device is asked first: after a CUDA error it may not answer, and
+    nothing else need be done."""
     name, _, total = device_memory(dev, local_world_size)
-    precision = likely_precision()
+    precision = memory.likely_precision(dev)
     profile = profile_layers(layers(), sample, precision)
     params, act = sum(p["params"] for p in profile), sum(p["act_bytes"] for p in profile)
-    per_param = state_bytes(precision)
-    fit = estimate_fit(total, params, act, reserved(precision), per_param)
+    per_param = memory.per_param(precision)
+    fit = estimate_fit(total, params, act, memory.reserved(dev, precision), per_param)
     return (
         f"{dev} ({name}, {total / 2**30:.1f} GiB)",
         f" ({precision})",
         fit,
         f"Estimated to fit: {max(fit, 0)} samples per micro-batch (weights, gradients and "
-        f"optimizer state, {per_param:g} bytes per parameter under {engine}: "
+        f"optimizer state, {per_param:g} bytes per parameter under {memory.engine.name}: "
         f"{params * per_param / 2**30:.2f} GiB + activations {act / 2**20:.2f} MiB per sample, in "
         f"{USABLE_MEMORY:.0%} of {total / 2**30:.1f} GiB)",
     )

@@ -3,6 +3,8 @@ each layer's measured forward and backward time (the memory rules the planners s
 vit.planner.memory's)."""
 
 import copy
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -61,6 +63,18 @@ LAYER_ROUNDS = 10  # rounds per turn of time_layers
 LAYER_TURNS = 2  # for balanced stages survey() alternates the ranks' turns this many times
 
 
+@dataclass(frozen=True)
+class Timing:
+    """How time_layers times: `rounds` rounds kept, after `warmup_s` of such rounds (0 for a rank
+    timed moments before, whose times are kept only where faster); `pick`: how a layer's rounds
+    (and a group's layers) become one time, statistics.median for the time while other ranks load
+    the host as training does (--engine auto times every rank at once)."""
+
+    rounds: int = LAYER_ROUNDS
+    pick: Callable = min
+    warmup_s: float = WARMUP_S
+
+
 def time_layers(
     layers: list[nn.Module],
     sample: torch.Tensor,
@@ -68,23 +82,17 @@ def time_layers(
     precision: str,
     dev: torch.device,
     slowdown: float = 1.0,
-    rounds: int = LAYER_ROUNDS,
-    pick=min,
-    warmup_s: float = WARMUP_S,
+    timing: Timing = Timing(),
     autocast: bool = False,
 ) -> list[list[float]]:
     """[forward ms, backward ms] of each layer at the run's micro-batch on this rank, slowed like
-    the rank's layers: the fastest of `rounds` rounds that each time every layer once, after
-    `warmup_s` of such rounds. Round by round, so that a burst of load on a shared host slows all
-    layers alike, not a few. Identical layers (the blocks) get their group's fastest: they cost the
-    same, and any difference is noise. The fixed costs of tiny layers (kernel launches, the
-    embedding's reshapes) count, which FLOPs do not see. Runs a copy of the layers on `dev`. `pick`:
-    how a layer's rounds (and a group's layers) become one time; statistics.median for the time
-    while other ranks load the host as training does (--engine auto times every rank at once).
-    `warmup_s`: 0 for a rank timed moments before, whose times are kept only where faster.
-    `autocast`: the layers stay fp32 and run under torch.autocast in `precision`, as an engine that
-    autocasts trains them (EngineSpec.autocast: DDP, the async pipeline), not cast to it as
-    DeepSpeed's are."""
+    the rank's layers: the fastest of the timing's rounds that each time every layer once, after its
+    warm-up. Round by round, so that a burst of load on a shared host slows all layers alike, not a
+    few. Identical layers (the blocks) get their group's fastest: they cost the same, and any
+    difference is noise. The fixed costs of tiny layers (kernel launches, the embedding's reshapes)
+    count, which FLOPs do not see. Runs a copy of the layers on `dev`. `autocast`: the layers stay
+    fp32 and run under torch.autocast in `precision`, as an engine that autocasts trains them
+    (EngineSpec.autocast: DDP, the async pipeline), not cast to it as DeepSpeed's are."""
     dtype, clock = DTYPES[precision], Clock(slowdown, dev)
     cast = torch.float32 if autocast else dtype
     copies = [copy.deepcopy(layer).to(dev, cast) for layer in layers]
@@ -114,9 +122,9 @@ def time_layers(
                     times[i].append((forward_s, clock.now() - mid))
 
         start = clock.now()
-        while clock.now() - start < warmup_s:
+        while clock.now() - start < timing.warmup_s:
             one_round(False)
-        for _ in range(rounds):
+        for _ in range(timing.rounds):
             one_round(True)
     groups = {}
     for i, layer in enumerate(layers):
@@ -124,7 +132,7 @@ def time_layers(
         groups.setdefault((type(layer).__name__, shapes, tuple(inputs[i].shape)), []).append(i)
     best = [None] * len(copies)
     for members in groups.values():
-        pooled = [pick(t[k] for i in members for t in times[i]) for k in (0, 1)]
+        pooled = [timing.pick(t[k] for i in members for t in times[i]) for k in (0, 1)]
         for i in members:
             best[i] = pooled
     return [[1e3 * f, 1e3 * b] for f, b in best]

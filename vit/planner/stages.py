@@ -66,6 +66,17 @@ def balanced_split(
     return StageSplit(parts, [t for t, _ in stats], [m for _, m in stats], time)
 
 
+@dataclass(frozen=True)
+class FrozenRules:
+    """How a stage plan prices the frozen layers beyond their forward only and no activations kept:
+    `share`, what they keep of their state when trained (their weights: 4 of fp32 AdamW's 16 bytes
+    per parameter by default); `first_active`, whether the first stage must hold an active layer (a
+    stage of frozen layers only has no backward, which DeepSpeed's pipeline cannot skip)."""
+
+    share: float = 0.25
+    first_active: bool = False
+
+
 def plan_layers(
     layer_s: list[list[tuple[float, float]]],
     static_bytes: list[float],
@@ -74,18 +85,15 @@ def plan_layers(
     stages: int,
     grad_accum: int,
     frozen: int = 0,
-    first_active: bool = False,
-    frozen_share: float = 0.25,
+    rules: FrozenRules = FrozenRules(),
 ) -> StageSplit:
     """The balanced plan from measurements. layer_s[rank][i]: (forward, backward) seconds of layer i
     at the run's micro-batch on that rank; static_bytes[i]: its weights, gradients and optimizer
     state when trained; act_bytes[i]: its activations kept for backward per micro-batch;
-    capacity_bytes[rank]: what a plan may fill. The first `frozen` layers cost their forward only,
-    keep no activations and their weights only (frozen_share of static_bytes; 4 of fp32 AdamW's 16
-    bytes per parameter by default); `first_active`: the first stage holds an active layer (a stage
-    of frozen layers only has no backward, which DeepSpeed's pipeline cannot skip). Stage s runs on
-    ranks s*dp .. s*dp+dp-1 (DeepSpeed's pipe-major rank order, dp = ranks // stages). ConfigError
-    when no split fits."""
+    capacity_bytes[rank]: what a plan may fill. The first `frozen` layers cost their forward only
+    and keep no activations, their state and place as `rules` has them. Stage s runs on ranks
+    s*dp .. s*dp+dp-1 (DeepSpeed's pipe-major rank order, dp = ranks // stages). ConfigError when
+    no split fits."""
     n, dp = len(static_bytes), len(layer_s) // stages
     time = [
         [
@@ -94,7 +102,7 @@ def plan_layers(
         ]
         for s in range(stages)
     ]
-    static = [m * (frozen_share if i < frozen else 1.0) for i, m in enumerate(static_bytes)]
+    static = [m * (rules.share if i < frozen else 1.0) for i, m in enumerate(static_bytes)]
     act = [0.0 if i < frozen else a for i, a in enumerate(act_bytes)]
     capacity = [min(capacity_bytes[s * dp : (s + 1) * dp]) for s in range(stages)]
     plan = balanced_split(
@@ -103,7 +111,7 @@ def plan_layers(
         act,
         capacity,
         pipeline_inflight(stages, grad_accum),
-        frozen if first_active else 0,
+        frozen if rules.first_active else 0,
     )
     if plan is None:
         need = (sum(static) + sum(act)) / stages / 2**30
@@ -151,6 +159,5 @@ def plan_stages(
         stages,
         grad_accum,
         frozen,
-        first_active,
-        frozen_share=min(1.0, FROZEN_BYTES_PER_PARAM / bytes_per_param),
+        FrozenRules(min(1.0, FROZEN_BYTES_PER_PARAM / bytes_per_param), first_active),
     )

@@ -26,7 +26,7 @@ from vit.planner.census import WARMUP_S, capabilities, census_table, gather, mea
 from vit.planner.links import measure_links
 from vit.planner.loss_scale import tune
 from vit.planner.memory import plan_bytes
-from vit.planner.profile import LAYER_TURNS, profile_layers, time_layers
+from vit.planner.profile import LAYER_TURNS, Timing, profile_layers, time_layers
 from vit.runtime.dist_env import Job, rank0_decides
 from vit.runtime.gpu import fork_rng
 from vit.runtime.precision import choose
@@ -197,7 +197,7 @@ def measure(
                 precision,
                 device,
                 asked.slowdown,
-                warmup_s=WARMUP_S * first,
+                Timing(warmup_s=WARMUP_S * first),
                 autocast=asked.engine.autocast,
             )
             speed["layer_ms"] = [
