@@ -220,3 +220,10 @@ class EngineSpec:
         """The candidate's step on these ranks and links: compute, link, bubble, fixed costs and
         memory."""
         raise NotImplementedError
+
+    # --- its runs' logs
+
+    def sync_steps(self, args: dict, total_steps: int) -> list[int]:
+        """The steps at which a run's workers synced, from its config.json options (plot_logs.py
+        marks them); [] for an engine whose ranks meet every step."""
+        return []

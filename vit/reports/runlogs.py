@@ -152,15 +152,11 @@ class Run:
         )
 
     def sync_steps(self) -> list[int]:
-        """The steps at which the workers of an engine with local steps synced (--sync-every from
-        --local-start-step, and the last step), from config.json; [] for every other engine."""
+        """The steps at which the run's workers synced, as its engine's spec reads config.json;
+        [] for an engine whose ranks meet every step, or a run that does not say."""
         args = self.config.get("args", {})
-        known = SPECS.get(args.get("engine"))
-        every, total = args.get("sync_every"), self.config.get("total_steps")
-        if not (known and known.local_steps and isinstance(every, int) and isinstance(total, int)):
-            return []
-        start = args.get("local_start_step") or 0  # DDP's steps before, none a sync
-        return sorted({*range(start + every, total + 1, every), total})
+        known, total = SPECS.get(args.get("engine")), self.config.get("total_steps")
+        return known.sync_steps(args, total) if known and isinstance(total, int) else []
 
     @property
     def status(self) -> str:

@@ -77,6 +77,14 @@ class DiLoCoSpec(DataParallelSpec):
         send = ring_allreduce_s(nbytes, [r.host for r in ranks], net, calib)
         return replace(p, link_s=max(0.0, send - every * p.compute_s) / every)
 
+    def sync_steps(self, args, total_steps):
+        """Every --sync-every steps from --local-start-step (DDP's steps before it are no sync),
+        and the last."""
+        every, start = args.get("sync_every"), args.get("local_start_step") or 0
+        if not isinstance(every, int):
+            return []
+        return sorted({*range(start + every, total_steps + 1, every), total_steps})
+
 
 SPEC = DiLoCoSpec(
     "diloco",
