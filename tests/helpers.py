@@ -5,6 +5,7 @@ a hard timeout, and readers of the run logs.
 Every test that starts a process must carry @pytest.mark.ranks (conftest.py sets
 CURRENT_TEST_STARTS_PROCESSES), so that `pytest -m "not ranks"` stays a quick, in-process run."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -210,22 +211,37 @@ def as_a_terminal_starts_it() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
-def start_group(cmd, env=None, cwd=ROOT, terminal: bool = False) -> subprocess.Popen:
-    """Start a command in a process group of its own (text pipes), killed with what is left when
-    the test ends; `terminal`: with Ctrl-C as a terminal leaves it (as_a_terminal_starts_it)."""
+def start_group(cmd, env=None, cwd=ROOT, terminal: bool = False, log=None) -> subprocess.Popen:
+    """Start a command in a process group of its own (text pipes, or stdout and stderr into the open
+    file `log`), killed with what is left when the test ends; `terminal`: with Ctrl-C as a terminal
+    leaves it (as_a_terminal_starts_it)."""
     require_ranks_mark()
     p = subprocess.Popen(
         [str(c) for c in cmd],
         cwd=cwd,
         env=env or base_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=log or subprocess.PIPE,
+        stderr=subprocess.STDOUT if log else subprocess.PIPE,
         text=True,
         start_new_session=True,
         preexec_fn=as_a_terminal_starts_it if terminal else None,
     )
     STARTED.append(p)
     return p
+
+
+@contextlib.contextmanager
+def running(cmd, log_path, env=None, terminal: bool = False):
+    """For a test that acts on a command while it runs: start_group with its output in the file
+    log_path (a pipe nobody reads would fill and stall a long run), and what is left of it stopped
+    when the block ends."""
+    with open(log_path, "w") as log:
+        p = start_group(cmd, env, terminal=terminal, log=log)
+        try:
+            yield p
+        finally:
+            if p.poll() is None:
+                stop_group(p)
 
 
 def gloo_pair(script: str, store, *args, timeout: float = 100) -> list[str]:
@@ -275,3 +291,11 @@ def train_losses(log_dir, rank: int = 0) -> dict[int, float]:
         for r in read_jsonl(Path(log_dir) / f"metrics_rank{rank}.jsonl")
         if r["kind"] == "train"
     }
+
+
+def assert_losses(got: dict[int, float], want: list[float], steps, rel: float = 2e-4) -> None:
+    """`got` (train_losses) holds the losses of `steps`, in order, each want's (want[0]: step 1's)
+    within `rel`."""
+    assert list(got) == list(steps)
+    for step in steps:
+        assert got[step] == pytest.approx(want[step - 1], rel=rel), (step, got, want)

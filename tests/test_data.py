@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import shlex
 import sys
 
 import numpy as np
@@ -148,20 +149,10 @@ def test_an_image_that_is_not_one_is_named_before_training(tmp_path, monkeypatch
     # Refused by rank 0 of two as vit.train plans (in-process), before any process group: a check
     # made after it starts would hang there.
     with pytest.raises(ConfigError) as e:
+        args = shlex.split("--img-size 8 --steps 1 --micro-batch-size 4")
         plan_in_process(
             monkeypatch,
-            [
-                "--data-path",
-                tmp_path,
-                "--img-size",
-                "8",
-                "--steps",
-                "1",
-                "--micro-batch-size",
-                "4",
-                "--log-dir",
-                tmp_path / "run",
-            ],
+            ["--data-path", tmp_path, *args, "--log-dir", tmp_path / "run"],
             world_size=2,
         )
     assert str(e.value) == (
@@ -182,28 +173,14 @@ def test_an_image_that_is_not_one_is_named_before_training(tmp_path, monkeypatch
 @pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_training_reads_cifar_folder(tmp_path):
-    write_cifar(tmp_path / "data", "cifar10")
+    data, run = tmp_path / "data", tmp_path / "run"
+    write_cifar(data, "cifar10")
+    args = shlex.split(
+        "--dataset cifar10 --model vit_tiny_cifar --steps 2 --micro-batch-size 8 --no-save "
+        "--monitor-interval 0"
+    )
     r = run_cmd(
-        [
-            sys.executable,
-            "-m",
-            "vit.train",
-            "--dataset",
-            "cifar10",
-            "--data-path",
-            str(tmp_path / "data"),
-            "--model",
-            "vit_tiny_cifar",
-            "--steps",
-            "2",
-            "--micro-batch-size",
-            "8",
-            "--no-save",
-            "--monitor-interval",
-            "0",
-            "--log-dir",
-            str(tmp_path / "run"),
-        ],
+        [sys.executable, "-m", "vit.train", *args, "--data-path", data, "--log-dir", run],
         env=base_env(),
         timeout=110,
     )
@@ -260,20 +237,9 @@ def test_augmented_mixed_global_batch_is_the_same_for_any_width_and_workers(dp, 
     from vit.data.datasets import load_digits
 
     data, r, steps, g = load_digits(), defaults().with_(**RECIPE).recipe, 3, 32
-    whole = list(
-        train_batches(
-            data,
-            r,
-            3,
-            partners=False,
-            micro_batch=g,
-            grad_accum=1,
-            dp_rank=0,
-            dp_size=1,
-            start_step=0,
-            end_step=steps,
-        )
-    )
+    # the whole global batches, as the single-process reference draws them
+    one = dict(partners=False, micro_batch=g, grad_accum=1, dp_rank=0, dp_size=1)
+    whole = list(train_batches(data, r, 3, **one, start_step=0, end_step=steps))
     ranks = [
         list(
             train_batches(
@@ -301,20 +267,7 @@ def test_augmented_mixed_global_batch_is_the_same_for_any_width_and_workers(dp, 
     )
     assert not torch.allclose(whole[0][0], plain[0])  # it did augment and mix
     # Resuming at step 2 gives step 2's augmented batch again.
-    again = list(
-        train_batches(
-            data,
-            r,
-            3,
-            partners=False,
-            micro_batch=g,
-            grad_accum=1,
-            dp_rank=0,
-            dp_size=1,
-            start_step=2,
-            end_step=3,
-        )
-    )
+    again = list(train_batches(data, r, 3, **one, start_step=2, end_step=3))
     assert torch.equal(again[0][0], whole[2][0]) and torch.equal(again[0][1], whole[2][1])
 
 

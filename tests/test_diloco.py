@@ -7,10 +7,11 @@ import copy
 import json
 import math
 import re
+import shlex
 
 import pytest
 import torch
-from helpers import gloo_pair, launch, plan_in_process, train_losses
+from helpers import assert_losses, gloo_pair, launch, plan_in_process, train_losses
 from torch import nn
 
 from vit.config.cli import defaults, parse
@@ -208,11 +209,8 @@ def test_workers_train_alone_between_syncs_as_the_emulator_does(tmp_path, ranks)
     micro = ["--micro-batch-size", GLOBAL_BATCH // ranks]  # the same global batch on 2 and 4 ranks
     r = launch(diloco_args(tmp_path, steps, sync_every, *micro, *EQUAL), nprocs=ranks, timeout=360)
     assert r.ok, r
-    got = train_losses(tmp_path)
     want = emulate(ranks, steps, sync_every)
-    assert sorted(got) == list(range(1, steps + 1))
-    for step, loss in got.items():
-        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+    assert_losses(train_losses(tmp_path), want, range(1, steps + 1), rel=1e-5)
     lone = emulate(ranks, steps, steps + 1)
     assert lone[3] != pytest.approx(want[3], rel=1e-5)  # the syncs change what is learned
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -224,15 +222,8 @@ def test_workers_train_alone_between_syncs_as_the_emulator_does(tmp_path, ranks)
 def test_one_step_windows_with_a_plain_outer_step_train_as_ddp(tmp_path):
     """H = 1, outer lr 1, no outer momentum: the global weights are the mean of the workers', which
     with SGD (momentum and weight decay are linear) is DDP's step on the averaged gradient."""
-    sgd = [
-        "--opt",
-        "sgd",
-        "--lr",
-        0.05,
-        "--clip-grad",
-        0,
-    ]  # clipping each worker's own gradient is not
-    common = ["--steps", 6, "--log-interval", 1, "--no-save", *sgd]  # DDP's clipping of the mean
+    # --clip-grad 0: clipping each worker's own gradient is not DDP's clipping of the mean
+    common = shlex.split("--steps 6 --log-interval 1 --no-save --opt sgd --lr 0.05 --clip-grad 0")
     ddp = launch(["--engine", "ddp", *common, "--log-dir", tmp_path / "ddp"], timeout=300)
     assert ddp.ok, ddp
     local = ["--sync-every", 1, "--outer-lr", 1, "--outer-momentum", 0, *EQUAL, *EXACT]
@@ -260,9 +251,7 @@ def test_steps_before_the_local_start_are_ddp_and_the_windows_count_from_there(t
     assert r.ok, r
     want = emulate(2, steps, 3, start=3)
     got = train_losses(tmp_path / "d")
-    assert sorted(got) == list(range(1, steps + 1))
-    for step, loss in got.items():
-        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+    assert_losses(got, want, range(1, steps + 1), rel=1e-5)
     assert want[-1] != pytest.approx(emulate(2, steps, 3)[-1], rel=1e-5)
     from vit.reports.runlogs import Run
 
@@ -408,10 +397,7 @@ def test_a_sync_measures_the_next_windows_and_a_resume_keeps_the_checkpoints(tmp
         return census if step <= 4 else kept if step <= 12 else after[12]
 
     want = emulate(2, 16, H, local=local_at, fragments=fragments)
-    got = train_losses(second)
-    assert sorted(got) == list(range(7, 17))
-    for step, loss in got.items():
-        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+    assert_losses(train_losses(second), want, range(7, 17), rel=1e-5)
 
 
 @pytest.mark.ranks
@@ -421,28 +407,17 @@ def test_streaming_fragments_as_the_emulator_and_a_resume_with_one_in_flight(tmp
     after 4, 8), the second after 4 and 8 (applied after 6, and at the end with every fragment).
     The checkpoint of step 5 holds the second fragment's mean, on the wire since step 4."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = [
-        "--engine",
-        "diloco",
-        *EXACT,
-        "--sync-every",
-        4,
-        "--fragments",
-        2,
-        "--log-interval",
-        1,
-    ]
-    common += ["--steps", 10, *PAPER, *EQUAL]
+    common = shlex.split("--engine diloco --sync-every 4 --log-interval 1 --steps 10")
+    common += [*PAPER, *EQUAL, *EXACT, "--fragments", 2]
     r = launch([*common, "--save-interval", 5, "--log-dir", full], timeout=300)
     assert r.ok, r
     want = emulate(2, 10, 4, fragments=2)
     got = train_losses(full)
-    assert sorted(got) == list(range(1, 11))
-    for step, loss in got.items():
-        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+    assert_losses(got, want, range(1, 11), rel=1e-5)
     whole = emulate(2, 10, 4)
     assert want[6] != pytest.approx(whole[6], rel=1e-5)  # streaming is another schedule
-    r = launch([*common, "--resume", full / "checkpoints" / "step5", "--log-dir", resumed])
+    step5 = full / "checkpoints" / "step5"
+    r = launch([*common, "--resume", step5, "--log-dir", resumed])
     assert r.ok, r
     again = train_losses(resumed)
     assert sorted(again) == [6, 7, 8, 9, 10]
@@ -451,23 +426,10 @@ def test_streaming_fragments_as_the_emulator_and_a_resume_with_one_in_flight(tmp
     # resumed with --fragments 1: the fragment in flight is applied at once (before, it waited for
     # the last step and counted the workers' steps since the checkpoint twice)
     whole_now = tmp_path / "whole"
-    r = launch(
-        [
-            *common,
-            "--fragments",
-            1,
-            "--resume",
-            full / "checkpoints" / "step5",
-            "--log-dir",
-            whole_now,
-        ]
-    )
+    r = launch([*common, "--fragments", 1, "--resume", step5, "--log-dir", whole_now])
     assert r.ok, r
     want = emulate(2, 10, 4, fragments=2, refragment=(5, 1))
-    got = train_losses(whole_now)
-    assert sorted(got) == [6, 7, 8, 9, 10]
-    for step, loss in got.items():
-        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+    assert_losses(train_losses(whole_now), want, range(6, 11), rel=1e-5)
 
 
 @pytest.mark.ranks
@@ -489,10 +451,7 @@ def test_a_resume_with_other_fragments_is_the_emulator_on_the_new_schedule(tmp_p
     r = launch([*common, "--fragments", now, "--resume", step5, "--log-dir", second], timeout=300)
     assert r.ok, r
     want = emulate(2, 10, 4, fragments=saved, refragment=(5, now))
-    got = train_losses(second)
-    assert sorted(got) == list(range(6, 11))
-    for step, loss in got.items():
-        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+    assert_losses(train_losses(second), want, range(6, 11), rel=1e-5)
     kept = emulate(2, 10, 4, fragments=saved)
     assert want[-1] != pytest.approx(kept[-1], rel=1e-5)  # the new schedule is another one
 
@@ -515,10 +474,7 @@ def test_a_resume_with_another_sync_every_trains_every_step_of_the_new_windows(t
         in (r.outputs[0])
     )
     want = emulate(2, 10, lambda step: 2 if step <= 5 else 4)
-    got = train_losses(second)
-    assert sorted(got) == list(range(6, 11))
-    for step, loss in got.items():
-        assert loss == pytest.approx(want[step - 1], rel=1e-5), (step, got, want)
+    assert_losses(train_losses(second), want, range(6, 11), rel=1e-5)
 
 
 @pytest.mark.ranks

@@ -4,11 +4,20 @@ the same layers after the same steps."""
 
 import json
 import re
+import shlex
 import sys
 
 import pytest
 import torch
-from helpers import launch, plan_in_process, plugin_env, read_jsonl, run_cmd, train_losses
+from helpers import (
+    assert_losses,
+    launch,
+    plan_in_process,
+    plugin_env,
+    read_jsonl,
+    run_cmd,
+    train_losses,
+)
 from torch import nn
 
 from vit.config.cli import defaults, parse
@@ -27,7 +36,7 @@ from vit.planner import stages
 # vit_digits on the digits: 22 steps per epoch at a global batch of 64, so 0.1 epochs is a freeze
 # point every 2 steps; 5 freezable layers (embedding, 4 blocks) and alpha 1/3 freeze 2, 3, 4, 5 of
 # them at points 1, 2, 3, 4.
-FREEZE = ["--freeze", "schedule", "--freeze-interval-epochs", 0.1]
+FREEZE = "--freeze schedule --freeze-interval-epochs 0.1"
 
 
 def test_schedule_is_the_released_rule():
@@ -242,22 +251,12 @@ def test_each_decision_says_what_froze_and_the_next_layers_measure(tmp_path, rul
     is under freezes nothing first (nothing to compare yet), then layer 0; settled, whose first
     interval is its own fastest move, layer 0 then layer 1 (alpha 1/3 of the active layers at a
     time); the schedule freezes 2 then 3 layers and warns once when layer 2 still learns."""
-    args = [
-        "--engine",
-        "ddp",
-        "--freeze",
-        rule,
-        "--freeze-interval-epochs",
-        0.1,
-        "--steps",
-        9,
-        "--no-save",
-        "--freeze-threshold",
-        1e-6 if rule == "schedule" else 10,
-        "--log-dir",
-        tmp_path,
-    ]
-    r = run_cmd([sys.executable, "-m", "vit.train", *map(str, args)], timeout=180)
+    threshold = 1e-6 if rule == "schedule" else 10
+    args = shlex.split(
+        f"--engine ddp --freeze {rule} --freeze-interval-epochs 0.1 --steps 9 --no-save "
+        f"--freeze-threshold {threshold}"
+    )
+    r = run_cmd([sys.executable, "-m", "vit.train", *args, "--log-dir", tmp_path], timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     said = re.findall(r"^freeze at step (\d+): (.*)$", r.stdout, re.MULTILINE)
     first = (
@@ -370,10 +369,16 @@ def assert_released(log_dir) -> None:
         assert len({x["process_groups"] for x in records}) == 1, records
 
 
-def assert_losses(got: dict, want: list[float], steps, rel: float = 2e-4) -> None:
-    assert sorted(got) == list(steps)
-    for step in steps:
-        assert got[step] == pytest.approx(want[step - 1], rel=rel), (step, got, want)
+def train(log_dir, args: str, *paths, timeout: float = 240, env=None):
+    """2 ranks of `vit.train ARGS PATHS` (ARGS as typed on a command line), a loss logged at every
+    step into log_dir; they must succeed."""
+    r = launch(
+        [*shlex.split(args), *paths, "--log-interval", 1, "--log-dir", log_dir],
+        timeout=timeout,
+        env=env,
+    )
+    assert r.ok, r
+    return r
 
 
 @pytest.mark.ranks
@@ -383,31 +388,12 @@ def test_freeze_schedule_matches_single_process_loop(tmp_path, engine, config):
     # Micro-steps and layer-wise LR decay too: the rebuilt optimizer has fewer parameter groups.
     # ZeRO's state crosses to the rebuilt engine in chunks of 97 elements (2**24 by default), so
     # that chunk boundaries fall inside parameters and between the ranks' partitions.
-    r = launch(
-        [
-            "--engine",
-            engine,
-            "--ds-config",
-            f"deepspeed_configs/{config}",
-            "--micro-batch-size",
-            16,
-            "--grad-accum",
-            2,
-            "--layer-decay",
-            0.8,
-            "--steps",
-            6,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-            *FREEZE,
-        ],
-        timeout=240,
+    train(
+        tmp_path,
+        f"--engine {engine} --ds-config deepspeed_configs/{config} --micro-batch-size 16 "
+        f"--grad-accum 2 --layer-decay 0.8 --steps 6 --no-save {FREEZE}",
         env=plugin_env(handover_chunk="97"),
     )
-    assert r.ok, r
     for rank in (0, 1):
         assert [
             (x["step"], x["frozen"], x["stages"], x["dp"], x["cache"])
@@ -429,27 +415,16 @@ def test_freeze_schedule_matches_single_process_loop(tmp_path, engine, config):
 @pytest.mark.parametrize("engine", ["zero", "ddp"])
 def test_resume_across_and_between_freeze_points(tmp_path, engine):
     full = tmp_path / "full"
-    common = ["--engine", engine, "--steps", 8, "--log-interval", 1, *FREEZE]
-    r = launch([*common, "--save-interval", 3, "--log-dir", full], timeout=200)
-    assert r.ok, r
+    common = f"--engine {engine} --steps 8 {FREEZE}"
+    train(full, f"{common} --save-interval 3", timeout=200)
     points = [(x["step"], x["frozen"]) for x in freeze_records(full)]
     assert points == [(2, 2), (4, 3), (6, 4)]
     # step3: in the middle of the phase that froze 2 layers at step 2; step6: the freeze point to 4
     # layers.
     for start in (3, 6):
         resumed = tmp_path / f"from{start}"
-        r = launch(
-            [
-                *common,
-                "--resume",
-                full / "checkpoints" / f"step{start}",
-                "--no-save",
-                "--log-dir",
-                resumed,
-            ],
-            timeout=200,
-        )
-        assert r.ok, r
+        checkpoint = full / "checkpoints" / f"step{start}"
+        train(resumed, f"{common} --no-save --resume", checkpoint, timeout=200)
         want = train_losses(full)
         assert_losses(train_losses(resumed), [want[s] for s in range(1, 9)], range(start + 1, 9))
         assert [(x["step"], x["frozen"]) for x in freeze_records(resumed)] == [
@@ -460,25 +435,7 @@ def test_resume_across_and_between_freeze_points(tmp_path, engine):
 @pytest.mark.ranks
 @pytest.mark.timeout(300)
 def test_freeze_by_measure_decides_alike_everywhere_and_matches_the_loop(tmp_path):
-    r = launch(
-        [
-            "--engine",
-            "ddp",
-            "--steps",
-            8,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-            "--freeze",
-            "grad",
-            "--freeze-interval-epochs",
-            0.05,
-        ],
-        timeout=240,
-    )
-    assert r.ok, r
+    train(tmp_path, "--engine ddp --steps 8 --no-save --freeze grad --freeze-interval-epochs 0.05")
     points = [(x["step"], x["frozen"]) for x in freeze_records(tmp_path)]
     assert points and points == [(x["step"], x["frozen"]) for x in freeze_records(tmp_path, 1)]
     assert_losses(train_losses(tmp_path), reference(8, dict(points)), range(1, 9))
@@ -489,10 +446,10 @@ def test_freeze_by_measure_decides_alike_everywhere_and_matches_the_loop(tmp_pat
 # first stage, layers 0-2, keeps one active), and then nothing more can freeze: no decision at step
 # 4.
 FREEZING_ENGINES = {
-    "zero": ["--engine", "zero"],
-    "ddp": ["--engine", "ddp"],
-    "pipeline": ["--engine", "pipeline"],
-    "pipeline, replan off": ["--engine", "pipeline", "--freeze-replan", "off"],
+    "zero": "--engine zero",
+    "ddp": "--engine ddp",
+    "pipeline": "--engine pipeline",
+    "pipeline, replan off": "--engine pipeline --freeze-replan off",
 }
 
 
@@ -517,28 +474,13 @@ def test_the_rules_on_the_freezing_engines_say_each_decision_and_match_the_loop(
 ):
     # settled under a threshold every move is below: alpha 1/2 of the active layers at a time, 2
     # then 3 layers.
-    threshold = ["--freeze-threshold", 10] if rule == "settled" else []
-    r = launch(
-        [
-            *FREEZING_ENGINES[engine],
-            "--freeze",
-            rule,
-            "--freeze-alpha",
-            0.5,
-            "--freeze-interval-epochs",
-            0.1,
-            *threshold,
-            "--steps",
-            5,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-        ],
+    threshold = "--freeze-threshold 10" if rule == "settled" else ""
+    r = train(
+        tmp_path,
+        f"{FREEZING_ENGINES[engine]} --freeze {rule} --freeze-alpha 0.5 --freeze-interval-epochs "
+        f"0.1 {threshold} --steps 5 --no-save",
         timeout=160,
     )
-    assert r.ok, r
     points = [(x["step"], x["frozen"]) for x in freeze_records(tmp_path)]
     assert points == [(x["step"], x["frozen"]) for x in freeze_records(tmp_path, 1)]
     decisions = [
@@ -584,26 +526,11 @@ def test_freeze_in_bf16_moves_deepspeeds_fp32_weights_and_adam_state(tmp_path, e
     # bf16 gives the pipeline DeepSpeed's BF16_Optimizer (fp32 weights flat and partitioned, like
     # ZeRO's) and ZeRO stage 0 its FP16_UnfusedOptimizer (an fp32 copy of each parameter); both are
     # rebuilt at each freeze point.
-    r = launch(
-        [
-            "--engine",
-            engine,
-            "--ds-config",
-            f"deepspeed_configs/{config}",
-            "--precision",
-            "bf16",
-            "--steps",
-            6,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-            *FREEZE,
-        ],
-        timeout=240,
+    r = train(
+        tmp_path,
+        f"--engine {engine} --ds-config deepspeed_configs/{config} --precision bf16 --steps 6 "
+        f"--no-save {FREEZE}",
     )
-    assert r.ok, r
     assert "precision bf16" in r.outputs[0], r.outputs[0]
     assert [(x["step"], x["frozen"]) for x in freeze_records(tmp_path)] == [(2, 2), (4, 3)]
     assert_released(tmp_path)
@@ -688,9 +615,8 @@ def test_replan_times_the_layers_only_when_a_plan_has_boundaries_to_place():
 @pytest.mark.timeout(480)
 def test_pipeline_shrinks_to_data_parallel_and_matches_the_loop_and_resumes(tmp_path):
     full = tmp_path / "full"
-    common = ["--engine", "pipeline", "--steps", 8, "--log-interval", 1, *FREEZE]
-    r = launch([*common, "--save-interval", 3, "--log-dir", full], timeout=240)
-    assert r.ok, r
+    common = f"--engine pipeline --steps 8 {FREEZE}"
+    r = train(full, f"{common} --save-interval 3")
     # Re-planned: all 6 layers fit one rank's (CPU) memory once 2 froze, so the first freeze point
     # halves the pipeline: 1 stage x 2 copies (micro-batches 16 x 4 -> 16 x 2 each). One stage has
     # no boundary to place: the layers were never timed, and no time is predicted.
@@ -715,18 +641,8 @@ def test_pipeline_shrinks_to_data_parallel_and_matches_the_loop_and_resumes(tmp_
         6,
     ):  # in the 1 x 2 layout the checkpoint records, across the freeze points at 4 and 6
         resumed = tmp_path / f"from{start}"
-        r = launch(
-            [
-                *common,
-                "--resume",
-                full / "checkpoints" / f"step{start}",
-                "--no-save",
-                "--log-dir",
-                resumed,
-            ],
-            timeout=200,
-        )
-        assert r.ok, r
+        checkpoint = full / "checkpoints" / f"step{start}"
+        train(resumed, f"{common} --no-save --resume", checkpoint, timeout=200)
         assert_losses(train_losses(resumed), want, range(start + 1, 9))
 
 
@@ -736,23 +652,7 @@ def test_a_replan_that_keeps_two_stages_times_the_layers_at_that_freeze_point(tm
     # 5 MiB usable a rank: with 2 layers frozen one stage needs about 6.1 MiB (weights, Adam state
     # and 16 samples' activations of 3 blocks), 2 stages fit; with 3 frozen one stage needs 4.4 MiB.
     env = plugin_env(census=json.dumps({"mem_free_gib": 5 / 1024 / 0.9}))
-    r = launch(
-        [
-            "--engine",
-            "pipeline",
-            "--steps",
-            6,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-            *FREEZE,
-        ],
-        env=env,
-        timeout=240,
-    )
-    assert r.ok, r
+    r = train(tmp_path, f"--engine pipeline --steps 6 --no-save {FREEZE}", env=env)
     for rank in (0, 1):
         records = freeze_records(tmp_path, rank)
         assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in records] == [
@@ -773,24 +673,7 @@ def test_a_replan_that_keeps_two_stages_times_the_layers_at_that_freeze_point(tm
 @pytest.mark.ranks
 @pytest.mark.timeout(300)
 def test_pipeline_without_replan_keeps_its_layout(tmp_path):
-    r = launch(
-        [
-            "--engine",
-            "pipeline",
-            "--steps",
-            6,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-            *FREEZE,
-            "--freeze-replan",
-            "off",
-        ],
-        timeout=240,
-    )
-    assert r.ok, r
+    train(tmp_path, f"--engine pipeline --steps 6 --no-save {FREEZE} --freeze-replan off")
     # DeepSpeed's parameter split puts 3 layers on the first stage; it keeps one of them active.
     assert [(x["step"], x["frozen"], x["stages"], x["dp"]) for x in freeze_records(tmp_path)] == [
         (2, 2, 2, 1)
@@ -806,29 +689,12 @@ def test_pipeline_rebuilds_leave_no_process_groups_and_no_engine_behind(tmp_path
     # model, data, pipe and slice parallel); the old pipeline's must be destroyed at each rebuild
     # (before: 11, then 16 groups live). On the last stage DeepSpeed keeps the last forward's
     # outputs, whose autograd hooks held the old engine.
-    r = launch(
-        [
-            "--engine",
-            "pipeline",
-            "--freeze-replan",
-            "off",
-            "--freeze",
-            "schedule",
-            "--freeze-alpha",
-            0.2,
-            "--freeze-interval-epochs",
-            0.1,
-            "--steps",
-            5,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-        ],
+    train(
+        tmp_path,
+        "--engine pipeline --freeze-replan off --freeze schedule --freeze-alpha 0.2 "
+        "--freeze-interval-epochs 0.1 --steps 5 --no-save",
         timeout=160,
     )
-    assert r.ok, r
     for rank in (0, 1):
         records = freeze_records(tmp_path, rank)
         assert [(x["step"], x["frozen"], x["stages"]) for x in records] == [(2, 1, 2), (4, 2, 2)]
@@ -847,27 +713,13 @@ def test_cache_gives_the_same_losses(tmp_path):
     # after the first and serves the next; at the second its entries are carried through the newly
     # frozen layer. Its memory holds a few samples' outputs; the rest spill into the log dir (and
     # are carried too).
-    common = [
-        "--dataset",
-        "synthetic",
-        "--synthetic-size",
-        128,
-        "--steps",
-        10,
-        "--log-interval",
-        1,
-        "--no-save",
-        "--freeze",
-        "schedule",
-        "--freeze-interval-epochs",
-        2,
-        "--freeze-cache-gib",
-        1e-4,
-    ]
+    common = (
+        "--dataset synthetic --synthetic-size 128 --steps 10 --no-save --freeze schedule "
+        "--freeze-interval-epochs 2 --freeze-cache-gib 1e-4"
+    )
     losses = {}
     for cache in ("on", "off"):
-        r = launch([*common, "--freeze-cache", cache, "--log-dir", tmp_path / cache], timeout=200)
-        assert r.ok, r
+        train(tmp_path / cache, f"{common} --freeze-cache {cache}", timeout=200)
         losses[cache] = train_losses(tmp_path / cache)
         assert [(x["step"], x["frozen"], x["cache"]) for x in freeze_records(tmp_path / cache)] == [
             (4, 2, cache == "on"),

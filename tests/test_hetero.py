@@ -5,11 +5,20 @@ are refused by rank."""
 import itertools
 import json
 import random
+import shlex
 import sys
 
 import pytest
 import torch
-from helpers import base_env, launch, plan_in_process, plugin_env, run_cmd, train_losses
+from helpers import (
+    assert_losses,
+    base_env,
+    launch,
+    plan_in_process,
+    plugin_env,
+    run_cmd,
+    train_losses,
+)
 
 from vit.config.cli import defaults
 from vit.core.costs import CUBLAS_BYTES, NCCL_BYTES
@@ -126,25 +135,22 @@ def test_stage_plan_uses_measured_layer_times_and_says_when_nothing_fits():
     # Every layer takes 2 ms on rank 0 and 4 ms on rank 1, the tiny embedding and head included
     # (their fixed costs, which FLOPs call nearly free): 9 layers against 5.
     times = [[[1.0, 1.0] for _ in PROFILE], [[2.0, 2.0] for _ in PROFILE]]
-    plan = stages.plan_stages(
-        PROFILE,
-        census_of(layer_ms=times),
-        stages=2,
-        micro_batch=16,
-        grad_accum=4,
-        bytes_per_param=16,
-    )
+
+    def plan_of(times):
+        return stages.plan_stages(
+            PROFILE,
+            census_of(layer_ms=times),
+            stages=2,
+            micro_batch=16,
+            grad_accum=4,
+            bytes_per_param=16,
+        )
+
+    plan = plan_of(times)
     assert plan.parts == [0, 9, 14] and plan.times == pytest.approx([0.018, 0.020])
     # A slow embedding (12 ms on rank 0): the split moves one block to rank 1.
     times[0][0] = [6.0, 6.0]
-    plan = stages.plan_stages(
-        PROFILE,
-        census_of(layer_ms=times),
-        stages=2,
-        micro_batch=16,
-        grad_accum=4,
-        bytes_per_param=16,
-    )
+    plan = plan_of(times)
     assert plan.parts == [0, 8, 14] and plan.times == pytest.approx([0.026, 0.024])
     with pytest.raises(ConfigError, match="no split of the 14 layers into 2 stages fits"):
         stages.plan_stages(PROFILE, census_of(free_gib=(0.05, 0.05)), 2, 16, 4, 16)
@@ -423,7 +429,7 @@ def test_slowdown_parse_and_unchanged_gradients():
 # ---------------------------------------------------------------------------------- real 2-rank
 # runs
 
-COMMON = ["--steps", 6, "--no-save", "--monitor-interval", 0, "--log-interval", 1]
+COMMON = "--steps 6 --no-save --monitor-interval 0 --log-interval 1"
 
 
 def reference() -> list[float]:
@@ -434,29 +440,13 @@ def reference() -> list[float]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("engine", ["zero", "ddp"])
 def test_proportional_batches_give_the_homogeneous_update(tmp_path, engine):
-    r = launch(
-        [
-            "--engine",
-            engine,
-            "--batch-split",
-            "proportional",
-            "--simulate-slowdown",
-            "1=3",
-            *COMMON,
-            "--log-dir",
-            tmp_path,
-        ],
-        timeout=280,
-    )
+    args = f"--engine {engine} --batch-split proportional --simulate-slowdown 1=3 {COMMON}"
+    r = launch([*shlex.split(args), "--log-dir", tmp_path], timeout=280)
     assert r.ok, r
     split = json.loads((tmp_path / "cluster.json").read_text())["batch_split"]
     # rank 1 is 3x slower: it gets far fewer samples
     assert sum(split) == 64 and split[0] > split[1] + 10
-    ref = reference()
-    got = train_losses(tmp_path)
-    assert list(got) == list(range(1, 7))
-    for step, loss in got.items():
-        assert loss == pytest.approx(ref[step - 1], rel=2e-4), (step, loss, ref)
+    assert_losses(train_losses(tmp_path), reference(), range(1, 7))
 
 
 @pytest.mark.ranks
@@ -468,18 +458,9 @@ def test_balanced_pipeline_gives_the_slow_rank_less_and_trains_the_same_network(
     (the pipeline's 3 ms a micro-batch)."""
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"engine_micro_s": {"pipeline": 0.003}}))
+    args = f"--engine pipeline --partition balanced --simulate-slowdown 1=2 {COMMON}"
     r = launch(
-        [
-            "--engine",
-            "pipeline",
-            "--partition",
-            "balanced",
-            "--simulate-slowdown",
-            "1=2",
-            *COMMON,
-            "--log-dir",
-            tmp_path / "run",
-        ],
+        [*shlex.split(args), "--log-dir", tmp_path / "run"],
         timeout=280,
         env={"VIT_PLANNER_CALIBRATION": str(calibration)},
     )
@@ -518,7 +499,7 @@ def test_balanced_pipeline_gives_the_slow_rank_less_and_trains_the_same_network(
 def test_explicit_precision_a_rank_lacks_is_refused_naming_it(tmp_path):
     no_bf16 = {1: plugin_env(census=json.dumps({"bf16": False, "device": "GTX 1080"}))}
     r = launch(
-        ["--precision", "bf16", *COMMON, "--log-dir", tmp_path / "run"],
+        [*shlex.split(f"--precision bf16 {COMMON}"), "--log-dir", tmp_path / "run"],
         timeout=180,
         rank_env=no_bf16,
     )
@@ -534,7 +515,7 @@ def test_explicit_precision_a_rank_lacks_is_refused_naming_it(tmp_path):
     # depend on this machine's CPU.)
     no_fp16 = {rank: plugin_env(census=json.dumps({"fp16": False})) for rank in (0, 1)}
     r = launch(
-        ["--precision", "fp16", *COMMON, "--log-dir", tmp_path / "run"],
+        [*shlex.split(f"--precision fp16 {COMMON}"), "--log-dir", tmp_path / "run"],
         timeout=180,
         rank_env=no_fp16,
     )
@@ -554,21 +535,8 @@ def test_auto_precision_settles_on_what_every_rank_can_run(tmp_path):
         0: plugin_env(census=json.dumps({"bf16": True, "fp16": False})),
         1: plugin_env(census=json.dumps({"bf16": False, "fp16": False})),
     }
-    r = launch(
-        [
-            "--precision",
-            "auto",
-            "--steps",
-            2,
-            "--no-save",
-            "--monitor-interval",
-            0,
-            "--log-dir",
-            tmp_path,
-        ],
-        timeout=180,
-        rank_env=no_bf16,
-    )
+    args = shlex.split("--precision auto --steps 2 --no-save --monitor-interval 0")
+    r = launch([*args, "--log-dir", tmp_path], timeout=180, rank_env=no_bf16)
     assert r.ok, r
     cluster = json.loads((tmp_path / "cluster.json").read_text())
     assert cluster["precision"] == "fp32" and "no bf16 on rank 1" in cluster["precision_why"]
@@ -771,32 +739,23 @@ def test_a_probe_that_runs_out_of_memory_says_so_in_one_line(tmp_path):
     assert all(p.grad is None for lay in layers for p in lay.parameters())
 
 
-@pytest.mark.ranks
-@pytest.mark.timeout(200)
-def test_an_out_of_memory_in_the_probe_stops_the_run_before_step_1(tmp_path):
-    env = base_env(**plugin_env(census=json.dumps({"fp16": True}), oom_at="0:probe"))
-    r = run_cmd(
-        [
-            sys.executable,
-            "-m",
-            "vit.train",
-            "--engine",
-            "ddp",
-            "--precision",
-            "fp16",
-            "--loss-scale",
-            "auto",
-            "--steps",
-            "2",
-            "--no-save",
-            "--monitor-interval",
-            "0",
-            "--log-dir",
-            str(tmp_path),
-        ],
+def loss_scale_auto_run(log_dir, **plugins):
+    """One rank of ddp in fp16 with --loss-scale auto, 2 steps. fp16 does not run on a CPU under
+    DeepSpeed; the census override stands in for a GPU that has it, and the ddp engine runs fp16
+    autocast on the CPU; `plugins`: more of tests/plugins (plugin_env)."""
+    env = base_env(**plugin_env(census=json.dumps({"fp16": True}), **plugins))
+    args = shlex.split("--engine ddp --precision fp16 --loss-scale auto --steps 2 --no-save")
+    return run_cmd(
+        [sys.executable, "-m", "vit.train", *args, "--monitor-interval", 0, "--log-dir", log_dir],
         env=env,
         timeout=180,
     )
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(200)
+def test_an_out_of_memory_in_the_probe_stops_the_run_before_step_1(tmp_path):
+    r = loss_scale_auto_run(tmp_path, oom_at="0:probe")
     assert r.returncode != 0
     said = [line for line in (r.stdout + r.stderr).splitlines() if "out of memory" in line]
     assert said and all(
@@ -811,31 +770,7 @@ def test_an_out_of_memory_in_the_probe_stops_the_run_before_step_1(tmp_path):
 @pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_loss_scale_auto_writes_the_probed_power_into_the_resolved_config(tmp_path):
-    # fp16 does not run on a CPU under DeepSpeed; the override stands in for a GPU that has it, and
-    # the ddp engine runs fp16 autocast on the CPU.
-    env = base_env(**plugin_env(census=json.dumps({"fp16": True})))
-    r = run_cmd(
-        [
-            sys.executable,
-            "-m",
-            "vit.train",
-            "--engine",
-            "ddp",
-            "--precision",
-            "fp16",
-            "--loss-scale",
-            "auto",
-            "--steps",
-            "2",
-            "--no-save",
-            "--monitor-interval",
-            "0",
-            "--log-dir",
-            str(tmp_path),
-        ],
-        env=env,
-        timeout=180,
-    )
+    r = loss_scale_auto_run(tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     probe = json.loads((tmp_path / "cluster.json").read_text())["loss_scale"]
     assert probe["probe_grad_max"] > 0

@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -21,7 +22,6 @@ from helpers import (
     MPIRUN,
     ROOT,
     Ranks,
-    as_a_terminal_starts_it,
     base_env,
     last_step,
     launch,
@@ -29,7 +29,7 @@ from helpers import (
     plan_in_process,
     plugin_env,
     read_jsonl,
-    stop_group,
+    running,
     train_losses,
     wait_for,
 )
@@ -51,19 +51,8 @@ def zero_run(tmp_path_factory):
 @pytest.mark.ranks
 @pytest.mark.timeout(180)
 def test_sigkill_of_rank1_ends_every_rank_within_60s(tmp_path):
-    ranks = Ranks(
-        [
-            "--steps",
-            100000,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--dist-timeout",
-            30,
-            "--log-dir",
-            tmp_path,
-        ]
-    )
+    args = shlex.split("--steps 100000 --log-interval 1 --no-save --dist-timeout 30")
+    ranks = Ranks([*args, "--log-dir", tmp_path])
     wait_for(lambda: last_step(tmp_path, 1) >= 3, 150, "rank 1 to train 3 steps")
     killed_at = time.monotonic()
     os.kill(ranks.procs[1].pid, signal.SIGKILL)
@@ -84,55 +73,38 @@ def test_stopped_rank_ends_every_rank_naming_it(tmp_path, stopped, first):
     the watchdog is 15 s late, so the main thread's report of its timed-out collective is the one
     read."""
     run = tmp_path / "run"
-    cmd = [
-        *MPIRUN,
-        "-np",
-        "2",
-        "./entry_cn.sh",
-        "--steps",
-        "100000",
-        "--log-interval",
-        "1",
-        "--no-save",
-        "--dist-timeout",
-        "20",
-        "--log-dir",
-        str(run),
-    ]
+    args = "-np 2 ./entry_cn.sh --steps 100000 --log-interval 1 --no-save --dist-timeout 20"
+    cmd = [*MPIRUN, *shlex.split(args), "--log-dir", run]
     # DDP's collectives are the default group's, whose timeout is --dist-timeout
     if first == "collective":
         cmd += ["--engine", "ddp"]
-    out = open(tmp_path / "mpirun.log", "w+")
     env = base_env(**(plugin_env(late_watchdog="15") if first == "collective" else {}))
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    )
     victim = None
-    try:
-        wait_for(
-            lambda: last_step(run, 0) >= 3 and last_step(run, 1) >= 3,
-            200,
-            "both ranks to train 3 steps",
-        )
-        ranks = [mpi_rank_process(run, r) for r in (0, 1)]
-        victim = ranks[stopped]
-        victim.suspend()
-        stopped_at = time.monotonic()
-        returncode = proc.wait(timeout=90)
-        elapsed = time.monotonic() - stopped_at
-        psutil.wait_procs(ranks, timeout=5)
-        assert not [p.pid for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    finally:
-        if victim is not None:
-            for action in (victim.resume, victim.kill):
-                try:
-                    action()
-                except psutil.Error:
-                    pass
-        if proc.poll() is None:
-            stop_group(proc)
-    out.seek(0)
-    log = out.read()
+    with running(cmd, tmp_path / "mpirun.log", env) as proc:
+        try:
+            wait_for(
+                lambda: last_step(run, 0) >= 3 and last_step(run, 1) >= 3,
+                200,
+                "both ranks to train 3 steps",
+            )
+            ranks = [mpi_rank_process(run, r) for r in (0, 1)]
+            victim = ranks[stopped]
+            victim.suspend()
+            stopped_at = time.monotonic()
+            returncode = proc.wait(timeout=90)
+            elapsed = time.monotonic() - stopped_at
+            psutil.wait_procs(ranks, timeout=5)
+            assert not [
+                p.pid for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            ]
+        finally:
+            if victim is not None:
+                for action in (victim.resume, victim.kill):
+                    try:
+                        action()
+                    except psutil.Error:
+                        pass
+    log = (tmp_path / "mpirun.log").read_text()
     assert returncode != 0 and elapsed < 30, (
         f"mpirun ended {elapsed:.0f} s after the stop, exit {returncode}\n{log}"
     )
@@ -160,30 +132,11 @@ def test_killed_rank_is_named_by_the_survivors_in_one_line(tmp_path, killed, eng
     MPI ends the survivors 250 ms after a death (SIGTERM, then SIGKILL), so the line must come at
     once; rank 0's death takes the store with it."""
     run = tmp_path / "run"
-    cmd = [
-        *MPIRUN,
-        "-np",
-        "2",
-        "./entry_cn.sh",
-        "--engine",
-        engine,
-        "--steps",
-        "100000",
-        "--log-interval",
-        "1",
-        "--no-save",
-        "--monitor-interval",
-        "0",
-        "--dist-timeout",
-        "20",
-        "--log-dir",
-        str(run),
-    ]
-    out = open(tmp_path / "mpirun.log", "w+")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    args = (
+        f"-np 2 ./entry_cn.sh --engine {engine} --steps 100000 --log-interval 1 --no-save "
+        "--monitor-interval 0 --dist-timeout 20"
     )
-    try:
+    with running([*MPIRUN, *shlex.split(args), "--log-dir", run], tmp_path / "mpirun.log") as proc:
         wait_for(
             lambda: last_step(run, 0) >= 2 and last_step(run, 1) >= 2,
             200,
@@ -196,11 +149,7 @@ def test_killed_rank_is_named_by_the_survivors_in_one_line(tmp_path, killed, eng
         elapsed = time.monotonic() - killed_at
         psutil.wait_procs(ranks, timeout=5)
         assert not [p.pid for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    finally:
-        if proc.poll() is None:
-            stop_group(proc)
-    out.seek(0)
-    log = out.read()
+    log = (tmp_path / "mpirun.log").read_text()
     # shown with -rP
     print(f"{engine}, rank {killed} killed: mpirun ended {elapsed:.1f} s later, exit {returncode}")
     assert returncode != 0 and elapsed < 20 + 10, (
@@ -222,22 +171,8 @@ def test_killed_rank_is_named_by_the_survivors_in_one_line(tmp_path, killed, eng
 @pytest.mark.timeout(300)
 def test_non_finite_loss_stops_naming_the_step(tmp_path):
     # The logged loss is the global mean, so every rank sees it, though only on logging step 3.
-    r = launch(
-        [
-            "--steps",
-            6,
-            "--log-interval",
-            3,
-            "--lr",
-            1e9,
-            "--warmup-steps",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-        ],
-        timeout=200,
-    )
+    args = shlex.split("--steps 6 --log-interval 3 --lr 1e9 --warmup-steps 1 --no-save")
+    r = launch([*args, "--log-dir", tmp_path], timeout=200)
     assert r.returncodes == [1, 1], r
     for rank in (0, 1):
         assert (
@@ -261,20 +196,8 @@ def test_interrupted_save_is_never_loaded(tmp_path):
     assert 5 in r.returncodes and all(rc in (1, 5) for rc in r.returncodes), r
     assert (ckpt / ".tmp-step4").is_dir() and not (ckpt / "step4").exists()
     assert (ckpt / "latest").read_text() == "step2"
-    r = launch(
-        [
-            "--steps",
-            8,
-            "--log-interval",
-            1,
-            "--save-interval",
-            2,
-            "--resume",
-            "--log-dir",
-            tmp_path,
-        ],
-        timeout=200,
-    )
+    args = shlex.split("--steps 8 --log-interval 1 --save-interval 2 --resume")
+    r = launch([*args, "--log-dir", tmp_path], timeout=200)
     assert r.ok, r
     assert "resumed from step2" in r.outputs[0], r
     assert not (ckpt / ".tmp-step4").exists() and (ckpt / "step4" / "manifest.json").is_file()
@@ -692,20 +615,8 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, small_di
         ), r
     assert (small_disk / "latest").read_text() == "step4"
     assert not list(small_disk.glob(".tmp-*"))  # the failed save's half is gone
-    r = launch(
-        [
-            "--steps",
-            8,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--resume",
-            small_disk,
-            "--log-dir",
-            tmp_path / "b",
-        ],
-        timeout=200,
-    )
+    args = shlex.split("--steps 8 --log-interval 1 --no-save --resume")
+    r = launch([*args, small_disk, "--log-dir", tmp_path / "b"], timeout=200)
     assert r.ok, r
     assert "resumed from step4" in r.outputs[0]
 
@@ -716,29 +627,9 @@ def test_retry_wrapper_relaunches_from_last_checkpoint(tmp_path):
     # 300 steps: at about 30 ms a step the first 30 took 8 s here, and step 5's checkpoint, kept
     # until step 20's replaced it, lived about 1 s: a 0.5 s poll could miss it and the run end
     # before the kill.
-    cmd = [
-        str(ROOT / "scripts" / "retry.sh"),
-        "-n",
-        "2",
-        "--",
-        *MPIRUN,
-        "-np",
-        "2",
-        "./entry_cn.sh",
-        "--steps",
-        "300",
-        "--log-interval",
-        "1",
-        "--save-interval",
-        "5",
-        "--log-dir",
-        str(tmp_path),
-    ]
-    out = open(tmp_path / "retry.log", "w+")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
+    train = "-np 2 ./entry_cn.sh --steps 300 --log-interval 1 --save-interval 5"
+    cmd = [ROOT / "scripts" / "retry.sh", "-n", 2, "--", *MPIRUN, *shlex.split(train)]
+    with running([*cmd, "--log-dir", tmp_path], tmp_path / "retry.log") as proc:
         wait_for(
             lambda: (
                 any((tmp_path / "checkpoints").glob("step*/manifest.json"))
@@ -749,11 +640,7 @@ def test_retry_wrapper_relaunches_from_last_checkpoint(tmp_path):
         )
         mpi_rank_process(tmp_path, 1).kill()
         assert proc.wait(timeout=300) == 0
-    finally:
-        if proc.poll() is None:
-            stop_group(proc)
-    out.seek(0)
-    log = out.read()
+    log = (tmp_path / "retry.log").read_text()
     assert "attempt 2 of 3" in log and "--resume" in log, log[-3000:]
     assert "resumed from step" in log
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 300
@@ -794,20 +681,10 @@ def test_ctrl_c_is_one_line_naming_the_step_and_the_checkpoint(tmp_path, launche
     args = ["--steps", 500, "--save-interval", 2, "--log-interval", 1, "--log-dir", str(run)]
     entry = [str(ROOT / "entry_cn.sh"), *map(str, args)]
     cmd = entry if launcher == "single" else [*MPIRUN, "-np", "2", *entry]
-    out = open(tmp_path / "out.log", "w+")
     # as a terminal starts its foreground job: Ctrl-C neither ignored nor blocked. CI starts these
     # tests with SIGINT ignored (as a script's background job is), and bash cannot trap a signal
     # ignored on entry, so scripts/mpirun let the run go on to its end
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=base_env(),
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=as_a_terminal_starts_it,
-    )
-    try:
+    with running(cmd, tmp_path / "out.log", terminal=True) as proc:
         # any checkpoint from step 4 on: at 2 steps a save and 3 kept, step4 lives about 0.3 s
         # (a poll every 0.5 s missed it in CI and waited for it to the end of the run)
         wait_for(
@@ -817,11 +694,7 @@ def test_ctrl_c_is_one_line_naming_the_step_and_the_checkpoint(tmp_path, launche
         )
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends the foreground group
         returncode = proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            stop_group(proc)
-    out.seek(0)
-    log = out.read()
+    log = (tmp_path / "out.log").read_text()
     said = [line for line in log.splitlines() if "interrupted at step" in line]
     assert len(said) == 1 and "Traceback" not in log, log[-3000:]
     assert re.fullmatch(

@@ -4,6 +4,7 @@ single-process PyTorch loop; resume; bad input (in-process, and once through the
 import functools
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -56,25 +57,19 @@ RECIPE = dict(
     smoothing=0.1,
     layer_decay=0.8,
 )
-RECIPE_ARGS = [
-    "--scale",
-    0.6,
-    1.0,
-    "--hflip",
-    0.5,
-    "--aa",
-    "rand-m9-mstd0.5",
-    "--reprob",
-    0.25,
-    "--mixup",
-    0.8,
-    "--cutmix",
-    1.0,
-    "--smoothing",
-    0.1,
-    "--layer-decay",
-    0.8,
-]
+RECIPE_ARGS = (
+    "--scale 0.6 1.0 --hflip 0.5 --aa rand-m9-mstd0.5 --reprob 0.25 --mixup 0.8 --cutmix 1.0 "
+    "--smoothing 0.1 --layer-decay 0.8"
+)
+
+
+def train(log_dir, args: str, *paths, nprocs: int = 2, timeout: float = 240):
+    """`nprocs` ranks of `vit.train ARGS PATHS` (ARGS as typed on a command line) for STEPS steps, a
+    loss logged at every step and no checkpoint, into log_dir; they must succeed."""
+    command = [*shlex.split(args), *paths, "--steps", STEPS, "--log-interval", 1, "--no-save"]
+    r = launch([*command, "--log-dir", log_dir], nprocs=nprocs, timeout=timeout)
+    assert r.ok, r
+    return r
 
 
 # One run per engine, each compared with the single-process loop once. The recipe is on where the
@@ -98,26 +93,9 @@ MATRIX = {
 @pytest.mark.parametrize("case", MATRIX)
 def test_two_ranks_match_single_process_reference(tmp_path, case):
     engine, config, recipe, micro_steps = MATRIX[case]
-    r = launch(
-        [
-            "--engine",
-            engine,
-            "--ds-config",
-            CONFIGS / config,
-            *(["--micro-batch-size", 16, "--grad-accum", 2] if micro_steps else []),
-            "--steps",
-            STEPS,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-            *(RECIPE_ARGS if recipe else []),
-        ],
-        nprocs=2,
-        timeout=240,
-    )
-    assert r.ok, r
+    micro = "--micro-batch-size 16 --grad-accum 2" if micro_steps else ""
+    args = f"--engine {engine} {micro} {RECIPE_ARGS if recipe else ''}"
+    train(tmp_path, args, "--ds-config", CONFIGS / config)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["global_batch"] == 64
     assert_matches_reference(tmp_path, 64, **(RECIPE if recipe else {}))
@@ -144,23 +122,7 @@ def test_compiled_engines_match_the_reference(tmp_path, engine):
     # --compile (inductor's C++ backend on CPU) fuses and reorders float work, so the losses agree
     # with the uncompiled single-process loop to a tolerance, not bit for bit: 1e-3 relative over
     # the steps (measured: equal to 4 decimals).
-    r = launch(
-        [
-            "--engine",
-            engine,
-            "--compile",
-            "--steps",
-            STEPS,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-        ],
-        nprocs=2,
-        timeout=540,
-    )
-    assert r.ok, r
+    train(tmp_path, f"--engine {engine} --compile", timeout=540)
     assert json.loads((tmp_path / "config.json").read_text())["args"]["compile"] is True
     assert_matches_reference(tmp_path, 64, rel=1e-3)
 
@@ -169,24 +131,7 @@ def test_compiled_engines_match_the_reference(tmp_path, engine):
 @pytest.mark.timeout(420)
 def test_pipe_x_data_four_ranks(tmp_path):
     # 2 stages x 2 data-parallel copies: global batch = 16 x 4 micro-batches x 2.
-    r = launch(
-        [
-            "--engine",
-            "pipeline",
-            "--pipeline-stages",
-            2,
-            "--steps",
-            STEPS,
-            "--log-interval",
-            1,
-            "--no-save",
-            "--log-dir",
-            tmp_path,
-        ],
-        nprocs=4,
-        timeout=360,
-    )
-    assert r.ok, r
+    train(tmp_path, "--engine pipeline --pipeline-stages 2", nprocs=4, timeout=360)
     assert json.loads((tmp_path / "config.json").read_text())["data_parallel_size"] == 2
     assert_matches_reference(tmp_path, 128)
 
@@ -198,17 +143,8 @@ def test_resume_continues_like_uninterrupted_run(tmp_path, engine):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     # The EMA is saved with the checkpoint: the resumed run's average ends where the uninterrupted
     # one's does.
-    common = [
-        "--engine",
-        engine,
-        "--steps",
-        8,
-        "--log-interval",
-        1,
-        "--model-ema",
-        "--model-ema-decay",
-        0.9,
-    ]
+    common = shlex.split(f"--engine {engine} --steps 8 --log-interval 1 --model-ema")
+    common += ["--model-ema-decay", 0.9]
     r = launch([*common, "--save-interval", 4, "--log-dir", full], timeout=200)
     assert r.ok, r
     assert (full / "checkpoints" / "latest").read_text().strip() == "step8"
@@ -253,44 +189,18 @@ def test_the_step_line_gives_the_time_left():
 @pytest.mark.timeout(240)
 def test_mpirun_launch_discovers_ranks(tmp_path):
     hostfile = tmp_path / "hosts.txt"
-    hostfile.write_text("localhost slots=1\n")
-    r = run_cmd(
-        [
-            *MPIRUN,
-            "-np",
-            "2",
-            "./entry_cn.sh",
-            "--steps",
-            "3",
-            "--no-save",
-            "--log-dir",
-            str(tmp_path),
-            "--hostfile",
-            str(hostfile),
-        ],
-        timeout=200,
-    )
+
+    def on_slots(slots: int):
+        hostfile.write_text(f"localhost slots={slots}\n")
+        args = shlex.split("-np 2 ./entry_cn.sh --steps 3 --no-save")
+        return run_cmd([*MPIRUN, *args, "--log-dir", tmp_path, "--hostfile", hostfile], timeout=200)
+
+    r = on_slots(1)
     assert (
         r.returncode == 2
         and "preflight: world size 2 is more than the hostfile's 1 slots" in r.stderr
     ), r.stderr
-    hostfile.write_text("localhost slots=2\n")
-    r = run_cmd(
-        [
-            *MPIRUN,
-            "-np",
-            "2",
-            "./entry_cn.sh",
-            "--steps",
-            "3",
-            "--no-save",
-            "--log-dir",
-            str(tmp_path),
-            "--hostfile",
-            str(hostfile),
-        ],
-        timeout=200,
-    )
+    r = on_slots(2)
     assert r.returncode == 0, r.stdout + r.stderr
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["launcher"] == "Open MPI" and cfg["world_size"] == 2
@@ -302,25 +212,9 @@ def test_mpirun_launch_discovers_ranks(tmp_path):
 @pytest.mark.timeout(240)
 def test_torchrun_launch(tmp_path):
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    r = run_cmd(
-        [
-            torchrun,
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "--no-python",
-            "./entry_cn.sh",
-            "--engine",
-            "ddp",
-            "--steps",
-            "3",
-            "--no-save",
-            "--log-dir",
-            str(tmp_path),
-        ],
-        timeout=200,
-    )
+    entry = shlex.split("--no-python ./entry_cn.sh --engine ddp --steps 3 --no-save")
+    cmd = [torchrun, "--nproc-per-node", 2, "--master-port", free_port(), *entry]
+    r = run_cmd([*cmd, "--log-dir", tmp_path], timeout=200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["launcher"] == "torchrun" and cfg["world_size"] == 2

@@ -13,14 +13,31 @@ COMMON = ["--steps", 6, "--log-interval", 1, "--monitor-interval", 0, "--eval-in
 EMA = ["--model-ema", "--model-ema-decay", 0.9]  # far enough from the weights in 3 steps
 
 
+@pytest.fixture(scope="module")
+def saved_zero_run(tmp_path_factory):
+    """The run of a ZeRO config (zero2, zero3) that the tests resume: 2 ranks, COMMON, checkpoints
+    at steps 3 and 6; started by the first test that asks for it (within that test's timeout),
+    shared by the next (ZeRO-3's: two tests). A resume writes into other folders."""
+    runs = {}
+
+    def saved(config: str):
+        if config not in runs:
+            first = tmp_path_factory.mktemp(config)
+            ds = ["--ds-config", f"deepspeed_configs/{config}.json"]
+            r = launch([*COMMON, *ds, "--save-interval", 3, "--log-dir", first], timeout=240)
+            assert r.ok, r
+            runs[config] = first
+        return runs[config]
+
+    return saved
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
-def test_a_zero_checkpoint_resumes_on_fewer_and_more_ranks(tmp_path, config):
-    first = tmp_path / "first"
+def test_a_zero_checkpoint_resumes_on_fewer_and_more_ranks(tmp_path, saved_zero_run, config):
+    first = saved_zero_run(config)
     ds = ["--ds-config", f"deepspeed_configs/{config}.json"]
-    r = launch([*COMMON, *ds, "--save-interval", 3, "--log-dir", first], timeout=240)
-    assert r.ok, r
     want = {s: v for s, v in train_losses(first).items() if s > 3}
     step3 = first / "checkpoints" / "step3"
     # 1 rank: 32 x 2 x 1, the global batch of 32 x 1 x 2 kept without being asked
@@ -63,18 +80,15 @@ def test_a_zero_checkpoint_resumes_on_fewer_and_more_ranks(tmp_path, config):
 
 @pytest.mark.ranks
 @pytest.mark.timeout(600)
-def test_a_zero3_resume_the_mend_does_not_fit_is_refused(tmp_path):
+def test_a_zero3_resume_the_mend_does_not_fit_is_refused(tmp_path, saved_zero_run):
     """vit.engines.zero.engine's checks before it mends DeepSpeed's ZeRO-3 universal load: this
     run's parameter groups against the checkpoint's (another --layer-decay: another number of
     groups; another --weight-decay: the same number, other values), and the DeepSpeed release
     against the ones the mend was verified on. Each: one line on rank 0, exit 2. Before: another
     --weight-decay trained on with the checkpoint's (exit 0); another --layer-decay stopped at step
     0 with torch's LR scheduler's "zip() argument 2 is shorter than argument 1" (exit 1)."""
-    first = tmp_path / "first"
     ds = ["--ds-config", "deepspeed_configs/zero3.json"]
-    r = launch([*COMMON, *ds, "--save-interval", 3, "--log-dir", first], timeout=240)
-    assert r.ok, r
-    step3 = first / "checkpoints" / "step3"
+    step3 = saved_zero_run("zero3") / "checkpoints" / "step3"
     at = "checkpoint step3, loaded through DeepSpeed's universal checkpoint: "
     for case, (extra, env, said) in enumerate(
         [

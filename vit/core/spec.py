@@ -6,6 +6,7 @@ model, the planner, the reports and the benchmarks ask the spec, never an engine
 torch."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from vit.core.costs import (
     CUBLAS_BYTES,
@@ -33,26 +34,14 @@ HALF_WIRES = ("fp16", "bf16", "comm-bf16")  # compressions that send gradients i
 class EngineSpec:
     name: str  # --engine
     module: str  # the module whose build(ctx) makes it (torch is imported there, not here)
-    pipeline: bool  # cuts the layer list into --pipeline-stages stages, each rank holding one
-    # a DeepSpeed engine: its JSON's ZeRO and communication_data_type sections apply
-    deepspeed: bool
-    # the ZeRO stage it always runs at (0: no ZeRO sharding); None: the DeepSpeed JSON's
-    zero_stage: int | None
     # JSON zero_optimization.stage values it runs with; another is refused by a pipeline, ignored
     # with a warning by an engine without ZeRO
     zero_stages: tuple[int, ...]
-    fp16: bool  # has an fp16 loss scaler (else it trains in bf16 or fp32)
-    freeze: bool  # --freeze can rebuild it on a longer frozen prefix
-    # 1F1B without a flush: --async-update-interval, --weight-stashing, --weight-prediction and
-    # --pipe-wire-dtype apply
-    async_schedule: bool
-    # --micro-batch-size auto can measure it (every rank holding the whole model)
-    micro_batch_auto: bool
     default_ds_config: str  # under deepspeed_configs/, when no --ds-config is given
+    fp16: bool = False  # has an fp16 loss scaler (else it trains in bf16 or fp32)
+    freeze: bool = False  # --freeze can rebuild it on a longer frozen prefix
     # --comm-hook: torch's DDP communication hooks compress its gradient all-reduce
-    comm_hooks: bool
-    # trains fp32 weights under torch.autocast (else the model is cast to the half dtype)
-    autocast: bool
+    comm_hooks: bool = False
     # workers take local steps between syncs: --sync-every and the --outer-* options apply
     local_steps: bool = False
     # engines whose sharded ZeRO checkpoints (stage 1 to 3, no pipeline) it resumes, through
@@ -63,6 +52,24 @@ class EngineSpec:
     # ... and with other stages or data-parallel ranks where it holds ZeRO state (stage 1 and up),
     # through DeepSpeed's universal checkpoint
     restages_universal: bool = False
+
+    # What its family answers for it, so that no engine declares a flag against its shape: the
+    # step's (vit.engines.step_cost: DataParallelSpec, PipelinedSpec) and DeepSpeed's
+    # (vit.engines.deepspeed: DeepSpeedSpec).
+    #
+    # cuts the layer list into --pipeline-stages stages, each rank holding one
+    pipeline: ClassVar[bool]
+    # --micro-batch-size auto can measure it (every rank holding the whole model)
+    micro_batch_auto: ClassVar[bool]
+    # 1F1B without a flush: --async-update-interval, --weight-stashing, --weight-prediction and
+    # --pipe-wire-dtype apply
+    async_schedule: ClassVar[bool] = False
+    # a DeepSpeed engine: its JSON's ZeRO and communication_data_type sections apply
+    deepspeed: ClassVar[bool] = False
+    # the ZeRO stage it always runs at (0: no ZeRO sharding); None: the DeepSpeed JSON's
+    zero_stage: ClassVar[int | None] = 0
+    # trains fp32 weights under torch.autocast (else the model is cast to the half dtype)
+    autocast: ClassVar[bool] = True
 
     # --- the options and precisions it takes
 

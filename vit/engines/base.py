@@ -100,6 +100,11 @@ class Engine(ABC):
             return None
         return state if state is not None else self.live_module().state_dict()
 
+    def next_on_device(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next micro-batch on the device, copied without waiting (pinned memory on a GPU)."""
+        x, y = next(batches)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
     @abstractmethod
     def train_step(self, batches: Iterator) -> torch.Tensor:
         """One optimizer step over grad_accum micro-batches; this rank's share of the loss (no host

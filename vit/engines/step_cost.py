@@ -38,6 +38,9 @@ def autocast_state(precision: str) -> dict[str, float]:
 class DataParallelSpec(EngineSpec):
     """Every rank holds the model and trains its share of the global batch."""
 
+    pipeline = False
+    micro_batch_auto = True
+
     def link_s(
         self,
         c: Candidate,
@@ -79,10 +82,17 @@ class PipelinedSpec(EngineSpec):
     """Stages of contiguous layers, each on ranks // stages data-parallel copies, under 1F1B over m
     = grad_accum micro-batches."""
 
+    pipeline = True
+    micro_batch_auto = False
+
     def flushes(self) -> bool:
         """Whether every step fills and drains the pipeline (DeepSpeed's 1F1B), or micro-batches
         stay in flight across steps (PipeDream-2BW: no flush, no bubble)."""
         return True
+
+    @property
+    def async_schedule(self) -> bool:
+        return not self.flushes()
 
     def bubble_slots(self, stages):
         return stages - 1 if self.flushes() else 0
@@ -106,34 +116,6 @@ class PipelinedSpec(EngineSpec):
         """The stages' all-reduce among data-parallel copies, as a multiple of a plain one."""
         return 1.0
 
-    def stage_transfer_s(
-        self,
-        c: Candidate,
-        ranks: list[Rank],
-        net: Network,
-        work: Workload,
-        calib: Calibration,
-        s: int,
-        i: int,
-        j: int,
-    ) -> float:
-        """Seconds per micro-batch stage s's link is busy: it sends its activations on (after layer
-        j-1) and its input's gradients back (the output of layer i-1), and receives as much (full
-        duplex: the two directions overlap), plus latency and message_s per message; the slowest of
-        the data-parallel copies."""
-        dp, per = len(ranks) // c.stages, self.wire_bytes_per_elem(work.precision, c.compression)
-        worst = 0.0
-        for d in range(dp):
-            here, busy = ranks[s * dp + d].host, 0.0
-            for k, layer in ((s - 1, i - 1), (s + 1, j - 1)):
-                if 0 <= k < c.stages:
-                    peer = ranks[k * dp + d].host
-                    busy += p2p_s(
-                        c.micro_batch * work.layers[layer].out_elems * per, here, peer, net, calib
-                    )
-            worst = max(worst, busy)
-        return worst
-
     def stage_time_s(
         self,
         c: Candidate,
@@ -145,17 +127,30 @@ class PipelinedSpec(EngineSpec):
         i: int,
         j: int,
     ) -> tuple[float, float]:
-        """(compute, transfer) seconds per micro-batch of stage s holding layers i..j-1: its slowest
-        rank's forward and backward with the engine's cost per micro-batch (its instructions: the
-        stage's own CPU time, which the link can hide as it hides compute), and its link's
-        (stage_transfer_s)."""
-        dp = len(ranks) // c.stages
+        """(compute, transfer) seconds per micro-batch of stage s holding layers i..j-1. compute:
+        its slowest rank's forward and backward with the engine's cost per micro-batch (its
+        instructions: the stage's own CPU time, which the link can hide as it hides compute).
+        transfer: how long its link is busy: it sends its activations on (after layer j-1) and its
+        input's gradients back (the output of layer i-1), and receives as much (full duplex: the two
+        directions overlap), plus latency and message_s per message; the slowest of the
+        data-parallel copies."""
+        dp, per = len(ranks) // c.stages, self.wire_bytes_per_elem(work.precision, c.compression)
         compute = max(
             c.micro_batch * (sum(r.fwd_s[i:j]) + sum(r.bwd_s[i:j]))
             for r in ranks[s * dp : (s + 1) * dp]
         )
         compute += calib.micro_of(self.calibration_key(c), self.key(c.zero_stage))
-        return compute, self.stage_transfer_s(c, ranks, net, work, calib, s, i, j)
+        transfer = 0.0
+        for d in range(dp):
+            here, busy = ranks[s * dp + d].host, 0.0
+            for k, layer in ((s - 1, i - 1), (s + 1, j - 1)):
+                if 0 <= k < c.stages:
+                    peer = ranks[k * dp + d].host
+                    busy += p2p_s(
+                        c.micro_batch * work.layers[layer].out_elems * per, here, peer, net, calib
+                    )
+            transfer = max(transfer, busy)
+        return compute, transfer
 
     def busy_slots(self, c: Candidate, ranks: list[Rank]) -> float:
         """How many whole slots a step's compute costs. Layer times are measured with every rank

@@ -32,16 +32,7 @@ class AsyncPipelineSpec(PipelinedSpec):
 SPEC = AsyncPipelineSpec(
     "async-pipeline",
     "vit.engines.async_pipeline.engine",
-    pipeline=True,
-    deepspeed=False,
-    zero_stage=0,
     zero_stages=(0, 1),
-    fp16=False,
-    freeze=False,
-    async_schedule=True,
-    micro_batch_auto=False,
     default_ds_config="pipeline.json",
-    comm_hooks=False,
-    autocast=True,
     restages=True,
 )

@@ -68,16 +68,10 @@ class DDPSpec(DataParallelSpec):
 SPEC = DDPSpec(
     "ddp",
     "vit.engines.ddp.engine",
-    pipeline=False,
-    deepspeed=False,
-    zero_stage=0,
     zero_stages=(0,),
     fp16=True,
     freeze=True,
-    async_schedule=False,
-    micro_batch_auto=True,
     default_ds_config="zero0.json",
     comm_hooks=True,
-    autocast=True,
     resumes_zero_of=("zero",),
 )

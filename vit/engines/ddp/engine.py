@@ -82,8 +82,7 @@ class DDPEngine(Engine):
         total, t = 0.0, self.timer
         t.start()
         for j in range(self.grad_accum):
-            x, y = next(batches)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            x, y = self.next_on_device(batches)
             t.lap("data_s")
             if self.comm_hook.unprimed:  # a resumed PowerSGD state: see vit.engines.ddp.comm_hooks
                 self.comm_hook.prime(self.model, x)

@@ -25,6 +25,10 @@ def _json(name: str) -> str:
 
 
 class DeepSpeedSpec(EngineSpec):
+    deepspeed = True
+    zero_stage = None  # the JSON's
+    autocast = False  # DeepSpeed casts the model to the half dtype
+
     def default_config(self, zero_stage):
         """Its default JSON with zero_optimization.stage set (what the memory rules read: buckets,
         gradient accumulation dtype)."""

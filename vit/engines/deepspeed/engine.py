@@ -8,8 +8,14 @@ import torch
 import torch.distributed as dist
 
 import vit.engines.deepspeed as deepspeed_specs
-from vit.engines.base import Engine, ScalerStats
-from vit.loop.optim import adam_state, move_schedule, put_adam_state, schedule_position
+from vit.engines.base import Engine, EngineContext, ScalerStats
+from vit.loop.optim import (
+    adam_state,
+    make_scheduler,
+    move_schedule,
+    put_adam_state,
+    schedule_position,
+)
 
 
 def deepspeed_comm() -> None:
@@ -20,10 +26,37 @@ def deepspeed_comm() -> None:
 
 
 class DeepSpeedEngine(Engine):
-    """A subclass sets ds_engine (the DeepSpeedEngine or PipelineEngine that deepspeed.initialize
-    returned) and optimizer."""
+    """A subclass builds its module and optimizer and hands them to initialize(), which sets
+    ds_engine (the DeepSpeedEngine or PipelineEngine that deepspeed.initialize returned)."""
 
     _in_a_row, _skipped = 0, None
+
+    def initialize(self, ctx: EngineContext, module, optimizer) -> None:
+        """deepspeed.initialize over `module` (an nn.Module, or a PipelineModule: this rank's stage)
+        with our optimizer, its LR schedule and the JSON; sets ds_engine, optimizer, scheduler and
+        device."""
+        import deepspeed
+        from deepspeed.checkpoint.constants import (
+            UNIVERSAL_CHECKPOINT_VERSION_KEY,
+            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        )
+
+        scheduler = make_scheduler(optimizer, ctx.optim, ctx.total_steps)
+        # what DeepSpeed's ds_to_universal needs in a checkpoint to convert it to other ranks or
+        # stages (saved by save_checkpoint from this module attribute)
+        module.universal_checkpoint_info = {
+            UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE
+        }
+        self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=module,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=ctx.ds_config,
+            dist_init_required=False,
+        )
+        if ctx.compile:
+            self.ds_engine.compile()  # PipelineModule.compile: each layer of this stage
+        self.device = self.ds_engine.device
 
     def scaler(self, logging):
         """DeepSpeed counts its skipped steps on the host (its step reads the overflow flag there):

@@ -89,16 +89,7 @@ class DiLoCoSpec(DataParallelSpec):
 SPEC = DiLoCoSpec(
     "diloco",
     "vit.engines.diloco.engine",
-    pipeline=False,
-    deepspeed=False,
-    zero_stage=0,
     zero_stages=(0,),
-    fp16=False,
-    freeze=False,
-    async_schedule=False,
-    micro_batch_auto=True,
     default_ds_config="zero0.json",
-    comm_hooks=False,
-    autocast=True,
     local_steps=True,
 )

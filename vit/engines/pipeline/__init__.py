@@ -18,16 +18,9 @@ class PipelineSpec(DeepSpeedSpec, PipelinedSpec):
 SPEC = PipelineSpec(
     "pipeline",
     "vit.engines.pipeline.engine",
-    pipeline=True,
-    deepspeed=True,
-    zero_stage=None,
     zero_stages=(0, 1),
     fp16=True,
     freeze=True,
-    async_schedule=False,
-    micro_batch_auto=False,
     default_ds_config="pipeline.json",
-    comm_hooks=False,
-    autocast=False,
     restages_universal=True,
 )

@@ -1,17 +1,14 @@
 """DeepSpeed pipeline parallelism: the layer list cut into --pipeline-stages stages, and data
 parallelism across the copies of the pipeline when the world size is a multiple of the stages."""
 
-import deepspeed
 import torch.distributed as dist
-from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_VERSION_KEY
-from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_VERSION_VALUE as UNIVERSAL_VERSION
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 
 from vit.core.layout import Layout
 from vit.engines.base import EngineContext, StagedEngine
 from vit.engines.deepspeed.engine import DeepSpeedEngine, deepspeed_comm
-from vit.loop.optim import make_optimizer, make_scheduler
+from vit.loop.optim import make_optimizer
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
 from vit.runtime.dist_env import destroy_groups
@@ -76,19 +73,7 @@ class PipelineEngine(StagedEngine, DeepSpeedEngine):
             partition_method=ctx.partition,
         )
         opt = make_optimizer(module, ctx.optim, num_layers=len(ctx.layers), device=ctx.device)
-        sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
-        # what DeepSpeed's ds_to_universal needs to convert a checkpoint to other stages or ranks
-        module.universal_checkpoint_info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_VERSION}
-        self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=module,
-            optimizer=opt,
-            lr_scheduler=sched,
-            config=ctx.ds_config,
-            dist_init_required=False,
-        )
-        if ctx.compile:
-            self.ds_engine.compile()  # PipelineModule.compile: each layer of this stage
-        self.device = self.ds_engine.device
+        self.initialize(ctx, module, opt)
         grid = self.ds_engine.grid
         self.dp_rank, self.dp_size = grid.data_parallel_id, grid.data_parallel_size
         # Only the first stage reads images and only the last reads labels; the middle reads

@@ -46,15 +46,8 @@ class ZeroSpec(DeepSpeedSpec, DataParallelSpec):
 SPEC = ZeroSpec(
     "zero",
     "vit.engines.zero.engine",
-    pipeline=False,
-    deepspeed=True,
-    zero_stage=None,
     zero_stages=(0, 1, 2, 3),
     fp16=True,
     freeze=True,
-    async_schedule=False,
-    micro_batch_auto=True,
     default_ds_config="zero2.json",
-    comm_hooks=False,
-    autocast=False,
 )

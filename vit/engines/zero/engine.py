@@ -5,16 +5,12 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_VERSION_KEY
-from deepspeed.checkpoint.constants import (
-    UNIVERSAL_CHECKPOINT_VERSION_VALUE as UNIVERSAL_VERSION,
-)
 from torch import nn
 
 from vit.core.errors import ConfigError
 from vit.engines.base import EngineContext
 from vit.engines.deepspeed.engine import DeepSpeedEngine, deepspeed_comm
-from vit.loop.optim import make_optimizer, make_scheduler
+from vit.loop.optim import make_optimizer
 from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
 
@@ -40,20 +36,7 @@ class ZeroEngine(DeepSpeedEngine):
             num_layers=len(ctx.layers),
             device=ctx.device,
         )
-        sched = make_scheduler(opt, ctx.optim, ctx.total_steps)
-        # what DeepSpeed's ds_to_universal needs in a checkpoint to convert it to another number of
-        # ranks (saved by save_checkpoint from this module attribute)
-        model.universal_checkpoint_info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_VERSION}
-        self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model,
-            optimizer=opt,
-            lr_scheduler=sched,
-            config=ctx.ds_config,
-            dist_init_required=False,
-        )
-        if ctx.compile:
-            self.ds_engine.compile()
-        self.device = self.ds_engine.device
+        self.initialize(ctx, model, opt)
         self.grad_accum, self.loss_weight = ctx.batch.grad_accum, ctx.loss_weight
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.timer = PhaseTimer(self.device)
@@ -63,8 +46,7 @@ class ZeroEngine(DeepSpeedEngine):
         total, t = 0.0, self.timer
         t.start()
         for _ in range(self.grad_accum):
-            x, y = next(batches)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            x, y = self.next_on_device(batches)
             t.lap("data_s")
             # Weighted by this rank's share, so the average over ranks is the global batch's mean
             # loss.
