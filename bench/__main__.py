@@ -20,7 +20,7 @@ from bench import (
     train,
     transfer,
 )
-from vit.config.cli import HelpFormatter
+from vit.run.cli import HelpFormatter
 from vit.train import prepare_environment
 
 MODULES = (

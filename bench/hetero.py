@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from bench.common import failure_tail, median_step_s, mpirun_train, publish
-from vit.config.cli import defaults
 from vit.core.errors import ConfigError
 from vit.core.settings import positive_int
 from vit.engines.registry import spec
 from vit.planner.cli import CALIBRATION, calibration
+from vit.run.cli import defaults
 from vit.runtime import slowdown
 
 MIXED_RUNS = [  # (row name, vit.train options)
@@ -177,10 +177,10 @@ def grad_max_per_step(a) -> tuple[list[float], float]:
     the parameters and the layer outputs; and the --loss-scale auto probe's value at step 0."""
     from vit.data.datasets import load_dataset
     from vit.data.sampling import TrainBatches, make_loader
-    from vit.loop.optim import make_optimizer, make_scheduler
-    from vit.loop.reference import train_step
     from vit.model.layers import build_layers, model_shape
     from vit.planner.loss_scale import GradPeak, probe_grad_max
+    from vit.training.optim import make_optimizer, make_scheduler
+    from vit.training.reference import train_step
 
     s = defaults().with_(model=a.model, dataset=a.dataset)
     seed = s.train.seed
@@ -237,9 +237,9 @@ def skipped_steps(peaks: list[float], power: int) -> int:
 def lossscale(a) -> int:
     import torch.distributed as dist
 
-    from vit.config.ds_config import DEFAULT_FP16_SCALE_POWER
     from vit.engines.deepspeed.engine import deepspeed_comm
     from vit.planner.loss_scale import scale_power
+    from vit.run.ds_config import DEFAULT_FP16_SCALE_POWER
 
     # the loss scaler logs through torch.distributed's rank
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """images/s, step time, peak memory and MFU of each engine (real mpirun runs of vit.train) and their
-ratio to a plain single-process PyTorch loop (vit.loop.reference.train_step), at one global batch.
-"""
+ratio to a plain single-process PyTorch loop (vit.training.reference.train_step), at one global
+batch."""
 
 import json
 import os
@@ -27,13 +27,13 @@ from bench.common import (
     total_peak_tflops,
 )
 from bench.runs import CONFIGS, RUN_ENGINES, RUNS, engine_options
-from vit.config.cli import defaults
 from vit.core.errors import ConfigError
 from vit.core.settings import positive_int
-from vit.loop.optim import make_optimizer, make_scheduler
-from vit.loop.reference import train_step
 from vit.model.layers import PRESETS, build_layers, check_model, model_shape
+from vit.run.cli import defaults
 from vit.telemetry.metrics import peak_mem_gib
+from vit.training.optim import make_optimizer, make_scheduler
+from vit.training.reference import train_step
 
 
 def run_reference(a, dev: torch.device) -> dict:

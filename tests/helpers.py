@@ -272,11 +272,11 @@ def run_cmd(cmd, timeout: float = 240, env=None, cwd=ROOT) -> subprocess.Complet
 
 def plan_in_process(monkeypatch, argv, world_size: int = 1):
     """What `vit.train ARGV` plans before any process group starts, in this process: its settings
-    (vit.config.cli.parse) and plan (vit.config.plan.make_plan) as rank 0 of `world_size` ranks,
+    (vit.run.cli.parse) and plan (vit.run.plan.make_plan) as rank 0 of `world_size` ranks,
     with rank 0's address given as a launcher gives it. A ConfigError here is what the run reports
     in one line with exit 2 (vit.train.main)."""
-    from vit.config.cli import parse
-    from vit.config.plan import make_plan
+    from vit.run.cli import parse
+    from vit.run.plan import make_plan
     from vit.runtime.dist_env import Job
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -1,5 +1,5 @@
 """The design's rules that a reading of one module cannot see: outside vit/engines/ and
-vit/config/compat.py no code branches on an engine's name; it asks the engine's spec
+vit/run/compat.py no code branches on an engine's name; it asks the engine's spec
 (vit.engines.registry)."""
 
 import ast
@@ -17,12 +17,12 @@ from vit.engines.registry import NAMES, SPECS
 
 # as --engine and as a module name
 ENGINE_NAMES = frozenset(NAMES) | {n.replace("-", "_") for n in NAMES}
-MAY_NAME_ENGINES = ("vit/engines/", "vit/config/compat.py")
+MAY_NAME_ENGINES = ("vit/engines/", "vit/run/compat.py")
 # Literals equal to an engine name that are not a dispatch on --engine, each with why.
 NOT_DISPATCH = {
     ("bench/async_pipeline.py", "async-pipeline"): "the bench command and its table row named "
     "after what they measure",
-    ("vit/config/ds_schema.py", "pipeline"): "DeepSpeed's own JSON section 'pipeline'",
+    ("vit/run/ds_schema.py", "pipeline"): "DeepSpeed's own JSON section 'pipeline'",
 }
 
 
@@ -86,7 +86,7 @@ def test_no_module_outside_the_engines_and_the_compatibility_table_branches_on_a
         "an exception no longer needed: remove it from NOT_DISPATCH"
     )
     assert not offences, (
-        "engine names branched on outside vit/engines/ and vit/config/compat.py; "
+        "engine names branched on outside vit/engines/ and vit/run/compat.py; "
         "ask the engine's "
         "spec (vit.engines.registry) instead:\n" + "\n".join(offences)
     )
@@ -128,8 +128,8 @@ def test_the_registry_and_the_compatibility_table_load_without_torch():
         [
             sys.executable,
             "-c",
-            "import sys, vit.engines, vit.config.compat, "
-            "vit.config.cli; "
+            "import sys, vit.engines, vit.run.compat, "
+            "vit.run.cli; "
             "from vit.engines import build; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', "
             "'deepspeed')))",

@@ -33,13 +33,13 @@ from helpers import (
 )
 from torch.func import functional_call
 
-from vit.config.cli import defaults, parse
 from vit.core.errors import ConfigError
 from vit.data.augment import train_batches
 from vit.data.datasets import load_dataset
-from vit.loop.optim import make_optimizer, make_scheduler
-from vit.loop.reference import reference_losses
 from vit.model.layers import build_layers, loss_fn, model_shape
+from vit.run.cli import defaults, parse
+from vit.training.optim import make_optimizer, make_scheduler
+from vit.training.reference import reference_losses
 
 STEPS, MICRO, ACCUM, CLIP = 8, 16, 4, 1.0  # deepspeed_configs/pipeline.json: 16 x 4, clipping 1.0
 

@@ -8,15 +8,15 @@ import sys
 import pytest
 from helpers import gloo_pair, launch, plan_in_process, run_cmd, train_losses
 
-from vit.config.cli import parse
-from vit.config.compat import PROVISIONAL, auto_allowed
-from vit.config.plan import with_auto_choice
+from vit.checkpoints.checkpoint import MANIFEST_KEYS
 from vit.core.costs import Candidate, Network
 from vit.core.errors import ConfigError
 from vit.core.paths import ROOT
 from vit.engines.registry import spec
-from vit.loop.checkpoint import MANIFEST_KEYS
 from vit.planner import auto, links
+from vit.run.cli import parse
+from vit.run.compat import PROVISIONAL, auto_allowed
+from vit.run.plan import with_auto_choice
 
 
 @pytest.mark.parametrize(

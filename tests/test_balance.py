@@ -125,8 +125,8 @@ def test_a_split_that_fits_nowhere_is_refused_in_one_line():
 
 
 def test_the_runs_pipeline_is_the_candidate_only_when_balanced_is_asked_for(monkeypatch):
-    from vit.config.cli import parse
-    from vit.config.plan import make_plan
+    from vit.run.cli import parse
+    from vit.run.plan import make_plan
     from vit.runtime.dist_env import Job
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -5,8 +5,8 @@ exactly; bad combinations are one line before any process group."""
 import pytest
 from helpers import launch, plan_in_process, train_losses
 
-from vit.config.cli import parse
 from vit.core.errors import ConfigError
+from vit.run.cli import parse
 
 STEPS, START = 8, 3  # PowerSGD compresses from step START + 1 on
 COMMON = ["--engine", "ddp", "--steps", STEPS, "--log-interval", 1]

@@ -232,9 +232,9 @@ RECIPE = dict(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dp,ga,workers", [(2, 2, 0), (4, 1, 2)])
 def test_augmented_mixed_global_batch_is_the_same_for_any_width_and_workers(dp, ga, workers):
-    from vit.config.cli import defaults
     from vit.data.augment import train_batches
     from vit.data.datasets import load_digits
+    from vit.run.cli import defaults
 
     data, r, steps, g = load_digits(), defaults().with_(**RECIPE).recipe, 3, 32
     # the whole global batches, as the single-process reference draws them
@@ -277,9 +277,9 @@ def test_an_augmented_batch_is_its_samples_and_leaves_the_callers_generators_alo
     augmentation)."""
     import random
 
-    from vit.config.cli import defaults
     from vit.data.augment import train_dataset
     from vit.data.datasets import load_digits
+    from vit.run.cli import defaults
 
     data = load_digits()
     ds, keyed = train_dataset(
@@ -320,9 +320,9 @@ def test_a_labels_only_rank_gets_the_same_labels_and_mixed_targets_without_readi
     images of the right shape."""
     from dataclasses import replace
 
-    from vit.config.cli import defaults
     from vit.data.augment import train_batches, without_images
     from vit.data.datasets import load_digits
+    from vit.run.cli import defaults
 
     data, r = load_digits(), defaults().with_(**RECIPE).recipe
     order = dict(micro_batch=8, grad_accum=2, dp_rank=1, dp_size=2, start_step=0, end_step=3)
@@ -367,9 +367,9 @@ def test_samples_the_freeze_cache_holds_are_not_read():
     the rest as before, in the same batches."""
     from dataclasses import replace
 
-    from vit.config.cli import defaults
     from vit.data.augment import train_batches
     from vit.data.datasets import load_digits
+    from vit.run.cli import defaults
 
     data, r = load_digits(), defaults().with_(no_aug=True).recipe
     counting = _Counting(data.train)

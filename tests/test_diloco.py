@@ -14,7 +14,6 @@ import torch
 from helpers import assert_losses, gloo_pair, launch, plan_in_process, train_losses
 from torch import nn
 
-from vit.config.cli import defaults, parse
 from vit.core.errors import ConfigError
 from vit.core.settings import WEIGHTINGS
 from vit.core.speeds import local_steps
@@ -22,9 +21,10 @@ from vit.data.augment import train_batches
 from vit.data.datasets import load_dataset
 from vit.engines.diloco.engine import fragment_bounds, worker_weight
 from vit.engines.diloco.wire import BLOCK, compress, decompress
-from vit.loop.optim import make_optimizer, make_scheduler
-from vit.loop.reference import train_step
 from vit.model.layers import build_layers, loss_fn, model_shape
+from vit.run.cli import defaults, parse
+from vit.training.optim import make_optimizer, make_scheduler
+from vit.training.reference import train_step
 
 GLOBAL_BATCH, CLIP = 64, 1.0  # the default job's global batch; zero0.json's gradient clipping
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from vit.config.ds_config import precision_of, resolve
 from vit.core.errors import ConfigError
 from vit.core.settings import ParallelSettings
+from vit.run.ds_config import precision_of, resolve
 
 
 def resolve_file(tmp_path, **cfg):

@@ -20,7 +20,6 @@ from helpers import (
 )
 from torch import nn
 
-from vit.config.cli import defaults, parse
 from vit.core.errors import ConfigError
 from vit.core.layout import Layout
 from vit.freeze import activation_cache
@@ -29,9 +28,10 @@ from vit.freeze.freezer import Freezer, freeze_prefix
 from vit.freeze.measures import WeightMoves, changes
 from vit.freeze.replan import replan
 from vit.freeze.rules import by_measure, next_measure, scheduled
-from vit.loop.reference import reference_losses
 from vit.model.layers import build_layers
 from vit.planner import stages
+from vit.run.cli import defaults, parse
+from vit.training.reference import reference_losses
 
 # vit_digits on the digits: 22 steps per epoch at a global batch of 64, so 0.1 epochs is a freeze
 # point every 2 steps; 5 freezable layers (embedding, 4 blocks) and alpha 1/3 freeze 2, 3, 4, 5 of

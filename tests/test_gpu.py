@@ -11,12 +11,12 @@ import pytest
 import torch
 from helpers import ROOT, launch, plugin_env, run_cmd
 
-from vit.config.cli import parse
-from vit.config.compat import check_precision
-from vit.config.plan import make_plan
 from vit.core.errors import ConfigError
 from vit.engines.registry import spec
 from vit.planner import census
+from vit.run.cli import parse
+from vit.run.compat import check_precision
+from vit.run.plan import make_plan
 from vit.runtime import dist_env, gpu
 from vit.runtime.dist_env import Job
 from vit.runtime.precision import choose

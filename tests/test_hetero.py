@@ -20,15 +20,15 @@ from helpers import (
     train_losses,
 )
 
-from vit.config.cli import defaults
 from vit.core.costs import CUBLAS_BYTES, NCCL_BYTES
 from vit.core.errors import ConfigError
 from vit.data.sampling import TrainBatches
 from vit.engines.registry import spec
-from vit.loop.reference import reference_losses
 from vit.planner import batch_split, census, loss_scale, stages
+from vit.run.cli import defaults
 from vit.runtime import slowdown
 from vit.runtime.precision import choose
+from vit.training.reference import reference_losses
 
 
 def brute_force_split(

@@ -124,7 +124,7 @@ def test_the_graph_sees_imports_inside_functions():
     }
     graph = import_graph()
     assert {"vit.engines", "vit.freeze.activation_cache"} <= graph["vit.trainer"]
-    assert "vit.config.cli" in graph["vit.train"]
+    assert "vit.run.cli" in graph["vit.train"]
     assert "bench.common" in graph["bench.train"]
 
 
@@ -161,12 +161,13 @@ LAYERS = (
     "data",
     "model",
     "telemetry",
-    "loop",
+    "training",
+    "checkpoints",
     "engines",
     "planner",
     "freeze",
     "reports",
-    "config",
+    "run",
     "trainer",
     "train",
 )
@@ -199,8 +200,8 @@ def test_the_layer_check_sees_an_import_that_goes_up():
     graph = {
         "vit.core.a": {"vit.runtime.b"},
         "vit.runtime.b": {"vit.core.a"},
-        "vit.train": {"vit.loop.c"},
-        "vit.loop.c": set(),
+        "vit.train": {"vit.training.c"},
+        "vit.training.c": set(),
         "vit.x.d": {"vit.core.a"},
         "vit": set(),
     }

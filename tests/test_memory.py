@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers import launch, plugin_env
 
-from vit.config.cli import parse
-from vit.config.plan import make_plan
 from vit.planner import fit, oom
 from vit.planner import memory as footprint
+from vit.run.cli import parse
+from vit.run.plan import make_plan
 from vit.runtime.dist_env import Job
 from vit.train import out_of_memory
 

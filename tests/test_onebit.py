@@ -10,10 +10,10 @@ import json
 import pytest
 from helpers import plan_in_process
 
-from vit.config.cli import parse
-from vit.config.ds_config import resolve
 from vit.core.errors import ConfigError
 from vit.core.settings import ParallelSettings
+from vit.run.cli import parse
+from vit.run.ds_config import resolve
 
 ALTERNATIVES = (
     "for smaller gradients use --engine ddp --comm-hook fp16, bf16 or powersgd, or "

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vit.loop.optim import warmup_cosine
+from vit.training.optim import warmup_cosine
 
 
 def test_warmup_then_cosine():
@@ -15,8 +15,8 @@ def test_layer_decay_scales_each_layer_of_the_list_as_timm_does():
     from timm.optim import param_groups_layer_decay
     from torch import nn
 
-    from vit.loop.optim import param_groups
     from vit.model.layers import create_vit, to_layers
+    from vit.training.optim import param_groups
 
     vit = create_vit("vit_digits", num_classes=10, in_chans=1)
     ours = param_groups(nn.Sequential(*to_layers(vit)), 0.05, lr=1.0, layer_decay=0.5, num_layers=6)
@@ -38,7 +38,7 @@ def test_fused_adamw_is_the_default_on_cuda_only():
     import torch
 
     from vit.core.settings import OptimSettings
-    from vit.loop.optim import make_optimizer, use_fused
+    from vit.training.optim import make_optimizer, use_fused
 
     assert use_fused(OptimSettings(), "cuda") and not use_fused(OptimSettings(), "cpu")
     assert use_fused(OptimSettings(fused_adam=True), "cpu")

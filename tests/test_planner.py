@@ -377,7 +377,7 @@ CENSUS_RANK = {
 
 
 def write_run(tmp_path, block_ms=(1.6, 3.2), hosts=("h0", "h1")):
-    """cluster.json and config.json as vit.config.records.start_record writes them (write_json)."""
+    """cluster.json and config.json as vit.run.records.start_record writes them (write_json)."""
     census = [{**CENSUS_RANK, "host": h, "block_ms": b} for h, b in zip(hosts, block_ms)]
     write_json(
         str(tmp_path / "cluster.json"),

@@ -11,8 +11,8 @@ import matplotlib.pyplot as plt
 import pytest
 from helpers import ROOT, base_env, launch, plugin_env, run_cmd
 
-from vit.config.cli import parser
 from vit.reports import charts, runlogs
+from vit.run.cli import parser
 
 pytestmark = pytest.mark.ranks  # every test here starts processes
 

@@ -25,7 +25,7 @@ def test_hostfile_slots(tmp_path):
 )
 def test_a_hostfile_without_hosts_or_with_bad_slots_is_one_line(tmp_path, text, message):
     """Each one line before any process group (the run's exit 2), not a traceback on every rank."""
-    from vit.config.cli import parse
+    from vit.run.cli import parse
 
     hf = tmp_path / "hosts.txt"
     hf.write_text(text)

@@ -276,7 +276,7 @@ def test_manifest_without_a_key_is_a_damaged_checkpoint(zero_run, tmp_path, key)
 
 
 def refusal(monkeypatch, args, world_size: int = 1) -> str:
-    """The one line vit.train refuses `args` with before any process group (vit.config.plan,
+    """The one line vit.train refuses `args` with before any process group (vit.run.plan,
     in-process; test_train.py runs one such refusal through the entry point: exit 2, that line)."""
     with pytest.raises(ConfigError) as e:
         plan_in_process(monkeypatch, args, world_size)
@@ -310,8 +310,8 @@ def test_resume_under_incompatible_layout_is_refused(
 
 
 def test_resume_with_other_pipeline_stages_is_refused(tmp_path, monkeypatch):
-    # A complete pipeline checkpoint's manifest, as vit.loop.checkpoint writes it (files list empty:
-    # the layout check reads the manifest only, before any process group starts).
+    # A complete pipeline checkpoint's manifest, as vit.checkpoints.checkpoint writes it (files list
+    # empty: the layout check reads the manifest only, before any process group starts).
     tag = tmp_path / "step10"
     tag.mkdir()
     (tag / "manifest.json").write_text(
@@ -346,13 +346,13 @@ def test_resume_with_other_pipeline_stages_is_refused(tmp_path, monkeypatch):
 
 
 def test_the_ema_is_taken_by_name_from_any_ranks_file_or_refused_in_one_line(tmp_path, monkeypatch):
-    """vit.loop.checkpoint.load_ema, in-process: this rank's layers from whichever rank's file holds
-    them (the runs that resume on other ranks and stages: test_universal.py); one line where the
-    checkpoint cannot give them."""
+    """vit.checkpoints.checkpoint.load_ema, in-process: this rank's layers from whichever rank's
+    file holds them (the runs that resume on other ranks and stages: test_universal.py); one line
+    where the checkpoint cannot give them."""
     from torch import nn
 
-    from vit.loop import checkpoint
-    from vit.loop.ema import Ema
+    from vit.checkpoints import checkpoint
+    from vit.training.ema import Ema
 
     monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 0)
     layers = [nn.Linear(2, 3), nn.Linear(3, 4)]

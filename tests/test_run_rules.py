@@ -1,5 +1,5 @@
 """What a run may and may not do to the folders it is given, with real processes (and in-process
-where vit.train decides before any process group, vit.config.plan): a resume never trains over a
+where vit.train decides before any process group, vit.run.plan): a resume never trains over a
 checkpoint, a finished run stays finished, two runs never share a folder, output folders are checked
 before any process group starts, and a --data-path is never ignored."""
 
@@ -48,7 +48,7 @@ def last_line(r) -> str:
 
 
 def refusal(monkeypatch, args, world_size: int = 1) -> str:
-    """What vit.train refuses `args` with before any process group (vit.config.plan, in-process):
+    """What vit.train refuses `args` with before any process group (vit.run.plan, in-process):
     the line it prints after "entry_cn.sh: error: " and exits 2 with (test_train.py's end-to-end
     case)."""
     with pytest.raises(ConfigError) as e:

@@ -286,7 +286,7 @@ def test_doctor_recommends_runnable_commands_with_where_their_numbers_ran(
 ):
     # issue 53: doctor.sh recommended --pipeline-stages <hosts> without --grad-accum (4
     # micro-batches for 5 stages), quoted "6.2x" with no word of where it ran, and left out diloco.
-    # Each command it prints now plans as printed (vit.config.plan, as rank 0 of its -np ranks),
+    # Each command it prints now plans as printed (vit.run.plan, as rank 0 of its -np ranks),
     # the pipelines with at least two micro-batches per stage.
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("".join(f"cn{i} slots={n}\n" for i, n in enumerate(slots)))

@@ -3,17 +3,17 @@ infinity too), checks between options, and --data-path never ignored."""
 
 import pytest
 
-from vit.config.cli import defaults, parse, parser
 from vit.core.errors import ConfigError
 from vit.core.settings import DataSettings, Settings
 from vit.data.datasets import dataset_for
+from vit.run.cli import defaults, parse, parser
 
 
 def test_defaults_need_no_command_line():
     s = defaults()
     assert s == parse([])
     assert s.optim.lr == 2e-3 and s.parallel.engine == "zero"
-    # no length given: 40 epochs (vit.config.plan.run_length), or with --resume the run's own
+    # no length given: 40 epochs (vit.run.plan.run_length), or with --resume the run's own
     assert s.train.epochs is None and s.train.steps is None
     assert s.parallel.ds_config.endswith("deepspeed_configs/zero2.json")
     assert s.checkpoint.save_interval == 1000  # a long run stopped loses at most that many steps
@@ -190,7 +190,7 @@ def test_digits_crop_by_default_and_no_aug_turns_every_augmentation_off():
 
 
 def test_the_settings_hash_that_guards_resume_tells_optimizers_apart():
-    from vit.config.plan import make_plan
+    from vit.run.plan import make_plan
     from vit.runtime.dist_env import Job
 
     def settings_hash(*argv):

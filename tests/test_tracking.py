@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from helpers import MPIRUN, ROOT, base_env, launch, read_jsonl, run_cmd
 
-from vit.config import ds_schema
-from vit.config.cli import parse
 from vit.core.errors import ConfigError
+from vit.run import ds_schema
+from vit.run.cli import parse
 
 FAKE_BIN = ROOT / "tests" / "fake_bin"
 TRAIN = [

@@ -21,9 +21,9 @@ from helpers import (
     train_losses,
 )
 
-from vit.config.cli import defaults
 from vit.core.errors import ConfigError
-from vit.loop.reference import reference_losses
+from vit.run.cli import defaults
+from vit.training.reference import reference_losses
 
 STEPS = 6
 CONFIGS = ROOT / "deepspeed_configs"

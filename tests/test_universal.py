@@ -1,6 +1,7 @@
 """A ZeRO checkpoint resumed on another number of ranks, or under --engine ddp, and a pipeline's on
-other stages (vit.loop.universal: DeepSpeed's universal checkpoint, converted by ds_to_universal at
-the resume): the same losses as the run that goes on on its own ranks, the global batch kept."""
+other stages (vit.checkpoints.universal: DeepSpeed's universal checkpoint, converted by
+ds_to_universal at the resume): the same losses as the run that goes on on its own ranks, the global
+batch kept."""
 
 import sys
 from pathlib import Path

@@ -2,7 +2,6 @@
 summarise. Run through ./entry_cn.sh (under mpirun, srun, torchrun or directly); `--help` lists the
 options."""
 
-import contextlib
 import gc
 import os
 import signal
@@ -13,17 +12,14 @@ import time
 
 import psutil
 import torch
-import torch.distributed as dist
 
-from vit.config.cli import PROG, parse
-from vit.config.compat import auto_allowed
-from vit.config.plan import Plan, cannot_take, make_plan, with_auto_choice, with_micro_batch
-from vit.config.records import Measured, write_summary
+from vit.checkpoints import checkpoint
 from vit.core.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
-from vit.loop import checkpoint
-from vit.model import weights
 from vit.planner import auto as auto_engine
 from vit.planner import fit, oom
+from vit.run.cli import PROG, parse
+from vit.run.compat import auto_allowed
+from vit.run.plan import Plan, cannot_take, make_plan, with_auto_choice, with_micro_batch
 from vit.runtime import console, plugins
 from vit.runtime.dist_env import (
     device,
@@ -32,8 +28,7 @@ from vit.runtime.dist_env import (
     init_process_group,
 )
 from vit.runtime.faults import Watchdog, announce_failure
-from vit.telemetry.metrics import peak_mem_gib
-from vit.trainer import Trainer, build_trainer
+from vit.trainer import build_trainer, finish, loop
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -59,59 +54,6 @@ def train(plan: Plan, start_time: float, watchdog: Watchdog, stop: "StopOnSignal
     stop.save_dir = run.checkpointer.save_dir if run.checkpointer.enabled else None
     loop(plan, run, watchdog)
     finish(plan, run, start_time)
-
-
-def loop(plan: Plan, run: Trainer, watchdog: Watchdog) -> None:
-    for step in range(run.resumed.step + 1, plan.total_steps + 1):
-        lr = run.engine.lr
-        loss = run.engine.train_step(run.batches)
-        watchdog.beat(step)
-        run.monitor.step = step
-        if run.ema is not None:
-            run.ema.update(run.engine, step)
-        run.stats.record(run.engine, step, loss, lr)
-        if run.stats.should_log(step):
-            run.stats.log(run.engine, step)
-        # Paused (and the device's queued work waited for) only where one of them acts: a wait
-        # in every step would take the host's run-ahead away.
-        acting = run.freezer.due(step) or run.evaluator.due(step) or run.checkpointer.due(step)
-        with run.stats.paused() if acting else contextlib.nullcontext():
-            if (rebuilt := run.freezer.after_step(step, run.engine, run.metrics)) is not None:
-                run.swap(rebuilt, step)
-            run.evaluator.maybe(run.engine, step, run.ema)
-            run.checkpointer.save(run.engine, step)
-
-
-def finish(plan: Plan, run: Trainer, start_time: float) -> None:
-    """The final evaluation and checkpoint, the monitors' summaries, and summary.json."""
-    evaluation = run.evaluator.run(run.engine, plan.total_steps, run.ema)
-    run.checkpointer.save(run.engine, plan.total_steps, last_step=True)
-    # rank 0 holds the state
-    ema = run.ema.state_dict() if run.ema is not None else None  # --export: the EMA's weights
-    if plan.settings.model.export and (state := run.engine.layer_state(ema)) is not None:
-        weights.export(plan.settings.model.export, state, plan.settings.model.model, plan.data)
-    peak = torch.tensor([peak_mem_gib(run.engine.device)], device=run.engine.device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    run.monitor.stop()
-    monitors = [None] * plan.job.world_size
-    dist.all_gather_object(monitors, run.monitor.summary())
-    if plan.job.is_main:
-        write_summary(
-            run.log_dir,
-            plan,
-            precision=run.precision,
-            ds_config=run.ds_config,
-            start_step=run.resumed.step,
-            start_time=start_time,
-            measured=Measured(
-                totals=run.stats.totals(),
-                evaluation=evaluation,
-                peak_mem_gib=peak.item(),
-                monitors=monitors,
-            ),
-        )
-    run.metrics.close()
-    dist.barrier()
 
 
 def tracker_charts(log_dir: str) -> list:

@@ -4,6 +4,7 @@ the engine factory (EngineFactory: the engine on given layers, at start and at e
 rebuild), the freezer, and what the loop reads and writes (Trainer: batches, statistics, evaluation,
 checkpoints, metrics, the monitor). vit.train's loop drives them."""
 
+import contextlib
 import copy
 import logging
 import os
@@ -11,30 +12,31 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
-from vit.config.ds_config import with_precision
-from vit.config.plan import Plan, choose_resume, resume_notes
-from vit.config.records import start_record
-from vit.config.rundir import RunLock, agree_log_dir, lock_run_dirs
+from vit.checkpoints import checkpoint
 from vit.core.layout import Layout
 from vit.data.augment import train_batches
 from vit.data.sampling import TrainBatches, loader_workers, make_loader
 from vit.engines import Engine, EngineContext, build
 from vit.freeze import activation_cache, replan
 from vit.freeze.freezer import Freezer, RebuildParts
-from vit.loop import checkpoint
-from vit.loop.ema import Ema
-from vit.loop.evaluate import Evaluator
-from vit.loop.stats import StepImages, StepStats
 from vit.model import weights
 from vit.planner.survey import Asked, Survey, survey, time_each_rank
+from vit.run.ds_config import with_precision
+from vit.run.plan import Plan, choose_resume, resume_notes
+from vit.run.records import Measured, start_record, write_summary
+from vit.run.rundir import RunLock, agree_log_dir, lock_run_dirs
 from vit.runtime import console, preflight, slowdown
 from vit.runtime.dist_env import device, rank0_decides, rank_cores
 from vit.runtime.faults import Watchdog
 from vit.runtime.gpu import set_tf32
 from vit.telemetry import tracking
-from vit.telemetry.metrics import MetricsLog
+from vit.telemetry.metrics import MetricsLog, peak_mem_gib
 from vit.telemetry.monitor import Monitor
+from vit.training.ema import Ema
+from vit.training.evaluate import Evaluator
+from vit.training.stats import StepImages, StepStats
 
 
 @dataclass(frozen=True)
@@ -428,3 +430,58 @@ def loop_parts(built: Built, watchdog: Watchdog, charts) -> Trainer:
         workers=workers,
         split=surveyed.split,
     )
+
+
+def loop(plan: Plan, run: Trainer, watchdog: Watchdog) -> None:
+    """The steps from the resume point to the end: each step, then what acts at it (the freezer, the
+    evaluation, the checkpoint)."""
+    for step in range(run.resumed.step + 1, plan.total_steps + 1):
+        lr = run.engine.lr
+        loss = run.engine.train_step(run.batches)
+        watchdog.beat(step)
+        run.monitor.step = step
+        if run.ema is not None:
+            run.ema.update(run.engine, step)
+        run.stats.record(run.engine, step, loss, lr)
+        if run.stats.should_log(step):
+            run.stats.log(run.engine, step)
+        # Paused (and the device's queued work waited for) only where one of them acts: a wait
+        # in every step would take the host's run-ahead away.
+        acting = run.freezer.due(step) or run.evaluator.due(step) or run.checkpointer.due(step)
+        with run.stats.paused() if acting else contextlib.nullcontext():
+            if (rebuilt := run.freezer.after_step(step, run.engine, run.metrics)) is not None:
+                run.swap(rebuilt, step)
+            run.evaluator.maybe(run.engine, step, run.ema)
+            run.checkpointer.save(run.engine, step)
+
+
+def finish(plan: Plan, run: Trainer, start_time: float) -> None:
+    """The final evaluation and checkpoint, the monitors' summaries, and summary.json."""
+    evaluation = run.evaluator.run(run.engine, plan.total_steps, run.ema)
+    run.checkpointer.save(run.engine, plan.total_steps, last_step=True)
+    # rank 0 holds the state
+    ema = run.ema.state_dict() if run.ema is not None else None  # --export: the EMA's weights
+    if plan.settings.model.export and (state := run.engine.layer_state(ema)) is not None:
+        weights.export(plan.settings.model.export, state, plan.settings.model.model, plan.data)
+    peak = torch.tensor([peak_mem_gib(run.engine.device)], device=run.engine.device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    run.monitor.stop()
+    monitors = [None] * plan.job.world_size
+    dist.all_gather_object(monitors, run.monitor.summary())
+    if plan.job.is_main:
+        write_summary(
+            run.log_dir,
+            plan,
+            precision=run.precision,
+            ds_config=run.ds_config,
+            start_step=run.resumed.step,
+            start_time=start_time,
+            measured=Measured(
+                totals=run.stats.totals(),
+                evaluation=evaluation,
+                peak_mem_gib=peak.item(),
+                monitors=monitors,
+            ),
+        )
+    run.metrics.close()
+    dist.barrier()

@@ -1,11 +1,11 @@
 """VIT_TEST_COUNT_WAITS=PATH: count the times the training loop waits for the device's queued work
-(vit.loop.stats's wait_for_queued, an event synchronize on a GPU and a call that returns at once on
-a CPU); each rank writes its count to PATH.rank<R> when it exits."""
+(vit.training.stats's wait_for_queued, an event synchronize on a GPU and a call that returns at
+once on a CPU); each rank writes its count to PATH.rank<R> when it exits."""
 
 import atexit
 import os
 
-import vit.loop.stats as stats
+import vit.training.stats as stats
 
 calls = [0]
 waited = stats.wait_for_queued

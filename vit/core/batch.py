@@ -11,7 +11,7 @@ class Batch:
     grad_accum: int
     dp_size: int
     # every data-parallel rank's micro-batch where they differ (a resume keeping a global batch its
-    # ranks do not divide: vit.config.plan.keep_global_batch); None: micro_batch each
+    # ranks do not divide: vit.run.plan.keep_global_batch); None: micro_batch each
     split: tuple[int, ...] | None = None
 
     @property

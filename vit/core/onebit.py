@@ -75,7 +75,7 @@ def check_opt_name(text: str) -> str:
 
 def check_json_optimizer(cfg: dict, name: str) -> None:
     """A JSON `optimizer` section naming a 1-bit optimizer: refused with the reason (any other type
-    is refused by vit.config.ds_config.resolve: the optimizer comes from the command line)."""
+    is refused by vit.run.ds_config.resolve: the optimizer comes from the command line)."""
     kind = cfg.get("optimizer", {}).get("type") if isinstance(cfg.get("optimizer"), dict) else None
     if onebit_type(kind):
         raise ConfigError(f"DeepSpeed config {name}: optimizer {kind!r}: {removed(kind)}")

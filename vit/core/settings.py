@@ -1,8 +1,8 @@
 """The command line as typed settings: one dataclass per concern, each field declared once with its
-help and its check; vit/config/cli.py generates the parser from them and validates every value
+help and its check; vit/run/cli.py generates the parser from them and validates every value
 before any process group starts.
 
-`Settings()` is the defaults; `vit.config.cli.parse(argv)` the command line. Code reads the group it
+`Settings()` is the defaults; `vit.run.cli.parse(argv)` the command line. Code reads the group it
 needs (`settings.optim`, `settings.data`, ...), never an argparse Namespace.
 """
 
@@ -39,7 +39,7 @@ def positive_int(text: str) -> int:
 def option(default, help: str, check: str | None = None, needs: str | None = None, **cli):
     """A settings field: its default, its --help text, `check` ('positive', 'non_negative',
     'probability': 0 to 1, or 'below_one': 0 up to 1; every float must also be finite), `needs`:
-    what it has no effect without (a key of vit.config.compat.NEEDS; changed from its default
+    what it has no effect without (a key of vit.run.compat.NEEDS; changed from its default
     without that, it is refused) and extra argparse arguments (choices, metavar, flag, ...)."""
     return field(
         default=default, metadata={"help": help, "check": check, "needs": needs, "cli": cli}
@@ -95,7 +95,7 @@ class DataSettings:
 
 @dataclass(frozen=True)
 class ParallelSettings:
-    # --engine's choices and --ds-config's defaults come from the engine registry (vit.config.cli
+    # --engine's choices and --ds-config's defaults come from the engine registry (vit.run.cli
     # adds them)
     engine: str = option("zero", "training engine (auto: the planner's, docs/planner.md)")
     ds_config: str | None = option(

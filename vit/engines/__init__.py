@@ -8,7 +8,7 @@ its options, precisions, memory terms, step cost, names; no torch) and its engin
     engine.mean_loss(loss); engine.evaluate(batches); engine.save(...); engine.load(...)
     rebuilt.take_over(engine.handover())  # --freeze: an engine on other trainable layers goes on
 
-Nothing outside this package and vit.config.compat knows which engine runs: the rest asks the
+Nothing outside this package and vit.run.compat knows which engine runs: the rest asks the
 engine's spec. Importing the package is light (the registry needs no torch); Engine, EngineContext
 and build load on first use.
 """

@@ -14,7 +14,7 @@ from torch import nn
 from vit.core.batch import Batch
 from vit.core.settings import AsyncSettings, CommSettings, OptimSettings, Settings
 from vit.data.sampling import PAD_LABEL
-from vit.loop.stats import PhaseTimer
+from vit.training.stats import PhaseTimer
 
 
 @dataclass(frozen=True)

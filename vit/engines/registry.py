@@ -1,6 +1,6 @@
 """Every engine, one row each: its spec (what it supports, what it holds, what its step costs, its
 names), declared in its own folder under vit/engines/. The checks between engines and options
-(vit.config.compat) and every other module read these specs, never an engine's name. Importable
+(vit.run.compat) and every other module read these specs, never an engine's name. Importable
 without torch: the command line and the plan read it before anything heavy is imported; build()
 imports the engine's torch module on first use."""
 

@@ -71,7 +71,7 @@ def choose(
 ) -> dict:
     """Collective: measure `layers` (the model as the run builds it) on every rank at the request's
     micro-batch in `precision`, rank every candidate (rank 0 decides for all) and return the record
-    of the choice (its table, its measurements), which vit.config.plan.with_auto_choice turns into
+    of the choice (its table, its measurements), which vit.run.plan.with_auto_choice turns into
     the run's plan. `engine`: the one the run is planned as until it chooses."""
     start = time.perf_counter()
     micro = request.batch.micro_batch

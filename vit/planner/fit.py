@@ -139,7 +139,7 @@ def fit_micro_batch(
     """--micro-batch-size auto (collective): every rank finds the largest micro-batch that fits
     (largest_micro_batch(**measure), up to `upper`: one step per epoch); the job takes the smallest,
     or with --batch-split proportional each rank its own. (micro-batch, per-rank split or None, the
-    search's record), which vit.config.plan.with_micro_batch applies."""
+    search's record), which vit.run.plan.with_micro_batch applies."""
     mine, name, free = largest_micro_batch(
         dev, job.local_world_size, precision, upper=upper, **measure
     )

@@ -26,13 +26,13 @@ def state_bytes(
     """Bytes per parameter one rank holds for the model's state (not activations), by what holds
     them, for `engine` in `precision` (EngineSpec.state_bytes: its optimizer, its buffers, its
     `stashed_copies` of the weights and what its `compression` keeps), with `ema_on_gpu`: timm's
-    ModelEmaV3 in fp32 on the rank's device (vit/loop/ema.py). AdamW throughout (vit/loop/optim.py).
-    """
+    ModelEmaV3 in fp32 on the rank's device (vit/training/ema.py). AdamW throughout
+    (vit/training/optim.py)."""
     terms = engine.state_bytes(
         precision, ds_config, dp_size, stashed_copies=stashed_copies, compression=compression
     )
     if ema_on_gpu:
-        # vit/loop/ema.py: ModelEmaV3(dtype=float32, device=engine.device), never partitioned
+        # vit/training/ema.py: ModelEmaV3(dtype=float32, device=engine.device), never partitioned
         terms["ema fp32 copy"] = 4
     return terms
 

@@ -32,11 +32,11 @@ from vit.core.errors import ConfigError
 from vit.engines.async_pipeline import p2p
 from vit.engines.async_pipeline.msnag import predict
 from vit.engines.base import EngineContext, StagedEngine, save_atomic
-from vit.loop.optim import make_optimizer, make_scheduler, move_schedule, put_adam_state
-from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
 from vit.runtime import plugins
 from vit.runtime.precision import DTYPES
+from vit.training.optim import make_optimizer, make_scheduler, move_schedule, put_adam_state
+from vit.training.stats import PhaseTimer
 
 
 def stage_parts(

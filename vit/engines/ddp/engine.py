@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 from vit.engines.base import Engine, EngineContext, ScalerStats, save_atomic
 from vit.engines.ddp import from_zero
 from vit.engines.ddp.comm_hooks import CommHook, bucket_options
-from vit.loop.optim import (
+from vit.model.layers import Loss
+from vit.training.optim import (
     SkipAwareSchedule,
     adam_state,
     make_optimizer,
@@ -25,8 +26,7 @@ from vit.loop.optim import (
     put_adam_state,
     schedule_position,
 )
-from vit.loop.stats import PhaseTimer
-from vit.model.layers import Loss
+from vit.training.stats import PhaseTimer
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -168,7 +168,7 @@ class DDPEngine(Engine):
 
     def save(self, save_dir, tag, client_state):
         # Replicas are identical: rank 0 writes, the others wait (PowerSGD keeps an error feedback
-        # per rank: each rank writes its own). vit.loop.checkpoint makes it complete.
+        # per rank: each rank writes its own). vit.checkpoints.checkpoint makes it complete.
         if dist.get_rank() == 0:
             save_atomic(
                 {**self._state(), "client_state": client_state},

@@ -1,6 +1,6 @@
-"""--engine ddp resuming a checkpoint of --engine zero (stage 1 to 3): vit.loop.checkpoint has it
-converted to DeepSpeed's universal checkpoint (one folder per parameter: its fp32 weights, AdamW's
-exp_avg and exp_avg_sq, and its step for stages 1 and 2; stage 3 keeps the step in
+"""--engine ddp resuming a checkpoint of --engine zero (stage 1 to 3): vit.checkpoints.checkpoint
+has it converted to DeepSpeed's universal checkpoint (one folder per parameter: its fp32 weights,
+AdamW's exp_avg and exp_avg_sq, and its step for stages 1 and 2; stage 3 keeps the step in
 zero/optimizer_state.pt), from which the weights and torch's AdamW state are set by name; the LR
 schedule's position and the client state come from DeepSpeed's model-states file."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vit.loop.optim import move_schedule, put_adam_state
+from vit.training.optim import move_schedule, put_adam_state
 
 # DeepSpeed's, beside the universal zero/ folder: stages 1 and 2, then stage 3 (one per rank)
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -25,8 +25,8 @@ def model_states(folder: Path) -> Path | None:
 
 def load(folder: Path, module, optimizer, scheduler) -> dict:
     """The universal checkpoint in `folder` into `module`, `optimizer` (torch's AdamW, the same
-    parameter groups as the ZeRO run's: vit.loop.optim.make_optimizer) and `scheduler`; the client
-    state the ZeRO run saved."""
+    parameter groups as the ZeRO run's: vit.training.optim.make_optimizer) and `scheduler`; the
+    client state the ZeRO run saved."""
     adam, step3 = {}, []  # stage 3's one step, read once
     with torch.no_grad():
         for name, p in module.named_parameters():

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import vit.engines.deepspeed as deepspeed_specs
 from vit.engines.base import Engine, EngineContext, ScalerStats
-from vit.loop.optim import (
+from vit.training.optim import (
     adam_state,
     make_scheduler,
     move_schedule,
@@ -71,7 +71,7 @@ class DeepSpeedEngine(Engine):
         return ScalerStats(skipped, self._in_a_row, self._in_a_row, scale)
 
     def save(self, save_dir, tag, client_state):
-        # No 'latest' from DeepSpeed: vit.loop.checkpoint points at a checkpoint once it is
+        # No 'latest' from DeepSpeed: vit.checkpoints.checkpoint points at a checkpoint once it is
         # complete.
         self.ds_engine.save_checkpoint(
             save_dir, tag=tag, client_state=client_state, save_latest=False

@@ -42,10 +42,10 @@ from vit.core.speeds import local_steps as steps_by_speed
 from vit.engines.base import Engine, EngineContext, save_atomic
 from vit.engines.base import mean_over_ranks as rank_mean
 from vit.engines.diloco.wire import mean_over_ranks, padded_length
-from vit.loop.optim import make_optimizer, make_scheduler
-from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
 from vit.runtime.precision import DTYPES
+from vit.training.optim import make_optimizer, make_scheduler
+from vit.training.stats import PhaseTimer
 
 
 def worker_of(ranks_per_worker: str, device: torch.device) -> tuple[int, list[list[int]]]:

@@ -8,10 +8,10 @@ from deepspeed.runtime.pipe import schedule
 from vit.core.layout import Layout
 from vit.engines.base import EngineContext, StagedEngine
 from vit.engines.deepspeed.engine import DeepSpeedEngine, deepspeed_comm
-from vit.loop.optim import make_optimizer
-from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
 from vit.runtime.dist_env import destroy_groups
+from vit.training.optim import make_optimizer
+from vit.training.stats import PhaseTimer
 
 # The breakdown field of each instruction of DeepSpeed's pipeline schedule. A receive includes the
 # wait for the neighbouring stage, so the pipeline bubble shows up in pipe_recv_s.

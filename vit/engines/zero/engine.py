@@ -10,9 +10,9 @@ from torch import nn
 from vit.core.errors import ConfigError
 from vit.engines.base import EngineContext
 from vit.engines.deepspeed.engine import DeepSpeedEngine, deepspeed_comm
-from vit.loop.optim import make_optimizer
-from vit.loop.stats import PhaseTimer
 from vit.model.layers import Loss
+from vit.training.optim import make_optimizer
+from vit.training.stats import PhaseTimer
 
 # DeepSpeed releases whose ZeRO-3 universal load was run here and found to need
 # mend_stage3_universal_load, and mended by it (tests/test_universal.py; the upstream report:

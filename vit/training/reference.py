@@ -13,9 +13,9 @@ from torch import nn
 from vit.core.settings import Settings
 from vit.data.augment import train_batches
 from vit.data.datasets import load_dataset
-from vit.loop.optim import make_optimizer, make_scheduler
 from vit.model.layers import build_layers, loss_fn, model_shape
 from vit.model.weights import pretrained_norm
+from vit.training.optim import make_optimizer, make_scheduler
 
 
 def train_step(

@@ -51,7 +51,7 @@ def splits_batches(engine) -> bool:
 
 
 def check_settings(s) -> None:
-    """The command line's options against its --engine (vit.config.cli.validate)."""
+    """The command line's options against its --engine (vit.run.cli.validate)."""
     par, engine = s.parallel, spec(s.parallel.engine)
     if par.micro_batch_size == "auto" and (not engine.micro_batch_auto or s.checkpoint.resume):
         raise ConfigError(
@@ -86,7 +86,7 @@ def check_settings(s) -> None:
 
 
 def check_zero_stage(engine_name: str, stage: int, config_name: str) -> None:
-    """The DeepSpeed JSON's ZeRO stage against the engine (vit.config.ds_config.resolve)."""
+    """The DeepSpeed JSON's ZeRO stage against the engine (vit.run.ds_config.resolve)."""
     engine = spec(engine_name)
     if stage in engine.zero_stages:
         return
@@ -122,7 +122,7 @@ def check_precision(requested: str | None, engine_name: str) -> None:
 
 
 def check_freeze(s, ds_config: dict) -> None:
-    """--freeze against the engine and its DeepSpeed JSON (vit.config.plan)."""
+    """--freeze against the engine and its DeepSpeed JSON (vit.run.plan)."""
     engine = spec(s.parallel.engine)
     if s.freeze.freeze == "none":
         return
@@ -191,7 +191,7 @@ def auto_allowed(s) -> set[str]:
 
 
 def check_auto(s) -> None:
-    """--engine auto against the options it decides itself (vit.config.cli.validate)."""
+    """--engine auto against the options it decides itself (vit.run.cli.validate)."""
     from dataclasses import fields
 
     unknown = sorted(auto_allowed(s) - set(LEARNING_CHANGES))

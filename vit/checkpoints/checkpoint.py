@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from timm.models import split_model_name_tag
 
+from vit.checkpoints.universal import converted
 from vit.core.errors import CannotGoOn, ConfigError
 from vit.core.spec import EngineSpec
-from vit.loop.universal import converted
 from vit.runtime import plugins
 
 MANIFEST = "manifest.json"
@@ -102,7 +102,7 @@ def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | Non
     """Refuse to resume under a layout the checkpoint cannot be loaded into, and say what would;
     True where it loads through DeepSpeed's universal checkpoint (ZeRO state sharded over another
     number of data-parallel ranks or pipeline stages, or resumed by an engine that takes ZeRO's:
-    vit.loop.universal)."""
+    vit.checkpoints.universal)."""
     # the architecture: a pretrained tag (.augreg_in21k) makes no other shapes
     model = saved.get("model")
     if model and split_model_name_tag(model)[0] != split_model_name_tag(current["model"])[0]:
@@ -297,7 +297,7 @@ def _free_name(folder: Path, suffix: str) -> Path:
 
 def load(engine, save_dir: str, tag: str, ema=None, universal: bool = False) -> dict:
     """Load a checkpoint chosen by `choose`; restores this rank's random state and the EMA's.
-    `universal`: its ZeRO state is of another data-parallel size (vit.loop.universal)."""
+    `universal`: its ZeRO state is of another data-parallel size (vit.checkpoints.universal)."""
     if universal:
         with converted(save_dir, tag) as load_dir:
             client_state = engine.load(load_dir, tag)

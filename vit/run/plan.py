@@ -11,10 +11,8 @@ from pathlib import Path
 
 import torch
 
-from vit.config.cli import validate
-from vit.config.compat import PROVISIONAL, check_freeze, check_precision, splits_batches
-from vit.config.ds_config import BATCH_KEYS, precision_of, resolve
-from vit.config.rundir import check_export, check_unused, check_writable
+from vit.checkpoints import checkpoint
+from vit.checkpoints.universal import LOAD_UNIVERSAL
 from vit.core.batch import Batch
 from vit.core.costs import Candidate
 from vit.core.errors import CannotGoOn, ConfigError, NothingToDo
@@ -25,13 +23,15 @@ from vit.data.augment import data_recipe
 from vit.data.datasets import DataSplit, dataset_for, load_dataset
 from vit.data.sampling import steps_per_epoch
 from vit.engines.registry import AUTO, spec
-from vit.loop import checkpoint
-from vit.loop.universal import LOAD_UNIVERSAL
 from vit.model import weights
 from vit.model.layers import build_layers, check_img_size, model_shape
 from vit.planner import balance
 from vit.planner.batch_split import proportional_split
 from vit.planner.memory import RunMemory
+from vit.run.cli import validate
+from vit.run.compat import PROVISIONAL, check_freeze, check_precision, splits_batches
+from vit.run.ds_config import BATCH_KEYS, precision_of, resolve
+from vit.run.rundir import check_export, check_unused, check_writable
 from vit.runtime import slowdown
 from vit.runtime.dist_env import Job, resolve_master
 from vit.telemetry import tracking
@@ -593,9 +593,9 @@ def resume_notes(plan: Plan) -> list[str]:
 
 def choose_resume(plan: Plan) -> str:
     """Rank 0, once the process group is up: the newest checkpoint that verifies
-    (vit.loop.checkpoint.choose falls back past damaged ones). A run already complete is nothing to
-    do but --export's, from its last checkpoint; a checkpoint at or past the run's end is refused,
-    never trained over."""
+    (vit.checkpoints.checkpoint.choose falls back past damaged ones). A run already complete is
+    nothing to do but --export's, from its last checkpoint; a checkpoint at or past the run's end is
+    refused, never trained over."""
     r, total = plan.resume, plan.total_steps
     tag = checkpoint.choose(r.save_dir, r.tags)
     step = checkpoint.step_of(tag)

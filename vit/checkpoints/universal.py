@@ -3,7 +3,7 @@ pipeline engines save what DeepSpeed's converter needs (engines/zero/engine.py,
 engines/pipeline/engine.py); a resume that changes the data-parallel size (or, for the pipeline,
 the stages) has rank 0 convert the checkpoint with `python -m deepspeed.checkpoint.ds_to_universal`
 into a folder beside it (a pipeline's layer files linked in), every rank's engine load it with the
-JSON's checkpoint.load_universal set (vit.config.plan), and rank 0 remove the folder."""
+JSON's checkpoint.load_universal set (vit.run.plan), and rank 0 remove the folder."""
 
 import shutil
 import subprocess

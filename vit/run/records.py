@@ -55,7 +55,7 @@ def start_record(
 class Measured:
     """What a run measured by its end, for summary.json."""
 
-    totals: dict  # the loop's (vit.loop.stats.StepStats.totals)
+    totals: dict  # the loop's (vit.training.stats.StepStats.totals)
     evaluation: dict  # the final evaluation's
     peak_mem_gib: float  # the largest over the ranks
     monitors: list[dict]  # every rank's monitor summary
@@ -80,7 +80,7 @@ def write_summary(
         "model": s.model.model,
         "dataset": s.data.dataset,
         "precision": precision,
-        # as the checkpoints' layout (vit.config.plan)
+        # as the checkpoints' layout (vit.run.plan)
         "zero_stage": spec(engine).zero_stage_of(ds_config),
         "pipeline_stages": s.parallel.pipeline_stages if spec(engine).pipeline else None,
         "world_size": plan.job.world_size,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from vit.checkpoints import checkpoint
 from vit.core.errors import ConfigError
 from vit.core.paths import ROOT
-from vit.loop import checkpoint
 from vit.runtime.dist_env import rank0_decides
 
 LOCK_FILE = ".lock"

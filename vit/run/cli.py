@@ -10,7 +10,12 @@ import typing
 from dataclasses import fields, replace
 from pathlib import Path
 
-from vit.config.compat import (
+from vit.core.errors import ConfigError
+from vit.core.hostfile import hostfile_slots
+from vit.core.paths import ROOT
+from vit.core.settings import GROUPS, TRACKERS, Settings
+from vit.engines.registry import AUTO, NAMES, SPECS, spec
+from vit.run.compat import (
     NEEDS,
     PROVISIONAL,
     auto_may_choose_local_steps,
@@ -19,11 +24,6 @@ from vit.config.compat import (
     check_local_steps,
     check_settings,
 )
-from vit.core.errors import ConfigError
-from vit.core.hostfile import hostfile_slots
-from vit.core.paths import ROOT
-from vit.core.settings import GROUPS, TRACKERS, Settings
-from vit.engines.registry import AUTO, NAMES, SPECS, spec
 
 PROG = "entry_cn.sh"  # the launcher users run: the usage and the training's messages name it
 

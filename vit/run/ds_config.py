@@ -1,4 +1,4 @@
-"""The DeepSpeed JSON: read, checked against what DeepSpeed reads (vit.config.ds_schema),
+"""The DeepSpeed JSON: read, checked against what DeepSpeed reads (vit.run.ds_schema),
 command-line overrides applied and the batch arithmetic checked, before any process group starts.
 Functions return new dicts; nothing here edits a config in place."""
 
@@ -6,14 +6,14 @@ import copy
 import json
 from pathlib import Path
 
-from vit.config.compat import check_comm_dtype, check_zero_stage
-from vit.config.ds_schema import deepspeed_parses
-from vit.config.ds_schema import validate as validate_ds_schema
 from vit.core.batch import Batch
 from vit.core.errors import ConfigError
 from vit.core.onebit import check_json_optimizer
 from vit.core.settings import DEFAULT_FP16_SCALE_POWER, ParallelSettings
 from vit.engines.registry import spec
+from vit.run.compat import check_comm_dtype, check_zero_stage
+from vit.run.ds_schema import deepspeed_parses
+from vit.run.ds_schema import validate as validate_ds_schema
 
 
 def load_json(path: str) -> dict:
