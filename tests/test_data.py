@@ -11,7 +11,7 @@ import torch
 from helpers import base_env, plan_in_process, run_cmd
 
 from vit.core.errors import ConfigError
-from vit.data.datasets import load_dataset
+from vit.data.datasets import DIGITS_KEYS, digits_split, load_dataset
 from vit.data.sampling import PAD_LABEL, TrainBatches, eval_batches, make_loader
 
 
@@ -27,6 +27,19 @@ def test_digits_split_is_fixed_and_stratified():
     )
     assert torch.equal(d.test.tensors[0], load_digits_twice[1].test.tensors[0])
     assert torch.bincount(d.test.tensors[1]).min() >= 35  # every class held out
+
+
+def test_digits_are_split_once_and_then_read_without_scikit_learn(tmp_path, monkeypatch):
+    first = digits_split(str(tmp_path))
+    (cache,) = tmp_path.iterdir()  # the split, and nothing half-written beside it
+    assert cache.name.startswith("digits-sklearn-") and first["x_train"].shape == (1437, 1, 8, 8)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # importing it now fails
+    again = digits_split(str(tmp_path))
+    for k in DIGITS_KEYS:
+        assert again[k].dtype == first[k].dtype and np.array_equal(again[k], first[k]), k
+    cache.write_bytes(cache.read_bytes()[:200])
+    with pytest.raises(ConfigError, match="is corrupt .*delete it to split the data again"):
+        digits_split(str(tmp_path))
 
 
 def write_cifar(root, name, n_train=24, n_test=12):

@@ -1,11 +1,15 @@
-"""The data sets: digits (embedded), glyphs (drawn from fonts: vit.data.glyphs), CIFAR's pickle
-batches, image folders and synthetic images, each as a DataSplit (training and held-out sets,
-classes, shape, normalisation); which one --data-path holds. The order they are read in is
-vit.data.sampling's."""
+"""The data sets: digits (scikit-learn's, its split kept under data/digits), glyphs (drawn from
+fonts: vit.data.glyphs), CIFAR's pickle batches, image folders and synthetic images, each as a
+DataSplit (training and held-out sets, classes, shape, normalisation); which one --data-path holds.
+The order they are read in is vit.data.sampling's."""
 
+import contextlib
 import os
 import pickle
+import tempfile
+import zipfile
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -41,17 +45,53 @@ def _normalize(x: np.ndarray, mean, std) -> torch.Tensor:
     return (torch.from_numpy(x).float() - mean) / std
 
 
-def load_digits() -> DataSplit:
-    """scikit-learn's 1,797 handwritten digits (8x8, 17 grey levels); a fixed, stratified 80/20
-    split."""
+DIGITS_CACHE = os.path.join("data", "digits")
+DIGITS_KEYS = ("x_train", "x_test", "y_train", "y_test")
+
+
+def digits_split(folder: str = DIGITS_CACHE) -> dict[str, np.ndarray]:
+    """scikit-learn's digits in a fixed, stratified 80/20 split, as arrays (images float32 in
+    [0, 1], (N, 1, 8, 8)). Kept in `folder` as one .npz per scikit-learn version, written whole
+    (beside it, then renamed): importing scikit-learn cost each rank about a CPU-second at every
+    start (AMD EPYC VM: 4.2-4.9 CPU-s for torch and timm, 5.7-5.8 with scikit-learn's digits and
+    split), reading the file a few milliseconds. A folder that cannot be written only costs that."""
+    path = Path(folder) / f"digits-sklearn-{metadata.version('scikit-learn')}.npz"
+    try:
+        with np.load(path) as z:
+            return {k: z[k] for k in DIGITS_KEYS}
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        raise ConfigError(f"digits: {path} is corrupt ({e}); delete it to split the data again")
     from sklearn.datasets import load_digits as sk_digits
     from sklearn.model_selection import train_test_split
 
     d = sk_digits()
     x = d.images.astype(np.float32)[:, None] / 16.0
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x, d.target, test_size=0.2, random_state=0, stratify=d.target
+    split = dict(
+        zip(
+            DIGITS_KEYS,
+            train_test_split(x, d.target, test_size=0.2, random_state=0, stratify=d.target),
+        )
     )
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".digits-", suffix=".npz.tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                np.savez(fh, **split)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return split
+
+
+def load_digits(folder: str = DIGITS_CACHE) -> DataSplit:
+    """scikit-learn's 1,797 handwritten digits (8x8, 17 grey levels); a fixed, stratified 80/20
+    split (digits_split)."""
+    d = digits_split(folder)
+    x_tr, x_te, y_tr, y_te = (d[k] for k in DIGITS_KEYS)
     mean, std = float(x_tr.mean()), float(x_tr.std())
 
     def tensors(x, y):
