@@ -20,6 +20,7 @@ from vit.config.compat import auto_allowed
 from vit.config.plan import Plan, cannot_take, make_plan, with_auto_choice, with_micro_batch
 from vit.config.records import Measured, write_summary
 from vit.core.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
+from vit.engines.registry import planner_inputs
 from vit.loop import checkpoint
 from vit.model import weights
 from vit.planner import auto as auto_engine
@@ -134,9 +135,7 @@ def choose_engine(plan: Plan, dev: torch.device) -> dict:
         s.parallel.engine,
         auto_engine.Request(
             batch=plan.batch,
-            powersgd_rank=s.comm.powersgd_rank,
-            sync_every=s.local.sync_every,
-            fragments=s.local.fragment_count,
+            inputs=planner_inputs(s.flat()),
             allowed=auto_allowed(s),
             cannot_take=cannot_take(plan) if plan.resume else None,  # a resume on a changed cluster
         ),

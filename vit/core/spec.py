@@ -221,6 +221,17 @@ class EngineSpec:
         which --engine auto leaves to the user to choose."""
         return None
 
+    def planner_input(self, args: dict) -> object | None:
+        """What its price reads of a run's options besides the Workload's layers, batch and
+        precision, from the options by their config.json names (a missing one at its default);
+        None: nothing. The planner and --engine auto carry it in Workload.inputs unread."""
+        return None
+
+    def work_input(self, work: Workload):
+        """Its planner_input in `work`, or the defaults' where the planner was given none."""
+        given = work.inputs.get(self.name)
+        return given if given is not None else self.planner_input({})
+
     def predict(
         self, c: Candidate, ranks: list[Rank], net: Network, work: Workload, calib: Calibration
     ) -> Prediction:

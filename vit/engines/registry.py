@@ -22,6 +22,13 @@ def spec(name: str) -> EngineSpec:
     return SPECS[name]
 
 
+def planner_inputs(args: dict) -> dict[str, object]:
+    """Every engine's planner_input from a run's options (config.json's names), for
+    vit.core.costs.Workload.inputs."""
+    inputs = {name: e.planner_input(args) for name, e in SPECS.items()}
+    return {name: i for name, i in inputs.items() if i is not None}
+
+
 def build(name: str, ctx):
     """The engine `name`, built from a vit.engines.base.EngineContext."""
     return importlib.import_module(SPECS[name].module).build(ctx)

@@ -4,12 +4,24 @@ weights under autocast, its bucketed all-reduce overlapped with backward, fp16/b
 compression."""
 
 import math
+from dataclasses import dataclass
 
 from vit.core.costs import TORCH_GRAD_BYTES, ring_allreduce_s
+from vit.core.settings import CommSettings
 from vit.engines.step_cost import DataParallelSpec, autocast_state
 
 
+@dataclass(frozen=True)
+class DDPWork:
+    """What its price reads of the run's options: PowerSGD's rank."""
+
+    powersgd_rank: int = CommSettings.powersgd_rank
+
+
 class DDPSpec(DataParallelSpec):
+    def planner_input(self, args):
+        return DDPWork(args.get("powersgd_rank", CommSettings.powersgd_rank))
+
     def compressions(self, precision):
         return "none", "fp16", "bf16", "powersgd"
 
@@ -44,7 +56,7 @@ class DDPSpec(DataParallelSpec):
         x columns > 2 x that, its min_compression_rate), every other parameter whole."""
         if compression != "powersgd":
             return super().grad_bytes(work, layers, compression)
-        r, elems = work.powersgd_rank, 0
+        r, elems = self.work_input(work).powersgd_rank, 0
         for layer in layers:
             whole = layer.params - sum(n * m for n, m in layer.matrices)
             elems += whole + sum(
