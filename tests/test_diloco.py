@@ -16,11 +16,11 @@ from torch import nn
 
 from vit.config.cli import defaults, parse
 from vit.core.errors import ConfigError
-from vit.core.settings import WEIGHTINGS
 from vit.core.speeds import local_steps
 from vit.data.augment import train_batches
 from vit.data.datasets import load_dataset
 from vit.engines.diloco.engine import fragment_bounds, worker_weight
+from vit.engines.diloco.options import WEIGHTINGS
 from vit.engines.diloco.wire import BLOCK, compress, decompress
 from vit.loop.optim import make_optimizer, make_scheduler
 from vit.loop.reference import train_step

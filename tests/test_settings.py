@@ -5,8 +5,9 @@ import pytest
 
 from vit.config.cli import defaults, parse, parser
 from vit.core.errors import ConfigError
-from vit.core.settings import DataSettings, Settings
+from vit.core.settings import DataSettings
 from vit.data.datasets import dataset_for
+from vit.engines.registry import Settings
 
 
 def test_defaults_need_no_command_line():

@@ -94,9 +94,7 @@ def engine_factory(
         loss_weight=surveyed.loss_weight,
         local_steps=surveyed.local_steps,
         smoothing=s.recipe.smoothing,
-        asynchrony=s.asynchrony,
         compile=s.parallel.compile,
-        comm=s.comm,
         settings=s,
     )
     return EngineFactory(s.parallel.engine, context)

@@ -42,6 +42,17 @@ NEEDS = {
 }
 
 
+def needs_of(needs: str, group: str):
+    """NEEDS' row for an option of settings group `group`; "engine": the engines whose spec
+    declares the group (vit.core.spec.EngineSpec.option_groups)."""
+    if needs != "engine":
+        return NEEDS[needs]
+    return (
+        lambda s: group in spec(s.parallel.engine).option_groups,
+        _engines(lambda e: group in e.option_groups),
+    )
+
+
 def splits_batches(engine) -> bool:
     """Whether the engine takes unequal micro-batches on its data-parallel ranks (--batch-split
     proportional): a pipeline's stages pass micro-batches of one size; DiLoCo's workers each

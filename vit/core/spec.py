@@ -53,6 +53,11 @@ class EngineSpec:
     # through DeepSpeed's universal checkpoint
     restages_universal: bool = False
 
+    # Its own options: Settings attribute -> (a dataclass of vit.core.settings.option fields,
+    # declared in its folder's options.py; its --help section title); vit.engines.registry adds
+    # them to the settings every run has.
+    option_groups: ClassVar[dict[str, tuple[type, str]]] = {}
+
     # What its family answers for it, so that no engine declares a flag against its shape: the
     # step's (vit.engines.step_cost: DataParallelSpec, PipelinedSpec) and DeepSpeed's
     # (vit.engines.deepspeed: DeepSpeedSpec).

@@ -3,10 +3,15 @@ engine (engine.py), its channels (p2p.py), the weight prediction (msnag.py), and
 (SPEC): no bubble, a stashed weight copy per further micro-batch in flight, fp32 under autocast, a
 bf16 wire as its compression."""
 
+from vit.engines.async_pipeline.options import AsyncSettings
 from vit.engines.step_cost import PipelinedSpec, autocast_state
 
 
 class AsyncPipelineSpec(PipelinedSpec):
+    option_groups = {
+        "asynchrony": (AsyncSettings, "asynchronous pipeline (--engine async-pipeline)")
+    }
+
     def flushes(self):
         return False
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from vit.core.costs import TORCH_GRAD_BYTES, ring_allreduce_s
-from vit.core.settings import CommSettings
+from vit.engines.ddp.options import CommSettings
 from vit.engines.step_cost import DataParallelSpec, autocast_state
 
 
@@ -19,6 +19,8 @@ class DDPWork:
 
 
 class DDPSpec(DataParallelSpec):
+    option_groups = {"comm": (CommSettings, "gradient compression (--engine ddp)")}
+
     def planner_input(self, args):
         return DDPWork(args.get("powersgd_rank", CommSettings.powersgd_rank))
 

@@ -9,7 +9,7 @@ DDP's (auto leaves it to the user)."""
 from dataclasses import dataclass, replace
 
 from vit.core.costs import ring_allreduce_s
-from vit.core.settings import DEFAULT_SYNC_EVERY, fragment_count
+from vit.engines.diloco.options import DEFAULT_SYNC_EVERY, LocalStepSettings, fragment_count
 from vit.engines.step_cost import DataParallelSpec, autocast_state
 
 BLOCK = 256  # int8 on the wire: values per fp32 scale (wire.py)
@@ -40,6 +40,8 @@ class DiLoCoWork:
 
 
 class DiLoCoSpec(DataParallelSpec):
+    option_groups = {"local": (LocalStepSettings, "local steps (--engine diloco)")}
+
     def planner_input(self, args):
         # a run recorded before --fragments: one fragment
         every = args.get("sync_every", DEFAULT_SYNC_EVERY)
