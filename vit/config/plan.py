@@ -759,10 +759,9 @@ def check_resumed_stages(s: Settings, job: Job, save_dir: str | None) -> None:
     saved, said = saved_manifest(s, save_dir), ""
     if saved.get("engine") == engine.name:
         zero = saved.get("zero_stage", 0)
-        restages = engine.restages_universal if zero else engine.restages
         said = (
             f": --pipeline-stages {fits} resumes its checkpoint on these ranks (restaged)"
-            if restages or saved.get("pipeline_stages") == fits
+            if engine.restages(saved) or saved.get("pipeline_stages") == fits
             else f": its ZeRO-{zero} checkpoint of {saved.get('pipeline_stages')} stages goes on "
             f"only on a multiple of {saved.get('pipeline_stages')} ranks"
         )

@@ -44,14 +44,6 @@ class EngineSpec:
     comm_hooks: bool = False
     # workers take local steps between syncs: --sync-every and the --outer-* options apply
     local_steps: bool = False
-    # engines whose sharded ZeRO checkpoints (stage 1 to 3, no pipeline) it resumes, through
-    # DeepSpeed's universal checkpoint
-    resumes_zero_of: tuple[str, ...] = ()
-    # resumes a checkpoint of its own written with another number of pipeline stages
-    restages: bool = False
-    # ... and with other stages or data-parallel ranks where it holds ZeRO state (stage 1 and up),
-    # through DeepSpeed's universal checkpoint
-    restages_universal: bool = False
 
     # Its own options: Settings attribute -> (a dataclass of vit.core.settings.option fields,
     # declared in its folder's options.py; its --help section title); vit.engines.registry adds
@@ -243,6 +235,20 @@ class EngineSpec:
         """The candidate's step on these ranks and links: compute, link, bubble, fixed costs and
         memory."""
         raise NotImplementedError
+
+    # --- its resume rules (vit.loop.checkpoint.check_shape reads them; `saved`: a checkpoint's
+    # manifest: engine, zero_stage, pipeline_stages, data_parallel_size)
+
+    def resumes(self, saved: dict, where: str) -> str | None:
+        """How it takes the checkpoint `where`: "own" (written by this engine), "universal"
+        (another engine's ZeRO state, through DeepSpeed's universal checkpoint), None: it does not
+        (a ConfigError where it has more to say than that)."""
+        return "own" if saved["engine"] == self.name else None
+
+    def restages(self, saved: dict) -> bool:
+        """Whether it resumes its own checkpoint with another number of pipeline stages (and data-
+        parallel ranks)."""
+        return False
 
     # --- its runs' logs
 

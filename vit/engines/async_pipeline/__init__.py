@@ -12,6 +12,10 @@ class AsyncPipelineSpec(PipelinedSpec):
         "asynchrony": (AsyncSettings, "asynchronous pipeline (--engine async-pipeline)")
     }
 
+    def restages(self, saved):
+        """Its checkpoint holds each layer by name (no ZeRO state): any stages take it."""
+        return saved.get("zero_stage", 0) == 0
+
     def flushes(self):
         return False
 
@@ -39,5 +43,4 @@ SPEC = AsyncPipelineSpec(
     "vit.engines.async_pipeline.engine",
     zero_stages=(0, 1),
     default_ds_config="pipeline.json",
-    restages=True,
 )

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from vit.core.costs import TORCH_GRAD_BYTES, ring_allreduce_s
+from vit.core.errors import ConfigError
 from vit.engines.ddp.options import CommSettings
 from vit.engines.step_cost import DataParallelSpec, autocast_state
 
@@ -32,6 +33,19 @@ class DDPSpec(DataParallelSpec):
 
     def compression_options(self, compression):
         return ({"comm_hook": compression} if compression != "none" else {}), {}
+
+    def resumes(self, saved, where):
+        """Its own checkpoints, and --engine zero's sharded state (stages 1 to 3) through
+        DeepSpeed's universal checkpoint (from_zero.py)."""
+        if saved["engine"] != "zero" or saved["pipeline_stages"] != 1:
+            return super().resumes(saved, where)
+        if saved["zero_stage"] == 0:
+            raise ConfigError(
+                f"{where} was written by --engine zero at ZeRO stage 0, which --engine "
+                f"{self.name} does not resume (it takes the sharded state of stages 1 to 3); "
+                "resume with --engine zero"
+            )
+        return "universal"
 
     def changes_learning(self, c):
         if c.compression == "powersgd":
@@ -87,5 +101,4 @@ SPEC = DDPSpec(
     freeze=True,
     default_ds_config="zero0.json",
     comm_hooks=True,
-    resumes_zero_of=("zero",),
 )
