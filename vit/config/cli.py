@@ -16,7 +16,7 @@ from vit.config.compat import (
     auto_may_choose_local_steps,
     check_auto,
     check_auto_given,
-    check_local_steps,
+    check_auto_local_steps,
     check_settings,
     needs_of,
 )
@@ -127,7 +127,7 @@ def validate(s: Settings) -> Settings:
         check_auto(s)
         provisional = s.with_(engine=PROVISIONAL, auto_allow="")
         if auto_may_choose_local_steps(s):
-            check_local_steps(s.local)
+            check_auto_local_steps(s)
             provisional = replace(provisional, local=type(s.local)())
         checked = validate(provisional)
         return replace(checked.with_(engine=AUTO, auto_allow=par.auto_allow), local=s.local)

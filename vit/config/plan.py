@@ -306,18 +306,7 @@ def check_layout(s: Settings, job: Job, depth: int, batch: Batch) -> None:
             f"--pipeline-stages {par.pipeline_stages} exceeds the {depth + 2} layers of "
             f"{s.model.model} (embedding, {depth} blocks, head)"
         )
-    interval = s.asynchrony.async_update_interval
-    if interval and batch.grad_accum % interval:
-        raise ConfigError(
-            f"--async-update-interval {interval} does not divide the gradient-accumulation count "
-            f"{batch.grad_accum} (a checkpoint drains the pipeline at a step's end, where every "
-            "stage's update must be complete)"
-        )
-    workers = s.local.worker_ranks
-    if engine.local_steps and workers.isdigit() and job.world_size % int(workers):
-        raise ConfigError(
-            f"--worker-ranks {workers} does not divide the world size {job.world_size}"
-        )
+    engine.check_layout(s, job.world_size, batch.grad_accum)
 
 
 def fill_notes(s: Settings, batch: Batch) -> list[str]:

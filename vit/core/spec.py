@@ -75,6 +75,14 @@ class EngineSpec:
         """What it can train in, best first (the order --precision auto tries)."""
         return PRECISIONS_WITH_FP16 if self.fp16 else ("bf16", "fp32")
 
+    def check_options(self, settings) -> None:
+        """Its own options among themselves and against the run's others (vit.config.cli.validate,
+        before any process group); a ConfigError names the problem."""
+
+    def check_layout(self, settings, world_size: int, grad_accum: int) -> None:
+        """Its options against the ranks and the batch (vit.config.plan, before any process
+        group); a ConfigError names the problem."""
+
     def zero_stage_of(self, ds_config: dict) -> int:
         """The ZeRO stage a run with this resolved DeepSpeed JSON trains at (0 for an engine without
         ZeRO)."""

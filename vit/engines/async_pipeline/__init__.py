@@ -3,6 +3,7 @@ engine (engine.py), its channels (p2p.py), the weight prediction (msnag.py), and
 (SPEC): no bubble, a stashed weight copy per further micro-batch in flight, fp32 under autocast, a
 bf16 wire as its compression."""
 
+from vit.core.errors import ConfigError
 from vit.engines.async_pipeline.options import AsyncSettings
 from vit.engines.step_cost import PipelinedSpec, autocast_state
 
@@ -15,6 +16,15 @@ class AsyncPipelineSpec(PipelinedSpec):
     def restages(self, saved):
         """Its checkpoint holds each layer by name (no ZeRO state): any stages take it."""
         return saved.get("zero_stage", 0) == 0
+
+    def check_layout(self, settings, world_size, grad_accum):
+        interval = settings.asynchrony.async_update_interval
+        if interval and grad_accum % interval:
+            raise ConfigError(
+                f"--async-update-interval {interval} does not divide the gradient-accumulation "
+                f"count {grad_accum} (a checkpoint drains the pipeline at a step's end, where "
+                "every stage's update must be complete)"
+            )
 
     def flushes(self):
         return False

@@ -34,6 +34,14 @@ class DDPSpec(DataParallelSpec):
     def compression_options(self, compression):
         return ({"comm_hook": compression} if compression != "none" else {}), {}
 
+    def check_options(self, settings):
+        comm = settings.comm
+        if comm.comm_hook == "powersgd" and comm.powersgd_start_step < 2:
+            raise ConfigError(
+                f"--powersgd-start-step must be at least 2, got {comm.powersgd_start_step} "
+                "(torch's start_powerSGD_iter: DDP rebuilds its buckets after the first step)"
+            )
+
     def resumes(self, saved, where):
         """Its own checkpoints, and --engine zero's sharded state (stages 1 to 3) through
         DeepSpeed's universal checkpoint (from_zero.py)."""

@@ -9,6 +9,7 @@ DDP's (auto leaves it to the user)."""
 from dataclasses import dataclass, replace
 
 from vit.core.costs import ring_allreduce_s
+from vit.core.errors import ConfigError
 from vit.engines.diloco.options import DEFAULT_SYNC_EVERY, LocalStepSettings, fragment_count
 from vit.engines.step_cost import DataParallelSpec, autocast_state
 
@@ -46,6 +47,21 @@ class DiLoCoSpec(DataParallelSpec):
         # a run recorded before --fragments: one fragment
         every = args.get("sync_every", DEFAULT_SYNC_EVERY)
         return DiLoCoWork(every, fragment_count(every, args.get("fragments", 1)))
+
+    def check_options(self, settings):
+        local = settings.local
+        if local.sync_every % local.fragment_count:
+            raise ConfigError(
+                f"--fragments {local.fragments} does not divide --sync-every {local.sync_every} "
+                "(each fragment syncs once a window, H / F steps after the one before)"
+            )
+
+    def check_layout(self, settings, world_size, grad_accum):
+        workers = settings.local.worker_ranks
+        if workers.isdigit() and world_size % int(workers):
+            raise ConfigError(
+                f"--worker-ranks {workers} does not divide the world size {world_size}"
+            )
 
     def compressions(self, precision):
         return tuple(WIRE_BYTES)
