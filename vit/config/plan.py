@@ -132,17 +132,15 @@ class Plan:
     @property
     def memory(self) -> RunMemory:
         """This run's terms of the memory model: its engine, DeepSpeed JSON, data-parallel size,
-        EMA, compression, the async pipeline's weight stashing or prediction (one copy of the
-        weights either way) and --freeze's handover."""
-        a = self.settings.asynchrony
+        EMA, compression, the weight copies its engine's options stash (the async pipeline's
+        stashing or prediction) and --freeze's handover."""
         return RunMemory(
             engine=self.engine,
             requested_precision=self.requested_precision,
             ds_config=self.ds_config,
             dp_size=self.batch.dp_size,
             ema_on_gpu=self.settings.recipe.model_ema,
-            # engines without stages: none
-            stashed_copies=int(a.weight_stashing == "on" or a.weight_prediction == "msnag"),
+            stashed_copies=self.engine.stashed_weights(self.settings),
             compression=self.compression(),
             freezing=self.settings.freeze.freeze != "none",
         )

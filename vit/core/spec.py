@@ -83,6 +83,21 @@ class EngineSpec:
         """Its options against the ranks and the batch (vit.config.plan, before any process
         group); a ConfigError names the problem."""
 
+    def resolved_options(self, settings, precision: str) -> dict:
+        """What config.json and summary.json record of its options as the run resolved them at
+        `precision` ({}: nothing beyond the options themselves)."""
+        return {}
+
+    def census_asks(self, settings) -> dict:
+        """What it asks the census to decide from its options (vit.planner.survey.Ask's fields; {}:
+        nothing)."""
+        return {}
+
+    def stashed_weights(self, settings) -> int:
+        """Copies of the weights its options keep for micro-batches in flight, as state_bytes'
+        stashed_copies for the run's memory (0: none)."""
+        return 0
+
     def zero_stage_of(self, ds_config: dict) -> int:
         """The ZeRO stage a run with this resolved DeepSpeed JSON trains at (0 for an engine without
         ZeRO)."""

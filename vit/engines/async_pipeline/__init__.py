@@ -26,6 +26,14 @@ class AsyncPipelineSpec(PipelinedSpec):
                 "every stage's update must be complete)"
             )
 
+    def resolved_options(self, settings, precision):
+        return {"pipe_wire_dtype": settings.asynchrony.wire_dtype(precision)}
+
+    def stashed_weights(self, settings):
+        """One copy of the weights under stashing or prediction (or both)."""
+        a = settings.asynchrony
+        return int(a.weight_stashing == "on" or a.weight_prediction == "msnag")
+
     def flushes(self):
         return False
 

@@ -63,6 +63,11 @@ class DiLoCoSpec(DataParallelSpec):
                 f"--worker-ranks {workers} does not divide the world size {world_size}"
             )
 
+    def census_asks(self, settings):
+        """--local-steps: each worker's inner steps in a window of --sync-every's H, from the
+        census's speeds."""
+        return {"local_steps": settings.local.local_steps, "sync_every": settings.local.sync_every}
+
     def compressions(self, precision):
         return tuple(WIRE_BYTES)
 
