@@ -15,11 +15,11 @@ from helpers import assert_losses, gloo_pair, launch, plan_in_process, train_los
 from torch import nn
 
 from vit.core.errors import ConfigError
-from vit.core.settings import WEIGHTINGS
 from vit.core.speeds import local_steps
 from vit.data.augment import train_batches
 from vit.data.datasets import load_dataset
 from vit.engines.diloco.engine import fragment_bounds, worker_weight
+from vit.engines.diloco.options import WEIGHTINGS
 from vit.engines.diloco.wire import BLOCK, compress, decompress
 from vit.model.layers import build_layers, loss_fn, model_shape
 from vit.run.cli import defaults, parse

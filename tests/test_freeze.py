@@ -22,6 +22,7 @@ from torch import nn
 
 from vit.core.errors import ConfigError
 from vit.core.layout import Layout
+from vit.engines.registry import NAMES, spec
 from vit.freeze import activation_cache
 from vit.freeze.activation_cache import FeatureCache
 from vit.freeze.freezer import Freezer, freeze_prefix
@@ -412,7 +413,7 @@ def test_freeze_schedule_matches_single_process_loop(tmp_path, engine, config):
 
 @pytest.mark.ranks
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("engine", ["zero", "ddp"])
+@pytest.mark.parametrize("engine", [n for n in NAMES if spec(n).freeze and not spec(n).pipeline])
 def test_resume_across_and_between_freeze_points(tmp_path, engine):
     full = tmp_path / "full"
     common = f"--engine {engine} --steps 8 {FREEZE}"

@@ -23,9 +23,10 @@ from helpers import (
 from vit.core.costs import CUBLAS_BYTES, NCCL_BYTES
 from vit.core.errors import ConfigError
 from vit.data.sampling import TrainBatches
-from vit.engines.registry import spec
+from vit.engines.registry import NAMES, spec
 from vit.planner import batch_split, census, loss_scale, stages
 from vit.run.cli import defaults
+from vit.run.compat import splits_batches
 from vit.runtime import slowdown
 from vit.runtime.precision import choose
 from vit.training.reference import reference_losses
@@ -438,7 +439,7 @@ def reference() -> list[float]:
 
 @pytest.mark.ranks
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine", ["zero", "ddp"])
+@pytest.mark.parametrize("engine", [n for n in NAMES if splits_batches(spec(n))])
 def test_proportional_batches_give_the_homogeneous_update(tmp_path, engine):
     args = f"--engine {engine} --batch-split proportional --simulate-slowdown 1=3 {COMMON}"
     r = launch([*shlex.split(args), "--log-dir", tmp_path], timeout=280)

@@ -200,29 +200,35 @@ def test_ring_bandwidth_is_set_by_the_busiest_nic():
     )
 
 
+def every(sync_every: int, fragments: int = 1) -> Job:
+    """job() with DiLoCo's planner input for --sync-every and --fragments."""
+    args = {"sync_every": sync_every, "fragments": fragments}
+    return dataclasses.replace(job(), inputs=cli.planner_inputs(args))
+
+
 def test_diloco_pays_one_all_reduce_of_the_weights_every_sync_every_steps():
     ranks = two_hosts()
     c = Candidate("diloco", 0, 1, 4, 1)
     # 2000 params x 4 B, ring of 2: 8000 B on each edge at 1e6 B/s = 8 ms a sync, amortised over H
     for h in (1, 10, 50):
-        j = dataclasses.replace(job(), sync_every=h)
+        j = every(h)
         assert predict(c, ranks, net(1e6), j, ZERO_COST).link_s == pytest.approx(8e-3 / h)
     int8 = dataclasses.replace(c, compression="outer-int8")
-    j = dataclasses.replace(job(), sync_every=10)
+    j = every(10)
     assert predict(int8, ranks, net(1e6), j, ZERO_COST).link_s == pytest.approx(
         8e-3 / 10 * (1 + 4 / 256) / 4
     )
     # streaming, F = 2 of H = 10: 4 ms a fragment behind the 5 steps after it; the compute of
     # those steps hides it all, or all but 4 ms - 5 x compute, paid once in 5 steps
     whole = predict(c, ranks, net(1e6), j, ZERO_COST)
-    two = predict(c, ranks, net(1e6), dataclasses.replace(j, fragments=2), ZERO_COST)
+    two = predict(c, ranks, net(1e6), every(10, fragments=2), ZERO_COST)
     assert two.link_s == pytest.approx(max(0.0, 4e-3 - 5 * whole.compute_s) / 5)
     assert two.compute_s == whole.compute_s and two.link_s < whole.link_s
 
 
 def test_powersgd_sends_low_rank_factors_of_the_matrices_it_compresses():
     layer = Layer(100 * 50 + 4 * 4 + 50, 0.0, 1, ((100, 50), (4, 4)))
-    j = Job((layer,), 8, "fp32", powersgd_rank=4)
+    j = Job((layer,), 8, "fp32", cli.planner_inputs({"powersgd_rank": 4}))
     # 100x50: 5000 > 2 x 150 x 4, sends 150 x 4; 4x4: 16 <= 2 x 8 x 4, sends whole; the 50-vector
     # whole
     assert spec(DP_ENGINE).grad_bytes(j, j.layers, "powersgd") == (600 + 16 + 50) * 4

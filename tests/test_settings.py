@@ -4,8 +4,9 @@ infinity too), checks between options, and --data-path never ignored."""
 import pytest
 
 from vit.core.errors import ConfigError
-from vit.core.settings import DataSettings, Settings
+from vit.core.settings import DataSettings
 from vit.data.datasets import dataset_for
+from vit.engines.registry import Settings
 from vit.run.cli import defaults, parse, parser
 
 

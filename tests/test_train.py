@@ -21,6 +21,7 @@ from helpers import (
     train_losses,
 )
 
+from bench.runs import RUN_ENGINES
 from vit.core.errors import ConfigError
 from vit.run.cli import defaults
 from vit.training.reference import reference_losses
@@ -72,19 +73,20 @@ def train(log_dir, args: str, *paths, nprocs: int = 2, timeout: float = 240):
     return r
 
 
-# One run per engine, each compared with the single-process loop once. The recipe is on where the
-# data path differs: ZeRO's data-parallel ranks (ZeRO-2, the default, and ZeRO-3, whose partitioned
-# parameters take layer_decay's groups), DDP's own micro-step loop, and the pipeline (its first
-# stage reads the augmented images, its last the mixed soft targets); ZeRO-0 and ZeRO-1 train on
-# the digits' default crop. Micro-steps (16 x 2) on every data-parallel engine but ZeRO-0, which
-# keeps the default 32 x 1; the pipeline accumulates 4 micro-batches of 16 (pipeline.json).
+# One run per engine whose step is the plain synchronous one, each compared with the single-process
+# loop once: the benchmarks' runs from the registry (bench.runs: ZeRO once per stage), so a new
+# engine joins it (the async pipeline and DiLoCo train otherwise: each brings its own emulator,
+# tests/test_async_pipeline.py and tests/test_diloco.py). The recipe is on where the data path
+# differs: ZeRO's data-parallel ranks (ZeRO-2, the default, and ZeRO-3, whose partitioned parameters
+# take layer_decay's groups), DDP's own micro-step loop, and the pipeline (its first stage reads the
+# augmented images, its last the mixed soft targets); ZeRO-0 and ZeRO-1 train on the digits' default
+# crop. Micro-steps (16 x 2) on every data-parallel engine but ZeRO-0, which keeps the default
+# 32 x 1; the pipeline accumulates 4 micro-batches of 16 (pipeline.json). A new engine: both on.
+PLAIN = {"zero0": (False, False), "zero1": (False, True), "pipeline": (True, False)}
 MATRIX = {
-    "zero0": ("zero", "zero0.json", False, False),
-    "zero1": ("zero", "zero1.json", False, True),
-    "zero2 recipe": ("zero", "zero2.json", True, True),
-    "zero3 recipe": ("zero", "zero3.json", True, True),
-    "pipeline recipe": ("pipeline", "pipeline.json", True, False),
-    "ddp recipe": ("ddp", "zero0.json", True, True),
+    name: (engine.name, config, *PLAIN.get(name, (True, True)))
+    for name, (engine, config) in RUN_ENGINES.items()
+    if not engine.async_schedule and not engine.local_steps
 }
 
 

@@ -15,6 +15,7 @@ import torch
 
 from vit.checkpoints import checkpoint
 from vit.core.errors import ConfigError, NonFiniteLoss, NothingToDo, OutOfMemory
+from vit.engines.registry import planner_inputs
 from vit.planner import auto as auto_engine
 from vit.planner import fit, oom
 from vit.run.cli import PROG, parse
@@ -76,9 +77,7 @@ def choose_engine(plan: Plan, dev: torch.device) -> dict:
         s.parallel.engine,
         auto_engine.Request(
             batch=plan.batch,
-            powersgd_rank=s.comm.powersgd_rank,
-            sync_every=s.local.sync_every,
-            fragments=s.local.fragment_count,
+            inputs=planner_inputs(s.flat()),
             allowed=auto_allowed(s),
             cannot_take=cannot_take(plan) if plan.resume else None,  # a resume on a changed cluster
         ),

@@ -96,9 +96,7 @@ def engine_factory(
         loss_weight=surveyed.loss_weight,
         local_steps=surveyed.local_steps,
         smoothing=s.recipe.smoothing,
-        asynchrony=s.asynchrony,
         compile=s.parallel.compile,
-        comm=s.comm,
         settings=s,
     )
     return EngineFactory(s.parallel.engine, context)
@@ -135,8 +133,7 @@ def survey_cluster(plan: Plan, dev: torch.device, layers: list, start_step: int)
         slowdown=plan.slowdowns.get(job.rank, 1.0),
         split=plan.micro_split,
         parts=plan.stage_parts,
-        local_steps=s.local.local_steps if plan.engine.local_steps else None,
-        sync_every=s.local.sync_every,
+        **plan.engine.census_asks(s),
         state_bytes=plan.state_bytes_per_param,
         reserved_bytes=plan.reserved_bytes(dev, plan.likely_precision(dev)),
         probe_on_cpu=pipeline or plan.shape["zero_stage"] == 3,

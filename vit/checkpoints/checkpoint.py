@@ -98,11 +98,12 @@ def read_manifest(save_dir: str, tag: str) -> dict:
     return manifest
 
 
-def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | None = None) -> bool:
+def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec) -> bool:
     """Refuse to resume under a layout the checkpoint cannot be loaded into, and say what would;
     True where it loads through DeepSpeed's universal checkpoint (ZeRO state sharded over another
     number of data-parallel ranks or pipeline stages, or resumed by an engine that takes ZeRO's:
-    vit.checkpoints.universal)."""
+    vit.checkpoints.universal). Which checkpoints `engine` takes, and on which stages, its spec
+    says."""
     # the architecture: a pretrained tag (.augreg_in21k) makes no other shapes
     model = saved.get("model")
     if model and split_model_name_tag(model)[0] != split_model_name_tag(current["model"])[0]:
@@ -110,26 +111,18 @@ def check_shape(saved: dict, current: dict, where: str, engine: EngineSpec | Non
             f"{where} was written by --model {model}, this run uses --model {current['model']}; "
             f"resume with --model {model}"
         )
-    resumes_zero_of = engine.resumes_zero_of if engine else ()
-    if saved["engine"] in resumes_zero_of and saved["pipeline_stages"] == 1:
-        if saved["zero_stage"] == 0:
-            raise ConfigError(
-                f"{where} was written by --engine {saved['engine']} at ZeRO stage 0, which "
-                f"--engine {current['engine']} does not resume (it takes the sharded state of "
-                f"stages 1 to 3); resume with --engine {saved['engine']}"
-            )
+    takes = engine.resumes(saved, where)
+    if takes == "universal":
         return True
-    if saved["engine"] != current["engine"]:
+    if takes is None:
         raise ConfigError(
             f"{where} was written by --engine {saved['engine']}, this run uses --engine "
             f"{current['engine']}; resume with --engine {saved['engine']}"
         )
-    # 1 for an engine without stages; an engine that restages takes another number: by name
-    # (not ZeRO's), or through DeepSpeed's universal checkpoint (ZeRO's only)
-    restages = engine is not None and engine.restages and saved["zero_stage"] == 0
-    universal = engine is not None and engine.restages_universal and saved["zero_stage"] > 0
+    # 1 for an engine without stages; an engine that restages takes another number (by name, or
+    # ZeRO's state through DeepSpeed's universal checkpoint)
     restaged = saved["pipeline_stages"] != current["pipeline_stages"]
-    if restaged and not (restages or universal):
+    if restaged and not engine.restages(saved):
         world = current["data_parallel_size"] * current["pipeline_stages"]
         # on ranks its stages do not divide, the run goes on only once a host is back (exit 3)
         refusal = CannotGoOn if world % saved["pipeline_stages"] else ConfigError

@@ -8,8 +8,6 @@ searches over them (vit.planner). Pure: no torch, no files (docs/planner.md stat
 import math
 from dataclasses import dataclass, field
 
-from vit.core.settings import DEFAULT_SYNC_EVERY
-
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 TORCH_GRAD_BYTES = 4  # engines that autocast keep fp32 weights: fp32 gradients and activations
 # plans leave 10% of the free memory for the allocator's fragmentation and the unforeseen
@@ -58,15 +56,15 @@ class Layer:
 
 @dataclass(frozen=True)
 class Workload:
-    """What is trained: the layers, the global batch, the precision (fp32, fp16 or bf16),
-    PowerSGD's rank, DiLoCo's steps between syncs and fragments."""
+    """What is trained: the layers, the global batch, the precision (fp32, fp16 or bf16), and by
+    engine name what that engine's price reads of the run's options besides (its spec's
+    planner_input: PowerSGD's rank, DiLoCo's steps between syncs; opaque here and to the planner,
+    which passes it through)."""
 
     layers: tuple[Layer, ...]
     global_batch: int
     precision: str
-    powersgd_rank: int = 4
-    sync_every: int = DEFAULT_SYNC_EVERY
-    fragments: int = 1
+    inputs: dict[str, object] = field(default_factory=dict, hash=False)
 
     @property
     def params(self) -> int:

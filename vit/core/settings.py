@@ -1,28 +1,27 @@
 """The command line as typed settings: one dataclass per concern, each field declared once with its
 help and its check; vit/run/cli.py generates the parser from them and validates every value
-before any process group starts.
+before any process group starts. The groups every run has are here; an engine's own groups are
+declared in its folder (vit/engines/<engine>/options.py) and vit.engines.registry.Settings adds
+them to these.
 
-`Settings()` is the defaults; `vit.run.cli.parse(argv)` the command line. Code reads the group it
-needs (`settings.optim`, `settings.data`, ...), never an argparse Namespace.
+`vit.engines.registry.Settings()` is the defaults; `vit.run.cli.parse(argv)` the command line.
+Code reads the group it needs (`settings.optim`, `settings.data`, ...), never an argparse Namespace.
 """
 
 import argparse
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import ClassVar
 
 from vit.core.onebit import check_opt_name
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DATASETS = ("digits", "glyphs", "glyphs-small", "cifar10", "cifar100", "imagefolder", "synthetic")
 DEFAULT_EPOCHS = 40.0
-DEFAULT_SYNC_EVERY = 10  # --sync-every: with 5 fragments and int8, as fast as 50 (benchmarks.md)
 DEFAULT_SAVE_INTERVAL = 1000  # --save-interval: a long run stopped loses at most this many steps
-MAX_AUTO_FRAGMENTS = 5  # --fragments auto: the most fragments, each H / F steps after the last
 # fp16's initial loss scale 2^12 (DeepSpeed's 2^16 overflowed on every step in users' ViT runs),
 # unless the JSON or --loss-scale auto sets one
 DEFAULT_FP16_SCALE_POWER = 12
 TRACKERS = ("tensorboard", "wandb", "csv")
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
-WEIGHTINGS = ("steps", "uniform", "fednova")  # --outer-weighting
 
 
 def positive_int(text: str) -> int:
@@ -39,8 +38,9 @@ def positive_int(text: str) -> int:
 def option(default, help: str, check: str | None = None, needs: str | None = None, **cli):
     """A settings field: its default, its --help text, `check` ('positive', 'non_negative',
     'probability': 0 to 1, or 'below_one': 0 up to 1; every float must also be finite), `needs`:
-    what it has no effect without (a key of vit.run.compat.NEEDS; changed from its default
-    without that, it is refused) and extra argparse arguments (choices, metavar, flag, ...)."""
+    what it has no effect without (a key of vit.run.compat.NEEDS, or "engine": the engines
+    that declare its group; changed from its default without that, it is refused) and extra
+    argparse arguments (choices, metavar, flag, ...)."""
     return field(
         default=default, metadata={"help": help, "check": check, "needs": needs, "cli": cli}
     )
@@ -199,170 +199,6 @@ class OptimSettings:
         "clip the gradient norm to this (overrides the JSON's gradient_clipping)",
         "non_negative",
     )
-
-
-@dataclass(frozen=True)
-class AsyncSettings:
-    """--engine async-pipeline: PipeDream-2BW's 1F1B without a flush, and what offsets its
-    staleness."""
-
-    async_update_interval: int | None = option(
-        None,
-        "micro-batches between a stage's updates (default: the gradient-accumulation "
-        "count, which it must divide)",
-        "positive",
-        needs="async",
-    )
-    weight_stashing: str = option(
-        "on",
-        "each backward uses the weights its forward used (off: the current ones)",
-        choices=("on", "off"),
-        needs="async",
-    )
-    weight_prediction: str = option(
-        "msnag",
-        "before a forward, predict the weights d updates ahead (d: the stage's staleness) "
-        "from the optimizer's momentum (FTPipe's multi-step NAG), or none",
-        choices=("msnag", "none"),
-        needs="async",
-    )
-    pipe_wire_dtype: str | None = option(
-        None,
-        "dtype of the activations and gradients between stages (cast before the send, "
-        "to fp32 on arrival; bf16, fp16: half the bytes; default: the training "
-        "precision). fp16 has no loss scaler on the wire: gradients below 6e-5 lose "
-        "bits, below 3e-8 arrive as zero",
-        choices=("fp32", "bf16", "fp16"),
-        needs="async",
-    )
-
-    def wire_dtype(self, precision: str) -> str:  # --pipe-wire-dtype, else the training precision
-        return self.pipe_wire_dtype or precision
-
-
-@dataclass(frozen=True)
-class CommSettings:
-    """--engine ddp: torch's DDP communication hooks
-    (torch.distributed.algorithms.ddp_comm_hooks)."""
-
-    comm_hook: str = option(
-        "none",
-        "compress DDP's gradient all-reduce: fp16 or bf16 (half the bytes), or powersgd (low-rank, "
-        "with error feedback); none registers no hook",
-        choices=COMM_HOOKS,
-    )
-    powersgd_rank: int = option(
-        4, "powersgd: matrix approximation rank (lower: fewer bytes)", "positive", needs="powersgd"
-    )
-    powersgd_start_step: int = option(
-        10,
-        "powersgd: optimizer steps of plain all-reduce before compressing (torch's "
-        "start_powerSGD_iter, at least 2)",
-        "non_negative",
-        needs="powersgd",
-    )
-
-
-def parse_worker_ranks(text: str) -> str:
-    """argparse type of --worker-ranks: auto, host or a whole number above zero."""
-    if text in ("auto", "host"):
-        return text
-    return str(positive_int(text))
-
-
-@dataclass(frozen=True)
-class LocalStepSettings:
-    """--engine diloco: local steps with an outer optimizer (DiLoCo, Douillard et al. 2023)."""
-
-    sync_every: int = option(
-        DEFAULT_SYNC_EVERY,
-        "inner steps between syncs (DiLoCo's H): each worker trains alone for H steps with the "
-        "command line's optimizer, then the workers average their pseudo-gradients",
-        "positive",
-        needs="diloco",
-    )
-    local_start_step: int = option(
-        0,
-        "steps trained as DDP (gradients averaged every step) before the local steps begin "
-        "(post-local SGD's warm-up, torch's start_localSGD_iter; the syncs count from there)",
-        "non_negative",
-        needs="diloco",
-    )
-    # 1.0 and 0 (the workers' mean, as local SGD takes it), not the paper's 0.7 and Nesterov 0.9:
-    # measured on the default job (docs/benchmarks.md), the paper's lost 8 points at H = 50
-    outer_lr: float = option(
-        1.0,
-        "learning rate of the outer optimizer (SGD on the averaged pseudo-gradient, the global "
-        "weights minus a worker's; 1 with no momentum: the workers' mean)",
-        "positive",
-        needs="diloco",
-    )
-    outer_momentum: float = option(
-        0.0,
-        "Nesterov momentum of the outer optimizer (0: plain SGD; the paper's 0.9 with --outer-lr "
-        "0.7 suits runs of many syncs)",
-        "below_one",
-        needs="diloco",
-    )
-    outer_wire: str = option(
-        "int8",
-        "dtype of the pseudo-gradients on the wire: int8 (a quarter of fp32's bytes, with a "
-        "scale per block of 256 values; it cost no measurable accuracy), bf16 (half) or fp32",
-        choices=("fp32", "bf16", "int8"),
-        needs="diloco",
-    )
-    # equal, not auto: with a rank slowed 2x on glyphs, proportional steps at the default fragments
-    # gave 1.08x equal's images/s and lost 4 points (docs/benchmarks.md, 1 December 2026)
-    local_steps: str = option(
-        "equal",
-        "inner steps of each worker between syncs: equal (H each: a slower GPU holds the others "
-        "up, as under DDP), proportional (H x its speed / the fastest's, from the census, then "
-        "from each window's measured times: a slower GPU takes fewer and waits less, and the "
-        "batches it skips are not trained on; --outer-weighting says how the mean weighs it) "
-        "or auto (proportional when the speeds differ by more than the noise)",
-        choices=("auto", "proportional", "equal"),
-        needs="diloco",
-    )
-    # steps (FedAvg's): with rank 1 slowed 2x on glyphs, uniform was within its error of it and
-    # fednova 1.7 points lower (docs/benchmarks.md, 2 December 2026)
-    outer_weighting: str = option(
-        "steps",
-        "how the workers' mean weighs a worker that trained fewer inner steps (--local-steps "
-        "proportional): steps (by the steps it trained, FedAvg's), uniform (every worker alike) or "
-        "fednova (each pseudo-gradient divided by its steps, the mean scaled by the workers' mean "
-        "steps, FedNova's)",
-        choices=WEIGHTINGS,
-        needs="diloco",
-    )
-    fragments: int | str = option(
-        "auto",
-        "sync the model in F fragments (Streaming DiLoCo): fragment f's pseudo-gradient goes on "
-        "the wire at its own step of each window and is applied H / F steps later, while the "
-        "workers train on, so no step waits for the link; F divides H. auto: the largest F up "
-        f"to {MAX_AUTO_FRAGMENTS} that divides H ({MAX_AUTO_FRAGMENTS} at the default H)",
-        needs="diloco",
-        type=lambda v: v if v == "auto" else positive_int(v),
-        metavar="F|auto",
-    )
-    worker_ranks: str = option(
-        "auto",
-        "ranks per worker, which train as DDP among themselves: N, host (the ranks of a host), "
-        "or auto (host on GPUs, one rank each on CPUs)",
-        needs="diloco",
-        type=parse_worker_ranks,
-        metavar="N|host|auto",
-    )
-
-    @property
-    def fragment_count(self) -> int:
-        return fragment_count(self.sync_every, self.fragments)
-
-
-def fragment_count(sync_every: int, fragments: int | str) -> int:
-    """--fragments as a number: auto is the largest up to MAX_AUTO_FRAGMENTS that divides H."""
-    if fragments != "auto":
-        return fragments
-    return max(f for f in range(1, MAX_AUTO_FRAGMENTS + 1) if sync_every % f == 0)
 
 
 @dataclass(frozen=True)
@@ -559,9 +395,6 @@ GROUPS = {  # attribute of Settings -> (class, --help section title)
     "model": (ModelSettings, "model"),
     "data": (DataSettings, "data"),
     "parallel": (ParallelSettings, "engine, parallelism and precision"),
-    "asynchrony": (AsyncSettings, "asynchronous pipeline (--engine async-pipeline)"),
-    "comm": (CommSettings, "gradient compression (--engine ddp)"),
-    "local": (LocalStepSettings, "local steps (--engine diloco)"),
     "optim": (OptimSettings, "optimizer"),
     "recipe": (RecipeSettings, "augmentation and regularisation (timm train.py's names)"),
     "freeze": (FreezeSettings, "freeze training"),
@@ -574,12 +407,14 @@ GROUPS = {  # attribute of Settings -> (class, --help section title)
 
 @dataclass(frozen=True)
 class Settings:
+    """The groups every run has; vit.engines.registry.Settings, the run's settings, adds the
+    engines' own. `sections`: attribute -> (group class, --help section title), in --help's
+    order."""
+
+    sections: ClassVar[dict[str, tuple[type, str]]] = GROUPS
     model: ModelSettings = field(default_factory=ModelSettings)
     data: DataSettings = field(default_factory=DataSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
-    asynchrony: AsyncSettings = field(default_factory=AsyncSettings)
-    comm: CommSettings = field(default_factory=CommSettings)
-    local: LocalStepSettings = field(default_factory=LocalStepSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     recipe: RecipeSettings = field(default_factory=RecipeSettings)
     freeze: FreezeSettings = field(default_factory=FreezeSettings)
@@ -590,13 +425,13 @@ class Settings:
 
     def flat(self) -> dict:
         """Every option by its name, as config.json records them."""
-        return {k: v for group in asdict(self).values() for k, v in group.items()}
+        return {k: v for name in self.sections for k, v in asdict(getattr(self, name)).items()}
 
     def with_(self, **changes) -> "Settings":
         """A copy with options changed by name, whatever their group (for tests, benchmarks and
         tools)."""
         groups = {}
-        for name, (cls, _) in GROUPS.items():
+        for name, (cls, _) in self.sections.items():
             mine = {k: v for k, v in changes.items() if k in {f.name for f in fields(cls)}}
             if mine:
                 groups[name] = replace(getattr(self, name), **mine)

@@ -44,14 +44,11 @@ class EngineSpec:
     comm_hooks: bool = False
     # workers take local steps between syncs: --sync-every and the --outer-* options apply
     local_steps: bool = False
-    # engines whose sharded ZeRO checkpoints (stage 1 to 3, no pipeline) it resumes, through
-    # DeepSpeed's universal checkpoint
-    resumes_zero_of: tuple[str, ...] = ()
-    # resumes a checkpoint of its own written with another number of pipeline stages
-    restages: bool = False
-    # ... and with other stages or data-parallel ranks where it holds ZeRO state (stage 1 and up),
-    # through DeepSpeed's universal checkpoint
-    restages_universal: bool = False
+
+    # Its own options: Settings attribute -> (a dataclass of vit.core.settings.option fields,
+    # declared in its folder's options.py; its --help section title); vit.engines.registry adds
+    # them to the settings every run has.
+    option_groups: ClassVar[dict[str, tuple[type, str]]] = {}
 
     # What its family answers for it, so that no engine declares a flag against its shape: the
     # step's (vit.engines.step_cost: DataParallelSpec, PipelinedSpec) and DeepSpeed's
@@ -77,6 +74,29 @@ class EngineSpec:
     def precisions(self) -> tuple[str, ...]:
         """What it can train in, best first (the order --precision auto tries)."""
         return PRECISIONS_WITH_FP16 if self.fp16 else ("bf16", "fp32")
+
+    def check_options(self, settings) -> None:
+        """Its own options among themselves and against the run's others (vit.run.cli.validate,
+        before any process group); a ConfigError names the problem."""
+
+    def check_layout(self, settings, world_size: int, grad_accum: int) -> None:
+        """Its options against the ranks and the batch (vit.run.plan, before any process
+        group); a ConfigError names the problem."""
+
+    def resolved_options(self, settings, precision: str) -> dict:
+        """What config.json and summary.json record of its options as the run resolved them at
+        `precision` ({}: nothing beyond the options themselves)."""
+        return {}
+
+    def census_asks(self, settings) -> dict:
+        """What it asks the census to decide from its options (vit.planner.survey.Ask's fields; {}:
+        nothing)."""
+        return {}
+
+    def stashed_weights(self, settings) -> int:
+        """Copies of the weights its options keep for micro-batches in flight, as state_bytes'
+        stashed_copies for the run's memory (0: none)."""
+        return 0
 
     def zero_stage_of(self, ds_config: dict) -> int:
         """The ZeRO stage a run with this resolved DeepSpeed JSON trains at (0 for an engine without
@@ -221,12 +241,37 @@ class EngineSpec:
         which --engine auto leaves to the user to choose."""
         return None
 
+    def planner_input(self, args: dict) -> object | None:
+        """What its price reads of a run's options besides the Workload's layers, batch and
+        precision, from the options by their config.json names (a missing one at its default);
+        None: nothing. The planner and --engine auto carry it in Workload.inputs unread."""
+        return None
+
+    def work_input(self, work: Workload):
+        """Its planner_input in `work`, or the defaults' where the planner was given none."""
+        given = work.inputs.get(self.name)
+        return given if given is not None else self.planner_input({})
+
     def predict(
         self, c: Candidate, ranks: list[Rank], net: Network, work: Workload, calib: Calibration
     ) -> Prediction:
         """The candidate's step on these ranks and links: compute, link, bubble, fixed costs and
         memory."""
         raise NotImplementedError
+
+    # --- its resume rules (vit.checkpoints.checkpoint.check_shape reads them; `saved`: a
+    # checkpoint's manifest: engine, zero_stage, pipeline_stages, data_parallel_size)
+
+    def resumes(self, saved: dict, where: str) -> str | None:
+        """How it takes the checkpoint `where`: "own" (written by this engine), "universal"
+        (another engine's ZeRO state, through DeepSpeed's universal checkpoint), None: it does not
+        (a ConfigError where it has more to say than that)."""
+        return "own" if saved["engine"] == self.name else None
+
+    def restages(self, saved: dict) -> bool:
+        """Whether it resumes its own checkpoint with another number of pipeline stages (and data-
+        parallel ranks)."""
+        return False
 
     # --- its runs' logs
 

@@ -5,15 +5,16 @@ import contextlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from vit.core.batch import Batch
-from vit.core.settings import AsyncSettings, CommSettings, OptimSettings, Settings
+from vit.core.settings import OptimSettings, Settings
 from vit.data.sampling import PAD_LABEL
+from vit.engines import registry
 from vit.training.stats import PhaseTimer
 
 
@@ -48,11 +49,9 @@ class EngineContext:
     loss_weight: float = 1.0
     local_steps: list[int] | None = None  # every rank's inner steps in a window (--local-steps)
     smoothing: float = 0.0  # --smoothing, for hard labels (mixup's soft targets carry their own)
-    # --engine async-pipeline's update interval, stashing, prediction
-    asynchrony: AsyncSettings = AsyncSettings()
     compile: bool = False  # --compile: torch.compile the module this rank trains
-    comm: CommSettings = CommSettings()  # --comm-hook and PowerSGD's options (--engine ddp)
-    settings: Settings = Settings()  # the whole run's settings: an engine reads its own group there
+    # the whole run's settings (vit.engines.registry.Settings): an engine reads its own group there
+    settings: Settings = field(default_factory=lambda: registry.Settings())
 
 
 class Engine(ABC):

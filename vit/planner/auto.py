@@ -18,7 +18,6 @@ import torch.distributed as dist
 from vit.core.batch import Batch
 from vit.core.costs import Candidate, Workload
 from vit.core.errors import ConfigError, NothingToDo
-from vit.core.settings import DEFAULT_SYNC_EVERY
 from vit.engines.registry import spec
 from vit.engines.step_cost import SHARED
 from vit.planner.census import capabilities, gather
@@ -46,15 +45,13 @@ PICK = "VIT_ENGINE_AUTO_PICK"
 @dataclass(frozen=True, kw_only=True)
 class Request:
     """What the run asks of --engine auto beyond the measurements: its batch (the global batch
-    every candidate keeps, the micro-batch the layers are timed at), the options of the candidates
-    that take them, what --auto-allow lets it choose though it changes what is learned
-    (not_chosen), and `cannot_take`: why a candidate cannot load the checkpoint a resume on a
-    changed cluster goes on from."""
+    every candidate keeps, the micro-batch the layers are timed at), each engine's planner input
+    (vit.core.costs.Workload.inputs), what --auto-allow lets it choose though it changes what is
+    learned (not_chosen), and `cannot_take`: why a candidate cannot load the checkpoint a resume on
+    a changed cluster goes on from."""
 
     batch: Batch
-    powersgd_rank: int = 4
-    sync_every: int = DEFAULT_SYNC_EVERY
-    fragments: int = 1
+    inputs: dict = dataclasses.field(default_factory=dict)  # vit.core.costs.Workload.inputs
     allowed: frozenset = frozenset()
     cannot_take: Callable[[Candidate], str | None] | None = None
 
@@ -116,14 +113,7 @@ def decide(
     described, flops = describe_layers(layers, sample, precision)
     ranks, _ = ranks_from_census(reports, flops, request.batch.micro_batch)
     net = network(reports, links)
-    work = Workload(
-        tuple(described),
-        request.batch.global_size,
-        precision,
-        request.powersgd_rank,
-        request.sync_every,
-        request.fragments,
-    )
+    work = Workload(tuple(described), request.batch.global_size, precision, request.inputs)
     (calib, calib_from), rows = run_calibration(), []
     for p in rank_candidates(ranks, net, work, calib):
         cannot = cannot_run(p.candidate, world_size, precision) or (

@@ -14,7 +14,8 @@ from vit.core.costs import Calibration, Network, Prediction, Workload
 from vit.core.errors import ConfigError
 from vit.core.hostfile import hostfile_slots
 from vit.core.paths import ROOT
-from vit.core.settings import DEFAULT_SYNC_EVERY, fragment_count, positive_int
+from vit.core.settings import positive_int
+from vit.engines.registry import planner_inputs
 from vit.planner.inputs import load_run, network, profile_model, ranks_from_census, read_json
 from vit.planner.predict import calibration_keys, label
 from vit.planner.search import rank_candidates
@@ -239,15 +240,7 @@ def inputs(args) -> tuple[list, object, Workload, Calibration, str]:
         taken.append("fixed costs")
     if taken:
         how += f"; {', '.join(taken)} from the run's engine_auto"
-    every = run_args.get("sync_every", DEFAULT_SYNC_EVERY)
-    work = Workload(
-        tuple(layers),
-        global_batch,
-        precision,
-        run_args.get("powersgd_rank", 4),
-        every,
-        fragment_count(every, run_args.get("fragments", 1)),  # a number before "auto" came
-    )
+    work = Workload(tuple(layers), global_batch, precision, planner_inputs(run_args))
     return (
         ranks,
         net,

@@ -1,6 +1,7 @@
-"""The command line: the parser generated from vit.core.settings' fields (flags, types, choices,
-help), the checks that span options, `parse(argv)` and `defaults()` (the settings of a run with no
-options, for tools and tests)."""
+"""The command line: the parser generated from the settings' fields (vit.engines.registry.Settings:
+vit.core.settings' groups and the engines' own; flags, types, choices, help), the checks that span
+options, `parse(argv)` and `defaults()` (the settings of a run with no options, for tools and
+tests)."""
 
 import argparse
 import importlib.util
@@ -13,16 +14,16 @@ from pathlib import Path
 from vit.core.errors import ConfigError
 from vit.core.hostfile import hostfile_slots
 from vit.core.paths import ROOT
-from vit.core.settings import GROUPS, TRACKERS, Settings
-from vit.engines.registry import AUTO, NAMES, SPECS, spec
+from vit.core.settings import TRACKERS
+from vit.engines.registry import AUTO, NAMES, SPECS, Settings, spec
 from vit.run.compat import (
-    NEEDS,
     PROVISIONAL,
     auto_may_choose_local_steps,
     check_auto,
     check_auto_given,
-    check_local_steps,
+    check_auto_local_steps,
     check_settings,
+    needs_of,
 )
 
 PROG = "entry_cn.sh"  # the launcher users run: the usage and the training's messages name it
@@ -71,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
         "plain PyTorch DDP. With no options: the tiny ViT on the embedded digits data set.",
         formatter_class=HelpFormatter,
     )
-    for cls, title in GROUPS.values():
+    for cls, title in Settings.sections.values():
         group, exclusive = p.add_argument_group(title), {}
         for f in fields(cls):
             cli = {k: v for k, v in f.metadata["cli"].items() if k not in ("flag", "exclusive")}
@@ -111,7 +112,7 @@ def _check(f, value) -> None:
 
 def from_namespace(ns: argparse.Namespace) -> Settings:
     groups = {}
-    for name, (cls, _) in GROUPS.items():
+    for name, (cls, _) in Settings.sections.items():
         values = {f.name: getattr(ns, f.name) for f in fields(cls)}
         for f in fields(cls):
             _check(f, values[f.name])
@@ -126,7 +127,7 @@ def validate(s: Settings) -> Settings:
         check_auto(s)
         provisional = s.with_(engine=PROVISIONAL, auto_allow="")
         if auto_may_choose_local_steps(s):
-            check_local_steps(s.local)
+            check_auto_local_steps(s)
             provisional = replace(provisional, local=type(s.local)())
         checked = validate(provisional)
         return replace(checked.with_(engine=AUTO, auto_allow=par.auto_allow), local=s.local)
@@ -169,12 +170,12 @@ def validate(s: Settings) -> Settings:
 
 def check_effect(s: Settings) -> None:
     """Refuse an option given (changed from its default) where it has no effect."""
-    for name, (cls, _) in GROUPS.items():
+    for name, (cls, _) in s.sections.items():
         group = getattr(s, name)
         for f in fields(cls):
-            needs = f.metadata["needs"]
-            if needs and getattr(group, f.name) != f.default and not NEEDS[needs][0](s):
-                raise ConfigError(f"{flag(f)[0]} has no effect without {NEEDS[needs][1]}")
+            needs = f.metadata["needs"] and needs_of(f.metadata["needs"], name)
+            if needs and getattr(group, f.name) != f.default and not needs[0](s):
+                raise ConfigError(f"{flag(f)[0]} has no effect without {needs[1]}")
 
 
 def report_trackers(value: str) -> tuple[str, ...]:

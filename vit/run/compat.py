@@ -42,6 +42,17 @@ NEEDS = {
 }
 
 
+def needs_of(needs: str, group: str):
+    """NEEDS' row for an option of settings group `group`; "engine": the engines whose spec
+    declares the group (vit.core.spec.EngineSpec.option_groups)."""
+    if needs != "engine":
+        return NEEDS[needs]
+    return (
+        lambda s: group in spec(s.parallel.engine).option_groups,
+        _engines(lambda e: group in e.option_groups),
+    )
+
+
 def splits_batches(engine) -> bool:
     """Whether the engine takes unequal micro-batches on its data-parallel ranks (--batch-split
     proportional): a pipeline's stages pass micro-batches of one size; DiLoCo's workers each
@@ -66,17 +77,11 @@ def check_settings(s) -> None:
             "balances its stages with --partition balanced; DiLoCo's inner steps in "
             "proportion to speed: --local-steps)"
         )
-    if engine.local_steps:
-        check_local_steps(s.local)
+    engine.check_options(s)
     if s.comm.comm_hook != "none" and not engine.comm_hooks:
         raise ConfigError(
             f"--comm-hook applies to {_engines(lambda e: e.comm_hooks)} (torch's DDP communication "
             f"hooks), not --engine {engine.name}"
-        )
-    if s.comm.comm_hook == "powersgd" and s.comm.powersgd_start_step < 2:
-        raise ConfigError(
-            f"--powersgd-start-step must be at least 2, got {s.comm.powersgd_start_step} (torch's "
-            "start_powerSGD_iter: DDP rebuilds its buckets after the first step)"
         )
     if s.freeze.freeze != "none" and engine.pipeline and engine.freeze and s.recipe.model_ema:
         raise ConfigError(
@@ -172,13 +177,12 @@ def check_auto_given(names: set[str]) -> None:
 LEARNING_CHANGES = ("diloco", "powersgd")
 
 
-def check_local_steps(local) -> None:
-    """--engine diloco's options among themselves."""
-    if local.sync_every % local.fragment_count:
-        raise ConfigError(
-            f"--fragments {local.fragments} does not divide --sync-every {local.sync_every} "
-            "(each fragment syncs once a window, H / F steps after the one before)"
-        )
+def check_auto_local_steps(s) -> None:
+    """--engine auto --auto-allow diloco: the options of the engines with local steps it may
+    choose, checked as theirs."""
+    for e in SPECS.values():
+        if e.local_steps:
+            e.check_options(s)
 
 
 def auto_may_choose_local_steps(s) -> bool:

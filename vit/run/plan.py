@@ -132,17 +132,15 @@ class Plan:
     @property
     def memory(self) -> RunMemory:
         """This run's terms of the memory model: its engine, DeepSpeed JSON, data-parallel size,
-        EMA, compression, the async pipeline's weight stashing or prediction (one copy of the
-        weights either way) and --freeze's handover."""
-        a = self.settings.asynchrony
+        EMA, compression, the weight copies its engine's options stash (the async pipeline's
+        stashing or prediction) and --freeze's handover."""
         return RunMemory(
             engine=self.engine,
             requested_precision=self.requested_precision,
             ds_config=self.ds_config,
             dp_size=self.batch.dp_size,
             ema_on_gpu=self.settings.recipe.model_ema,
-            # engines without stages: none
-            stashed_copies=int(a.weight_stashing == "on" or a.weight_prediction == "msnag"),
+            stashed_copies=self.engine.stashed_weights(self.settings),
             compression=self.compression(),
             freezing=self.settings.freeze.freeze != "none",
         )
@@ -306,18 +304,7 @@ def check_layout(s: Settings, job: Job, depth: int, batch: Batch) -> None:
             f"--pipeline-stages {par.pipeline_stages} exceeds the {depth + 2} layers of "
             f"{s.model.model} (embedding, {depth} blocks, head)"
         )
-    interval = s.asynchrony.async_update_interval
-    if interval and batch.grad_accum % interval:
-        raise ConfigError(
-            f"--async-update-interval {interval} does not divide the gradient-accumulation count "
-            f"{batch.grad_accum} (a checkpoint drains the pipeline at a step's end, where every "
-            "stage's update must be complete)"
-        )
-    workers = s.local.worker_ranks
-    if engine.local_steps and workers.isdigit() and job.world_size % int(workers):
-        raise ConfigError(
-            f"--worker-ranks {workers} does not divide the world size {job.world_size}"
-        )
+    engine.check_layout(s, job.world_size, batch.grad_accum)
 
 
 def fill_notes(s: Settings, batch: Batch) -> list[str]:
@@ -759,10 +746,9 @@ def check_resumed_stages(s: Settings, job: Job, save_dir: str | None) -> None:
     saved, said = saved_manifest(s, save_dir), ""
     if saved.get("engine") == engine.name:
         zero = saved.get("zero_stage", 0)
-        restages = engine.restages_universal if zero else engine.restages
         said = (
             f": --pipeline-stages {fits} resumes its checkpoint on these ranks (restaged)"
-            if restages or saved.get("pipeline_stages") == fits
+            if engine.restages(saved) or saved.get("pipeline_stages") == fits
             else f": its ZeRO-{zero} checkpoint of {saved.get('pipeline_stages')} stages goes on "
             f"only on a multiple of {saved.get('pipeline_stages')} ranks"
         )

@@ -39,7 +39,7 @@ def start_record(
             "total_steps": plan.total_steps,
             **({"micro_batch_auto": plan.micro_search} if plan.micro_search else {}),
             **({"engine_auto": plan.auto} if plan.auto else {}),
-            **wire(plan, precision),
+            **plan.engine.resolved_options(plan.settings, precision),
         },
     )
     resumed = f" (resumed from {resumed_from})" if resumed_from else ""
@@ -101,7 +101,7 @@ def write_summary(
         "breakdown": totals["breakdown"],
         "monitor": monitors,
         "gpu_util_mean_per_host": gpu_util_mean_per_host(monitors),
-        **wire(plan, precision),
+        **plan.engine.resolved_options(plan.settings, precision),
     }
     write_json(os.path.join(log_dir, "summary.json"), summary)
     ema = f" (EMA {100 * evaluation['ema_top1']:.2f}%)" if "ema_top1" in evaluation else ""
@@ -112,13 +112,3 @@ def write_summary(
         flush=True,
     )
     return summary
-
-
-def wire(plan, precision: str) -> dict:
-    """--pipe-wire-dtype as the run resolved it, for an engine it applies to; {} for the others."""
-    s = plan.settings
-    return (
-        {"pipe_wire_dtype": s.asynchrony.wire_dtype(precision)}
-        if spec(s.parallel.engine).async_schedule
-        else {}
-    )

@@ -1,6 +1,9 @@
 """Plugins: modules named in VIT_PLUGINS (comma-separated, found on PYTHONPATH) that every rank
-imports at start, and the few hooks they may add functions to. The tests inject faults into real
-runs this way (tests/plugins/), so that no library module reads a test's environment variable.
+imports at start, and the few hooks they may add functions to; and VIT_ENGINES, modules that each
+declare an engine's SPEC, which vit.engines.registry adds to its rows (engine_modules). The tests
+inject faults into real runs this way (tests/plugins/), and add an engine from outside vit/
+(tests/engines/), so that no library module reads a test's environment variable or names its
+engine.
 
 A plugin calls `add(hook, fn)` when it is imported; the library calls each hook's functions in the
 order added:
@@ -37,6 +40,12 @@ def load() -> list[str]:
         except ImportError as e:
             raise ConfigError(f"VIT_PLUGINS: cannot import {name}: {e}") from None
     return names
+
+
+def engine_modules() -> list[str]:
+    """The modules VIT_ENGINES names (comma-separated, found on PYTHONPATH): each holds an engine's
+    folder, laid out as vit/engines/<engine>/ (a SPEC in its __init__.py)."""
+    return [n.strip() for n in os.environ.get("VIT_ENGINES", "").split(",") if n.strip()]
 
 
 def add(hook: str, fn: Callable) -> None:

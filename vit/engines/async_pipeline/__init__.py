@@ -3,10 +3,37 @@ engine (engine.py), its channels (p2p.py), the weight prediction (msnag.py), and
 (SPEC): no bubble, a stashed weight copy per further micro-batch in flight, fp32 under autocast, a
 bf16 wire as its compression."""
 
+from vit.core.errors import ConfigError
+from vit.engines.async_pipeline.options import AsyncSettings
 from vit.engines.step_cost import PipelinedSpec, autocast_state
 
 
 class AsyncPipelineSpec(PipelinedSpec):
+    option_groups = {
+        "asynchrony": (AsyncSettings, "asynchronous pipeline (--engine async-pipeline)")
+    }
+
+    def restages(self, saved):
+        """Its checkpoint holds each layer by name (no ZeRO state): any stages take it."""
+        return saved.get("zero_stage", 0) == 0
+
+    def check_layout(self, settings, world_size, grad_accum):
+        interval = settings.asynchrony.async_update_interval
+        if interval and grad_accum % interval:
+            raise ConfigError(
+                f"--async-update-interval {interval} does not divide the gradient-accumulation "
+                f"count {grad_accum} (a checkpoint drains the pipeline at a step's end, where "
+                "every stage's update must be complete)"
+            )
+
+    def resolved_options(self, settings, precision):
+        return {"pipe_wire_dtype": settings.asynchrony.wire_dtype(precision)}
+
+    def stashed_weights(self, settings):
+        """One copy of the weights under stashing or prediction (or both)."""
+        a = settings.asynchrony
+        return int(a.weight_stashing == "on" or a.weight_prediction == "msnag")
+
     def flushes(self):
         return False
 
@@ -34,5 +61,4 @@ SPEC = AsyncPipelineSpec(
     "vit.engines.async_pipeline.engine",
     zero_stages=(0, 1),
     default_ds_config="pipeline.json",
-    restages=True,
 )

@@ -107,7 +107,7 @@ class AsyncPipelineEngine(StagedEngine):
         self.reads_images = self.first
         # micro-batches in flight beyond the one 1F1B alternates on
         self.ahead = stages - 1 - self.stage
-        a = ctx.asynchrony
+        a = ctx.settings.asynchrony
         self.grad_accum = ctx.batch.grad_accum
         self.interval = a.async_update_interval or ctx.batch.grad_accum
         self.stashing, self.prediction = a.weight_stashing == "on", a.weight_prediction == "msnag"

@@ -4,12 +4,27 @@ weights under autocast, its bucketed all-reduce overlapped with backward, fp16/b
 compression."""
 
 import math
+from dataclasses import dataclass
 
 from vit.core.costs import TORCH_GRAD_BYTES, ring_allreduce_s
+from vit.core.errors import ConfigError
+from vit.engines.ddp.options import CommSettings
 from vit.engines.step_cost import DataParallelSpec, autocast_state
 
 
+@dataclass(frozen=True)
+class DDPWork:
+    """What its price reads of the run's options: PowerSGD's rank."""
+
+    powersgd_rank: int = CommSettings.powersgd_rank
+
+
 class DDPSpec(DataParallelSpec):
+    option_groups = {"comm": (CommSettings, "gradient compression (--engine ddp)")}
+
+    def planner_input(self, args):
+        return DDPWork(args.get("powersgd_rank", CommSettings.powersgd_rank))
+
     def compressions(self, precision):
         return "none", "fp16", "bf16", "powersgd"
 
@@ -18,6 +33,27 @@ class DDPSpec(DataParallelSpec):
 
     def compression_options(self, compression):
         return ({"comm_hook": compression} if compression != "none" else {}), {}
+
+    def check_options(self, settings):
+        comm = settings.comm
+        if comm.comm_hook == "powersgd" and comm.powersgd_start_step < 2:
+            raise ConfigError(
+                f"--powersgd-start-step must be at least 2, got {comm.powersgd_start_step} "
+                "(torch's start_powerSGD_iter: DDP rebuilds its buckets after the first step)"
+            )
+
+    def resumes(self, saved, where):
+        """Its own checkpoints, and --engine zero's sharded state (stages 1 to 3) through
+        DeepSpeed's universal checkpoint (from_zero.py)."""
+        if saved["engine"] != "zero" or saved["pipeline_stages"] != 1:
+            return super().resumes(saved, where)
+        if saved["zero_stage"] == 0:
+            raise ConfigError(
+                f"{where} was written by --engine zero at ZeRO stage 0, which --engine "
+                f"{self.name} does not resume (it takes the sharded state of stages 1 to 3); "
+                "resume with --engine zero"
+            )
+        return "universal"
 
     def changes_learning(self, c):
         if c.compression == "powersgd":
@@ -44,7 +80,7 @@ class DDPSpec(DataParallelSpec):
         x columns > 2 x that, its min_compression_rate), every other parameter whole."""
         if compression != "powersgd":
             return super().grad_bytes(work, layers, compression)
-        r, elems = work.powersgd_rank, 0
+        r, elems = self.work_input(work).powersgd_rank, 0
         for layer in layers:
             whole = layer.params - sum(n * m for n, m in layer.matrices)
             elems += whole + sum(
@@ -73,5 +109,4 @@ SPEC = DDPSpec(
     freeze=True,
     default_ds_config="zero0.json",
     comm_hooks=True,
-    resumes_zero_of=("zero",),
 )

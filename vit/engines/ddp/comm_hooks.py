@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-from vit.core.settings import CommSettings
 from vit.engines.base import save_atomic
+from vit.engines.ddp.options import CommSettings
 
 HALF_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 

@@ -40,10 +40,10 @@ class DDPEngine(Engine):
             model,
             device_ids=[self.device] if self.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
-            **bucket_options(model, ctx.comm),  # PowerSGD on gloo: one bucket (see there)
+            **bucket_options(model, ctx.settings.comm),  # PowerSGD on gloo: one bucket (see there)
         )
         # --comm-hook none registers nothing
-        self.comm_hook = CommHook(self.model, ctx.comm, self.device)
+        self.comm_hook = CommHook(self.model, ctx.settings.comm, self.device)
         if ctx.compile:
             self.model.compile()  # the DDP module, so that dynamo splits graphs at its buckets
         self.optimizer = make_optimizer(model, ctx.optim, num_layers=len(ctx.layers))

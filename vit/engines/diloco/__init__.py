@@ -6,9 +6,11 @@ block) and what it declares (SPEC): a data-parallel step whose link is one all-r
 weights every H steps, two more fp32 copies of the weights, and a step that learns otherwise than
 DDP's (auto leaves it to the user)."""
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from vit.core.costs import ring_allreduce_s
+from vit.core.errors import ConfigError
+from vit.engines.diloco.options import DEFAULT_SYNC_EVERY, LocalStepSettings, fragment_count
 from vit.engines.step_cost import DataParallelSpec, autocast_state
 
 BLOCK = 256  # int8 on the wire: values per fp32 scale (wire.py)
@@ -30,7 +32,42 @@ def buffer_bytes(wire: str, n: int) -> float:
     return 4 * value + 4 / n
 
 
+@dataclass(frozen=True)
+class DiLoCoWork:
+    """What its price reads of the run's options: --sync-every and the fragments it makes."""
+
+    sync_every: int = DEFAULT_SYNC_EVERY
+    fragments: int = 1
+
+
 class DiLoCoSpec(DataParallelSpec):
+    option_groups = {"local": (LocalStepSettings, "local steps (--engine diloco)")}
+
+    def planner_input(self, args):
+        # a run recorded before --fragments: one fragment
+        every = args.get("sync_every", DEFAULT_SYNC_EVERY)
+        return DiLoCoWork(every, fragment_count(every, args.get("fragments", 1)))
+
+    def check_options(self, settings):
+        local = settings.local
+        if local.sync_every % local.fragment_count:
+            raise ConfigError(
+                f"--fragments {local.fragments} does not divide --sync-every {local.sync_every} "
+                "(each fragment syncs once a window, H / F steps after the one before)"
+            )
+
+    def check_layout(self, settings, world_size, grad_accum):
+        workers = settings.local.worker_ranks
+        if workers.isdigit() and world_size % int(workers):
+            raise ConfigError(
+                f"--worker-ranks {workers} does not divide the world size {world_size}"
+            )
+
+    def census_asks(self, settings):
+        """--local-steps: each worker's inner steps in a window of --sync-every's H, from the
+        census's speeds."""
+        return {"local_steps": settings.local.local_steps, "sync_every": settings.local.sync_every}
+
     def compressions(self, precision):
         return tuple(WIRE_BYTES)
 
@@ -64,16 +101,16 @@ class DiLoCoSpec(DataParallelSpec):
         """One all-reduce of the weights' difference every --sync-every steps, in the wire's
         bytes, amortised over the H steps."""
         nbytes = work.params * WIRE_BYTES[c.compression]
-        return ring_allreduce_s(nbytes, hosts, net, calib) / work.sync_every
+        return ring_allreduce_s(nbytes, hosts, net, calib) / self.work_input(work).sync_every
 
     def predict(self, c, ranks, net, work, calib):
         """Streaming (--fragments F > 1): each fragment's all-reduce (1 / F of the bytes) runs
         behind the H / F steps that follow it; what of it those steps' compute does not cover."""
-        p = super().predict(c, ranks, net, work, calib)
-        if work.fragments == 1:
+        p, local = super().predict(c, ranks, net, work, calib), self.work_input(work)
+        if local.fragments == 1:
             return p
-        every = work.sync_every / work.fragments  # steps between fragments
-        nbytes = work.params * WIRE_BYTES[c.compression] / work.fragments
+        every = local.sync_every / local.fragments  # steps between fragments
+        nbytes = work.params * WIRE_BYTES[c.compression] / local.fragments
         send = ring_allreduce_s(nbytes, [r.host for r in ranks], net, calib)
         return replace(p, link_s=max(0.0, send - every * p.compute_s) / every)
 

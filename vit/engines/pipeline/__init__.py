@@ -11,6 +11,11 @@ class PipelineSpec(DeepSpeedSpec, PipelinedSpec):
     def label(self, zero_stage):
         return f"{self.name} zero{zero_stage}"
 
+    def restages(self, saved):
+        """Its ZeRO-1 state on other stages and ranks, through DeepSpeed's universal checkpoint;
+        ZeRO-0's loads only into its own stages."""
+        return saved.get("zero_stage", 0) > 0
+
     def reduce_factor(self, c, calib):
         return calib.zero_comm_factor[c.zero_stage]
 
@@ -22,5 +27,4 @@ SPEC = PipelineSpec(
     fp16=True,
     freeze=True,
     default_ds_config="pipeline.json",
-    restages_universal=True,
 )
