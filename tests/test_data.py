@@ -40,6 +40,9 @@ def test_digits_are_split_once_and_then_read_without_scikit_learn(tmp_path, monk
     cache.write_bytes(cache.read_bytes()[:200])
     with pytest.raises(ConfigError, match="is corrupt .*delete it to split the data again"):
         digits_split(str(tmp_path))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="file is a file; the digits' split is kept in"):
+        digits_split(str(tmp_path / "file"))
 
 
 def write_cifar(root, name, n_train=24, n_test=12):

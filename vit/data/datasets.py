@@ -55,6 +55,8 @@ def digits_split(folder: str = DIGITS_CACHE) -> dict[str, np.ndarray]:
     (beside it, then renamed): importing scikit-learn cost each rank about a CPU-second at every
     start (AMD EPYC VM: 4.2-4.9 CPU-s for torch and timm, 5.7-5.8 with scikit-learn's digits and
     split), reading the file a few milliseconds. A folder that cannot be written only costs that."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(f"digits: {folder} is a file; the digits' split is kept in that folder")
     path = Path(folder) / f"digits-sklearn-{metadata.version('scikit-learn')}.npz"
     try:
         with np.load(path) as z:
