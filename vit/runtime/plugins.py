@@ -33,7 +33,7 @@ HOOKS: dict[str, list[Callable]] = {
 def load() -> list[str]:
     """Import the modules VIT_PLUGINS names; their names. One that cannot be imported is a
     ConfigError."""
-    names = [n.strip() for n in os.environ.get("VIT_PLUGINS", "").split(",") if n.strip()]
+    names = _listed("VIT_PLUGINS")
     for name in names:
         try:
             importlib.import_module(name)
@@ -45,7 +45,12 @@ def load() -> list[str]:
 def engine_modules() -> list[str]:
     """The modules VIT_ENGINES names (comma-separated, found on PYTHONPATH): each holds an engine's
     folder, laid out as vit/engines/<engine>/ (a SPEC in its __init__.py)."""
-    return [n.strip() for n in os.environ.get("VIT_ENGINES", "").split(",") if n.strip()]
+    return _listed("VIT_ENGINES")
+
+
+def _listed(variable: str) -> list[str]:
+    """The module names a comma-separated environment variable lists."""
+    return [n.strip() for n in os.environ.get(variable, "").split(",") if n.strip()]
 
 
 def add(hook: str, fn: Callable) -> None:
