@@ -405,3 +405,22 @@ def test_a_usage_error_under_mpirun_is_said_once():
     r = run_cmd([*MPIRUN, "-np", "2", "./entry_cn.sh", "--engine", "nope"], timeout=100)
     said = "entry_cn.sh: error: argument --engine: invalid choice: 'nope'"
     assert r.returncode == 2 and (r.stdout + r.stderr).count(said) == 1, r
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_the_entry_point_loads_without_collecting_garbage_and_turns_collection_back_on():
+    """`python -m vit.train` disables the cyclic collector while torch, timm and DeepSpeed load (a
+    rank's CPU-seconds of imports) and main() turns it back on, frozen, before anything runs."""
+    probe = (
+        "import atexit, gc, runpy, sys\n"
+        "atexit.register(lambda: print('collections', gc.get_stats()[0]['collections'],"
+        " 'enabled', gc.isenabled(), 'frozen', gc.get_freeze_count() > 100000))\n"
+        "sys.argv = ['vit.train', '--help']\n"
+        "runpy.run_module('vit.train', run_name='__main__', alter_sys=True)\n"
+    )
+    r = run_cmd([sys.executable, "-c", probe], env=base_env(), timeout=100)
+    assert r.returncode == 0, r.stdout + r.stderr
+    words = r.stdout.splitlines()[-1].split()
+    assert words[0] == "collections" and int(words[1]) < 100, words  # thousands with collection on
+    assert words[2:] == ["enabled", "True", "frozen", "True"], words

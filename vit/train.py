@@ -3,6 +3,13 @@ summarise. Run through ./entry_cn.sh (under mpirun, srun, torchrun or directly);
 options."""
 
 import gc
+
+if __name__ == "__main__":
+    # A rank: no cyclic garbage collection while torch, timm and DeepSpeed load (their imports
+    # create about a million objects, and collecting among them cost a rank 1.5 of its 5.4 CPU-s
+    # of imports, docs/benchmarks.md); main() freezes what they left and turns it back on.
+    gc.disable()
+
 import os
 import signal
 import socket
@@ -257,6 +264,7 @@ def main(argv=None) -> int:
     # what exists now lives on: each --freeze rebuild's full collection skips it (300 ms -> 70 ms,
     # CPU)
     gc.freeze()
+    gc.enable()
     start_time = psutil.Process().create_time()  # wall time includes the imports
     try:
         settings = parse(argv)
