@@ -5,9 +5,9 @@ options."""
 import gc
 
 if __name__ == "__main__":
-    # A rank: no cyclic garbage collection while torch, timm and DeepSpeed load (their imports
-    # create about a million objects, and collecting among them cost a rank 1.5 of its 5.4 CPU-s
-    # of imports, docs/benchmarks.md); main() freezes what they left and turns it back on.
+    # A rank: no cyclic garbage collection while torch, timm and DeepSpeed load (they leave 715,000
+    # tracked objects, and collecting among them cost a rank 1.5 of its 5.4 CPU-s of imports,
+    # docs/benchmarks.md); main() freezes what they left and turns it back on.
     gc.disable()
 
 import os
