@@ -107,3 +107,27 @@ def test_a_port_in_use_is_one_line_naming_it():
         with pytest.raises(ConfigError) as e:
             init_process_group(job, 5, "cpu", "fp32", None)
     assert f"port {port} (MASTER_PORT) is in use on " in str(e.value), str(e.value)
+
+
+def test_a_free_port_is_outside_the_ephemeral_range_and_not_random_state(tmp_path):
+    """Rank 0's port when MASTER_PORT is not set (and the tests' ranks'): a port the kernel gives
+    outgoing connections could be taken by one before rank 0 binds it (two pytest workers hit
+    that: "rank 0's port 44291 (MASTER_PORT) is in use"); a seeded `random` would give two test
+    workers the same port."""
+    import random
+    import socket
+
+    from vit.runtime import dist_env
+
+    ephemeral = dist_env.ephemeral_ports()
+    draws = []
+    for _ in range(2):
+        random.seed(0)
+        draws.append([dist_env.free_port() for _ in range(3)])
+    ports = draws[0] + draws[1]
+    assert draws[0] != draws[1] and not any(p in ephemeral for p in ports), ports
+    assert dist_env.DEFAULT_PORT not in ports
+    with socket.socket() as s:
+        s.bind(("", ports[-1]))  # free: nothing listens there
+    (tmp_path / "range").write_text("1024\t65535\n")
+    assert dist_env.ephemeral_ports(str(tmp_path / "range")) == range(1024, 65536)

@@ -4,10 +4,12 @@ started us (Open MPI, MPICH/PMI, Slurm, torchrun or the DeepSpeed launcher, or n
 import gc
 import ipaddress
 import os
+import random
 import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -163,10 +165,34 @@ def pin_interface(master_addr: str, environ=None) -> str | None:
     return name
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> range:
+    """The ports the kernel hands to outgoing connections (Linux's default where it does not
+    say)."""
+    try:
+        low, high = map(int, Path(path).read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_port(rng=None) -> int:
+    """A port no one listens on, for rank 0 to listen on, outside the ephemeral range: a port of
+    that range (what binding port 0 gives) can be taken by any outgoing connection on this host
+    before rank 0 binds it, and then the run stops with "in use". Drawn from the system's entropy,
+    not `random`'s state, which a seeded process (or two test workers) would repeat."""
+    ephemeral, rng = ephemeral_ports(), rng or random.SystemRandom()
+    ports = [p for p in range(20000, 65536) if p not in ephemeral and p != DEFAULT_PORT]
+    for port in rng.sample(ports, min(64, len(ports))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise ConfigError(
+        f"no free port among 64 tried outside the ephemeral range {ephemeral.start}-"
+        f"{ephemeral.stop - 1}: set MASTER_PORT"
+    )
 
 
 def resolve_master(job: Job, environ=None) -> Job:
