@@ -102,6 +102,10 @@ def test_a_tie_goes_to_the_plainest_and_a_clear_win_to_the_fastest():
 
 def test_what_changes_learning_is_chosen_only_when_allowed(monkeypatch):
     diloco, powersgd = Candidate("diloco", 0, 1, 32, 1), Candidate("ddp", 0, 1, 32, 1, "powersgd")
+    stale = Candidate("async-pipeline", 0, 2, 32, 2)  # no flush: updates one step stale
+    assert "the asynchronous pipeline changes what is learned" in auto.not_chosen(stale)
+    assert auto.not_chosen(stale, frozenset({"async-pipeline"})) is None
+    assert auto.not_chosen(Candidate("pipeline", 0, 2, 32, 2)) is None  # flushes: DDP's step
     assert "DiLoCo changes what is learned" in auto.not_chosen(diloco)
     assert "PowerSGD changes what is learned" in auto.not_chosen(powersgd)
     assert auto.not_chosen(diloco, frozenset({"diloco"})) is None
@@ -110,7 +114,8 @@ def test_what_changes_learning_is_chosen_only_when_allowed(monkeypatch):
     # the option is auto's: checked by name, refused with a named engine
     s = parse(["--engine", "auto", "--auto-allow", "diloco,powersgd"])
     assert s.parallel.engine == "auto" and auto_allowed(s) == {"diloco", "powersgd"}
-    with pytest.raises(ConfigError, match="^--auto-allow diloco,sgd: sgd is not one of diloco"):
+    unknown = "^--auto-allow diloco,sgd: sgd is not one of async-pipeline, diloco, powersgd$"
+    with pytest.raises(ConfigError, match=unknown):
         parse(["--engine", "auto", "--auto-allow", "diloco,sgd"])
     with pytest.raises(ConfigError, match="--auto-allow .*--engine auto"):
         parse(["--engine", "ddp", "--auto-allow", "diloco"])

@@ -104,8 +104,9 @@ class ParallelSettings:
     auto_allow: str = option(
         "",
         "engine auto: what it may choose though it changes what is learned, comma-separated: "
-        "diloco (local steps, an outer optimizer), powersgd (low-rank gradients); by default "
-        "auto ranks them and leaves them to you",
+        "async-pipeline (no flush: updates one step stale), diloco (local steps, an outer "
+        "optimizer), powersgd (low-rank gradients); by default auto ranks them and leaves them "
+        "to you",
         needs="auto",
         metavar="NAMES",
     )

@@ -174,7 +174,7 @@ def check_auto_given(names: set[str]) -> None:
 
 
 # what --auto-allow may name: a candidate's engine or compression that changes what is learned
-LEARNING_CHANGES = ("diloco", "powersgd")
+LEARNING_CHANGES = ("async-pipeline", "diloco", "powersgd")
 
 
 def check_auto_local_steps(s) -> None:

@@ -37,6 +37,13 @@ class AsyncPipelineSpec(PipelinedSpec):
     def flushes(self):
         return False
 
+    def changes_learning(self, c):
+        return (
+            "the asynchronous pipeline changes what is learned (no flush: its updates apply "
+            "gradients of weights one update older, PipeDream-2BW): --engine async-pipeline is "
+            "yours to choose (or --auto-allow async-pipeline)"
+        )
+
     def stashed_copies(self, inflight):
         return inflight - 1
 
