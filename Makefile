@@ -6,6 +6,9 @@ VENV := .venv
 NP ?= 2
 ARGS ?=
 PYTEST_ARGS ?=
+# make test runs the test files on JOBS pytest workers (pytest-xdist), each file's tests on one worker
+# (they share module fixtures: one saved run serves a file's tests); JOBS=0 runs them in this process.
+JOBS ?= 2
 
 # bootstrap.sh itself decides whether .venv is up to date: the torch build it picks depends on the
 # host's driver and TORCH_CUDA, which make cannot see.
@@ -16,7 +19,7 @@ run: venv
 	scripts/mpirun --oversubscribe -np $(NP) ./entry_cn.sh $(ARGS)
 
 test: venv
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: venv
 	$(VENV)/bin/python -m pytest -m "not ranks" $(PYTEST_ARGS)
