@@ -27,6 +27,24 @@ def test_a_plugin_that_cannot_be_imported_is_one_line_and_nothing_written(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_an_engine_module_that_cannot_be_imported_is_one_line_and_nothing_written(tmp_path):
+    """VIT_ENGINES is read when the registry is imported, before vit.train's error handling: it
+    was a traceback."""
+    r = run_cmd(
+        [sys.executable, "-m", "vit.train", "--steps", "2", "--log-dir", str(tmp_path / "run")],
+        env=base_env(VIT_ENGINES="tests_no_such_engine"),
+        timeout=100,
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert (
+        r.stderr == "error: VIT_ENGINES: cannot take an engine's SPEC from tests_no_such_engine: "
+        "No module named 'tests_no_such_engine'\n"
+    ), r.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_only_the_documented_hooks_can_be_added_to(monkeypatch):
     monkeypatch.setitem(plugins.HOOKS, "census", [])
     seen = []

@@ -7,6 +7,7 @@ engine's own. Importable without torch: the command line and the plan read it be
 is imported; build() imports the engine's torch module on first use."""
 
 import importlib
+import sys
 from dataclasses import field, make_dataclass
 
 from vit.core import settings
@@ -56,9 +57,15 @@ def _settings_type(specs: dict[str, EngineSpec]) -> type:
     )
 
 
-SPECS = _specs()
+try:
+    SPECS = _specs()
+    Settings = _settings_type(SPECS)
+except ConfigError as e:
+    # at import, before any command's own error handling (vit.train, vit.planner, plot_logs and
+    # bench import this first): one line and exit 2, not a traceback
+    sys.stderr.write(f"error: {e}\n")
+    raise SystemExit(2) from None
 NAMES = tuple(SPECS)
-Settings = _settings_type(SPECS)
 # --engine auto: vit.planner.auto picks one of NAMES and its settings once the process group runs
 AUTO = "auto"
 
