@@ -648,25 +648,23 @@ def test_retry_wrapper_relaunches_from_last_checkpoint(tmp_path):
 
 @pytest.mark.ranks
 @pytest.mark.timeout(400)
-def test_resume_keeps_the_runs_length_and_with_export_never_trains(tmp_path):
+def test_resume_keeps_the_runs_length_and_with_export_never_trains(zero_run, tmp_path):
     """--resume without --steps or --epochs goes on to the resumed run's own end (not the 40-epoch
     default, which retrained the LR schedule), repeating its losses; --resume with --export writes
     the checkpoint's weights and trains nothing, whatever the length options."""
-    first, resumed, exported = tmp_path / "first", tmp_path / "resumed", tmp_path / "exported"
-    r = launch(["--steps", 6, "--save-interval", 3, "--log-interval", 1, "--log-dir", first])
-    assert r.ok, r
-    step3 = first / "checkpoints" / "step3"
-    r = launch(["--resume", step3, "--log-interval", 1, "--log-dir", resumed])
+    resumed, exported = tmp_path / "resumed", tmp_path / "exported"
+    step4 = zero_run / "checkpoints" / "step4"
+    r = launch(["--resume", step4, "--log-interval", 1, "--log-dir", resumed])
     assert r.ok, r
     assert "warning: " not in r.outputs[0], r.outputs[0]  # no length changed, no schedule redone
-    want, got = train_losses(first), train_losses(resumed)
-    assert sorted(got) == [4, 5, 6]
+    want, got = train_losses(zero_run), train_losses(resumed)
+    assert sorted(got) == [5, 6, 7, 8]
     assert all(got[s] == pytest.approx(want[s], rel=1e-6) for s in got), (got, want)
     out = tmp_path / "model.safetensors"
-    args = ["--resume", step3, "--export", out, "--steps", 100, "--log-dir", exported]
+    args = ["--resume", step4, "--export", out, "--steps", 100, "--log-dir", exported]
     r = launch(args)
     assert r.ok, r
-    said = f"checkpoint {step3} is at step 3 of 100; exported its weights to {out}, nothing trained"
+    said = f"checkpoint {step4} is at step 4 of 100; exported its weights to {out}, nothing trained"
     assert said in r.outputs[0], r.outputs[0]
     assert out.is_file() and not (exported / "metrics_rank0.jsonl").exists()
 
