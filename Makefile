@@ -7,7 +7,8 @@ NP ?= 2
 ARGS ?=
 PYTEST_ARGS ?=
 # make test runs the test files on JOBS pytest workers (pytest-xdist), each file's tests on one worker
-# (they share module fixtures: one saved run serves a file's tests); JOBS=0 runs them in this process.
+# (they share module fixtures: one saved run serves a file's tests), the longest files first
+# (tests/conftest.py); JOBS=0 runs them in this process. Three workers on two cores took longer.
 JOBS ?= 2
 
 # bootstrap.sh itself decides whether .venv is up to date: the torch build it picks depends on the
@@ -19,7 +20,7 @@ run: venv
 	scripts/mpirun --oversubscribe -np $(NP) ./entry_cn.sh $(ARGS)
 
 test: venv
-	$(VENV)/bin/python -m pytest -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: venv
 	$(VENV)/bin/python -m pytest -m "not ranks" $(PYTEST_ARGS)

@@ -26,3 +26,28 @@ def _ranks_marker(request):
     yield
     helpers.CURRENT_TEST_STARTS_PROCESSES = None
     helpers.kill_leftovers()
+
+
+# `make test` runs the files on two pytest-xdist workers (--dist loadfile --no-loadscope-reorder),
+# each file on one worker, handed out in collection order. xdist's own order (most tests first)
+# left the files of few long tests to the end, where one worker ran them while the other had
+# nothing left. These are the files that took longest (seconds per file, docs/benchmarks.md,
+# 2 December 2026), longest first; the rest follow in their usual order, the short ones last.
+LONGEST_FIRST = (
+    "test_reliability.py",
+    "test_cluster.py",
+    "test_freeze.py",
+    "test_diloco.py",
+    "test_universal.py",
+    "test_train.py",
+    "test_async_pipeline.py",
+    "test_engine_seam.py",
+    "test_weights.py",
+    "test_auto_engine.py",
+    "test_bench.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
