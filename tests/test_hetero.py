@@ -371,9 +371,12 @@ def test_census_times_only_after_the_clocks_ramped_up():
         calls.append(1)
         time.sleep(0.02 if time.perf_counter() - start < 0.19 else 0.001)
 
-    got = census._timed(fn, slowdown.Clock(1.0, torch.device("cpu")))
-    assert census.WARMUP_S >= 0.2 and census.TIMED_REPS >= 20
+    warmup = census.warmup_s(torch.device("cuda"))  # a CPU clock here, timed as a GPU is
+    got = census._timed(fn, slowdown.Clock(1.0, torch.device("cpu")), warmup=warmup)
+    assert warmup >= 0.2 and census.TIMED_REPS >= 20
     assert got < 0.01 and len(calls) >= 9 + census.TIMED_REPS
+    # a CPU has no clocks to ramp: its first call is its warm-up (it cost every CPU rank 0.4 CPU-s)
+    assert census.warmup_s(torch.device("cpu")) == 0.0
 
 
 def test_precision_negotiation():

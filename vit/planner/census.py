@@ -60,12 +60,21 @@ WARMUP_S = 0.2
 TIMED_REPS = 20
 
 
-def _timed(fn, clock: Clock, reps: int = TIMED_REPS, warmup_s: float = WARMUP_S) -> float:
-    """Fastest of `reps` runs of fn() after running it for at least warmup_s, slowed like the rank's
-    layers (in seconds; the fastest, because a busy host only ever slows a run down)."""
+def warmup_s(dev: torch.device) -> float:
+    """How long to run what is timed before timing it: a GPU's clock ramp; a CPU has none to wait
+    for (the first, untimed call and the fastest of the timed ones are enough), and the 0.2 s cost
+    every CPU rank of every run about 0.4 CPU-s at start-up."""
+    return WARMUP_S if dev.type == "cuda" else 0.0
+
+
+def _timed(fn, clock: Clock, reps: int = TIMED_REPS, warmup: float | None = None) -> float:
+    """Fastest of `reps` runs of fn() after running it for at least `warmup` seconds (the device's
+    warmup_s), slowed like the rank's layers (in seconds; the fastest, because a busy host only ever
+    slows a run down)."""
+    warmup = warmup_s(clock.device) if warmup is None else warmup
     start = clock.now()
     fn()
-    while clock.now() - start < warmup_s:
+    while clock.now() - start < warmup:
         fn()
     times = []
     for _ in range(reps):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vit.planner.census import WARMUP_S
+from vit.planner.census import warmup_s
 from vit.runtime.gpu import fork_rng
 from vit.runtime.precision import DTYPES
 from vit.runtime.slowdown import Clock
@@ -65,14 +65,15 @@ LAYER_TURNS = 2  # for balanced stages survey() alternates the ranks' turns this
 
 @dataclass(frozen=True)
 class Timing:
-    """How time_layers times: `rounds` rounds kept, after `warmup_s` of such rounds (0 for a rank
-    timed moments before, whose times are kept only where faster); `pick`: how a layer's rounds
+    """How time_layers times: `rounds` rounds kept, after `warmup_s` of such rounds (None: the
+    device's, census.warmup_s; 0 for a rank timed moments before, whose times are kept only where
+    faster); `pick`: how a layer's rounds
     (and a group's layers) become one time, statistics.median for the time while other ranks load
     the host as training does (--engine auto times every rank at once)."""
 
     rounds: int = LAYER_ROUNDS
     pick: Callable = min
-    warmup_s: float = WARMUP_S
+    warmup_s: float | None = None
 
 
 def time_layers(
@@ -121,8 +122,8 @@ def time_layers(
                 if keep:
                     times[i].append((forward_s, clock.now() - mid))
 
-        start = clock.now()
-        while clock.now() - start < timing.warmup_s:
+        start, warmup = clock.now(), warmup_s(dev) if timing.warmup_s is None else timing.warmup_s
+        while clock.now() - start < warmup:
             one_round(False)
         for _ in range(timing.rounds):
             one_round(True)

@@ -22,7 +22,7 @@ from vit.core.spec import EngineSpec
 from vit.core.speeds import local_steps
 from vit.planner.balance import plan_partition
 from vit.planner.batch_split import split_batches
-from vit.planner.census import WARMUP_S, capabilities, census_table, gather, measure_speed
+from vit.planner.census import capabilities, census_table, gather, measure_speed
 from vit.planner.links import measure_links
 from vit.planner.loss_scale import tune
 from vit.planner.memory import plan_bytes
@@ -197,7 +197,7 @@ def measure(
                 precision,
                 device,
                 asked.slowdown,
-                Timing(warmup_s=WARMUP_S * first),
+                Timing(warmup_s=None if first else 0.0),
                 autocast=asked.engine.autocast,
             )
             speed["layer_ms"] = [
