@@ -12,36 +12,30 @@ from vit.runtime import plugins
 
 @pytest.mark.ranks
 @pytest.mark.timeout(120)
-def test_a_plugin_that_cannot_be_imported_is_one_line_and_nothing_written(tmp_path):
+@pytest.mark.parametrize(
+    ("variable", "said"),
+    [
+        (
+            "VIT_PLUGINS",
+            "entry_cn.sh: error: VIT_PLUGINS: cannot import tests_no_such_module: No module named "
+            "'tests_no_such_module'\n",
+        ),
+        # read when the registry is imported, before vit.train's error handling: was a traceback
+        (
+            "VIT_ENGINES",
+            "error: VIT_ENGINES: cannot take an engine's SPEC from tests_no_such_module: No module "
+            "named 'tests_no_such_module'\n",
+        ),
+    ],
+)
+def test_a_module_that_cannot_be_imported_is_one_line_and_nothing_written(tmp_path, variable, said):
     r = run_cmd(
         [sys.executable, "-m", "vit.train", "--steps", "2", "--log-dir", str(tmp_path / "run")],
-        env=base_env(VIT_PLUGINS="tests_no_such_plugin"),
+        env=base_env(**{variable: "tests_no_such_module"}),
         timeout=100,
     )
     assert r.returncode == 2, r.stdout + r.stderr
-    assert (
-        r.stderr
-        == "entry_cn.sh: error: VIT_PLUGINS: cannot import tests_no_such_plugin: No module named "
-        "'tests_no_such_plugin'\n"
-    ), r.stderr
-    assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.ranks
-@pytest.mark.timeout(120)
-def test_an_engine_module_that_cannot_be_imported_is_one_line_and_nothing_written(tmp_path):
-    """VIT_ENGINES is read when the registry is imported, before vit.train's error handling: it
-    was a traceback."""
-    r = run_cmd(
-        [sys.executable, "-m", "vit.train", "--steps", "2", "--log-dir", str(tmp_path / "run")],
-        env=base_env(VIT_ENGINES="tests_no_such_engine"),
-        timeout=100,
-    )
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert (
-        r.stderr == "error: VIT_ENGINES: cannot take an engine's SPEC from tests_no_such_engine: "
-        "No module named 'tests_no_such_engine'\n"
-    ), r.stderr
+    assert r.stderr == said, r.stderr
     assert not (tmp_path / "run").exists()
 
 
