@@ -28,11 +28,12 @@ def _ranks_marker(request):
     helpers.kill_leftovers()
 
 
-# `make test` runs the files on two pytest-xdist workers (--dist loadfile --no-loadscope-reorder),
-# each file on one worker, handed out in collection order. xdist's own order (most tests first)
-# left the files of few long tests to the end, where one worker ran them while the other had
-# nothing left. These are the files that took longest (seconds per file, docs/benchmarks.md,
-# 2 December 2026), longest first; the rest follow in their usual order, the short ones last.
+# `JOBS=2 make test` runs the files on two pytest-xdist workers (--dist loadfile
+# --no-loadscope-reorder), each file on one worker, handed out in collection order. xdist's own
+# order (most tests first) left the files of few long tests to the end, where one worker ran them
+# while the other had nothing left. These are the files that took longest (seconds per file,
+# docs/benchmarks.md, 2 December 2026), longest first, the rest in their usual order; a run in one
+# process keeps the usual order.
 LONGEST_FIRST = (
     "test_reliability.py",
     "test_cluster.py",
@@ -48,6 +49,8 @@ LONGEST_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # not an xdist worker
+        return
     first = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))
