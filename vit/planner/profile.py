@@ -67,9 +67,9 @@ LAYER_TURNS = 2  # for balanced stages survey() alternates the ranks' turns this
 class Timing:
     """How time_layers times: `rounds` rounds kept, after `warmup_s` of such rounds (None: the
     device's, census.warmup_s; 0 for a rank timed moments before, whose times are kept only where
-    faster); `pick`: how a layer's rounds
-    (and a group's layers) become one time, statistics.median for the time while other ranks load
-    the host as training does (--engine auto times every rank at once)."""
+    faster); `pick`: how a layer's rounds (and a group's layers) become one time, statistics.median
+    for the time while other ranks load the host as training does (--engine auto times every rank
+    at once)."""
 
     rounds: int = LAYER_ROUNDS
     pick: Callable = min

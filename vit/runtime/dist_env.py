@@ -175,14 +175,14 @@ def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> ran
     return range(low, high + 1)
 
 
-def free_port(rng=None) -> int:
+def free_port() -> int:
     """A port no one listens on, for rank 0 to listen on, outside the ephemeral range: a port of
     that range (what binding port 0 gives) can be taken by any outgoing connection on this host
     before rank 0 binds it, and then the run stops with "in use". Drawn from the system's entropy,
     not `random`'s state, which a seeded process (or two test workers) would repeat."""
-    ephemeral, rng = ephemeral_ports(), rng or random.SystemRandom()
+    ephemeral = ephemeral_ports()
     ports = [p for p in range(20000, 65536) if p not in ephemeral and p != DEFAULT_PORT]
-    for port in rng.sample(ports, min(64, len(ports))):
+    for port in random.SystemRandom().sample(ports, min(64, len(ports))):
         with socket.socket() as s:
             try:
                 s.bind(("", port))
