@@ -211,17 +211,19 @@ def as_a_terminal_starts_it() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
-def start_group(cmd, env=None, cwd=ROOT, terminal: bool = False, log=None) -> subprocess.Popen:
+def start_group(
+    cmd, env=None, cwd=ROOT, terminal: bool = False, log=None, stderr=None
+) -> subprocess.Popen:
     """Start a command in a process group of its own (text pipes, or stdout and stderr into the open
-    file `log`), killed with what is left when the test ends; `terminal`: with Ctrl-C as a terminal
-    leaves it (as_a_terminal_starts_it)."""
+    file `log`, or stderr as given), killed with what is left when the test ends; `terminal`: with
+    Ctrl-C as a terminal leaves it (as_a_terminal_starts_it)."""
     require_ranks_mark()
     p = subprocess.Popen(
         [str(c) for c in cmd],
         cwd=cwd,
         env=env or base_env(),
         stdout=log or subprocess.PIPE,
-        stderr=subprocess.STDOUT if log else subprocess.PIPE,
+        stderr=stderr or (subprocess.STDOUT if log else subprocess.PIPE),
         text=True,
         start_new_session=True,
         preexec_fn=as_a_terminal_starts_it if terminal else None,

@@ -23,6 +23,7 @@ from helpers import (
     ROOT,
     Ranks,
     base_env,
+    gloo_pair,
     last_step,
     launch,
     mpi_rank_process,
@@ -30,6 +31,7 @@ from helpers import (
     plugin_env,
     read_jsonl,
     running,
+    start_group,
     train_losses,
     wait_for,
 )
@@ -120,6 +122,39 @@ def test_stopped_rank_ends_every_rank_naming_it(tmp_path, stopped, first):
     assert first != "collective" or "(a collective waited --dist-timeout 20 s for it)" in log, log[
         -3000:
     ]
+
+
+NEVER_BEAT_RANK = """
+import sys, time
+import torch.distributed as dist
+from vit.runtime.faults import Watchdog
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+watchdog = Watchdog(rank, 60.0)
+if rank == 0:  # rank 1 stops (its watchdog never starts) before its first heartbeat
+    watchdog.start()
+    watchdog.beat(3)
+    time.sleep(watchdog.frozen_s + 1)
+    print(watchdog.hung_peer(RuntimeError("Timed out waiting 20000ms for recv operation")))
+    watchdog.stop()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_a_rank_stopped_before_its_first_heartbeat_is_named(tmp_path):
+    """Two gloo ranks: rank 1 publishes no heartbeat at all. When rank 0's collective times out,
+    rank 0 names rank 1, not itself (CI once: rank 1 stopped early in a fast start, before its
+    watchdog's first beat, and rank 0 said 'rank 0 failed at step 18: ... Timed out')."""
+    out = gloo_pair(NEVER_BEAT_RANK, tmp_path / "store")[0].strip()
+    host = socket.gethostname()
+    assert re.fullmatch(
+        rf"rank 1 \({host}\) made no progress for \d+ s \(it never published a step\) "
+        r"\(a collective waited --dist-timeout 60 s for it\)",
+        out,
+    ), out
 
 
 @pytest.mark.ranks
@@ -703,6 +738,23 @@ def test_ctrl_c_is_one_line_naming_the_step_and_the_checkpoint(tmp_path, launche
         returncode,
         log[-2000:],
     )
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(200)
+def test_a_rank_whose_launcher_is_gone_still_ends_on_sigterm(tmp_path):
+    """A launcher that ends a job sends its ranks SIGTERM and may exit before they answer, which
+    closes their pipes: the rank's one line then meets a closed stderr. The write's BrokenPipeError
+    ended the thread that was to exit, and the rank trained on by itself, holding its log dir's
+    lock (what a relaunch by retry.sh on the simulated hosts once found)."""
+    run = tmp_path / "run"
+    args = ["--steps", 100000, "--log-interval", 1, "--no-save", "--log-dir", run]
+    with open(tmp_path / "out.log", "w") as out:
+        proc = start_group([ROOT / "entry_cn.sh", *args], log=out, stderr=subprocess.PIPE)
+        wait_for(lambda: last_step(run, 0) >= 2, 150, "2 steps")
+        proc.stderr.close()
+        proc.send_signal(signal.SIGTERM)  # the rank itself: entry_cn.sh execs it
+        assert proc.wait(timeout=30) == 130
 
 
 def test_stopping_on_a_signal_leaves_the_process_as_it_found_it():

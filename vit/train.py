@@ -167,8 +167,7 @@ class StopOnSignal:
         if not self.plan.job.is_main:
             time.sleep(2.0)
             os._exit(130)
-        print(f"{PROG}: {self.where(signum)}", file=sys.stderr, flush=True)
-        os._exit(130)
+        console.last_words(f"{PROG}: {self.where(signum)}", 130)
 
     def where(self, signum: int) -> str:
         """Ctrl-C (SIGINT, or SIGUSR1 from scripts/mpirun) interrupts; a SIGTERM is the launcher
@@ -237,8 +236,7 @@ def run_until_stopped(plan: Plan, start_time: float, stop: StopOnSignal) -> int:
         # a collective finding (preflight, census, lock): the same on every rank
         if isinstance(e, ConfigError):
             announce_failure(f"rank {plan.job.rank} ({socket.gethostname()}): {e}")
-            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-            os._exit(e.exit_status)
+            console.last_words(f"{PROG}: error: {e}", e.exit_status)
         # os._exit, not through atexit: DeepSpeed and MPI would wait on the ranks that are gone
         watchdog.fail(
             e, explained=isinstance(e, (NonFiniteLoss, OutOfMemory, checkpoint.CheckpointError))

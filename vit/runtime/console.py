@@ -8,6 +8,8 @@ import io
 import logging
 import os
 import sys
+import time
+from typing import NoReturn
 
 # Loggers the libraries write to directly. Records of their children reach the root logger, where
 # capture() puts a handler, or torch's own handlers (torch's loggers do not propagate to the root).
@@ -107,3 +109,22 @@ def library_prints():
         for line in out.getvalue().splitlines():
             if line.strip():
                 CAPTURE.add(f"PRINT {line}")
+
+
+def last_words(line: str, status: int, linger_s: float = 0.0) -> NoReturn:
+    """Print line on stderr, wait linger_s, and end the process with os._exit(status) (not through
+    atexit: DeepSpeed and MPI would wait on ranks that are gone), also when stderr is gone. A
+    launcher that exits closes its ranks' pipes; the write's BrokenPipeError would otherwise end the
+    thread that was to exit, and leave the rank running on its own (holding its log dir's lock)."""
+    to_stderr(line + "\n")
+    time.sleep(linger_s)
+    os._exit(status)
+
+
+def to_stderr(text: str) -> None:
+    """Write text on stderr, flushed; nothing when stderr is gone (a closed pipe, a closed file)."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass

@@ -22,10 +22,8 @@ it, else the rank whose heartbeat stopped. Its traceback goes to the warnings lo
 """
 
 import json
-import os
 import re
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -109,7 +107,7 @@ class Peer:
 
     host: str
     step: int
-    seq: int
+    seq: int | None  # None: no heartbeat of it seen yet
     beat_seen_at: float  # when its heartbeat last changed: its watchdog was running then
     step_seen_at: float  # when its step last changed
 
@@ -131,7 +129,10 @@ class Watchdog(threading.Thread):
         dist.all_gather_object(self.hosts, self.host)
         # armed by the first beat: start-up (JIT builds) can be slow
         self.step, self.last_beat = 0, None
-        self.peers: dict[int, Peer] = {}
+        # Every rank as seen from now on: one stopped before its first heartbeat reached the store
+        # (no seq yet) is frozen like one whose heartbeat stopped later.
+        now = time.monotonic()
+        self.peers = {r: Peer(host, 0, None, now, now) for r, host in enumerate(self.hosts)}
         self._stop_event = threading.Event()
         self._pending: Future | None = None  # the store call in flight
         self._asked_at = time.monotonic()  # when it was made
@@ -165,10 +166,7 @@ class Watchdog(threading.Thread):
         then. Rank 0 holds the store, so it waits a moment first: the others read why there rather
         than find the store gone."""
         _REPORT.acquire()
-        print(line, file=sys.stderr, flush=True)
-        if self.rank == 0 and self.world_size > 1:
-            time.sleep(self.linger_s)
-        os._exit(1)
+        console.last_words(line, 1, self.linger_s if self.rank == 0 and self.world_size > 1 else 0)
 
     def fail(self, e: BaseException, explained: bool) -> NoReturn:
         """End the process for e, which the main thread caught, and tell the others: the failure
@@ -181,7 +179,7 @@ class Watchdog(threading.Thread):
         died = self.lost_peer(e)
         hung = None if died else self.hung_peer(e)
         if not explained:
-            (console.aside if died or hung else sys.stderr.write)(
+            (console.aside if died or hung else console.to_stderr)(
                 "".join(traceback.format_exception(e))
             )
         if hung:
@@ -206,9 +204,7 @@ class Watchdog(threading.Thread):
         deadline = time.monotonic() + self.frozen_s
         while len(suspects) > 1 and time.monotonic() < deadline:
             time.sleep(self.poll_s / 4)
-            suspects = [
-                r for r in suspects if r not in self.peers or self.peers[r].seq == seqs.get(r)
-            ]
+            suspects = [r for r in suspects if self.peers[r].seq == seqs[r]]
         return self._died(suspects, why) if suspects else None
 
     def hung_peer(self, e: BaseException) -> str | None:
@@ -229,8 +225,7 @@ class Watchdog(threading.Thread):
         ):
             return self._store_silent(now)
         culprit = self._culprit(now)
-        peer = self.peers.get(culprit)
-        if culprit == self.rank or peer is None or now - peer.step_seen_at <= self.frozen_s:
+        if culprit == self.rank or now - self.peers[culprit].step_seen_at <= self.frozen_s:
             return None
         return (
             f"{self._stopped(culprit, now)} (a collective waited --dist-timeout "
@@ -260,21 +255,16 @@ class Watchdog(threading.Thread):
 
     def _seen(self, beats: dict, now: float) -> None:
         for r, b in beats.items():
-            p = self.peers.get(r)
-            if p is None:
-                self.peers[r] = Peer(b["host"], b["step"], b["seq"], now, now)
-                continue
+            p = self.peers[r]
             if b["seq"] != p.seq:
                 p.seq, p.beat_seen_at = b["seq"], now
             if b["step"] != p.step:
                 p.step, p.step_seen_at = b["step"], now
 
     def _stopped(self, rank: int, now: float) -> str:
-        p = self.peers.get(rank)
-        if p is None:
-            return f"rank {rank} made no progress (it never published a step)"
-        idle_s = now - p.step_seen_at
-        return f"rank {rank} ({p.host}) made no progress for {idle_s:.0f} s (last step {p.step})"
+        p = self.peers[rank]
+        last = "it never published a step" if p.seq is None else f"last step {p.step}"
+        return f"rank {rank} ({p.host}) made no progress for {now - p.step_seen_at:.0f} s ({last})"
 
     def _culprit(self, now: float) -> int:
         """The rank to blame when this one made no progress: the one whose heartbeat stopped first,
@@ -291,7 +281,8 @@ class Watchdog(threading.Thread):
 
     def run(self) -> None:
         store, world_size, seq = _store(), self.world_size, 0
-        while not self._stop_event.wait(self.poll_s):
+        # the first heartbeat at once: a rank stopped in its first poll_s is still seen to stop
+        while not self._stop_event.is_set():
             now, pending = time.monotonic(), self._pending
             if pending is None or pending.done():
                 if pending is not None:
@@ -312,6 +303,7 @@ class Watchdog(threading.Thread):
                 )
                 announce_failure(f"{message} (--dist-timeout {self.timeout_s:g})")
                 self._die(f"{message} (a rank died or hangs; --dist-timeout {self.timeout_s:g})")
+            self._stop_event.wait(self.poll_s)
 
     def _take(self, done: Future) -> None:
         try:
