@@ -400,17 +400,39 @@ def test_a_sync_measures_the_next_windows_and_a_resume_keeps_the_checkpoints(tmp
     assert_losses(train_losses(second), want, range(7, 17), rel=1e-5)
 
 
+H4 = ["--engine", "diloco", "--sync-every", 4, "--log-interval", 1, "--steps", 10]
+H4 += [*PAPER, *EQUAL, *EXACT]
+
+
+@pytest.fixture(scope="module")
+def fragmented_run(tmp_path_factory):
+    """The 2-rank run of H4 with --fragments N, saved at steps 5 and 10, by N: started by the first
+    test that asks for it (within that test's timeout), shared by the next (N = 2: two tests). A
+    resume writes into other folders."""
+    runs = {}
+
+    def saved(fragments: int):
+        if fragments not in runs:
+            d = tmp_path_factory.mktemp(f"fragments{fragments}")
+            args = [*H4, "--fragments", fragments, "--save-interval", 5, "--log-dir", d]
+            r = launch(args, timeout=300)
+            assert r.ok, r
+            runs[fragments] = d
+        return runs[fragments]
+
+    return saved
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(420)
-def test_streaming_fragments_as_the_emulator_and_a_resume_with_one_in_flight(tmp_path):
+def test_streaming_fragments_as_the_emulator_and_a_resume_with_one_in_flight(
+    tmp_path, fragmented_run
+):
     """--fragments 2, H = 4: the first half of the parameters go after steps 2, 6 (and are applied
     after 4, 8), the second after 4 and 8 (applied after 6, and at the end with every fragment).
     The checkpoint of step 5 holds the second fragment's mean, on the wire since step 4."""
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = shlex.split("--engine diloco --sync-every 4 --log-interval 1 --steps 10")
-    common += [*PAPER, *EQUAL, *EXACT, "--fragments", 2]
-    r = launch([*common, "--save-interval", 5, "--log-dir", full], timeout=300)
-    assert r.ok, r
+    full, resumed = fragmented_run(2), tmp_path / "resumed"
+    common = [*H4, "--fragments", 2]
     want = emulate(2, 10, 4, fragments=2)
     got = train_losses(full)
     assert_losses(got, want, range(1, 11), rel=1e-5)
@@ -435,20 +457,16 @@ def test_streaming_fragments_as_the_emulator_and_a_resume_with_one_in_flight(tmp
 @pytest.mark.ranks
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("saved, now", [(1, 2), (2, 4), (4, 2)])
-def test_a_resume_with_other_fragments_is_the_emulator_on_the_new_schedule(tmp_path, saved, now):
+def test_a_resume_with_other_fragments_is_the_emulator_on_the_new_schedule(
+    tmp_path, fragmented_run, saved, now
+):
     """H = 4, saved at step 5 with `saved` fragments and resumed with `now`: the fragment on the
     wire at step 5 (none with 1, the second half since step 4 with 2, the first quarter since step
     5 with 4) is applied, with its old parameters, at step 6, the new schedule's first fragment
     turn, and the new fragments go on from there."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    common = ["--engine", "diloco", "--sync-every", 4, "--log-interval", 1, "--steps", 10]
-    common += [*PAPER, *EQUAL, *EXACT]
-    r = launch(
-        [*common, "--fragments", saved, "--save-interval", 5, "--log-dir", first], timeout=300
-    )
-    assert r.ok, r
-    step5 = first / "checkpoints" / "step5"
-    r = launch([*common, "--fragments", now, "--resume", step5, "--log-dir", second], timeout=300)
+    second = tmp_path / "second"
+    step5 = fragmented_run(saved) / "checkpoints" / "step5"
+    r = launch([*H4, "--fragments", now, "--resume", step5, "--log-dir", second], timeout=300)
     assert r.ok, r
     want = emulate(2, 10, 4, fragments=saved, refragment=(5, now))
     assert_losses(train_losses(second), want, range(6, 11), rel=1e-5)
