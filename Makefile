@@ -7,9 +7,9 @@ NP ?= 2
 ARGS ?=
 PYTEST_ARGS ?=
 # make test runs the test files on two pytest workers (pytest-xdist), each file's tests on one worker
-# (they share module fixtures), the longest files first (tests/conftest.py): .ci/run took 1,793 s
-# against 2,343 in one process on the 2-core VM (docs/benchmarks.md). JOBS=0: one process; three
-# workers took longer.
+# (they share module fixtures), the longest files first (tests/conftest.py): .ci/run took 1,793 and
+# 2,086 s against 2,343 in one process on the 2-core VM (docs/benchmarks.md). JOBS=0: one process;
+# three workers took longer.
 JOBS ?= 2
 
 # bootstrap.sh itself decides whether .venv is up to date: the torch build it picks depends on the
